@@ -1,0 +1,273 @@
+"""Block-wise 8-bit min-max quantization: ``QuantizedArray``, ``quantize`` and ``dequantize``.
+
+Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., VLDB 2022). The numeric
+semantics live in ``_reference.py``; this module validates arguments, lays arrays out as
+blocks, and dispatches to the XLA reference or the Pallas GPU kernels in ``_pallas.py``.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_bytegrad import _reference
+
+Implementation = Literal["xla", "pallas", "pallas_interpret"]
+Rounding = Literal["nearest", "stochastic"]
+
+# Chosen from benchmarks/quantize.py (see benchmarks/RESULTS.md): large enough that the
+# 8-byte header costs < 1% of the codes, small enough that one outlier spoils few values.
+DEFAULT_BLOCK_SIZE = 1024
+# Kernels tile a block as whole rows of 128 lanes, and Pallas block shapes are powers of two.
+MIN_BLOCK_SIZE = 128
+HEADER_WIDTH = 2
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """An array quantized block by block to uint8 codes between each block's min and max.
+
+    Attributes:
+      codes: uint8 array of shape (num_blocks, block_size).
+      header: float32 array of shape (num_blocks, 2): each block's [scale, zero point].
+      shape: the original shape (static).
+      dtype: the original dtype (static).
+    """
+
+    codes: jax.Array
+    header: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def block_size(self) -> int:
+        return self.codes.shape[-1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes plus headers: what crosses the wire."""
+        return self.codes.size * 1 + self.header.size * 4
+
+
+def _check_block_size(block_size: int, where: str) -> None:
+    if (
+        not isinstance(block_size, int | np.integer)
+        or block_size < MIN_BLOCK_SIZE
+        or block_size & (block_size - 1)
+    ):
+        raise ValueError(
+            f"{where}: block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size!r}"
+        )
+
+
+def _check_rounding(rounding: str, key, where: str) -> bool:
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(
+            f"{where}: rounding must be 'nearest' or 'stochastic', got {rounding!r}"
+        )
+    stochastic = rounding == "stochastic"
+    if stochastic and key is None:
+        raise ValueError(f"{where}: rounding='stochastic' needs a PRNG key; pass key=...")
+    if not stochastic and key is not None:
+        raise ValueError(
+            f"{where}: a key was given but rounding='nearest' ignores it; "
+            "pass rounding='stochastic' to use it"
+        )
+    return stochastic
+
+
+def resolve_implementation(implementation: Implementation | None) -> Implementation:
+    """Returns the implementation to run: the one asked for, or the best available."""
+    from jax_bytegrad import _pallas
+
+    if implementation is None:
+        return "pallas" if _pallas.is_supported() else "xla"
+    if implementation == "pallas" and not _pallas.is_supported():
+        raise NotImplementedError(
+            f"implementation='pallas' needs a supported GPU; the default backend is "
+            f"{jax.default_backend()!r}. Pass implementation='xla' (or 'pallas_interpret' "
+            "to run the kernel in the Pallas interpreter)"
+        )
+    if implementation not in ("xla", "pallas", "pallas_interpret"):
+        raise ValueError(
+            "implementation must be 'xla', 'pallas', 'pallas_interpret' or None, "
+            f"got {implementation!r}"
+        )
+    return implementation
+
+
+def quantize_blocks(
+    x: jax.Array,
+    *,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+    implementation: Implementation = "xla",
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes rows of a (num_blocks, block_size) array; see ``_reference``."""
+    if implementation == "xla":
+        return _reference.quantize_blocks(x, stochastic=stochastic, key=key)
+    from jax_bytegrad import _pallas
+
+    return _pallas.quantize_blocks(
+        x, stochastic=stochastic, key=key, interpret=implementation == "pallas_interpret"
+    )
+
+
+def dequantize_blocks(
+    codes: jax.Array, header: jax.Array, *, implementation: Implementation = "xla"
+) -> jax.Array:
+    """Decodes (num_blocks, block_size) codes to float32; see ``_reference``."""
+    if implementation == "xla":
+        return _reference.dequantize_blocks(codes, header)
+    from jax_bytegrad import _pallas
+
+    return _pallas.dequantize_blocks(
+        codes, header, interpret=implementation == "pallas_interpret"
+    )
+
+
+def average_requantize(
+    codes: jax.Array,
+    header: jax.Array,
+    *,
+    weight: float,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+    implementation: Implementation = "xla",
+) -> tuple[jax.Array, jax.Array]:
+    """Fused decode of n chunks, weighted sum in float32, and re-encode; see ``_reference``."""
+    if implementation == "xla":
+        return _reference.average_requantize(
+            codes, header, weight=weight, stochastic=stochastic, key=key
+        )
+    from jax_bytegrad import _pallas
+
+    return _pallas.average_requantize(
+        codes,
+        header,
+        weight=weight,
+        stochastic=stochastic,
+        key=key,
+        interpret=implementation == "pallas_interpret",
+    )
+
+
+def quantize(
+    x: jax.typing.ArrayLike,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    rounding: Rounding = "nearest",
+    key: jax.Array | None = None,
+    implementation: Implementation | None = None,
+) -> QuantizedArray:
+    """Quantizes an array block by block to 8-bit codes between each block's min and max.
+
+    The array is flattened and cut into blocks of ``block_size`` elements; the tail block is
+    padded with copies of its last element, which changes neither its min nor its max, and
+    the padding never reaches the output of ``dequantize``. Each block's 256 levels span its
+    [min, max], with zero kept exactly on the grid whenever min <= 0 <= max.
+
+    Guarantees (``dequantize(quantize(x))`` as x_hat, per block with lo = min, hi = max):
+      * nearest rounding: |x_hat - x| <= (hi - lo) / 510, plus float rounding;
+      * stochastic rounding: E[x_hat] = x over keys;
+      * a constant block (all-zero included) decodes exactly; 0 decodes to exactly 0
+        whenever lo <= 0 <= hi;
+      * finite input never decodes to inf or NaN, up to the dtype's largest value;
+      * a block holding NaN or +-inf decodes to NaN in every element.
+
+    Args:
+      x: a float32, bfloat16 or float16 array of any shape, size 0 included.
+      block_size: elements per block; a power of two >= 128.
+      rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; needs ``key``).
+      key: a PRNG key, for stochastic rounding only.
+      implementation: ``"xla"``, ``"pallas"`` (compiled GPU kernel), ``"pallas_interpret"``
+        (the same kernel in the Pallas interpreter, any backend), or None for the best
+        available: Pallas on a supported GPU, XLA elsewhere.
+
+    Returns:
+      A ``QuantizedArray`` holding uint8 codes (num_blocks, block_size), the float32 header
+      (num_blocks, 2), and the original shape and dtype as static data.
+
+    Raises:
+      ValueError: for a non-float dtype, a bad ``block_size`` or ``rounding``, or a
+        missing or superfluous ``key``.
+      NotImplementedError: for ``implementation="pallas"`` where no supported GPU is.
+
+    Examples:
+      >>> import jax.numpy as jnp, jax_bytegrad
+      >>> q = jax_bytegrad.quantize(jnp.linspace(-1.0, 1.0, 1000), block_size=256)
+      >>> q.codes.shape, q.header.shape
+      ((4, 256), (4, 2))
+      >>> x_hat = jax_bytegrad.dequantize(q)
+      >>> bool(jnp.max(jnp.abs(x_hat - jnp.linspace(-1.0, 1.0, 1000))) <= 2.0 / 510)
+      True
+
+    References:
+      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+    """
+    x = jnp.asarray(x)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(
+            f"quantize: dtype must be float32, bfloat16 or float16, got {x.dtype}; "
+            "cast the array first"
+        )
+    _check_block_size(block_size, "quantize")
+    stochastic = _check_rounding(rounding, key, "quantize")
+    implementation = resolve_implementation(implementation)
+    num_blocks = -(-x.size // block_size)
+    flat = x.reshape(-1)
+    pad = num_blocks * block_size - x.size
+    if pad and x.size:
+        flat = jnp.pad(flat, (0, pad), mode="edge")
+    blocks = flat.reshape(num_blocks, block_size)
+    codes, header = quantize_blocks(
+        blocks, stochastic=stochastic, key=key, implementation=implementation
+    )
+    return QuantizedArray(codes=codes, header=header, shape=tuple(x.shape), dtype=x.dtype)
+
+
+def dequantize(
+    q: QuantizedArray, *, implementation: Implementation | None = None
+) -> jax.Array:
+    """Decodes a ``QuantizedArray`` back to its original shape and dtype.
+
+    Values are computed in float32 and clipped to the dtype's finite range before the cast,
+    so finite input never comes back as inf; blocks that held NaN or inf come back as NaN.
+
+    Args:
+      q: the output of ``quantize``.
+      implementation: as in ``quantize``.
+
+    Returns:
+      An array of ``q.shape`` and ``q.dtype``.
+
+    Raises:
+      ValueError: if ``q`` is not a ``QuantizedArray``.
+      NotImplementedError: for ``implementation="pallas"`` where no supported GPU is.
+
+    Examples:
+      >>> import jax.numpy as jnp, jax_bytegrad
+      >>> x = jnp.array([0.0, 0.5, -2.0, 0.0], jnp.bfloat16)
+      >>> jax_bytegrad.dequantize(jax_bytegrad.quantize(x, block_size=128))
+      Array([0, 0.5, -2, 0], dtype=bfloat16)
+
+    References:
+      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+    """
+    if not isinstance(q, QuantizedArray):
+        raise ValueError(f"dequantize: expected a QuantizedArray, got {type(q).__name__}")
+    implementation = resolve_implementation(implementation)
+    values = dequantize_blocks(q.codes, q.header, implementation=implementation)
+    size = int(np.prod(q.shape, dtype=np.int64))
+    values = values.reshape(-1)[:size]
+    finite_max = float(jnp.finfo(q.dtype).max)
+    values = jnp.clip(values, -finite_max, finite_max).astype(q.dtype)
+    return values.reshape(q.shape)
