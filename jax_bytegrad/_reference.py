@@ -12,9 +12,12 @@ Per block, with lo = min and hi = max of the block (in float32):
 
     scale = max((hi - lo) / D, max(|lo|, |hi|) * 2**-23)     D = 255 nearest, 254 stochastic
     zero  = round(-lo / scale)   (nearest)      ceil(-lo / scale)   (stochastic)
-    code  = clip(round(x / scale) + zero, 0, 255)                   (nearest)
-            clip(floor(x / scale + u) + zero, 0, 255), u ~ U[0, 1)  (stochastic)
+    code  = clip(round(y) + zero, 0, 255)                 y = x / scale   (nearest)
+            clip(floor(y) + (u < y - floor(y)) + zero, 0, 255), u ~ U[0, 1) (stochastic)
     x_hat = clip((code - zero) * scale, -finfo.max, finfo.max)
+
+A constant block (lo == hi) is stored as scale = lo, zero = -1 and codes 0, so it decodes
+to exactly (0 + 1) * lo; an all-zero block is the case lo == 0.
 
 The header row of a block is ``[scale, zero]`` in float32. Why each piece:
 
@@ -24,15 +27,16 @@ The header row of a block is ``[scale, zero]`` in float32. Why each piece:
 * The ``2**-23`` floor keeps |zero| <= 2**23, so ``code - zero`` stays exact in float32 even
   for a block like [1000, 1000.0001] whose range is a few ulps of its magnitude; there the
   error is at most max(|lo|, |hi|) * 2**-24 (one ulp) instead of (hi - lo) / 510. It also
-  makes a constant non-zero block exact: x / scale is then exactly +-2**23.
+  costs nothing elsewhere: when lo <= 0 <= hi the range term is always the larger.
 * ``(hi - lo) / D`` is computed as ``hi / D - lo / D`` so that +-3e38 in one block does not
   overflow; the final clip keeps a grid point just past +-finfo.max finite.
 * Nearest rounding: the grid covers [lo, hi] to within scale / 2, so
   |x_hat - x| <= (hi - lo) / 510 plus float rounding.
 * Stochastic rounding: D = 254 and ``ceil`` make the grid contain [lo, hi], so clipping
-  never biases; E[x_hat] = x.
+  never biases; E[x_hat] = x. Comparing u with the exact fraction of y, rather than
+  flooring y + u, keeps it unbiased where |y| nears 2**23 and float32 has no room for u.
 * A block holding NaN or +-inf gets scale = NaN and codes 0: it decodes to NaN everywhere.
-* An all-zero block has scale 0 and decodes to exact zeros. Subnormal magnitudes below
+* Subnormal magnitudes below
   ``finfo(float32).tiny * 2**-23`` may decode to 0 (GPUs flush them anyway).
 """
 
@@ -51,24 +55,29 @@ def _scale_and_zero(lo: jax.Array, hi: jax.Array, stochastic: bool):
     inv_scale = jnp.where(scale > 0, 1.0 / scale, 0.0)
     shift = -lo * inv_scale
     zero = jnp.ceil(shift) if stochastic else jnp.round(shift)
+    constant = hi == lo
+    scale = jnp.where(constant, lo, scale)
+    zero = jnp.where(constant, -1.0, zero)
     finite = jnp.isfinite(lo) & jnp.isfinite(hi)
     scale = jnp.where(finite, scale, jnp.nan)
     zero = jnp.where(finite, zero, 0.0)
-    inv_scale = jnp.where(finite, inv_scale, 0.0)
+    inv_scale = jnp.where(finite & ~constant, inv_scale, 0.0)
     return scale, zero, inv_scale
 
 
 def quantize_blocks(
     x: jax.Array, *, stochastic: bool = False, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-    """Quantizes rows of ``x`` (num_blocks, block_size) to uint8 codes and a (num_blocks, 2) header."""
+    """Quantizes rows of ``x`` (num_blocks, block_size) to uint8 codes and a (blocks, 2) header."""
     x = x.astype(jnp.float32)
     lo = jnp.min(x, axis=1, keepdims=True)
     hi = jnp.max(x, axis=1, keepdims=True)
     scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic)
     y = x * inv_scale
     if stochastic:
-        y = jnp.floor(y + jax.random.uniform(key, x.shape, jnp.float32))
+        u = jax.random.uniform(key, x.shape, jnp.float32)
+        floor = jnp.floor(y)
+        y = floor + (u < y - floor).astype(jnp.float32)
     else:
         y = jnp.round(y)
     # Non-finite x gives NaN here; those blocks have zero = 0 and decode to NaN via the scale.
@@ -103,7 +112,7 @@ def average_requantize(
     """
     total = None
     for i in range(codes.shape[0]):
-        weighted = header[i] * jnp.asarray([weight, 1.0], jnp.float32)
+        weighted = header[i] * jnp.asarray([[weight, 1.0]], jnp.float32)
         part = dequantize_blocks(codes[i], weighted)
         total = part if total is None else total + part
     return quantize_blocks(total, stochastic=stochastic, key=key)

@@ -70,9 +70,7 @@ def _check_block_size(block_size: int, where: str) -> None:
 
 def _check_rounding(rounding: str, key, where: str) -> bool:
     if rounding not in ("nearest", "stochastic"):
-        raise ValueError(
-            f"{where}: rounding must be 'nearest' or 'stochastic', got {rounding!r}"
-        )
+        raise ValueError(f"{where}: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     stochastic = rounding == "stochastic"
     if stochastic and key is None:
         raise ValueError(f"{where}: rounding='stochastic' needs a PRNG key; pass key=...")
@@ -129,9 +127,7 @@ def dequantize_blocks(
         return _reference.dequantize_blocks(codes, header)
     from jax_bytegrad import _pallas
 
-    return _pallas.dequantize_blocks(
-        codes, header, interpret=implementation == "pallas_interpret"
-    )
+    return _pallas.dequantize_blocks(codes, header, interpret=implementation == "pallas_interpret")
 
 
 def average_requantize(
@@ -234,9 +230,7 @@ def quantize(
     return QuantizedArray(codes=codes, header=header, shape=tuple(x.shape), dtype=x.dtype)
 
 
-def dequantize(
-    q: QuantizedArray, *, implementation: Implementation | None = None
-) -> jax.Array:
+def dequantize(q: QuantizedArray, *, implementation: Implementation | None = None) -> jax.Array:
     """Decodes a ``QuantizedArray`` back to its original shape and dtype.
 
     Values are computed in float32 and clipped to the dtype's finite range before the cast,

@@ -1,0 +1,316 @@
+"""Every guarantee of quantize/dequantize, run against every implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_bytegrad
+from jax_bytegrad.quantize import (
+    average_requantize,
+    dequantize_blocks,
+    quantize_blocks,
+    resolve_implementation,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPLEMENTATIONS = [
+    "xla",
+    "pallas_interpret",
+    pytest.param(
+        "pallas",
+        marks=pytest.mark.skipif(
+            not ON_GPU,
+            reason="compiled Pallas needs a GPU; pallas_interpret runs the same kernel here",
+        ),
+    ),
+]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+DTYPE_IDS = ["f32", "bf16", "f16"]
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def roundtrip(x, impl, **kwargs):
+    q = jax_bytegrad.quantize(x, implementation=impl, **kwargs)
+    return q, jax_bytegrad.dequantize(q, implementation=impl)
+
+
+def block_ranges(x, block_size):
+    """Per-element (lo, hi) of the element's block, in float64."""
+    flat = np.asarray(x, np.float64).reshape(-1)
+    lo = np.empty_like(flat)
+    hi = np.empty_like(flat)
+    for start in range(0, flat.size, block_size):
+        block = flat[start : start + block_size]
+        lo[start : start + block_size] = block.min()
+        hi[start : start + block_size] = block.max()
+    return lo, hi
+
+
+def half_ulp(values, dtype):
+    """Half an ulp of ``dtype`` at each value: the rounding of the final cast."""
+    v = np.abs(np.asarray(values, np.float64))
+    info = jnp.finfo(dtype)
+    exponent = np.floor(np.log2(np.maximum(v, float(info.tiny))))
+    return 0.5 * 2.0 ** (exponent - info.nmant)
+
+
+def assert_within_bound(x, x_hat, block_size, levels=510.0):
+    flat = np.asarray(x, np.float64).reshape(-1)
+    out = np.asarray(x_hat, np.float64).reshape(-1)
+    lo, hi = block_ranges(x, block_size)
+    magnitude = np.maximum(np.abs(lo), np.abs(hi))
+    bound = (
+        np.maximum((hi - lo) / levels, magnitude * 2.0**-24) * (1 + 2.0**-18)
+        + half_ulp(out, x_hat.dtype)
+        + 1e-45
+    )
+    err = np.abs(out - flat)
+    worst = np.argmax(err - bound)
+    assert np.all(err <= bound), (
+        f"element {worst}: x={flat[worst]!r} x_hat={out[worst]!r} err={err[worst]!r} "
+        f"bound={bound[worst]!r}"
+    )
+
+
+def random_input(shape, dtype, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(
+    "shape,block_size",
+    [
+        ((1,), 128),
+        ((7,), 128),
+        ((128,), 128),
+        ((1000,), 256),
+        ((3, 1367), 1024),
+        ((5, 2, 129), 128),
+    ],
+    ids=["1", "7", "128", "1000", "3x1367", "5x2x129"],
+)
+def test_nearest_error_bound(impl, dtype, shape, block_size):
+    x = random_input(shape, dtype, seed=sum(shape), scale=3.0)
+    q, x_hat = roundtrip(x, impl, block_size=block_size)
+    num_blocks = -(-x.size // block_size)
+    assert q.codes.shape == (num_blocks, block_size) and q.codes.dtype == jnp.uint8
+    assert q.header.shape == (num_blocks, 2) and q.header.dtype == jnp.float32
+    assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
+    assert_within_bound(x, x_hat, block_size)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(0,), (3, 0)], ids=["0", "3x0"])
+def test_size_zero(impl, dtype, shape):
+    x = jnp.zeros(shape, dtype)
+    q, x_hat = roundtrip(x, impl, block_size=128)
+    assert q.codes.shape == (0, 128) and q.header.shape == (0, 2)
+    assert x_hat.shape == shape and x_hat.dtype == dtype
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_constant_blocks_are_exact(impl, dtype, rounding):
+    # One block each: all-zero, positive, negative, huge, tiny, and an odd-sized tail.
+    big = 1e38 if dtype != jnp.float16 else 6e4
+    values = [0.0, 1.5, -2.75, big, -big, 3e-3, 0.1]
+    x = jnp.asarray(np.repeat(values, 128)[: 128 * len(values) - 5], dtype)
+    key = jax.random.key(1) if rounding == "stochastic" else None
+    _, x_hat = roundtrip(x, impl, block_size=128, rounding=rounding, key=key)
+    np.testing.assert_array_equal(np.asarray(x_hat), np.asarray(x))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_zero_stays_exactly_zero(impl, dtype, rounding):
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal(4096) * rng.choice([1e-3, 1.0, 1e3], 4096)
+    # Blocks that are all-positive apart from zeros, all-negative apart from zeros, mixed.
+    values[:1024] = np.abs(values[:1024])
+    values[1024:2048] = -np.abs(values[1024:2048])
+    values[rng.random(4096) < 0.4] = 0.0
+    x = jnp.asarray(values, dtype)
+    key = jax.random.key(2) if rounding == "stochastic" else None
+    _, x_hat = roundtrip(x, impl, block_size=256, rounding=rounding, key=key)
+    zeros = np.asarray(x) == 0
+    assert zeros.sum() > 1000
+    assert np.all(np.asarray(x_hat)[zeros] == 0)
+
+
+def extreme_cases(dtype):
+    big = float(jnp.finfo(dtype).max)
+    if dtype == jnp.float16:
+        return {"pm_max": [big, -big], "max_alone": [big], "pm_60000": [6e4, -6e4, 1.0]}
+    return {
+        "pm_3e38": [3e38, -3e38],
+        "1e38_alone": [1e38],
+        "pm_max": [big, -big, 0.5],
+        "max_and_tiny": [big, 1e-30],
+    }
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_extremes_stay_finite(impl, dtype):
+    for name, values in extreme_cases(dtype).items():
+        x = jnp.asarray(values, dtype)
+        _, x_hat = roundtrip(x, impl, block_size=128)
+        assert np.all(np.isfinite(np.asarray(x_hat, np.float64))), (name, x_hat)
+        assert_within_bound(x, x_hat, 128)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_block_decodes_to_nan(impl, dtype, bad):
+    x = np.array(random_input((3 * 128,), jnp.float32, seed=5))
+    x[128 + 17] = bad  # poisons the middle block only
+    x = jnp.asarray(x, dtype)
+    _, x_hat = roundtrip(x, impl, block_size=128)
+    out = np.asarray(x_hat, np.float64)
+    assert np.all(np.isnan(out[128:256]))
+    assert np.all(np.isfinite(out[:128])) and np.all(np.isfinite(out[256:]))
+    assert_within_bound(x[:128], x_hat[:128], 128)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_stochastic_rounding_is_unbiased_and_bounded(impl, dtype):
+    num_keys = 512
+    x = random_input((200,), dtype, seed=7)
+    keys = jax.random.split(jax.random.key(0), num_keys)
+
+    @jax.jit
+    def decode_all(keys):
+        def one(key):
+            q = jax_bytegrad.quantize(
+                x, block_size=128, rounding="stochastic", key=key, implementation=impl
+            )
+            return jax_bytegrad.dequantize(q, implementation=impl).astype(jnp.float32)
+
+        return jax.lax.map(one, keys)
+
+    samples = np.asarray(decode_all(keys), np.float64)
+    xs = np.asarray(x, np.float64)
+    lo, hi = block_ranges(x, 128)
+    step = (hi - lo) / 254
+    # Each draw lands on a grid point next to x (plus the cast back to the dtype).
+    slack = half_ulp(samples, dtype) + 1e-7 * step
+    assert np.all(np.abs(samples - xs) <= step + slack)
+    # The mean converges to x: each draw has std <= step / 2; allow 6 sigma, plus the
+    # dtype cast, which rounds each grid point the same way in every draw.
+    tolerance = 6 * step / (2 * np.sqrt(num_keys)) + half_ulp(xs, dtype)
+    assert np.all(np.abs(samples.mean(axis=0) - xs) <= tolerance)
+    # Different keys really give different codes.
+    assert np.mean(np.std(samples, axis=0) > 0) > 0.5
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("weight", [0.5, 1.0], ids=["mean", "sum"])
+def test_average_requantize_matches_exact_average(impl, weight):
+    n, num_blocks, block_size = 4, 3, 256
+    rng = np.random.default_rng(11)
+    chunks = rng.standard_normal((n, num_blocks, block_size)).astype(np.float32)
+    chunks[:, 1] *= 1e4  # blocks of very different ranges
+    chunks[2, 2, :] = 0.0
+    encoded = [quantize_blocks(jnp.asarray(c), implementation="xla") for c in chunks]
+    codes = jnp.stack([c for c, _ in encoded])
+    header = jnp.stack([h for _, h in encoded])
+    decoded = np.stack([np.asarray(dequantize_blocks(c, h), np.float64) for c, h in encoded])
+    out_codes, out_header = average_requantize(codes, header, weight=weight, implementation=impl)
+    assert out_codes.shape == (num_blocks, block_size) and out_codes.dtype == jnp.uint8
+    assert out_header.shape == (num_blocks, 2)
+    result = np.asarray(dequantize_blocks(out_codes, out_header), np.float64)
+    expected = decoded.sum(axis=0) * weight
+    spread = expected.max(axis=1, keepdims=True) - expected.min(axis=1, keepdims=True)
+    bound = spread / 510 * (1 + 1e-5) + 1e-6 * np.abs(expected) + 1e-30
+    assert np.all(np.abs(result - expected) <= bound)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_average_requantize_propagates_nan(impl):
+    chunk = jnp.asarray(random_input((2, 128), jnp.float32, seed=3))
+    codes, header = quantize_blocks(chunk, implementation="xla")
+    bad_codes, bad_header = quantize_blocks(chunk.at[0, 5].set(jnp.nan), implementation="xla")
+    out_codes, out_header = average_requantize(
+        jnp.stack([codes, bad_codes]),
+        jnp.stack([header, bad_header]),
+        weight=0.5,
+        implementation=impl,
+    )
+    out = np.asarray(dequantize_blocks(out_codes, out_header))
+    assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1]))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_quantized_array_crosses_jit_and_is_a_pytree(impl):
+    x = random_input((3, 300), jnp.bfloat16, seed=9)
+    q = jax.jit(lambda v: jax_bytegrad.quantize(v, block_size=128, implementation=impl))(x)
+    leaves, treedef = jax.tree.flatten(q)
+    assert [leaf.dtype for leaf in leaves] == [jnp.uint8, jnp.float32]
+    q2 = jax.tree.unflatten(treedef, leaves)
+    assert q2.shape == (3, 300) and q2.dtype == jnp.bfloat16
+    assert q.block_size == 128 and q.num_blocks == 8 and q.nbytes == 8 * 128 + 8 * 2 * 4
+    out = jax.jit(lambda q: jax_bytegrad.dequantize(q, implementation=impl))(q)
+    assert out.shape == (3, 300) and out.dtype == jnp.bfloat16
+
+
+def test_default_picks_xla_off_gpu():
+    expected = "pallas" if ON_GPU else "xla"
+    assert resolve_implementation(None) == expected
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error raised where no GPU is present")
+def test_explicit_pallas_without_gpu_raises():
+    with pytest.raises(NotImplementedError, match="implementation='pallas' needs"):
+        jax_bytegrad.quantize(jnp.ones(8), implementation="pallas")
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(x=jnp.ones(4, jnp.int32)), "dtype must be float32"),
+        (dict(x=jnp.ones(4, bool)), "dtype must be float32"),
+        (dict(x=jnp.ones(4, jnp.float64 if jax.config.x64_enabled else jnp.int8)), "dtype"),
+        (dict(block_size=100), "block_size must be a power of two >= 128, got 100"),
+        (dict(block_size=384), "got 384"),
+        (dict(block_size=0), "got 0"),
+        (dict(block_size=-128), "got -128"),
+        (dict(block_size=64), "got 64"),
+        (dict(block_size=256.0), "got 256.0"),
+        (dict(rounding="up"), "rounding must be 'nearest' or 'stochastic', got 'up'"),
+        (dict(rounding="stochastic"), "needs a PRNG key"),
+        (dict(key=jax.random.key(0)), "ignores it"),
+        (dict(implementation="cuda"), "implementation must be"),
+    ],
+    ids=[
+        "int",
+        "bool",
+        "int8",
+        "100",
+        "384",
+        "0",
+        "neg",
+        "64",
+        "float",
+        "round",
+        "nokey",
+        "key",
+        "impl",
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    x = kwargs.pop("x", jnp.ones(4))
+    with pytest.raises(ValueError, match=match):
+        jax_bytegrad.quantize(x, **kwargs)
+
+
+def test_dequantize_rejects_other_types():
+    with pytest.raises(ValueError, match="expected a QuantizedArray, got ndarray"):
+        jax_bytegrad.dequantize(np.zeros(3))
