@@ -57,7 +57,7 @@ class QuantizedArray:
         return self.codes.size * 1 + self.header.size * 4
 
 
-def _check_block_size(block_size: int, where: str) -> None:
+def check_block_size(block_size: int, where: str) -> None:
     if (
         not isinstance(block_size, int | np.integer)
         or block_size < MIN_BLOCK_SIZE
@@ -68,10 +68,14 @@ def _check_block_size(block_size: int, where: str) -> None:
         )
 
 
-def _check_rounding(rounding: str, key, where: str) -> bool:
+def check_rounding(rounding: str, where: str) -> bool:
+    """Validates ``rounding``; returns whether it is stochastic."""
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"{where}: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    stochastic = rounding == "stochastic"
+    return rounding == "stochastic"
+
+
+def check_key(stochastic: bool, key, where: str) -> None:
     if stochastic and key is None:
         raise ValueError(f"{where}: rounding='stochastic' needs a PRNG key; pass key=...")
     if not stochastic and key is not None:
@@ -79,7 +83,6 @@ def _check_rounding(rounding: str, key, where: str) -> bool:
             f"{where}: a key was given but rounding='nearest' ignores it; "
             "pass rounding='stochastic' to use it"
         )
-    return stochastic
 
 
 def resolve_implementation(implementation: Implementation | None) -> Implementation:
@@ -215,8 +218,9 @@ def quantize(
             f"quantize: dtype must be float32, bfloat16 or float16, got {x.dtype}; "
             "cast the array first"
         )
-    _check_block_size(block_size, "quantize")
-    stochastic = _check_rounding(rounding, key, "quantize")
+    check_block_size(block_size, "quantize")
+    stochastic = check_rounding(rounding, "quantize")
+    check_key(stochastic, key, "quantize")
     implementation = resolve_implementation(implementation)
     num_blocks = -(-x.size // block_size)
     flat = x.reshape(-1)
