@@ -1,0 +1,149 @@
+"""Kernel-only checks: the Pallas kernels reproduce the jitted reference bit for bit.
+
+The reference is compared under ``jax.jit`` because that is how the library runs it: XLA
+rewrites a division by a constant into a multiplication by its reciprocal and fuses the
+header arithmetic, so an eagerly run reference can differ from its own jitted form by an ulp.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_all_equal
+
+from jax_bytegrad import _pallas, _reference
+
+ON_GPU = _pallas.is_supported()
+MODES = [
+    pytest.param(True, id="interpret"),
+    pytest.param(
+        False,
+        id="compiled",
+        marks=pytest.mark.skipif(
+            not ON_GPU, reason="compiled Mosaic GPU kernels need an NVIDIA GPU of sm_90 or newer"
+        ),
+    ),
+]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+DTYPE_IDS = ["f32", "bf16", "f16"]
+# (num_blocks, block_size, tiles): a tile that divides the blocks, one that does not (the
+# plan halves the rows), an odd block count (one padded block), and a single block.
+LAYOUTS = [
+    (8, 128, _pallas._Tiles(elements_per_program=512)),
+    (12, 256, _pallas._Tiles(elements_per_program=2048)),
+    (5, 128, _pallas._Tiles(elements_per_program=1024)),
+    (1, 512, _pallas._Tiles()),
+]
+LAYOUT_IDS = ["even", "halved", "odd", "single"]
+
+_ref_quantize = jax.jit(_reference.quantize_blocks, static_argnames="stochastic")
+_ref_dequantize = jax.jit(_reference.dequantize_blocks)
+_ref_average = jax.jit(_reference.average_requantize, static_argnames=("weight", "stochastic"))
+
+
+def _blocks(num_blocks, block_size, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((num_blocks, block_size)) * rng.uniform(0.01, 100.0, (num_blocks, 1))
+    x[0, :3] = 0.0  # an exact zero in a mixed-sign block
+    if num_blocks > 2:
+        x[1] = 2.5  # a constant block
+        x[2] = np.abs(x[2]) + 10.0  # an all-positive block: zero point below the range
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), LAYOUTS, ids=LAYOUT_IDS)
+def test_quantize_and_dequantize_match_reference(
+    num_blocks, block_size, tiles, dtype, stochastic, interpret
+):
+    x = _blocks(num_blocks, block_size, dtype, seed=num_blocks)
+    key = jax.random.key(7) if stochastic else None
+    got = _pallas.quantize_blocks(
+        x, stochastic=stochastic, key=key, interpret=interpret, tiles=tiles
+    )
+    want = _ref_quantize(x, stochastic=stochastic, key=key)
+    assert_trees_all_equal(got, want)
+    decoded = _pallas.dequantize_blocks(*want, interpret=interpret, tiles=tiles)
+    assert_trees_all_equal(decoded, _ref_dequantize(*want))
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), LAYOUTS[:3], ids=LAYOUT_IDS[:3])
+def test_average_requantize_matches_reference(
+    num_blocks, block_size, tiles, n, stochastic, interpret
+):
+    chunks = [_ref_quantize(_blocks(num_blocks, block_size, jnp.float32, seed=s)) for s in range(n)]
+    codes = jnp.stack([c for c, _ in chunks])
+    header = jnp.stack([h for _, h in chunks])
+    key = jax.random.key(3) if stochastic else None
+    got = _pallas.average_requantize(
+        codes,
+        header,
+        weight=1.0 / n,
+        stochastic=stochastic,
+        key=key,
+        interpret=interpret,
+        tiles=tiles,
+    )
+    want = _ref_average(codes, header, weight=1.0 / n, stochastic=stochastic, key=key)
+    assert_trees_all_equal(got, want)
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_non_finite_blocks_decode_to_nan(interpret):
+    x = _blocks(4, 128, jnp.float32, seed=1)
+    x = x.at[0, 5].set(jnp.nan).at[2, 0].set(jnp.inf).at[3, 7].set(-jnp.inf)
+    codes, header = _pallas.quantize_blocks(x, interpret=interpret)
+    assert_trees_all_equal((codes, header), _ref_quantize(x))
+    decoded = np.asarray(_pallas.dequantize_blocks(codes, header, interpret=interpret))
+    assert np.isnan(decoded[[0, 2, 3]]).all()
+    assert np.isfinite(decoded[1]).all()
+
+
+@pytest.mark.parametrize("interpret", MODES)
+def test_extreme_magnitudes_stay_finite(interpret):
+    big = float(np.finfo(np.float32).max)
+    x = jnp.asarray(np.linspace(-big, big, 256, dtype=np.float32).reshape(2, 128))
+    codes, header = _pallas.quantize_blocks(x, interpret=interpret)
+    assert_trees_all_equal((codes, header), _ref_quantize(x))
+    assert np.isfinite(
+        np.asarray(_pallas.dequantize_blocks(codes, header, interpret=interpret))
+    ).all()
+
+
+def test_empty_input():
+    codes, header = _pallas.quantize_blocks(jnp.zeros((0, 128)), interpret=True)
+    assert codes.shape == (0, 128) and codes.dtype == jnp.uint8
+    assert header.shape == (0, 2) and header.dtype == jnp.float32
+    assert _pallas.dequantize_blocks(codes, header, interpret=True).shape == (0, 128)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size", "rows", "padded"),
+    [(8, 1024, 8, 8), (12, 1024, 4, 12), (7, 1024, 2, 8), (1, 4096, 2, 2), (4096, 128, 64, 4096)],
+)
+def test_plan_rows_divide_padded_blocks(num_blocks, block_size, rows, padded):
+    assert _pallas._plan(num_blocks, block_size, _pallas._Tiles()) == (rows, padded)
+
+
+def test_floor_and_ceil_spellings_are_exact():
+    v = jnp.asarray(
+        [-2.5, -1.5, -0.7, -0.5, -0.3, -0.0, 0.0, 0.3, 0.5, 0.7, 1.5, 2.5, 2.0**23, -(2.0**23)]
+        + [2.0**24 + 2, 8388607.5, -8388607.5, jnp.inf, -jnp.inf],
+        jnp.float32,
+    )
+    for mine, theirs in [(_pallas._floor, jnp.floor), (_pallas._ceil, jnp.ceil)]:
+        got, want = np.asarray(mine(v)), np.asarray(theirs(v))
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    nan = np.asarray(_pallas._floor(jnp.asarray([jnp.nan], jnp.float32)))
+    assert np.isnan(nan).all()
+
+
+def test_is_supported_is_false_off_gpu():
+    if jax.default_backend() != "gpu":
+        assert not _pallas.is_supported()
