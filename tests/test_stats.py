@@ -1,0 +1,395 @@
+"""Tests for communication_stats: exact byte counts, axis labels and HLO parsing."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad.stats import (
+    CommunicationStats,
+    _parse_collectives,
+    _parse_replica_groups,
+    _stats_from_hlo,
+    communication_stats,
+)
+
+MESH_SHAPES = [(2, 4), (4, 2), (1, 8), (8, 1)]
+MESH_IDS = [f"{n}x{m}" for n, m in MESH_SHAPES]
+ALL = ("node", "local")
+SHARD = 16  # float32 elements per device: a 64-byte payload
+
+
+def _mesh(nodes: int, per_node: int, devices=None) -> jax.sharding.Mesh:
+    devices = np.array(jax.devices()) if devices is None else np.asarray(devices)
+    return jax.sharding.Mesh(
+        devices.reshape(nodes, per_node), ALL, axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+
+
+SPEC = P(ALL)
+
+
+def _shard_map(fn, mesh, in_specs=SPEC, out_specs=SPEC):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def _x(dtype=jnp.float32, per_device=SHARD):
+    return jnp.arange(8 * per_device).astype(dtype)
+
+
+def _sizes(mesh, axes) -> int:
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def _label(mesh, axes) -> str:
+    axes = (axes,) if isinstance(axes, str) else axes
+    return "+".join(a for a in mesh.axis_names if a in axes and mesh.shape[a] > 1)
+
+
+def _only_row(stats: CommunicationStats):
+    moving = [row for row in stats.rows if row.bytes_sent > 0]
+    assert len(moving) == 1, str(stats)
+    return moving[0]
+
+
+@pytest.mark.parametrize("shape", MESH_SHAPES, ids=MESH_IDS)
+@pytest.mark.parametrize("axes", ["local", "node", ALL], ids=["local", "node", "both"])
+def test_psum(shape, axes):
+    mesh = _mesh(*shape)
+    stats = communication_stats(_shard_map(lambda x: jax.lax.psum(x, axes), mesh), _x())
+    g = _sizes(mesh, axes)
+    if g == 1:
+        assert stats.total_bytes == 0, str(stats)
+        return
+    row = _only_row(stats)
+    assert (row.kind, row.axes, row.dtype, row.count) == (
+        "all-reduce",
+        _label(mesh, axes),
+        "f32",
+        1,
+    )
+    assert row.payload_bytes == 64
+    assert row.bytes_sent == 2 * (g - 1) / g * 64
+    assert stats.total_bytes == row.bytes_sent
+    assert stats.bytes_by_axis() == {row.axes: row.bytes_sent}
+    crosses_node = mesh.shape["node"] > 1 and "node" in ((axes,) if isinstance(axes, str) else axes)
+    assert stats.bytes_on("node") == (row.bytes_sent if crosses_node else 0.0)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8)], ids=["2x4", "4x2", "1x8"])
+def test_psum_scatter_local(shape):
+    mesh = _mesh(*shape)
+    fn = _shard_map(lambda x: jax.lax.psum_scatter(x, "local", tiled=True), mesh)
+    row = _only_row(communication_stats(fn, _x()))
+    per_node = mesh.shape["local"]
+    assert (row.kind, row.axes, row.dtype, row.payload_bytes) == (
+        "reduce-scatter",
+        "local",
+        "f32",
+        64,
+    )
+    assert row.bytes_sent == (per_node - 1) / per_node * 64
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])
+@pytest.mark.parametrize("to", ["varying", "invarying"])
+def test_all_gather_node(shape, to):
+    mesh = _mesh(*shape)
+    out_specs = P(ALL) if to == "varying" else P("local")
+    fn = _shard_map(
+        lambda x: jax.lax.all_gather(x, "node", tiled=True, to=to), mesh, out_specs=out_specs
+    )
+    stats = communication_stats(fn, _x())
+    row = _only_row(stats)
+    n = mesh.shape["node"]
+    # Input 64 B; output n * 64 B; each device sends (n-1)/n of the output.
+    assert (row.kind, row.axes, row.dtype, row.payload_bytes) == ("all-gather", "node", "f32", 64)
+    assert row.bytes_sent == (n - 1) * 64
+    assert stats.bytes_on("node") == row.bytes_sent
+    assert stats.bytes_on("local") == 0
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])
+def test_all_to_all_uint8_node(shape):
+    mesh = _mesh(*shape)
+    fn = _shard_map(lambda y: jax.lax.all_to_all(y, "node", 0, 0, tiled=True), mesh)
+    row = _only_row(communication_stats(fn, _x(jnp.uint8, per_device=64)))
+    n = mesh.shape["node"]
+    assert (row.kind, row.axes, row.dtype, row.payload_bytes) == ("all-to-all", "node", "u8", 64)
+    assert row.bytes_sent == (n - 1) / n * 64
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8)], ids=["2x4", "4x2", "1x8"])
+def test_ppermute_local_ring(shape):
+    mesh = _mesh(*shape)
+    per_node = mesh.shape["local"]
+    ring = [(i, (i + 1) % per_node) for i in range(per_node)]
+    fn = _shard_map(lambda x: jax.lax.ppermute(x, "local", ring), mesh)
+    row = _only_row(communication_stats(fn, _x()))
+    assert (row.kind, row.axes, row.dtype, row.count) == ("collective-permute", "local", "f32", 1)
+    assert row.payload_bytes == row.bytes_sent == 64
+
+
+def test_half_precision():
+    mesh = _mesh(2, 4)
+    gather = _shard_map(lambda x: jax.lax.all_gather(x, "node", tiled=True), mesh)
+    row = _only_row(communication_stats(gather, _x(jnp.float16)))
+    assert (row.dtype, row.payload_bytes, row.bytes_sent) == ("f16", 32, 32)
+
+    # XLA:CPU computes bfloat16 in float32, collectives included; the stats report what runs.
+    dtype, itemsize = ("f32", 4) if jax.default_backend() == "cpu" else ("bf16", 2)
+    row = _only_row(communication_stats(gather, _x(jnp.bfloat16)))
+    assert (row.dtype, row.payload_bytes, row.bytes_sent) == (
+        dtype,
+        SHARD * itemsize,
+        SHARD * itemsize,
+    )
+    psum = _shard_map(lambda x: jax.lax.psum(x, "local"), mesh)
+    row = _only_row(communication_stats(psum, _x(jnp.bfloat16)))
+    assert (row.kind, row.axes, row.dtype) == ("all-reduce", "local", dtype)
+    assert row.payload_bytes == SHARD * itemsize
+    assert row.bytes_sent == 2 * 3 / 4 * SHARD * itemsize
+
+
+def test_permuted_devices_map_to_mesh_axes():
+    # HLO device ids are positions in mesh.devices.flat, not device ids.
+    devices = np.array(jax.devices())[[5, 2, 7, 0, 3, 6, 1, 4]]
+    mesh = _mesh(2, 4, devices)
+
+    def fn(x):
+        return (
+            jax.lax.psum(x, "local"),
+            jax.lax.psum(x * 2, "node"),
+            jax.lax.ppermute(x, "node", [(0, 1), (1, 0)]),
+        )
+
+    jitted = _shard_map(fn, mesh, out_specs=(P(ALL),) * 3)
+    x = jax.device_put(_x(), jax.sharding.NamedSharding(mesh, P(ALL)))
+    stats = communication_stats(jitted, x)
+    labels = {(row.kind, row.axes) for row in stats.rows}
+    assert labels == {
+        ("all-reduce", "local"),
+        ("all-reduce", "node"),
+        ("collective-permute", "node"),
+    }
+    assert stats.bytes_on("node") == 64 + 64 and stats.bytes_on("local") == 2 * 3 / 4 * 64
+
+    # The same devices viewed as a (local, node) mesh: groups are matched by device, so the
+    # labels follow the devices.
+    swapped = jax.sharding.Mesh(mesh.devices.T, ("local", "node"))
+    again = communication_stats(jitted, x, mesh=swapped)
+    assert {(row.kind, row.axes) for row in again.rows} == labels
+    assert again.bytes_on("node") == stats.bytes_on("node")
+
+    # The computation really runs on mesh.devices.flat order (a runtime check of the mapping).
+    local_sum, _, swapped_x = jitted(x)
+    shards = np.asarray(x).reshape(2, 4, SHARD)
+    np.testing.assert_array_equal(
+        np.asarray(local_sum).reshape(2, 4, SHARD),
+        np.broadcast_to(shards.sum(1, keepdims=True), shards.shape),
+    )
+    np.testing.assert_array_equal(np.asarray(swapped_x).reshape(2, 4, SHARD), shards[::-1])
+
+
+def test_grad_of_replicated_param_hides_an_all_reduce():
+    mesh = _mesh(2, 4)
+
+    def loss(w, x):
+        return jnp.sum((x * w) ** 2)
+
+    hidden = _shard_map(lambda w, x: jax.grad(loss)(w, x), mesh, (P(), P(ALL)), P())
+    w = jnp.ones((SHARD,), jnp.float32)
+    row = _only_row(communication_stats(hidden, w, _x()))
+    assert (row.kind, row.axes, row.dtype, row.payload_bytes) == (
+        "all-reduce",
+        "node+local",
+        "f32",
+        64,
+    )
+    assert row.bytes_sent == 2 * 7 / 8 * 64
+
+    def local_grad(w, x):
+        return jax.grad(loss)(jax.lax.pcast(w, ALL, to="varying"), x)
+
+    explicit = _shard_map(local_grad, mesh, (P(), P(ALL)), P(ALL))
+    stats = communication_stats(explicit, w, _x())
+    assert stats.rows == () and stats.total_bytes == 0
+
+
+def test_compressed_node_traffic_is_a_quarter_of_float32():
+    mesh = _mesh(2, 4)
+    n = mesh.shape["node"]
+    full = _shard_map(lambda x: jax.lax.psum(x, "node"), mesh)
+
+    def compressed(codes):
+        chunk = jax.lax.all_to_all(codes.reshape(n, -1), "node", 0, 0, tiled=True)
+        return jax.lax.all_gather(chunk[0], "node", tiled=True)
+
+    compressed = _shard_map(compressed, mesh)
+    f32 = communication_stats(full, _x(jnp.float32, per_device=64))
+    u8 = communication_stats(compressed, _x(jnp.uint8, per_device=64))
+    assert u8.bytes_on("node") / f32.bytes_on("node") == 0.25
+    assert u8.bytes_on("local") == 0
+
+
+def test_table():
+    mesh = _mesh(2, 4)
+
+    def fn(x, y):
+        return (
+            jax.lax.psum(x, ALL),
+            jax.lax.all_to_all(y, "node", 0, 0, tiled=True),
+            jax.lax.ppermute(x, "local", [(0, 1), (1, 2), (2, 3), (3, 0)]),
+        )
+
+    stats = communication_stats(
+        _shard_map(fn, mesh, out_specs=(P(ALL),) * 3), _x(), _x(jnp.uint8, per_device=4096)
+    )
+    text = str(stats)
+    lines = text.splitlines()
+    assert "node=2, local=4" in lines[0]
+    assert re.split(r"\s{2,}", lines[1]) == [
+        "kind",
+        "axes",
+        "dtype",
+        "count",
+        "payload",
+        "sent/device",
+    ]
+    expected_rows = [
+        ["all-reduce", "node+local", "f32", "1", "64 B", "112 B"],
+        ["all-to-all", "node", "u8", "1", "4.00 KiB", "2.00 KiB"],
+        ["collective-permute", "local", "f32", "1", "64 B", "64 B"],
+    ]
+    assert [re.split(r"\s{2,}", line) for line in lines[3:6]] == expected_rows
+    assert re.split(r"\s{2,}", lines[-1]) == ["total", "3", "4.12 KiB", "2.17 KiB"]
+    # Columns line up: every row is as wide as the header.
+    assert len({len(line) for line in lines[1:]}) <= 2
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("[4,2]<=[2,4]T(1,0)", ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("[1,8]<=[2,4]T(1,0)", ((0, 4, 1, 5, 2, 6, 3, 7),)),
+        ("[4,2]<=[2,2,2]T(2,1,0)", ((0, 4), (2, 6), (1, 5), (3, 7))),
+        ("{{0,4},{1,5},{2,6},{3,7}}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("{ {0, 1}, {2, 3} }", ((0, 1), (2, 3))),
+        ("{}", None),
+    ],
+)
+def test_parse_replica_groups(text, expected):
+    assert _parse_replica_groups(text) == expected
+
+
+def test_parse_replica_groups_iota_matches_numpy():
+    ids = np.arange(24).reshape(2, 3, 4).transpose(1, 2, 0).reshape(6, 4)
+    assert _parse_replica_groups("[6,4]<=[2,3,4]T(1,2,0)") == tuple(map(tuple, ids.tolist()))
+
+
+def test_parse_replica_groups_rejects_garbage():
+    with pytest.raises(ValueError, match="cannot parse replica groups"):
+        _parse_replica_groups("[2,4]<=oops")
+
+
+_ASYNC_HLO = """\
+HloModule jit_step, is_scheduled=true, entry_computation_layout={(f32[16]{0})->f32[16]{0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %a, f32[] %b)
+}
+
+%all-to-all.wrapped (p0: u8[64], p1: u8[64]) -> (u8[64], u8[64]) {
+  %p0 = u8[64]{0} parameter(0)
+  %p1 = u8[64]{0} parameter(1)
+  ROOT %all-to-all.1 = (u8[64]{0}, u8[64]{0}) all-to-all(%p0, %p1), channel_id=4, replica_groups=[4,2]<=[2,4]T(1,0)
+}
+
+ENTRY %main (param: f32[16], codes: u8[64], half: bf16[32]) -> f32[16] {
+  %param = f32[16]{0} parameter(0)
+  %codes = u8[64]{0} parameter(1)
+  %half = bf16[32]{0} parameter(2)
+  %all-reduce-start = (f32[16]{0}, bf16[32]{0}) all-reduce-start(f32[16]{0} %param, bf16[32]{0} %half), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add, backend_config={"collective_backend_config":{"is_sync":false}}
+  %all-reduce-done = (f32[16]{0}, bf16[32]{0}) all-reduce-done((f32[16]{0}, bf16[32]{0}) %all-reduce-start)
+  %all-gather-start = (f32[16]{0}, f32[128]{0}) all-gather-start(%param), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  %all-gather-done = f32[128]{0} all-gather-done(%all-gather-start)
+  %collective-permute-start = (f32[16]{0}, f32[16]{0}, u32[], u32[]) collective-permute-start(%param), channel_id=3, source_target_pairs={{0,4},{4,0},{1,1}}
+  %collective-permute-done = f32[16]{0} collective-permute-done(%collective-permute-start)
+  %self-permute = f32[16]{0} collective-permute(%param), channel_id=5, source_target_pairs={{0,0},{1,1}}
+  %single = s32[4,2]{1,0} all-reduce(s32[4,2]{1,0} %idx), channel_id=6, replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, to_apply=%add
+  %mask = pred[8]{0} all-reduce(pred[8]{0} %m), channel_id=7, replica_groups={}, to_apply=%add
+  %a2a-start = ((u8[64]{0}, u8[64]{0}), (u8[64]{0}, u8[64]{0})) async-start(%codes, %codes), calls=%all-to-all.wrapped
+  %a2a-done = (u8[64]{0}, u8[64]{0}) async-done(%a2a-start), calls=%all-to-all.wrapped
+  ROOT %out = f32[16]{0} get-tuple-element(%all-reduce-done), index=0
+}
+"""  # noqa: E501
+
+
+def test_parse_async_and_variadic_hlo():
+    collectives = _parse_collectives(_ASYNC_HLO)
+    kinds = [c.kind for c in collectives]
+    assert kinds == [
+        "all-to-all",
+        "all-reduce",
+        "all-gather",
+        "collective-permute",
+        "collective-permute",
+        "all-reduce",
+        "all-reduce",
+    ]
+    stats = _stats_from_hlo(_ASYNC_HLO, ALL, (2, 4))
+    rows = {(r.kind, r.axes, r.dtype): (r.count, r.payload_bytes, r.bytes_sent) for r in stats.rows}
+    assert rows == {
+        # Variadic f32[16] + bf16[32] = 128 B over the 4 local devices.
+        ("all-reduce", "local", "f32,bf16"): (1, 128, 2 * 3 / 4 * 128),
+        ("all-reduce", "-", "s32"): (1, 32, 0.0),
+        # replica_groups={}: all 8 devices.
+        ("all-reduce", "node+local", "pred"): (1, 8, 2 * 7 / 8 * 8),
+        ("all-gather", "node+local", "f32"): (1, 64, 7 * 64),
+        # Two u8[64] operands; [4,2]<=[2,4]T(1,0) pairs device i with i+4: the node axis.
+        ("all-to-all", "node", "u8"): (1, 128, 64.0),
+        # The pair 1 -> 1 stays on its device; 0 -> 4 and 4 -> 0 cross nodes.
+        ("collective-permute", "node", "f32"): (1, 64, 64.0),
+        ("collective-permute", "-", "f32"): (1, 64, 0.0),
+    }
+    assert stats.bytes_on("node") == 64 + 64 + 14 + 7 * 64
+    assert stats.bytes_on("local") == 2 * 3 / 4 * 128 + 14 + 7 * 64
+
+
+def test_stats_from_hlo_with_device_positions():
+    # HLO device i sits at mesh position positions[i]: device 1 is at (node 1, local 0).
+    hlo = "  %r = f32[4]{0} all-reduce(f32[4]{0} %p), replica_groups={{0,1}}, to_apply=%add\n"
+    row = _only_row(_stats_from_hlo(hlo, ALL, (2, 2), positions=[0, 2, 1, 3]))
+    assert row.axes == "node"
+    row = _only_row(_stats_from_hlo(hlo, ALL, (2, 2)))
+    assert row.axes == "local"
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="pass mesh="):
+        communication_stats(jax.jit(lambda x: x * 2), jnp.ones(4))
+    with pytest.raises(TypeError, match="wrap it in jax.jit"):
+        communication_stats(lambda x: x, jnp.ones(4))
+    mesh = _mesh(2, 4)
+    fn = _shard_map(lambda x: jax.lax.psum(x, "local"), mesh)
+    with pytest.raises(ValueError, match="pass the mesh the function runs on"):
+        communication_stats(fn, _x(), mesh=_mesh(1, 4, jax.devices()[:4]))
+    stats = communication_stats(fn.lower(_x()).compile())
+    with pytest.raises(ValueError, match="'nodes' is not in the mesh axes"):
+        stats.bytes_on("nodes")
+    with pytest.raises(ValueError, match="compiled function and arguments"):
+        communication_stats(fn.lower(_x()), _x())
+
+
+def test_no_collectives():
+    mesh = _mesh(2, 4)
+    stats = communication_stats(_shard_map(lambda x: x * 2, mesh), _x())
+    assert stats.rows == () and stats.total_bytes == 0 and stats.bytes_by_axis() == {}
+    assert "(no collectives)" in str(stats)
