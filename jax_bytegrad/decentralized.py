@@ -1,0 +1,562 @@
+"""Decentralized SGD and low-precision decentralized SGD over a ("node", "local") mesh.
+
+Follows Bagua's ``DecentralizedAlgorithm`` and ``LowPrecisionDecentralizedAlgorithm`` (Gan et
+al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022), which
+implement D-PSGD (Lian et al., "Can Decentralized Algorithms Outperform Centralized
+Algorithms?", NeurIPS 2017) and its compressed-difference variant (Tang et al.,
+"Communication Compression for Decentralized Training", NeurIPS 2018).
+
+Both average WEIGHTS with peers rather than gradients, so replicas differ from device to
+device. The step builders here therefore keep one copy of the parameters (and of the
+optimizer state) per device, stacked on a leading axis of size ``num_nodes * devices_per_node``
+that is sharded over ``("node", "local")``; ``data_parallel_step`` (replicated parameters)
+cannot express that. Per device, inside ``jax.shard_map``:
+
+    decentralized_step:               x <- mix(x) + u,   u = optimizer(grad f(x))
+    low_precision_decentralized_step: x_half = x + u, then the compressed ring update below
+
+``mix`` is the mean over every device (``peer_selection_mode="all"``) or the mean with one
+peer that changes each round (``"shift_one"``, through ``ppermute``). With
+``hierarchical=True`` (the default) devices first average within their node in float32,
+every step, and only nodes gossip with each other. See docs/decentralized.md.
+"""
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad.parallel import _varying_axes
+from jax_bytegrad.quantize import (
+    DEFAULT_BLOCK_SIZE,
+    Implementation,
+    check_block_size,
+    dequantize,
+    quantize,
+    resolve_implementation,
+)
+
+PeerSelectionMode = Literal["all", "shift_one"]
+
+
+# Private helpers -------------------------------------------------------------------------
+
+
+def _check_mesh(mesh, node_axis, local_axis, where: str) -> tuple[int, int]:
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for name, param in ((node_axis, "node_axis"), (local_axis, "local_axis")):
+        if name not in mesh.axis_names:
+            raise ValueError(
+                f"{where}: axis {name!r} is not in the mesh axes {tuple(mesh.axis_names)}; "
+                f"pass {param}=..."
+            )
+    if node_axis == local_axis:
+        raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
+    return int(mesh.shape[node_axis]), int(mesh.shape[local_axis])
+
+
+def _check_bool(value, name: str, where: str) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
+
+
+def _check_interval(value, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(
+            f"{where}: communication_interval must be a positive int (communicate every k "
+            f"steps), got {value!r}"
+        )
+
+
+def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
+    """Pairings of ``shift_one``: one perfect matching per round, every pair within a cycle.
+
+    A round-robin tournament (the circle method): with an even ``num_peers`` each of the
+    ``num_peers - 1`` rounds pairs every peer with exactly one other, and over a full cycle
+    every peer meets every other peer once. With an odd count a phantom peer is added and
+    whoever draws it sits the round out (keeps its own weights); the cycle has
+    ``num_peers`` rounds.
+
+    Args:
+      num_peers: how many peers gossip (nodes, or devices with ``hierarchical=False``).
+
+    Returns:
+      A list of rounds, each a list of ``(a, b)`` pairs with ``a < b``.
+
+    Raises:
+      ValueError: for ``num_peers < 1``.
+
+    Examples:
+      >>> from jax_bytegrad.decentralized import shift_one_schedule
+      >>> shift_one_schedule(4)
+      [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
+    """
+    if isinstance(num_peers, bool) or not isinstance(num_peers, int | np.integer) or num_peers < 1:
+        raise ValueError(f"shift_one_schedule: num_peers must be a positive int, got {num_peers!r}")
+    n = int(num_peers)
+    if n == 1:
+        return [[]]
+    m = n if n % 2 == 0 else n + 1  # m - 1 is the phantom when n is odd
+    rounds = []
+    for r in range(m - 1):
+        pairs = [(r, m - 1)]
+        for k in range(1, m // 2):
+            pairs.append(((r + k) % (m - 1), (r - k) % (m - 1)))
+        rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a < n and b < n])
+    return rounds
+
+
+def _missing_varying(tree, axes):
+    """Casts each leaf to varying over whichever of ``axes`` it is not yet varying over."""
+
+    def cast(x):
+        vma = _varying_axes(x)
+        missing = tuple(a for a in axes if a not in vma)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _pair_mean(tree, pairs, axis, num_peers):
+    """Mean of each peer's value with its partner's; peers left out of ``pairs`` keep theirs."""
+    perm = [(a, b) for a, b in pairs] + [(b, a) for a, b in pairs]
+    if not perm:
+        return tree
+    paired = np.zeros(num_peers, bool)
+    for a, b in pairs:
+        paired[a] = paired[b] = True
+    received = jax.lax.ppermute(tree, axis, perm)
+    if paired.all():
+        return jax.tree.map(lambda x, y: (x + y) / np.asarray(2, x.dtype), tree, received)
+    has_peer = jnp.asarray(paired)[jax.lax.axis_index(axis)]
+    return jax.tree.map(
+        lambda x, y: jnp.where(has_peer, (x + y) / np.asarray(2, x.dtype), x), tree, received
+    )
+
+
+def _stack_per_device(tree, mesh: Mesh, axes, rows=None):
+    """Places one value per device, stacked on a new leading axis sharded over ``axes``.
+
+    Every process passes the same ``tree``. ``rows(value, device_index) -> row`` picks what
+    a device holds (default: the value itself).
+    """
+    sharding = NamedSharding(mesh, P(axes))
+    devices = int(np.prod([mesh.shape[a] for a in axes]))
+    flat_devices = np.asarray(mesh.devices).reshape(-1)
+    mine = [i for i, d in enumerate(flat_devices) if d.process_index == jax.process_index()]
+
+    def place(x):
+        x = np.asarray(x)
+        local = np.stack([x if rows is None else rows(x, i) for i in mine])
+        return jax.make_array_from_process_local_data(
+            sharding, local, (devices, *local.shape[1:])
+        )
+
+    return jax.tree.map(place, tree)
+
+
+def _check_batch(batch, devices: int, where: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if jnp.ndim(leaf) == 0 or leaf.shape[0] % devices:
+            raise ValueError(
+                f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
+                f"its leading dimension must be a multiple of the {devices} devices of the mesh"
+            )
+
+
+def _flatten(tree) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+
+
+def _unflatten(flat, like):
+    leaves, treedef = jax.tree.flatten(like)
+    out, offset = [], 0
+    for x in leaves:
+        out.append(flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
+        offset += x.size
+    return jax.tree.unflatten(treedef, out)
+
+
+def _check_float_params(params, where: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+            raise ValueError(
+                f"{where}: parameter {jax.tree_util.keystr(path)} has dtype "
+                f"{jnp.result_type(leaf)}; only float parameters can be averaged, keep "
+                "integer state outside the parameters"
+            )
+
+
+def consensus_params(stacked_params):
+    """Mean over devices of per-device parameters: the model to evaluate or checkpoint.
+
+    Args:
+      stacked_params: ``state.params`` of a decentralized step (leading axis = devices).
+
+    Returns:
+      The parameters averaged over the leading axis, in their own dtypes.
+    """
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0).astype(x.dtype), stacked_params)
+
+
+class DecentralizedTrainStep(NamedTuple):
+    """What the decentralized step builders return.
+
+    Attributes:
+      init: ``init(params) -> state``: copies one set of parameters (the same on every
+        process) to every device and initializes the optimizer on each.
+      step: ``step(state, batch) -> (state, loss[, aux])``, jitted. ``loss`` has one entry
+        per device (no global reduction: that would cost the all-reduce this avoids).
+    """
+
+    init: Callable[..., Any]
+    step: Callable[..., Any]
+
+
+# Decentralized SGD -----------------------------------------------------------------------
+
+
+class DecentralizedState(NamedTuple):
+    """State of ``decentralized_step``.
+
+    Attributes:
+      params: per-device parameters, stacked on a leading device axis.
+      opt_state: per-device optimizer state, stacked likewise.
+      step: int32 step counter, the same on every device.
+    """
+
+    params: optax.Params
+    opt_state: optax.OptState
+    step: jax.Array
+
+
+def decentralized_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    hierarchical: bool = True,
+    peer_selection_mode: PeerSelectionMode = "all",
+    communication_interval: int = 1,
+    has_aux: bool = False,
+    donate: bool = True,
+    node_axis: str = "node",
+    local_axis: str = "local",
+) -> DecentralizedTrainStep:
+    """Builds a decentralized SGD (D-PSGD) train step: average weights with peers, then step.
+
+    Each device differentiates ``loss_fn`` at its own weights ``x`` on its slice of the
+    batch, averages its weights with its peers, and applies the optimizer's update to the
+    averaged weights: ``x <- mix(x) + optimizer(grad f(x))``. The gradient is never
+    communicated. The optimizer runs locally (``optax.sgd(lr)`` gives Lian et al.'s
+    ``x <- mix(x) - lr * g``); do not put ``bytegrad()`` or ``gradient_allreduce()`` in it.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's slice.
+      optimizer: any optax transformation, applied per device.
+      mesh: from ``make_mesh``.
+      hierarchical: average within each node in float32 every step, and gossip only between
+        nodes (default). With False, every device is a peer of its own.
+      peer_selection_mode: ``"all"``: the mean over every peer; ``"shift_one"``: the mean
+        with one peer, a different one each communication round (``shift_one_schedule``).
+      communication_interval: gossip every k steps; steps in between are local (apart from
+        the node average with ``hierarchical``).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux comes back per device.
+      donate: donate the state's buffers to the step.
+      node_axis: the mesh axis between nodes.
+      local_axis: the mesh axis within a node.
+
+    Returns:
+      A ``DecentralizedTrainStep(init, step)``; ``init(params)`` returns a
+      ``DecentralizedState``.
+
+    Raises:
+      ValueError: at build time for axis names the mesh lacks, an unknown
+        ``peer_selection_mode``, or a non-positive ``communication_interval``; when called,
+        for a batch that does not split over the devices or integer parameters.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jax_bytegrad
+      >>> from jax_bytegrad.decentralized import decentralized_step
+      >>> mesh = jax_bytegrad.make_mesh(1, 1)
+      >>> train = decentralized_step(lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1),
+      ...                            mesh, peer_selection_mode="shift_one")
+      >>> state, loss = train.step(train.init(jnp.ones(4)), jnp.ones((8, 4)))
+      >>> state.params.shape, loss.shape
+      ((1, 4), (1,))
+
+    References:
+      Lian et al., "Can Decentralized Algorithms Outperform Centralized Algorithms? A Case
+      Study for Decentralized Parallel Stochastic Gradient Descent", NeurIPS 2017.
+      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+    """
+    where = "decentralized_step"
+    n, local = _check_mesh(mesh, node_axis, local_axis, where)
+    _check_bool(hierarchical, "hierarchical", where)
+    _check_bool(has_aux, "has_aux", where)
+    _check_interval(communication_interval, where)
+    if peer_selection_mode not in ("all", "shift_one"):
+        raise ValueError(
+            f"{where}: peer_selection_mode must be 'all' or 'shift_one', got "
+            f"{peer_selection_mode!r}"
+        )
+    axes = (node_axis, local_axis)
+    devices = n * local
+    gossip_axis, peers = (node_axis, n) if hierarchical else (axes, devices)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def mix_all(x):
+        x = jax.lax.pmean(x, local_axis) if hierarchical else x
+        return _missing_varying(jax.lax.pmean(x, gossip_axis), axes)
+
+    def local_only(x):
+        return _missing_varying(jax.lax.pmean(x, local_axis), axes) if hierarchical else x
+
+    branches = [local_only]
+    if peer_selection_mode == "all":
+        branches.append(mix_all)
+    else:
+        for pairs in shift_one_schedule(peers):
+
+            def mix_pairs(x, pairs=pairs):
+                x = jax.lax.pmean(x, local_axis) if hierarchical else x
+                return _missing_varying(_pair_mean(x, pairs, gossip_axis, peers), axes)
+
+            branches.append(mix_pairs)
+    rounds = len(branches) - 1
+
+    def per_device(state, batch):
+        params, opt_state = jax.tree.map(lambda a: a[0], (state.params, state.opt_state))
+        out, grads = grad_fn(params, batch)
+        loss, aux = out if has_aux else (out, None)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        talk = state.step % communication_interval == 0
+        index = jnp.where(talk, 1 + (state.step // communication_interval) % rounds, 0)
+        mixed = jax.lax.switch(index, branches, params)
+        params = optax.apply_updates(mixed, updates)
+        new = DecentralizedState(
+            *jax.tree.map(lambda a: a[None], (params, opt_state)), step=state.step + 1
+        )
+        outs = (new, loss[None])
+        return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
+
+    state_specs = DecentralizedState(P(axes), P(axes), P())
+    out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
+    sharded = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(state_specs, P(axes)), out_specs=out_specs
+    )
+    jitted = jax.jit(sharded, donate_argnums=(0,) if donate else ())
+
+    def init(params) -> DecentralizedState:
+        _check_float_params(params, where)
+        return DecentralizedState(
+            params=_stack_per_device(params, mesh, axes),
+            opt_state=_stack_per_device(optimizer.init(params), mesh, axes),
+            step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
+        )
+
+    def step(state: DecentralizedState, batch):
+        _check_batch(batch, devices, where)
+        return jitted(state, batch)
+
+    step.lower = jitted.lower
+    return DecentralizedTrainStep(init=init, step=step)
+
+
+# Low-precision decentralized SGD ---------------------------------------------------------
+
+
+class LowPrecisionDecentralizedState(NamedTuple):
+    """State of ``low_precision_decentralized_step``.
+
+    The ring update works on the parameters flattened to one float32 vector. With
+    ``hierarchical=True`` each device of a node owns 1/L of it (padded to a multiple of L),
+    so the three replicas below cost 3/L of the model per device; otherwise each device
+    owns the whole vector.
+
+    Attributes:
+      params: per-device parameters, stacked on a leading device axis.
+      opt_state: per-device optimizer state, stacked likewise.
+      weight: ``w``, this device's part of its weights after the last exchange.
+      left_peer_weight: ``l``, the replica of the left ring neighbour's ``weight``.
+      right_peer_weight: ``r``, the replica of the right ring neighbour's ``weight``.
+      step: int32 step counter, the same on every device.
+    """
+
+    params: optax.Params
+    opt_state: optax.OptState
+    weight: jax.Array
+    left_peer_weight: jax.Array
+    right_peer_weight: jax.Array
+    step: jax.Array
+
+
+def low_precision_decentralized_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    hierarchical: bool = True,
+    communication_interval: int = 1,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    implementation: Implementation | None = None,
+    has_aux: bool = False,
+    donate: bool = True,
+    node_axis: str = "node",
+    local_axis: str = "local",
+) -> DecentralizedTrainStep:
+    """Builds a low-precision decentralized SGD train step: a ring exchanging 8-bit differences.
+
+    Peers sit on a ring (nodes with ``hierarchical=True``, devices otherwise). Each keeps
+    its own weights ``w`` after the last exchange and replicas ``l``, ``r`` of its two
+    neighbours' ``w``. One step, on every peer, in Bagua's order:
+
+        x  = x + optimizer(grad f(x))           # the local step
+        z  = (w + l + r) / 3 - w + (x - w)      # mix with the replicas, as a difference
+        q  = Q(z)                               # 8-bit, block-wise (jax_bytegrad.quantize)
+        send q to both neighbours; receive q_left, q_right
+        l += D(q_left);  r += D(q_right);  x = w + D(q);  w = x
+
+    Only 8-bit differences cross the wire, and since each replica is updated with the
+    exact codes its owner applied to itself, ``l`` of every peer stays bit-identical to its
+    left neighbour's ``w``. With ``hierarchical=True`` the node first averages ``x`` in
+    float32 (a reduce-scatter: each of its L devices runs the ring on its 1/L of the
+    vector) and gathers the result back. Steps between communication rounds are local.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's slice.
+      optimizer: any optax transformation, applied per device.
+      mesh: from ``make_mesh``.
+      hierarchical: ring over nodes after a float32 node average (default); False makes
+        every device a ring member.
+      communication_interval: exchange every k steps (Bagua's op takes the same option).
+      block_size: quantization block size, a power of two >= 128.
+      implementation: quantization kernels (see ``quantize``).
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux comes back per device.
+      donate: donate the state's buffers to the step.
+      node_axis: the mesh axis between nodes.
+      local_axis: the mesh axis within a node.
+
+    Returns:
+      A ``DecentralizedTrainStep(init, step)``; ``init(params)`` returns a
+      ``LowPrecisionDecentralizedState``.
+
+    Raises:
+      ValueError: at build time for axis names the mesh lacks, a bad ``block_size`` or
+        ``communication_interval``; when called, for a batch that does not split over the
+        devices or integer parameters.
+      NotImplementedError: for ``implementation="pallas"`` where no supported GPU is.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jax_bytegrad
+      >>> from jax_bytegrad.decentralized import low_precision_decentralized_step
+      >>> mesh = jax_bytegrad.make_mesh(1, 1)
+      >>> train = low_precision_decentralized_step(
+      ...     lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1), mesh, block_size=128)
+      >>> state, loss = train.step(train.init(jnp.ones(4)), jnp.ones((8, 4)))
+      >>> state.weight.shape
+      (1, 4)
+
+    References:
+      Tang et al., "Communication Compression for Decentralized Training", NeurIPS 2018.
+      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+    """
+    where = "low_precision_decentralized_step"
+    n, local = _check_mesh(mesh, node_axis, local_axis, where)
+    _check_bool(hierarchical, "hierarchical", where)
+    _check_bool(has_aux, "has_aux", where)
+    _check_interval(communication_interval, where)
+    check_block_size(block_size, where)
+    impl = resolve_implementation(implementation)
+    axes = (node_axis, local_axis)
+    devices = n * local
+    ring_axis, peers = (node_axis, n) if hierarchical else (axes, devices)
+    parts = local if hierarchical else 1
+    from_left = [(i, (i + 1) % peers) for i in range(peers)]  # i sends to its right neighbour
+    from_right = [(i, (i - 1) % peers) for i in range(peers)]
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    third = np.float32(1.0 / 3.0)
+
+    def exchange(own, w, l, r):
+        z = (w + l + r) * third - w + (own - w)
+        q = quantize(z, block_size=block_size, implementation=impl)
+        l = l + dequantize(jax.lax.ppermute(q, ring_axis, from_left), implementation=impl)
+        r = r + dequantize(jax.lax.ppermute(q, ring_axis, from_right), implementation=impl)
+        x = w + dequantize(q, implementation=impl)
+        return _missing_varying((x, x, l, r), axes)
+
+    def keep(own, w, l, r):
+        return _missing_varying((own, w, l, r), axes)
+
+    def per_device(state, batch):
+        params, opt_state, w, l, r = jax.tree.map(
+            lambda a: a[0],
+            (state.params, state.opt_state, state.weight, state.left_peer_weight,
+             state.right_peer_weight),
+        )  # fmt: skip
+        out, grads = grad_fn(params, batch)
+        loss, aux = out if has_aux else (out, None)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        flat = _flatten(optax.apply_updates(params, updates))
+        size = flat.size
+        if hierarchical:
+            flat = jnp.pad(flat, (0, w.size * local - size))
+            own = jax.lax.psum_scatter(flat, local_axis, scatter_dimension=0, tiled=True)
+            own = own / np.float32(local)
+        else:
+            own = flat
+        talk = state.step % communication_interval == 0
+        own, w, l, r = jax.lax.cond(talk, exchange, keep, own, w, l, r)
+        if hierarchical:
+            flat = jax.lax.all_gather(own, local_axis, axis=0, tiled=True)[:size]
+        else:
+            flat = own
+        params = _unflatten(flat, params)
+        new = LowPrecisionDecentralizedState(
+            *jax.tree.map(lambda a: a[None], (params, opt_state, w, l, r)), step=state.step + 1
+        )
+        outs = (new, loss[None])
+        return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
+
+    state_specs = LowPrecisionDecentralizedState(*([P(axes)] * 5), P())
+    out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
+    sharded = jax.shard_map(
+        per_device, mesh=mesh, in_specs=(state_specs, P(axes)), out_specs=out_specs
+    )
+    jitted = jax.jit(sharded, donate_argnums=(0,) if donate else ())
+
+    def init(params) -> LowPrecisionDecentralizedState:
+        _check_float_params(params, where)
+        flat = np.concatenate(
+            [np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(params)]
+        )
+        shard = -(-flat.size // parts)
+        flat = np.pad(flat, (0, shard * parts - flat.size))
+
+        def rows(x, device):
+            part = device % local if hierarchical else 0
+            return x[part * shard : (part + 1) * shard]
+
+        weight = _stack_per_device(flat, mesh, axes, rows)
+        return LowPrecisionDecentralizedState(
+            params=_stack_per_device(params, mesh, axes),
+            opt_state=_stack_per_device(optimizer.init(params), mesh, axes),
+            weight=weight,
+            left_peer_weight=_stack_per_device(flat, mesh, axes, rows),
+            right_peer_weight=_stack_per_device(flat, mesh, axes, rows),
+            step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
+        )
+
+    def step(state: LowPrecisionDecentralizedState, batch):
+        _check_batch(batch, devices, where)
+        return jitted(state, batch)
+
+    step.lower = jitted.lower
+    return DecentralizedTrainStep(init=init, step=step)
