@@ -1,0 +1,316 @@
+"""Multi-process start-up: one call that joins a process to a `jax.distributed` cluster.
+
+`initialize()` wraps `jax.distributed.initialize`, the distributed engine this library builds on
+(NCCL between GPU hosts, Gloo over TCP between CPU hosts). It reads the layout of the run from, in
+order of precedence:
+
+1. its arguments;
+2. this library's environment variables, which ``python -m jax_bytegrad.launch`` sets for each
+   process it starts:
+
+   - ``JAX_BYTEGRAD_COORDINATOR``: ``host:port`` of process 0's coordinator service;
+   - ``JAX_BYTEGRAD_NUM_PROCESSES``: number of processes in the run;
+   - ``JAX_BYTEGRAD_PROCESS_ID``: this process's id, ``0 .. num_processes - 1``;
+   - ``JAX_BYTEGRAD_CPU_DEVICES``: number of CPU devices this process exposes (CPU runs);
+
+3. a SLURM (``srun``) or Open MPI (``mpirun``) job, through JAX's own cluster auto-detection.
+
+With none of them the process runs alone, and `initialize()` changes nothing but the CPU device
+count, if one was asked for.
+
+References:
+  - JAX multi-process guide: https://docs.jax.dev/en/latest/multi_process.html
+  - Gloo collective communications library: https://github.com/pytorch/gloo
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+
+COORDINATOR_ENV = "JAX_BYTEGRAD_COORDINATOR"
+NUM_PROCESSES_ENV = "JAX_BYTEGRAD_NUM_PROCESSES"
+PROCESS_ID_ENV = "JAX_BYTEGRAD_PROCESS_ID"
+CPU_DEVICES_ENV = "JAX_BYTEGRAD_CPU_DEVICES"
+
+# The variables JAX's SLURM and Open MPI detectors need (jax/_src/clusters/*_cluster.py). Only
+# their presence is tested here; JAX derives the coordinator, the count and the id from them.
+_SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
+_OMPI_VARS = ("OMPI_MCA_orte_hnp_uri",)
+
+
+# Private helpers ----------------------------------------------------------------------------------
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"initialize: environment variable {name}={raw!r} is not an integer; "
+            "set it to a whole number or unset it"
+        ) from None
+
+
+def _env_str(name: str) -> str | None:
+    return os.environ.get(name, "").strip() or None
+
+
+def _detect_cluster() -> tuple[str, int] | None:
+    """Returns (JAX cluster_detection_method, process count) in a SLURM or Open MPI job."""
+    if all(v in os.environ for v in _SLURM_VARS):
+        return "slurm", int(os.environ["SLURM_NTASKS"])
+    if all(v in os.environ for v in _OMPI_VARS):
+        return "ompi", int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+    return None
+
+
+def _backends_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge  # private, but the only way to ask without starting one
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # pragma: no cover - moved in a later JAX
+        return False  # jax.distributed.initialize makes the same check itself
+
+
+def _configure_cpu(cpu_devices: int | None) -> None:
+    """Selects Gloo for cross-process CPU collectives and sets the CPU device count.
+
+    Both are read once, when the CPU backend starts.
+    """
+    if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "none", ""):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cpu_devices is not None and getattr(jax.config, "jax_num_cpu_devices", -1) != cpu_devices:
+        if _backends_initialized():
+            raise RuntimeError(
+                f"initialize: cannot set {cpu_devices} CPU devices, the JAX backend has already "
+                "started; call jax_bytegrad.initialize() before any JAX computation or "
+                "jax.devices() call"
+            )
+        jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+def _install_fail_fast() -> None:
+    """Makes an uncaught exception end the process at once instead of hanging at exit.
+
+    At interpreter exit `jax.distributed` waits, up to its shutdown timeout of minutes, for every
+    other process to shut down too, while they wait in a collective for the failed one: the run
+    deadlocks and the failure never reaches the launcher or the scheduler. So after printing the
+    traceback, exit with status 1.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_jax_bytegrad_fail_fast", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        try:
+            previous(exc_type, exc, tb)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+                    pass
+            os._exit(130 if issubclass(exc_type, KeyboardInterrupt) else 1)
+
+    hook._jax_bytegrad_fail_fast = True
+    sys.excepthook = hook
+
+
+# State --------------------------------------------------------------------------------------------
+
+
+class DistributedInfo(NamedTuple):
+    """Where this process sits in the run, as `initialize()` resolved it.
+
+    Attributes:
+      process_id: This process's id, ``0 .. num_processes - 1``.
+      num_processes: Number of processes in the run; 1 for a single process.
+      coordinator_address: ``host:port`` of process 0's coordinator; None for a single process.
+      source: Where the layout came from: ``"arguments"``, ``"environment"``
+        (``JAX_BYTEGRAD_*``), ``"slurm"``, ``"ompi"``, ``"single"`` (nothing set: one process,
+        no `jax.distributed`) or ``"jax.distributed"`` (it was initialized directly before).
+    """
+
+    process_id: int
+    num_processes: int
+    coordinator_address: str | None
+    source: str
+
+
+_STATE: DistributedInfo | None = None
+_STATE_KEY: tuple | None = None
+
+
+# Public API ---------------------------------------------------------------------------------------
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_ids: Sequence[int] | None = None,
+    cpu_devices: int | None = None,
+    initialization_timeout: int = 300,
+    fail_fast: bool = True,
+) -> DistributedInfo:
+    """Joins this process to a multi-process JAX run, or does nothing for a single process.
+
+    Call it once, first thing, before any JAX computation or ``jax.devices()``: the CPU device
+    count and the collectives implementation are fixed when the backend starts. Arguments override
+    the ``JAX_BYTEGRAD_*`` environment variables field by field; with neither, JAX detects a SLURM
+    or Open MPI job; with none of them the process runs alone. On CPU, cross-process collectives
+    go over Gloo (GPUs use NCCL and need nothing here).
+
+    A repeated call returns the first result; one asking for a different layout raises.
+
+    Args:
+      coordinator_address: ``host:port`` of process 0's coordinator service.
+        Env: ``JAX_BYTEGRAD_COORDINATOR``.
+      num_processes: Number of processes. Env: ``JAX_BYTEGRAD_NUM_PROCESSES``.
+      process_id: This process's id, ``0 .. num_processes - 1``. Env: ``JAX_BYTEGRAD_PROCESS_ID``.
+      local_device_ids: The accelerators this process uses (GPU runs), as in
+        `jax.distributed.initialize`.
+      cpu_devices: Number of CPU devices this process exposes. Env: ``JAX_BYTEGRAD_CPU_DEVICES``.
+        None keeps JAX's default (one, or ``--xla_force_host_platform_device_count``).
+      initialization_timeout: Seconds to wait for every process to reach the coordinator.
+      fail_fast: In a multi-process run, make an uncaught exception print its traceback and exit
+        the process with status 1 at once. Otherwise the process hangs at exit in
+        `jax.distributed`'s shutdown barrier while the others wait for it in a collective, and no
+        launcher or scheduler learns of the failure.
+
+    Returns:
+      A `DistributedInfo`: this process's id, the process count, the coordinator and the source.
+
+    Raises:
+      ValueError: The layout is only partly given (say a coordinator but no process id) and no
+        SLURM or Open MPI job fills the gap; a number is out of range; or an environment
+        variable is not an integer.
+      RuntimeError: It was called after the JAX backend started, or again with another layout.
+
+    Examples:
+      Alone, with nothing set, it is a no-op that reports one process:
+
+      >>> import jax_bytegrad.distributed as dist
+      >>> dist.initialize()  # doctest: +SKIP
+      DistributedInfo(process_id=0, num_processes=1, coordinator_address=None, source='single')
+
+      Process 0 of two on one machine, by hand (``python -m jax_bytegrad.launch --nproc 2
+      train.py`` does this through the environment):
+
+      >>> dist.initialize("127.0.0.1:12345", 2, 0, cpu_devices=4)  # doctest: +SKIP
+
+    References:
+      - JAX multi-process guide: https://docs.jax.dev/en/latest/multi_process.html
+    """
+    global _STATE, _STATE_KEY
+
+    from_args = any(v is not None for v in (coordinator_address, num_processes, process_id))
+    coord = coordinator_address if coordinator_address is not None else _env_str(COORDINATOR_ENV)
+    nproc = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
+    pid = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
+    ncpu = cpu_devices if cpu_devices is not None else _env_int(CPU_DEVICES_ENV)
+
+    if ncpu is not None and ncpu < 1:
+        raise ValueError(f"initialize: cpu_devices={ncpu} must be at least 1 ({CPU_DEVICES_ENV})")
+    if nproc is not None and nproc < 1:
+        raise ValueError(
+            f"initialize: num_processes={nproc} must be at least 1 ({NUM_PROCESSES_ENV})"
+        )
+    if pid is not None and nproc is not None and not 0 <= pid < nproc:
+        raise ValueError(
+            f"initialize: process_id={pid} is outside 0..{nproc - 1} for num_processes={nproc}"
+        )
+
+    devices = tuple(local_device_ids) if local_device_ids is not None else None
+    key = (coord, nproc, pid, devices, ncpu)
+    if _STATE is not None:
+        asks_nothing = not from_args and local_device_ids is None and cpu_devices is None
+        if key == _STATE_KEY or asks_nothing:
+            return _STATE
+        raise RuntimeError(
+            f"initialize: already initialized as {_STATE}; a second call asked for "
+            f"coordinator={coord!r}, num_processes={nproc}, process_id={pid}, cpu_devices={ncpu}. "
+            "Call it once per process."
+        )
+
+    given = {"coordinator_address": coord, "num_processes": nproc, "process_id": pid}
+    cluster = _detect_cluster()
+
+    if all(v is None for v in given.values()) and (cluster is None or cluster[1] <= 1):
+        # Single process: start or reconfigure nothing beyond the asked-for device count.
+        if ncpu is not None:
+            _configure_cpu(ncpu)
+        if jax.distributed.is_initialized():  # jax.distributed.initialize was called directly
+            info = DistributedInfo(
+                jax.process_index(), jax.process_count(), None, "jax.distributed"
+            )
+        else:
+            info = DistributedInfo(0, 1, None, "single")
+        _STATE, _STATE_KEY = info, key
+        return info
+
+    missing = [name for name, v in given.items() if v is None]
+    if missing and cluster is None:
+        env_names = {
+            "coordinator_address": COORDINATOR_ENV,
+            "num_processes": NUM_PROCESSES_ENV,
+            "process_id": PROCESS_ID_ENV,
+        }
+        got = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
+        raise ValueError(
+            f"initialize: got {got} but not {', '.join(missing)}; pass them, or set "
+            f"{', '.join(env_names[m] for m in missing)}, or run under srun / mpirun"
+        )
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            "initialize: jax.distributed.initialize was already called in this process; call "
+            "jax_bytegrad.initialize() instead of it, not as well"
+        )
+    if _backends_initialized():
+        raise RuntimeError(
+            "initialize: the JAX backend has already started in this process, so it cannot join "
+            "a multi-process run; call jax_bytegrad.initialize() first, before any JAX "
+            "computation or jax.devices() call"
+        )
+
+    _configure_cpu(ncpu)
+    if fail_fast:
+        _install_fail_fast()
+    if missing:  # JAX's detector fills the gaps from the SLURM / Open MPI variables
+        method, source = cluster[0], cluster[0]
+    else:
+        method, source = "deactivate", ("arguments" if from_args else "environment")
+    jax.distributed.initialize(
+        coordinator_address=coord,
+        num_processes=nproc,
+        process_id=pid,
+        local_device_ids=local_device_ids,
+        cluster_detection_method=method,
+        initialization_timeout=initialization_timeout,
+    )
+    from jax._src.distributed import global_state  # the layout as resolved, also by detection
+
+    info = DistributedInfo(
+        int(global_state.process_id),
+        int(global_state.num_processes),
+        global_state.coordinator_address,
+        source,
+    )
+    _STATE, _STATE_KEY = info, key
+    return info

@@ -1,0 +1,240 @@
+"""Tests for jax_bytegrad.distributed.initialize() and `python -m jax_bytegrad.launch`.
+
+The multi-process tests start real processes that talk Gloo over TCP on 127.0.0.1.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from jax_bytegrad import distributed
+from jax_bytegrad.launch import launch
+
+SCRIPTS = Path(__file__).parent / "_mp_scripts"
+REPO = Path(__file__).parent.parent
+
+
+def _gloo_available() -> bool:
+    try:
+        from jax._src.lib import _jax
+
+        return hasattr(_jax, "make_gloo_tcp_collectives")
+    except ImportError:
+        return False
+
+
+requires_gloo = pytest.mark.skipif(
+    not _gloo_available(),
+    reason="this jaxlib has no Gloo CPU collectives (make_gloo_tcp_collectives)",
+)
+
+_LAYOUT_VARS = (
+    distributed.COORDINATOR_ENV,
+    distributed.NUM_PROCESSES_ENV,
+    distributed.PROCESS_ID_ENV,
+    distributed.CPU_DEVICES_ENV,
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+    "OMPI_MCA_orte_hnp_uri",
+)
+
+
+def _run_launcher(*args: str, timeout: float = 55.0) -> tuple[int, str, float]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_bytegrad.launch", *args],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+        text=True,
+    )
+    return proc.returncode, proc.stdout, time.monotonic() - start
+
+
+@pytest.fixture
+def clean_state(monkeypatch):
+    for name in _LAYOUT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed, "_STATE", None)
+    monkeypatch.setattr(distributed, "_STATE_KEY", None)
+
+
+# initialize() in this process ---------------------------------------------------------------------
+
+
+def test_initialize_with_nothing_set_is_a_single_process_no_op(clean_state):
+    info = distributed.initialize()
+    assert info == distributed.DistributedInfo(0, 1, None, "single")
+    assert not jax.distributed.is_initialized()
+    assert jax.process_count() == 1
+    assert distributed.initialize() is info  # idempotent
+
+
+def test_initialize_partial_layout_names_what_is_missing(clean_state, monkeypatch):
+    monkeypatch.setenv(distributed.COORDINATOR_ENV, "127.0.0.1:1234")
+    with pytest.raises(ValueError, match="JAX_BYTEGRAD_NUM_PROCESSES.*JAX_BYTEGRAD_PROCESS_ID"):
+        distributed.initialize()
+    assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "env, match",
+    [
+        ({distributed.NUM_PROCESSES_ENV: "two"}, "is not an integer"),
+        ({distributed.NUM_PROCESSES_ENV: "2", distributed.PROCESS_ID_ENV: "2"}, "outside 0..1"),
+        ({distributed.CPU_DEVICES_ENV: "0"}, "at least 1"),
+    ],
+    ids=["not-an-int", "id-out-of-range", "zero-devices"],
+)
+def test_initialize_rejects_bad_values(clean_state, monkeypatch, env, match):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=match):
+        distributed.initialize()
+
+
+def test_initialize_after_backend_start_refuses_a_multi_process_layout(clean_state):
+    jax.devices()  # the backend is running in this test process
+    with pytest.raises(RuntimeError, match="before any JAX computation"):
+        distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
+
+
+def test_initialize_single_process_sets_cpu_device_count():
+    code = textwrap.dedent(
+        """
+        import jax_bytegrad.distributed as d
+        info = d.initialize()
+        import jax
+        print(info.source, jax.local_device_count(), jax.config.jax_cpu_collectives_implementation)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_VARS}
+    env.update({distributed.CPU_DEVICES_ENV: "3", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    )
+    assert out.stdout.split()[-3:] == ["single", "3", "gloo"]
+
+
+# The launcher alone (no JAX in the children) ------------------------------------------------------
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def test_launch_sets_the_environment_and_prefixes_output(tmp_path):
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(
+            _py(
+                """
+                import os
+                e = os.environ
+                print(e["JAX_BYTEGRAD_PROCESS_ID"], e["JAX_BYTEGRAD_NUM_PROCESSES"],
+                      e["JAX_BYTEGRAD_CPU_DEVICES"], e["JAX_BYTEGRAD_COORDINATOR"])
+                """
+            ),
+            nproc=3,
+            devices_per_proc=2,
+            port=23456,
+            out=out,
+        )
+    assert code == 0
+    lines = sorted(out_file.read_text().splitlines())
+    assert lines == [f"[rank {k}] {k} 3 2 127.0.0.1:23456" for k in range(3)]
+
+
+def test_launch_stops_the_others_when_one_fails(tmp_path):
+    start = time.monotonic()
+    with (tmp_path / "out").open("wb") as out:
+        code = launch(
+            _py(
+                """
+                import os, signal, time
+                if os.environ["JAX_BYTEGRAD_PROCESS_ID"] == "1":
+                    time.sleep(0.5)
+                    raise SystemExit(7)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # must still be stopped, by SIGKILL
+                time.sleep(600)
+                """
+            ),
+            nproc=3,
+            grace=1.0,
+            out=out,
+        )
+    assert code == 7
+    assert time.monotonic() - start < 30
+    assert "[launch] rank 1 exited with code 7" in (tmp_path / "out").read_text()
+
+
+def test_launch_timeout(tmp_path):
+    with (tmp_path / "out").open("wb") as out:
+        code = launch(_py("import time; time.sleep(600)"), nproc=2, timeout=1.0, grace=1.0, out=out)
+    assert code == 124
+
+
+# Real multi-process runs over Gloo ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+@requires_gloo
+def test_two_processes_by_four_devices_psum_over_gloo():
+    code, out, _ = _run_launcher(
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "4",
+        "--timeout",
+        "50",
+        str(SCRIPTS / "psum_worker.py"),
+    )
+    assert code == 0, out
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] initialized process {rank}/2 with 4 local devices, source=environment"
+            in out
+        )
+        # Device (p, j) holds 10 p + j: the sum over all 8 is 52, over "node" it is 10 + 2 j.
+        assert f"[rank {rank}] psum over (node, local) = 52.0" in out
+        assert f"[rank {rank}] psum over node = [10.0, 12.0, 14.0, 16.0]" in out
+        assert f"[rank {rank}] OK" in out
+
+
+@pytest.mark.slow
+@requires_gloo
+def test_a_failing_rank_makes_the_launcher_stop_the_other():
+    code, out, elapsed = _run_launcher(
+        "--nproc",
+        "2",
+        "--devices-per-proc",
+        "4",
+        "--grace",
+        "3",
+        "--timeout",
+        "50",
+        str(SCRIPTS / "psum_worker.py"),
+        "--fail-rank",
+        "1",
+    )
+    assert code == 1, out
+    assert "[rank 1] RuntimeError: deliberate failure on rank 1" in out
+    assert "[launch] rank 1 exited with code 1" in out
+    assert "[rank 0] OK" not in out
+    assert elapsed < 60
