@@ -10,6 +10,8 @@ from jax_bytegrad.quantize import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
 from jax_bytegrad.quantize import QuantizedArray as QuantizedArray
 from jax_bytegrad.quantize import dequantize as dequantize
 from jax_bytegrad.quantize import quantize as quantize
+from jax_bytegrad.stats import CommunicationStats as CommunicationStats
+from jax_bytegrad.stats import communication_stats as communication_stats
 from jax_bytegrad.transforms import ByteGradState as ByteGradState
 from jax_bytegrad.transforms import bytegrad as bytegrad
 from jax_bytegrad.transforms import gradient_allreduce as gradient_allreduce
@@ -19,8 +21,10 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ByteGradState",
+    "CommunicationStats",
     "QuantizedArray",
     "bytegrad",
+    "communication_stats",
     "compressed_mean",
     "data_parallel_step",
     "dequantize",

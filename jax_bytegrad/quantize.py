@@ -6,6 +6,8 @@ blocks, and dispatches to the XLA reference or the Pallas GPU kernels in ``_pall
 """
 
 import dataclasses
+import functools
+import warnings
 from typing import Literal
 
 import jax
@@ -85,12 +87,51 @@ def check_key(stochastic: bool, key, where: str) -> None:
         )
 
 
+@functools.cache
+def _pallas_compiles() -> bool:
+    """Whether the compiled kernels build on this machine; checked once, on first use.
+
+    The automatic choice must not break a GPU user's step if a JAX release changes what
+    Mosaic GPU lowers, so a failure here picks XLA and says so in a warning. An explicit
+    ``implementation="pallas"`` never takes this path: it raises the compiler's error.
+    """
+    from jax_bytegrad import _pallas
+
+    x = jax.ShapeDtypeStruct((4, MIN_BLOCK_SIZE), jnp.float32)
+    codes = jax.ShapeDtypeStruct((4, MIN_BLOCK_SIZE), jnp.uint8)
+    header = jax.ShapeDtypeStruct((4, HEADER_WIDTH), jnp.float32)
+    chunks = jax.ShapeDtypeStruct((2, 4, MIN_BLOCK_SIZE), jnp.uint8)
+    headers = jax.ShapeDtypeStruct((2, 4, HEADER_WIDTH), jnp.float32)
+    try:
+        jax.jit(
+            functools.partial(_pallas.quantize_blocks, stochastic=False, key=None, interpret=False)
+        ).lower(x).compile()
+        jax.jit(functools.partial(_pallas.dequantize_blocks, interpret=False)).lower(
+            codes, header
+        ).compile()
+        jax.jit(
+            functools.partial(
+                _pallas.average_requantize, weight=0.5, stochastic=False, key=None, interpret=False
+            )
+        ).lower(chunks, headers).compile()
+    except Exception as error:  # noqa: BLE001 - any compiler failure means "not available"
+        warnings.warn(
+            "jax_bytegrad: the Pallas quantization kernels failed to compile here "
+            f"({error!r:.300}); using the XLA implementation. Pass implementation='xla' to "
+            "silence this, or implementation='pallas' to see the full error.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
 def resolve_implementation(implementation: Implementation | None) -> Implementation:
     """Returns the implementation to run: the one asked for, or the best available."""
     from jax_bytegrad import _pallas
 
     if implementation is None:
-        return "pallas" if _pallas.is_supported() else "xla"
+        return "pallas" if _pallas.is_supported() and _pallas_compiles() else "xla"
     if implementation == "pallas" and not _pallas.is_supported():
         raise NotImplementedError(
             f"implementation='pallas' needs a supported GPU; the default backend is "

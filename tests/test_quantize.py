@@ -266,6 +266,26 @@ def test_default_picks_xla_off_gpu():
     assert resolve_implementation(None) == expected
 
 
+def test_automatic_choice_falls_back_visibly_when_kernels_do_not_compile(monkeypatch):
+    from jax_bytegrad import _pallas
+    from jax_bytegrad.quantize import _pallas_compiles
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("lowering failed")
+
+    monkeypatch.setattr(_pallas, "is_supported", lambda: True)
+    monkeypatch.setattr(_pallas, "quantize_blocks", broken)
+    _pallas_compiles.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="failed to compile here.*lowering failed"):
+            assert resolve_implementation(None) == "xla"
+        # An explicit request never falls back: it surfaces the error.
+        with pytest.raises(RuntimeError, match="lowering failed"):
+            jax_bytegrad.quantize(jnp.ones(8), implementation="pallas")
+    finally:
+        _pallas_compiles.cache_clear()
+
+
 @pytest.mark.skipif(ON_GPU, reason="checks the error raised where no GPU is present")
 def test_explicit_pallas_without_gpu_raises():
     with pytest.raises(NotImplementedError, match="implementation='pallas' needs"):

@@ -1,0 +1,197 @@
+"""ByteGrad's compressed mean: accuracy against exact pmean, replicas, pytrees, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_bytegrad
+
+AXES = ("node", "local")
+MESHES = [(2, 4), (4, 2), (8, 1), (1, 8), (3, 2)]
+MESH_IDS = ["2x4", "4x2", "8x1", "1x8", "3x2"]
+BLOCK = 256
+
+
+def per_device_mean(mesh, tree, **kwargs):
+    """Runs compressed_mean on per-device slices of ``tree`` (leading axis = device)."""
+
+    def body(t):
+        return jax_bytegrad.compressed_mean(jax.tree.map(lambda x: x[0], t), **kwargs)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
+    return fn(tree)
+
+
+def block_ranges(flat, block):
+    padded = np.pad(flat, (0, -flat.size % block))
+    blocks = padded.reshape(-1, block)
+    ranges = blocks.max(axis=1) - blocks.min(axis=1)
+    return np.repeat(ranges, block)[: flat.size]
+
+
+def documented_bound(per_device, n, local, hierarchical, block):
+    """Per-element bound: the first encode's errors, weighted, plus the re-encode's."""
+    devices = n * local
+    per_device = per_device.astype(np.float64)
+    exact = per_device.mean(axis=0)
+    if hierarchical:
+        senders = per_device.reshape(n, local, -1).sum(axis=1)
+        group = n
+    else:
+        senders, group = per_device, devices
+    slop = 1e-6 * np.abs(per_device).sum(axis=0) / devices + 1e-30
+    if group == 1:
+        return exact, slop
+    first = sum(block_ranges(s, block) for s in senders) / (510 * devices)
+    second = (block_ranges(exact, block) + 2 * first) / 510
+    return exact, first + second + slop
+
+
+def flat_f32(tree):
+    return np.concatenate([np.asarray(x, np.float32).reshape(x.shape[0], -1) for x in tree], 1)
+
+
+@pytest.mark.parametrize("hierarchical", [True, False], ids=["hier", "flat"])
+@pytest.mark.parametrize("shape", MESHES, ids=MESH_IDS)
+def test_within_quantization_bound_of_exact_mean(shape, hierarchical):
+    n, local = shape
+    devices = n * local
+    mesh = jax_bytegrad.make_mesh(n, local)
+    rng = np.random.default_rng(n * 10 + local)
+    grads = [
+        jnp.asarray(rng.standard_normal((devices, 3000)) * 0.1, jnp.float32),
+        jnp.asarray(rng.standard_normal((devices, 40, 25)) * 10.0, jnp.float32),
+    ]
+    out = per_device_mean(
+        mesh, grads, hierarchical=hierarchical, block_size=BLOCK, bucket_bytes=None
+    )
+    result = np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in out])
+    exact, bound = documented_bound(flat_f32(grads), n, local, hierarchical, BLOCK)
+    err = np.abs(result - exact)
+    assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"
+    if hierarchical and n == 1:
+        # No inter-node hop: float32 pmean, up to float rounding.
+        np.testing.assert_allclose(result, exact, rtol=1e-5, atol=1e-6)
+    else:
+        assert np.max(err) > 0  # it really was quantized
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (1, 8)], ids=["2x4", "1x8"])
+def test_average_false_sums(shape):
+    mesh = jax_bytegrad.make_mesh(*shape)
+    devices = shape[0] * shape[1]
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((devices, 1000)), jnp.float32)
+    mean = per_device_mean(mesh, x, block_size=BLOCK)
+    total = per_device_mean(mesh, x, block_size=BLOCK, average=False)
+    exact = np.asarray(x, np.float64).sum(axis=0)
+    spread = exact.max() - exact.min()
+    assert np.max(np.abs(np.asarray(total) - exact)) < 4 * spread / 510
+    np.testing.assert_allclose(np.asarray(total) / devices, np.asarray(mean), atol=spread / 200)
+
+
+def test_awkward_pytree_leaves():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    rng = np.random.default_rng(2)
+    tree = {
+        "one": jnp.asarray(rng.standard_normal((8, 1)), jnp.float32),
+        "seven": jnp.asarray(rng.standard_normal((8, 7)), jnp.bfloat16),
+        "big": jnp.asarray(rng.standard_normal((8, 1_000_003)), jnp.float32),
+        "empty": jnp.zeros((8, 0, 3), jnp.float16),
+        "half": jnp.asarray(rng.standard_normal((8, 5, 3)), jnp.float16),
+    }
+    ints = jnp.arange(8 * 3, dtype=jnp.int32).reshape(8, 3)
+
+    def body(t, i):
+        t = jax.tree.map(lambda x: x[0], t)
+        out, i_out = jax_bytegrad.compressed_mean((t, i[0]), block_size=BLOCK, bucket_bytes=1 << 20)
+        return out, i_out[None]
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P(AXES)), out_specs=(P(), P(AXES)))
+    )
+    out, i_out = fn(tree, ints)
+    np.testing.assert_array_equal(np.asarray(i_out), np.asarray(ints))  # untouched, per device
+    for name, leaf in tree.items():
+        got = out[name]
+        assert got.shape == leaf.shape[1:] and got.dtype == leaf.dtype, name
+        if leaf.size:
+            exact = np.asarray(leaf, np.float64).mean(axis=0)
+            spread = np.ptp(np.asarray(leaf, np.float64)) + 1e-3
+            np.testing.assert_allclose(np.asarray(got, np.float64), exact, atol=spread / 50)
+
+
+def test_stochastic_rounding_runs_and_stays_close():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((8, 4096)), jnp.float32)
+    a = per_device_mean(mesh, x, block_size=BLOCK, rounding="stochastic", key=jax.random.key(0))
+    b = per_device_mean(mesh, x, block_size=BLOCK, rounding="stochastic", key=jax.random.key(1))
+    exact = np.asarray(x, np.float64).mean(axis=0)
+    assert np.max(np.abs(np.asarray(a) - exact)) < 0.1
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_full_precision_mean_hierarchical_and_flat_agree():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((8, 1001)), jnp.float32)
+    outs = []
+    for hierarchical in (True, False):
+
+        def body(t, hierarchical=hierarchical):
+            return jax_bytegrad.full_precision_mean(t[0], hierarchical=hierarchical)
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
+        outs.append(np.asarray(fn(x)))
+    exact = np.asarray(x, np.float64).mean(axis=0)
+    for out in outs:
+        np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_outside_shard_map_raises_clear_error():
+    tx = jax_bytegrad.bytegrad()
+    params = {"w": jnp.ones(3)}
+    with pytest.raises(ValueError, match="must run inside jax.shard_map"):
+        tx.update(params, tx.init(params))
+
+
+def test_missing_axis_name_raises_clear_error():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    tx = jax_bytegrad.bytegrad(node_axis="hosts")
+
+    def body(g):
+        return tx.update(g, tx.init(g))[0]
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())
+    with pytest.raises(ValueError, match=r"axis 'hosts' is not in the mesh axes .*node_axis="):
+        jax.jit(fn)(jnp.ones(3))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(block_size=100), "block_size must be a power of two"),
+        (dict(rounding="floor"), "rounding must be"),
+        (dict(bucket_bytes=0), "bucket_bytes must be a positive int or None, got 0"),
+        (dict(hierarchical="yes"), "hierarchical must be True or False"),
+        (dict(node_axis="x", local_axis="x"), "must differ"),
+        (dict(implementation="cuda"), "implementation must be"),
+    ],
+    ids=["block", "rounding", "bucket", "flag", "axes", "impl"],
+)
+def test_bytegrad_validates_at_build_time(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        jax_bytegrad.bytegrad(**kwargs)
+
+
+def test_init_accepts_shape_dtype_structs():
+    params = {"w": jax.ShapeDtypeStruct((3, 4), jnp.float32)}
+    for tx in (
+        optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-3)),
+        optax.chain(jax_bytegrad.gradient_allreduce(), optax.adam(1e-3)),
+    ):
+        state = jax.eval_shape(tx.init, params)
+        assert jax.tree.leaves(state)
+        state = tx.init(params)  # the state's shapes need no concrete values
+        assert any(getattr(leaf, "shape", None) == (3, 4) for leaf in jax.tree.leaves(state))
