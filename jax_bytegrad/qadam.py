@@ -1,0 +1,326 @@
+"""QAdam: Adam with a frozen second moment and 8-bit compressed momentum.
+
+Follows Bagua's QAdam (Gan et al., "Bagua: Scaling up Distributed Learning with System
+Relaxations", VLDB 2022), which builds on 1-bit Adam (Tang et al., "1-bit Adam:
+Communication Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021).
+Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
+
+    warm-up (t <= warmup_steps), plain Adam on the float32 mean gradient:
+        g = full-precision mean of the per-device gradients
+        m = b1 m + (1 - b1) g,    v = b2 v + (1 - b2) g^2
+        update = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+
+    compression (t > warmup_steps), only the momentum is communicated, 8-bit:
+        m = compressed_mean(b1 m + (1 - b1) g_local)
+        v and its bias correction stay as they were at t = warmup_steps
+        update = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^warmup_steps)) + eps)
+
+Both phases live in one compiled program (``lax.cond`` on the step count), so the switch
+neither recompiles nor changes the state's shapes.
+"""
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_bytegrad import collectives
+from jax_bytegrad.parallel import _varying_axes
+from jax_bytegrad.quantize import (
+    DEFAULT_BLOCK_SIZE,
+    Implementation,
+    check_block_size,
+    resolve_implementation,
+)
+from jax_bytegrad.transforms import _check_axes, _check_flag
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def _check_decay(value, name: str, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{where}: {name} must be a float in [0, 1), got {value!r}")
+
+
+def _check_non_negative(value, name: str, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0.0:
+        raise ValueError(f"{where}: {name} must be a float >= 0, got {value!r}")
+
+
+def _check_warmup_steps(warmup_steps, where: str) -> None:
+    if (
+        isinstance(warmup_steps, bool)
+        or not isinstance(warmup_steps, numbers.Integral)
+        or not 1 <= warmup_steps <= _INT32_MAX
+    ):
+        raise ValueError(
+            f"{where}: warmup_steps must be an int in [1, {_INT32_MAX}], got {warmup_steps!r}; "
+            "QAdam freezes the second moment after warm-up, so it needs at least one full "
+            "precision step (15-25% of the run is a good default)"
+        )
+
+
+def _bias_correction(moment, decay: float, count: jax.Array):
+    """``moment / (1 - decay^count)`` as ``optax.tree.bias_correction`` computes it.
+
+    The power is taken in float32 (then the division in the moment's dtype), written out
+    so that it also traces under ``jax_numpy_dtype_promotion="strict"``.
+    """
+    correction = 1 - jnp.power(jnp.float32(decay), count.astype(jnp.float32))
+    return jax.tree.map(lambda t: t / correction.astype(t.dtype), moment)
+
+
+def _check_per_device(updates, node_axis: str, local_axis: str, where: str) -> None:
+    """Raises unless every float gradient is typed as varying over both mesh axes."""
+    axes = {node_axis, local_axis}
+    averaged = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(updates)
+        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating) and not axes <= _varying_axes(leaf)
+    ]
+    if averaged:
+        raise ValueError(
+            f"{where}: the gradients {', '.join(averaged[:3])} are not per-device: they are "
+            f"typed as identical across the mesh axes ({node_axis!r}, {local_axis!r}), so "
+            "something already averaged them. QAdam averages the gradients itself (float32 "
+            "during warm-up, the 8-bit momentum after it), so chaining it after bytegrad() or "
+            "gradient_allreduce() would communicate twice. Pass the raw per-device gradients: "
+            "use jax_bytegrad.qadam(...) as the whole optimizer, e.g. "
+            "data_parallel_step(loss_fn, qadam(...), mesh). (With shard_map(check_vma=False) "
+            "the gradients carry no such typing; use check_vma=True.)"
+        )
+
+
+class ScaleByQAdamState(NamedTuple):
+    """State of ``scale_by_qadam``, identical on every replica.
+
+    Attributes:
+      count: int32 scalar, the number of steps taken; step ``t = count + 1`` is a warm-up
+        step while ``t <= warmup_steps``.
+      mu: first moment, like the params; after warm-up the 8-bit compressed mean of the
+        devices' local momenta.
+      nu: second moment, like the params; frozen from step ``warmup_steps`` on.
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+
+
+def scale_by_qadam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    warmup_steps: int,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    hierarchical: bool = True,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
+    implementation: Implementation | None = None,
+) -> optax.GradientTransformation:
+    """Rescales per-device gradients by QAdam, doing its own communication.
+
+    For ``warmup_steps`` steps it is Adam on the float32 mean gradient. After that the
+    second moment and its bias correction are frozen, and only the momentum crosses the
+    network: each device updates the momentum with its own gradient, and the momenta are
+    averaged with ``compressed_mean`` (8-bit between nodes, about 4x fewer bytes than a
+    float32 all-reduce). Every replica ends the step with bit-identical state. It must
+    receive per-device gradients inside ``jax.shard_map``: put it first in the chain, with
+    no ``bytegrad()`` or ``gradient_allreduce()`` before it.
+
+    Args:
+      b1: decay of the first moment.
+      b2: decay of the second moment (during warm-up).
+      eps: added to the square root of the bias-corrected second moment.
+      warmup_steps: steps of plain Adam before compression starts, >= 1. The frozen second
+        moment must have settled by then; 15-25% of the run is a good default.
+      node_axis: mesh axis between nodes (slow links): the compressed hop.
+      local_axis: mesh axis within a node (fast links): float32.
+      hierarchical: reduce within each node before the inter-node hop (default), for the
+        float32 warm-up mean and the compressed momentum alike; False reduces over both
+        axes as one group.
+      block_size: elements per quantization block, a power of two >= 128.
+      bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
+      implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a ``ScaleByQAdamState``.
+
+    Raises:
+      ValueError: for bad arguments (here); at trace time, outside ``shard_map``, for an
+        axis the mesh lacks, or for gradients that are already averaged across devices.
+
+    Examples:
+      >>> import optax, jax_bytegrad.qadam as qadam_lib
+      >>> tx = optax.chain(qadam_lib.scale_by_qadam(warmup_steps=100), optax.scale(-1e-3))
+
+    References:
+      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+      Convergence Speed", ICML 2021.
+      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+    """
+    where = "scale_by_qadam"
+    _check_decay(b1, "b1", where)
+    _check_decay(b2, "b2", where)
+    _check_non_negative(eps, "eps", where)
+    _check_warmup_steps(warmup_steps, where)
+    _check_axes(node_axis, local_axis, where)
+    _check_flag(hierarchical, "hierarchical", where)
+    check_block_size(block_size, where)
+    collectives._check_bucket_bytes(bucket_bytes, where)
+    if implementation is not None:
+        resolve_implementation(implementation)
+    frozen_count = jnp.int32(warmup_steps)
+
+    def init_fn(params):
+        return ScaleByQAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params),
+            nu=optax.tree.zeros_like(params),
+        )
+
+    def warmup(updates, mu, nu, count_inc):
+        grads = collectives.full_precision_mean(
+            updates, node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical
+        )
+        mu = optax.tree.update_moment(grads, mu, b1, 1)
+        nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
+        return mu, nu, _bias_correction(nu, b2, count_inc)
+
+    def compressed(updates, mu, nu, count_inc):
+        del count_inc
+        local_mu = optax.tree.update_moment(updates, mu, b1, 1)
+        mu = collectives.compressed_mean(
+            local_mu,
+            node_axis=node_axis,
+            local_axis=local_axis,
+            hierarchical=hierarchical,
+            block_size=block_size,
+            bucket_bytes=bucket_bytes,
+            implementation=implementation,
+        )
+        # Bagua keeps raising the bias correction with t while v stays put, which inflates
+        # the step by up to 1/sqrt(1 - b2^warmup_steps); keep both as they were.
+        return mu, nu, _bias_correction(nu, b2, frozen_count)
+
+    def update_fn(updates, state, params=None):
+        del params
+        collectives.axis_sizes(node_axis, local_axis, where)
+        _check_per_device(updates, node_axis, local_axis, where)
+        count_inc = optax.safe_increment(state.count)
+        mu, nu, nu_hat = jax.lax.cond(
+            count_inc <= warmup_steps,
+            warmup,
+            compressed,
+            updates,
+            state.mu,
+            state.nu,
+            count_inc,
+        )
+        mu_hat = _bias_correction(mu, b1, count_inc)
+        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        nu = optax.tree.cast_like(nu, state.nu)
+        return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def qadam(
+    learning_rate: float | Callable[[jax.Array], jax.Array],
+    *,
+    warmup_steps: int,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Any | Callable[[optax.Params], Any] | None = None,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    hierarchical: bool = True,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
+    implementation: Implementation | None = None,
+) -> optax.GradientTransformation:
+    """QAdam: Adam whose momentum crosses the network 8-bit after a float32 warm-up.
+
+    ``chain(scale_by_qadam, add_decayed_weights, scale_by_learning_rate)``. It averages
+    the gradients itself, so hand it per-device gradients:
+    ``data_parallel_step(loss_fn, qadam(...), mesh)``. Weight decay is decoupled (as in
+    AdamW) and applies in both phases.
+
+    Args:
+      learning_rate: a float or an optax schedule ``step -> lr``.
+      warmup_steps: steps of plain float32 Adam before compression starts, >= 1; 15-25%
+        of the run is a good default (see ``scale_by_qadam``).
+      b1: decay of the first moment.
+      b2: decay of the second moment (during warm-up).
+      eps: added to the square root of the bias-corrected second moment.
+      weight_decay: decoupled weight decay, >= 0; 0 leaves it out of the chain.
+      mask: which params to decay, as for ``optax.add_decayed_weights``.
+      node_axis: mesh axis between nodes (slow links): the compressed hop.
+      local_axis: mesh axis within a node (fast links): float32.
+      hierarchical: reduce within each node before the inter-node hop (default).
+      block_size: elements per quantization block, a power of two >= 128.
+      bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
+      implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
+
+    Returns:
+      An ``optax.GradientTransformation``; its state's first element is a
+      ``ScaleByQAdamState``.
+
+    Raises:
+      ValueError: for bad arguments (here); at trace time, outside ``shard_map``, for an
+        axis the mesh lacks, or for gradients that are already averaged across devices.
+
+    Examples:
+      >>> import jax.numpy as jnp, jax_bytegrad
+      >>> from jax_bytegrad.qadam import qadam
+      >>> mesh = jax_bytegrad.make_mesh(1, 1)
+      >>> tx = qadam(1e-2, warmup_steps=2)
+      >>> step = jax_bytegrad.data_parallel_step(
+      ...     lambda w, b: jnp.mean((b * w) ** 2), tx, mesh, donate=False)
+      >>> w, state = jnp.ones(4), tx.init(jnp.ones(4))
+      >>> for _ in range(3):
+      ...     w, state, loss = step(w, state, jnp.ones((8, 4)))
+      >>> int(state[0].count)
+      3
+
+    References:
+      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+      Convergence Speed", ICML 2021.
+      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+    """
+    where = "qadam"
+    if not callable(learning_rate) and (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, numbers.Real)
+        or not learning_rate >= 0.0
+    ):
+        raise ValueError(
+            f"{where}: learning_rate must be a float >= 0 or a schedule, got {learning_rate!r}"
+        )
+    _check_non_negative(weight_decay, "weight_decay", where)
+    transforms = [
+        scale_by_qadam(
+            b1,
+            b2,
+            eps,
+            warmup_steps=warmup_steps,
+            node_axis=node_axis,
+            local_axis=local_axis,
+            hierarchical=hierarchical,
+            block_size=block_size,
+            bucket_bytes=bucket_bytes,
+            implementation=implementation,
+        )
+    ]
+    if weight_decay:
+        transforms.append(optax.add_decayed_weights(weight_decay, mask))
+    transforms.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*transforms)
