@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
@@ -113,10 +113,11 @@ def _describe(code: int) -> str:
 
 
 def launch(
-    command: Sequence[str],
+    command: Sequence[str] | Callable[[int], Sequence[str]],
     nproc: int,
     *,
     devices_per_proc: int = 1,
+    coordinator_host: str = "127.0.0.1",
     port: int | None = None,
     timeout: float | None = None,
     grace: float = 5.0,
@@ -126,10 +127,13 @@ def launch(
     """Runs `command` as `nproc` cooperating local processes and returns the launcher's exit code.
 
     Args:
-      command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``.
+      command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``, or a
+        function from the rank to them (to run each rank elsewhere, say in its own network
+        namespace).
       nproc: Number of processes, at least 1.
       devices_per_proc: CPU devices each process exposes (``JAX_BYTEGRAD_CPU_DEVICES``).
-      port: Coordinator port on 127.0.0.1; None picks a free one.
+      coordinator_host: Address of rank 0 that every rank can reach.
+      port: Coordinator port; None picks one that is free on this machine.
       timeout: Seconds after which every process is stopped and 124 returned; None for no limit.
       grace: Seconds between SIGTERM and SIGKILL when stopping processes.
       env: Base environment for the processes; None uses this process's.
@@ -151,7 +155,7 @@ def launch(
       [rank 1] hi
       0
     """
-    if not command:
+    if not callable(command) and not command:
         raise ValueError("launch: empty command; pass the script to run, e.g. ['train.py']")
     if nproc < 1:
         raise ValueError(f"launch: nproc={nproc} must be at least 1")
@@ -188,12 +192,12 @@ def launch(
     try:
         for rank in range(nproc):
             proc_env = dict(base_env)
-            proc_env[COORDINATOR_ENV] = f"127.0.0.1:{port}"
+            proc_env[COORDINATOR_ENV] = f"{coordinator_host}:{port}"
             proc_env[NUM_PROCESSES_ENV] = str(nproc)
             proc_env[PROCESS_ID_ENV] = str(rank)
             proc_env[CPU_DEVICES_ENV] = str(devices_per_proc)
             p = subprocess.Popen(
-                list(command),
+                list(command(rank) if callable(command) else command),
                 env=proc_env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,

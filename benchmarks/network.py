@@ -1,0 +1,356 @@
+"""Benchmark: gradient all-reduce time between hosts on shaped links.
+
+Builds K hosts as network namespaces on one bridge (`_netns`), limits every link to a rate with
+`tc` (and optionally adds latency), runs one JAX process per host with one CPU device each (mesh
+(K, 1): the "node" axis is the hosts, Gloo over TCP between them) and times each registered
+operation on a gradient of ``--num-params`` parameters (25.2M by default, about ResNet-50).
+
+Usage (root; without root it says so and exits 0)::
+
+    python benchmarks/network.py --hosts 2 --rates 1gbit,10gbit --plot network.png
+    python benchmarks/network.py --cleanup   # remove what a crashed run left behind
+
+A timed operation is registered by name with `register`: a builder ``(mesh, num_params) ->
+(jitted_fn, args)`` that runs in every worker process; ``--ops`` picks them by name.
+
+References:
+  - Bagua (Gan et al., 2021), Fig. 6: throughput on 1-25 Gbit/s links. https://arxiv.org/abs/2107.01499
+  - Ring all-reduce: each host sends 2 (K-1)/K of the buffer (Patarasuk & Yuan, 2009).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_NUM_PARAMS = 25_200_000
+DEFAULT_OPS = ("psum_f32", "psum_bf16")
+BASELINE_OP = "psum_f32"
+
+# The registry of timed operations ---------------------------------------------------------------
+
+Builder = Callable[..., tuple[Callable, tuple]]
+OPS: dict[str, Builder] = {}
+# Bytes one host's gradient occupies on the wire, per op (for the ring bound column); optional.
+WIRE_BYTES_PER_PARAM: dict[str, float] = {}
+
+
+def register(name: str, *, wire_bytes_per_param: float | None = None):
+    """Registers a timed operation under `name`.
+
+    The builder runs in every worker after `jax_bytegrad.initialize()`, gets the global mesh
+    (axes ``("node", "local")``, Auto) and the parameter count, and returns ``(fn, args)``; the
+    worker times ``jax.block_until_ready(fn(*args))``. Each device should hold its own,
+    unreduced gradient (see `local_gradient`).
+
+    Args:
+      name: The name ``--ops`` selects it by.
+      wire_bytes_per_param: Bytes per parameter the op's all-reduce moves (4 for float32), for
+        the ring-bound column of the table; None leaves that column empty.
+
+    Examples:
+      >>> @register("psum_f16", wire_bytes_per_param=2)  # doctest: +SKIP
+      ... def _psum_f16(mesh, num_params):
+      ...     return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.float16))
+    """
+
+    def deco(builder: Builder) -> Builder:
+        if name in OPS:
+            raise ValueError(f"network: op {name!r} is already registered")
+        OPS[name] = builder
+        if wire_bytes_per_param is not None:
+            WIRE_BYTES_PER_PARAM[name] = wire_bytes_per_param
+        return builder
+
+    return deco
+
+
+def local_gradient(mesh, num_params: int, dtype):
+    """A (devices, num_params) global array whose row on each device is that device's gradient.
+
+    The rows differ per device (a constant 1 + global device index), sharded over both mesh axes,
+    built from each process's own data with `jax.make_array_from_process_local_data`.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n_dev = mesh.devices.size
+    n_local = mesh.devices.shape[1]
+    sharding = NamedSharding(mesh, P(("node", "local"), None))
+    first = jax.process_index() * n_local
+    rows = np.arange(first + 1, first + n_local + 1, dtype=np.float32)[:, None]
+    data = np.broadcast_to(rows, (n_local, num_params)).astype(dtype)
+    return jax.make_array_from_process_local_data(sharding, data, (n_dev, num_params))
+
+
+def _psum_builder(mesh, grads):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(("node", "local"), None)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g: jax.lax.psum(g, ("node", "local")), mesh=mesh, in_specs=spec, out_specs=spec
+        )
+    )
+    return fn, (grads,)
+
+
+@register("psum_f32", wire_bytes_per_param=4)
+def _psum_f32(mesh, num_params):
+    return _psum_builder(mesh, local_gradient(mesh, num_params, np.float32))
+
+
+@register("psum_bf16", wire_bytes_per_param=2)
+def _psum_bf16(mesh, num_params):
+    import jax.numpy as jnp
+
+    return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.bfloat16))
+
+
+# Worker: one per host ---------------------------------------------------------------------------
+
+
+def _worker(args) -> int:
+    from jax_bytegrad.distributed import initialize
+
+    info = initialize()
+    import jax
+    from jax.experimental import multihost_utils
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(
+        np.array(devices).reshape(jax.process_count(), jax.local_device_count()),
+        ("node", "local"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+    results = {}
+    for name in args.ops:
+        fn, fn_args = OPS[name](mesh, args.num_params)
+        for _ in range(args.warmup):
+            jax.block_until_ready(fn(*fn_args))
+        times = []
+        tx0 = _tx_bytes()
+        for step in range(args.steps):
+            # Start together, so one host's late start is not counted as link time.
+            multihost_utils.sync_global_devices(f"{name}-{step}")
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*fn_args))
+            times.append(time.perf_counter() - t0)
+        # A step ends when the slowest host has its result.
+        per_step = np.asarray(multihost_utils.process_allgather(np.asarray(times))).max(axis=0)
+        # Bytes this host put on its link per step (timed steps and the syncs between them).
+        tx = (_tx_bytes() - tx0) / args.steps if tx0 is not None else float("nan")
+        sent = np.asarray(multihost_utils.process_allgather(np.asarray([tx])))
+        results[name] = {"steps_s": per_step.tolist(), "tx_bytes_per_host": float(sent.mean())}
+        if info.process_id == 0:
+            print(f"{name}: median {1e3 * statistics.median(per_step):.1f} ms", flush=True)
+        del fn, fn_args
+    if info.process_id == 0:
+        Path(args.out).write_text(json.dumps(results))
+    jax.distributed.shutdown()
+    return 0
+
+
+def _tx_bytes(dev: str = "eth0") -> int | None:
+    """Bytes sent so far on this host's link (`ip netns exec` mounts the namespace's /sys)."""
+    try:
+        return int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# Driver -----------------------------------------------------------------------------------------
+
+
+def _parse_rate(text: str) -> float:
+    """'1gbit', '10Gbit', '500mbit' or a plain number of Mbit/s -> Mbit/s; 'none' -> 0."""
+    if text.strip().lower() in ("none", "0", "unshaped"):
+        return 0.0  # no tbf: the veth at full speed, which shows the CPU-bound floor
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(g|m)?(bit)?(/s)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"rate {text!r}: use e.g. 1gbit, 500mbit or 1000")
+    return float(m.group(1)) * (1000 if m.group(2) == "g" else 1)
+
+
+def _rate_label(mbit: float) -> str:
+    if not mbit:
+        return "unshaped"
+    return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
+
+
+def _ring_bound_ms(op: str, hosts: int, num_params: int, mbit: float) -> float | None:
+    if op not in WIRE_BYTES_PER_PARAM or hosts < 2 or not mbit:
+        return None
+    sent = 2 * (hosts - 1) / hosts * num_params * WIRE_BYTES_PER_PARAM[op]
+    return 1e3 * sent * 8 / (mbit * 1e6)
+
+
+def _table(rows: list[dict]) -> str:
+    head = "| hosts | link | operation | median ms | vs float32 | MB sent/host | ring bound ms |"
+    lines = [head, "|---:|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        bound = "" if r["bound_ms"] is None else f"{r['bound_ms']:.0f}"
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(
+            f"| {r['hosts']} | {_rate_label(r['mbit'])}"
+            f"{' + ' + format(r['delay_ms'], 'g') + ' ms' if r['delay_ms'] else ''} | "
+            f"{r['op']} | {r['median_ms']:.1f} | {ratio} | {r['tx_mb']:.1f} | {bound} |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = [r for r in rows if r["mbit"]]  # unshaped runs have no place on a rate axis
+    for hosts, op in sorted({(r["hosts"], r["op"]) for r in rows}):
+        pts = sorted(
+            (r["mbit"] / 1000, r["median_ms"]) for r in rows if (r["hosts"], r["op"]) == (hosts, op)
+        )
+        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{op}, {hosts} hosts")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link rate (Gbit/s)")
+    ax.set_ylabel("median time per step (ms)")
+    ax.set_title("All-reduce of a gradient between namespace hosts")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
+    from jax_bytegrad.launch import _free_port, launch
+
+    cluster.shape(mbit, args.delay)
+    with tempfile.TemporaryDirectory(prefix="bgn-") as tmp:
+        out = Path(tmp) / "result.json"
+        worker = [
+            sys.executable, str(Path(__file__).resolve()), "--worker",
+            "--ops", ",".join(args.ops), "--num-params", str(args.num_params),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
+        ]  # fmt: skip
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+        )
+        code = launch(
+            lambda rank: cluster.command(rank, worker),
+            nproc=len(cluster.hosts),
+            coordinator_host=cluster.hosts[0].address,
+            port=_free_port(),
+            timeout=args.timeout,
+            env=env,
+        )
+        if code != 0:
+            raise SystemExit(code)
+        return json.loads(out.read_text())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hosts", default="2", help="comma-separated host counts (default 2)")
+    parser.add_argument(
+        "--rates", default="1gbit,10gbit", help="comma-separated link rates (default 1gbit,10gbit)"
+    )
+    parser.add_argument("--delay", type=float, default=None, help="one-way latency in ms (netem)")
+    parser.add_argument("--ops", default=",".join(DEFAULT_OPS), help="comma-separated op names")
+    parser.add_argument("--num-params", type=int, default=DEFAULT_NUM_PARAMS)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median is reported)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
+    parser.add_argument("--plot", default=None, help="write a PNG of time vs link rate here")
+    parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--cleanup", action="store_true", help="remove leftovers and exit")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.ops = [o for o in args.ops.split(",") if o]
+    unknown = [o for o in args.ops if o not in OPS]
+    if unknown:
+        parser.error(f"unknown op(s) {unknown}; registered: {sorted(OPS)}")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+
+    if args.worker:
+        return _worker(args)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _netns
+
+    if not _netns.have_root():
+        print(
+            "network benchmark: needs root (and ip, tc, unshare) to build namespace hosts; skipped"
+        )
+        return 0
+    if args.cleanup:
+        removed = _netns.cleanup()
+        print(f"removed {removed}" if removed else "nothing to clean up")
+        return 0
+    hosts = [int(h) for h in args.hosts.split(",") if h]
+    rates = [_parse_rate(r) for r in args.rates.split(",") if r]
+    if any(h < 2 for h in hosts):
+        parser.error("--hosts: every host count must be at least 2")
+
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)  # unwinds through the finally blocks that tear down
+
+    signal.signal(signal.SIGTERM, on_term)
+    rows = []
+    try:
+        for k in hosts:
+            with _netns.Cluster(k) as cluster:
+                for mbit in rates:
+                    print(f"== {k} hosts, {_rate_label(mbit)}", flush=True)
+                    result = _run_config(cluster, args, mbit)
+                    base = result.get(BASELINE_OP)
+                    base = statistics.median(base["steps_s"]) if base else None
+                    for op in args.ops:
+                        med = statistics.median(result[op]["steps_s"])
+                        rows.append(
+                            {
+                                "hosts": k, "mbit": mbit, "delay_ms": args.delay, "op": op,
+                                "median_ms": 1e3 * med, "steps_s": result[op]["steps_s"],
+                                "tx_mb": result[op]["tx_bytes_per_host"] / 1e6,
+                                "bound_ms": _ring_bound_ms(op, k, args.num_params, mbit),
+                                "ratio": None if base is None else med / base,
+                            }
+                        )  # fmt: skip
+    except KeyboardInterrupt:
+        print("interrupted; namespaces removed", file=sys.stderr)
+        return 130
+    finally:
+        _netns.cleanup()  # also what an interrupted Cluster.__exit__ may have missed
+
+    print(f"\n{args.num_params / 1e6:g}M parameters, {args.steps} timed steps after {args.warmup}")
+    print(_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        _plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
