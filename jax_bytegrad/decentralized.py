@@ -154,9 +154,7 @@ def _stack_per_device(tree, mesh: Mesh, axes, rows=None):
     def place(x):
         x = np.asarray(x)
         local = np.stack([x if rows is None else rows(x, i) for i in mine])
-        return jax.make_array_from_process_local_data(
-            sharding, local, (devices, *local.shape[1:])
-        )
+        return jax.make_array_from_process_local_data(sharding, local, (devices, *local.shape[1:]))
 
     return jax.tree.map(place, tree)
 
@@ -484,19 +482,19 @@ def low_precision_decentralized_step(
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
     third = np.float32(1.0 / 3.0)
 
-    def exchange(own, w, l, r):
-        z = (w + l + r) * third - w + (own - w)
+    def exchange(own, w, left, right):
+        z = (w + left + right) * third - w + (own - w)
         q = quantize(z, block_size=block_size, implementation=impl)
-        l = l + dequantize(jax.lax.ppermute(q, ring_axis, from_left), implementation=impl)
-        r = r + dequantize(jax.lax.ppermute(q, ring_axis, from_right), implementation=impl)
+        left = left + dequantize(jax.lax.ppermute(q, ring_axis, from_left), implementation=impl)
+        right = right + dequantize(jax.lax.ppermute(q, ring_axis, from_right), implementation=impl)
         x = w + dequantize(q, implementation=impl)
-        return _missing_varying((x, x, l, r), axes)
+        return _missing_varying((x, x, left, right), axes)
 
-    def keep(own, w, l, r):
-        return _missing_varying((own, w, l, r), axes)
+    def keep(own, w, left, right):
+        return _missing_varying((own, w, left, right), axes)
 
     def per_device(state, batch):
-        params, opt_state, w, l, r = jax.tree.map(
+        params, opt_state, w, left, right = jax.tree.map(
             lambda a: a[0],
             (state.params, state.opt_state, state.weight, state.left_peer_weight,
              state.right_peer_weight),
@@ -513,14 +511,15 @@ def low_precision_decentralized_step(
         else:
             own = flat
         talk = state.step % communication_interval == 0
-        own, w, l, r = jax.lax.cond(talk, exchange, keep, own, w, l, r)
+        own, w, left, right = jax.lax.cond(talk, exchange, keep, own, w, left, right)
         if hierarchical:
             flat = jax.lax.all_gather(own, local_axis, axis=0, tiled=True)[:size]
         else:
             flat = own
         params = _unflatten(flat, params)
         new = LowPrecisionDecentralizedState(
-            *jax.tree.map(lambda a: a[None], (params, opt_state, w, l, r)), step=state.step + 1
+            *jax.tree.map(lambda a: a[None], (params, opt_state, w, left, right)),
+            step=state.step + 1,
         )
         outs = (new, loss[None])
         return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
