@@ -1,0 +1,482 @@
+"""QAdam: Adam equivalence in warm-up, the frozen phase, its traffic, replicas, checkpoints."""
+
+import importlib.util
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_all_close, assert_trees_all_equal
+
+import jax_bytegrad
+from jax_bytegrad.qadam import ScaleByQAdamState, qadam, scale_by_qadam
+
+AXES = ("node", "local")
+NODES, LOCAL = 2, 4
+DEVICES = NODES * LOCAL
+IN, OUT = 48, 40  # 1960 parameters: two quantization blocks of 1024
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax_bytegrad.make_mesh(NODES, LOCAL)
+
+
+def init_params():
+    rng = np.random.default_rng(0)
+    return {
+        "w": jnp.asarray(rng.standard_normal((IN, OUT)) * 0.1, jnp.float32),
+        "b": jnp.zeros(OUT, jnp.float32),
+    }
+
+
+def make_batches(steps, seed=1):
+    """Regression batches whose per-device slices differ, so local gradients differ too."""
+    rng = np.random.default_rng(seed)
+    true_w = rng.standard_normal((IN, OUT)).astype(np.float32)
+    out = []
+    for _ in range(steps):
+        x = rng.standard_normal((DEVICES * 4, IN)).astype(np.float32)
+        y = x @ true_w + rng.standard_normal((DEVICES * 4, OUT)).astype(np.float32)
+        out.append({"x": x, "y": y})
+    return out
+
+
+def loss_fn(params, batch):
+    pred = batch["x"] @ params["w"] + params["b"][None]
+    return jnp.mean((pred - batch["y"]) ** 2)
+
+
+@jax.jit
+def per_device_grads(params, batch):
+    """Each device's gradient, stacked: the slices ``data_parallel_step`` gives them."""
+    split = jax.tree.map(lambda x: x.reshape(DEVICES, -1, *x.shape[1:]), batch)
+    return jax.vmap(jax.grad(loss_fn), in_axes=(None, 0))(params, split)
+
+
+def zero_grad_loss(params, batch):
+    """Zero gradients: only weight decay moves the params."""
+    return jnp.float32(0.0) * loss_fn(params, batch)
+
+
+def run(mesh, tx, batches, *, params=None, state=None, loss=loss_fn, step=None, trace=False):
+    """Trains with ``data_parallel_step``; returns params, state, the step, and per-step copies.
+
+    ``params`` and ``state`` default to fresh ones; given, they must already be placed.
+    """
+    if params is None:
+        params, state = jax_bytegrad.replicate((init_params(), tx.init(init_params())), mesh)
+    step = jax_bytegrad.data_parallel_step(loss, tx, mesh, donate=False) if step is None else step
+    history = []
+    for batch in batches:
+        params, state, _ = step(params, state, jax_bytegrad.shard_batch(batch, mesh))
+        # One step in flight at a time: 8 host devices on 2 cores can otherwise starve a
+        # device thread that a collective of the running step waits for.
+        jax.block_until_ready((params, state))
+        if trace:
+            history.append(jax.device_get((params, state)))
+    return params, state, step, history
+
+
+def assert_replicas_identical(tree):
+    """Every device holds the same bits of every leaf."""
+    for leaf in jax.tree.leaves(tree):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == DEVICES
+        for shard in shards[1:]:
+            np.testing.assert_array_equal(shard, shards[0])
+
+
+def compilations(step) -> int:
+    """Entries in the jit cache of a ``data_parallel_step`` (which may wrap its jit)."""
+    return getattr(step, "jitted", step)._cache_size()
+
+
+def qadam_state(opt_state) -> ScaleByQAdamState:
+    return opt_state[0]
+
+
+# --- warm-up is Adam --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule, weight_decay",
+    [(False, 0.0), (True, 0.1)],
+    ids=["const-lr", "schedule-decay"],
+)
+def test_warmup_equals_adam_on_exact_mean_gradient(mesh, schedule, weight_decay):
+    steps = 8
+    lr = optax.linear_schedule(1e-2, 1e-3, steps) if schedule else 1e-2
+    tx = qadam(lr, warmup_steps=steps + 100, weight_decay=weight_decay)
+    batches = make_batches(steps)
+    params, state, _, _ = run(mesh, tx, batches)
+
+    # The exact mean of the per-device gradients, on one device, into plain optax.
+    ref_tx = optax.adamw(lr, weight_decay=weight_decay) if weight_decay else optax.adam(lr)
+    ref_params = init_params()
+
+    @jax.jit
+    def ref_step(params, state, grads):
+        updates, state = ref_tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    with jax.numpy_dtype_promotion("standard"):
+        ref_state = ref_tx.init(ref_params)
+        for batch in batches:
+            grads = jax.tree.map(
+                lambda g: np.asarray(g, np.float64).mean(0).astype(np.float32),
+                per_device_grads(ref_params, batch),
+            )
+            ref_params, ref_state = ref_step(ref_params, ref_state, grads)
+
+    ours = qadam_state(state)
+    assert int(ours.count) == steps
+    expected = (ref_params, ref_state[0].mu, ref_state[0].nu)
+    for leaf, ref in zip(
+        jax.tree.leaves((params, ours.mu, ours.nu)), jax.tree.leaves(expected), strict=True
+    ):
+        for shard in leaf.addressable_shards:  # every device's copy
+            np.testing.assert_allclose(np.asarray(shard.data), ref, rtol=2e-5, atol=1e-7)
+    assert_replicas_identical((params, state))
+
+
+# --- the compressed phase ---------------------------------------------------------------
+
+
+def test_second_moment_and_its_bias_correction_freeze_after_warmup(mesh):
+    warmup, steps, lr, b1, b2, eps = 3, 8, 1e-2, 0.9, 0.999, 1e-8
+    tx = qadam(lr, warmup_steps=warmup, b1=b1, b2=b2, eps=eps)
+    _, _, _, hist = run(mesh, tx, make_batches(steps), trace=True)
+    states = [qadam_state(s) for _, s in hist]
+    frozen_nu = states[warmup - 1].nu
+    assert np.any(np.asarray(states[warmup - 1].nu["w"]) != np.asarray(states[warmup - 2].nu["w"]))
+    for t in range(warmup + 1, steps + 1):
+        state = states[t - 1]
+        assert int(state.count) == t
+        assert_trees_all_equal(state.nu, frozen_nu)
+        assert not np.array_equal(state.mu["w"], states[t - 2].mu["w"])
+        # The step uses 1 - b1^t for m but 1 - b2^warmup for v. Bagua uses 1 - b2^t, a
+        # step sqrt((1 - b2^t) / (1 - b2^warmup)) times larger: up to 1.63x here.
+        prev_params, params = hist[t - 2][0], hist[t - 1][0]
+        ours = adam_step(prev_params, state.mu, frozen_nu, lr, 1 - b1**t, 1 - b2**warmup, eps)
+        assert_trees_all_close(params, ours, rtol=1e-5, atol=1e-7)
+        bagua = adam_step(prev_params, state.mu, frozen_nu, lr, 1 - b1**t, 1 - b2**t, eps)
+        assert not np.allclose(params["w"], bagua["w"], rtol=1e-5, atol=1e-7)
+
+
+def adam_step(params, mu, nu, lr, mu_correction, nu_correction, eps):
+    """``p - lr * (m / mu_correction) / (sqrt(v / nu_correction) + eps)`` in float32."""
+    mu_c, nu_c, lr, eps = (np.float32(x) for x in (mu_correction, nu_correction, lr, eps))
+    return jax.tree.map(
+        lambda p, m, v: p - lr * (m / mu_c) / (np.sqrt(v / nu_c) + eps), params, mu, nu
+    )
+
+
+def test_momentum_is_the_compressed_mean_of_local_momenta(mesh):
+    warmup, steps, b1 = 2, 4, 0.9
+    tx = qadam(1e-2, warmup_steps=warmup, b1=b1)
+    batches = make_batches(steps)
+    _, _, _, hist = run(mesh, tx, batches, trace=True)
+    for t in range(warmup + 1, steps + 1):
+        params = hist[t - 2][0]
+        prev_mu = qadam_state(hist[t - 2][1]).mu
+        grads = jax.device_get(per_device_grads(params, batches[t - 1]))
+        got = qadam_state(hist[t - 1][1]).mu
+        for name in ("w", "b"):
+            stacked = b1 * np.asarray(prev_mu[name], np.float64)[None] + (1 - b1) * np.asarray(
+                grads[name], np.float64
+            )
+            exact = stacked.mean(0)
+            # 8-bit codes: each element within a few quantization steps of the exact mean.
+            step = (stacked.max() - stacked.min()) / 255
+            err = np.abs(np.asarray(got[name], np.float64) - exact)
+            assert err.max() <= 4 * step, (name, err.max(), step)
+            assert err.max() > 0  # it really was quantized
+
+
+# --- what crosses the network -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled_step(mesh):
+    """The compiled ``data_parallel_step`` of qadam: both phases in one program."""
+    tx = qadam(1e-2, warmup_steps=5)
+    params = jax_bytegrad.replicate(init_params(), mesh)
+    state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
+    batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
+    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    return step.lower(params, state, batch).compile()
+
+
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_COLLECTIVE_RE = re.compile(
+    r"=\s*(?P<shape>.*?)\s+(?P<op>all-reduce|all-gather|all-to-all|reduce-scatter|"
+    r"collective-permute)(?:-start)?\((?P<rest>.*)$"
+)
+_ARRAY_RE = re.compile(r"\b(u8|s8|f32|bf16|f16|s32)\[([\d,]*)\]")
+_BYTES = {"u8": 1, "s8": 1, "f32": 4, "bf16": 2, "f16": 2, "s32": 4}
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """HLO text split into {computation name: body lines}, and the ENTRY's name."""
+    comps, entry, name = {}, None, None
+    for line in hlo.splitlines():
+        match = _COMPUTATION_RE.match(line)
+        if match and not line[0].isspace():
+            name = match.group(1)
+            comps[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name is not None:
+            comps[name].append(line)
+    return comps, entry
+
+
+def _reachable(comps, root):
+    """``root`` and every computation it calls (fusions, reducers, nested branches)."""
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            todo += [c for c in re.findall(r"%([\w.\-]+)", line) if c in comps and c != name]
+    return seen
+
+
+def _collectives(comps, names):
+    """(op, crosses nodes, {dtype: result bytes}) for every collective in ``names``."""
+    out = []
+    for name in names:
+        for line in comps[name]:
+            match = _COLLECTIVE_RE.search(line)
+            if match is None:
+                continue
+            groups = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", match.group("rest"))
+            if groups is None:  # iota form or all devices: treat as crossing nodes
+                crosses = True
+            else:
+                members = [
+                    [int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", groups[1])
+                ]
+                # make_mesh puts device i at (node, local) = divmod(i, LOCAL).
+                crosses = any(len({d // LOCAL for d in g}) > 1 for g in members)
+            nbytes = {}
+            for dtype, dims in _ARRAY_RE.findall(match.group("shape")):
+                size = int(np.prod([int(d) for d in dims.split(",") if d]))
+                nbytes[dtype] = nbytes.get(dtype, 0) + size * _BYTES[dtype]
+            out.append((match.group("op"), crosses, nbytes))
+    return out
+
+
+def test_compressed_phase_sends_only_8bit_momentum_between_nodes(compiled_step):
+    """Inspects the branches of the one conditional in the compiled train step.
+
+    Both phases compile into one program, so counting collectives over the whole module
+    would mix them. Instead the HLO is split into computations: the ENTRY holds the
+    ``conditional`` whose ``branch_computations`` are the two phases. Each branch's
+    collectives are read from it and every computation it calls; the ENTRY's own
+    collectives (outside the conditional) run in both phases. Which branch is which is
+    told by content, not by position, so XLA may reorder them.
+    """
+    comps, entry = _computations(compiled_step.as_text())
+
+    conditionals = [
+        re.search(r"branch_computations=\{([^}]*)\}", line)
+        or re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line)
+        for line in comps[entry]
+        if " conditional(" in line
+    ]
+    assert len(conditionals) == 1, "expected both phases in one conditional"
+    match = conditionals[0]
+    branches = (
+        [b.strip().lstrip("%") for b in match.group(1).split(",")]
+        if match.lastindex == 1
+        else [match.group(1), match.group(2)]
+    )
+    assert len(branches) == 2
+    in_branch = {b: _reachable(comps, b) for b in branches}
+    per_branch = {b: _collectives(comps, names) for b, names in in_branch.items()}
+    compressed = [b for b in branches if any("u8" in c[2] for c in per_branch[b])]
+    assert len(compressed) == 1, "exactly one branch should carry uint8 codes"
+    (compressed,) = compressed
+    (warmup,) = [b for b in branches if b != compressed]
+    n_params = IN * OUT + OUT
+
+    # Warm-up: a float32 all-reduce of the whole gradient between nodes, no codes.
+    warm = per_branch[warmup]
+    assert all("u8" not in c[2] for c in warm)
+    warm_f32_node = sum(c[2].get("f32", 0) for c in warm if c[0] == "all-reduce" and c[1])
+    assert warm_f32_node >= 4 * n_params / LOCAL  # hierarchical: each device sends 1/L
+
+    # Compressed: no all-reduce at all; between nodes only uint8 codes and their headers.
+    comp = per_branch[compressed]
+    assert not [c for c in comp if c[0] == "all-reduce"]
+    node = [c for c in comp if c[1]]
+    assert {c[0] for c in node} == {"all-to-all", "all-gather"}
+    u8 = sum(c[2].get("u8", 0) for c in node)
+    f32 = sum(c[2].get("f32", 0) for c in node)
+    assert u8 >= n_params / LOCAL  # each device's 1/L shard of the momentum, as codes
+    assert f32 <= u8 * 8 / 1024 * 1.01  # headers: 8 bytes per 1024-element block
+
+    # Outside the conditional, in both phases: only the scalar loss mean.
+    outside = set(comps) - set().union(*in_branch.values())
+    for op, _, nbytes in _collectives(comps, outside):
+        assert op == "all-reduce" and nbytes == {"f32": 4}, (op, nbytes)
+
+
+def test_communication_stats_show_uint8_between_nodes(compiled_step, mesh):
+    stats_module = pytest.importorskip("jax_bytegrad.stats")
+    stats = stats_module.communication_stats(compiled_step, mesh=mesh)
+    # The whole program holds both phases: float32 for warm-up, uint8 codes after it.
+    kinds = {(r.kind, r.axes, r.dtype) for r in stats.rows}
+    assert ("all-to-all", "node", "u8") in kinds
+    assert ("all-gather", "node", "u8") in kinds
+    assert any(r.kind == "all-reduce" and r.dtype == "f32" and "node" in r.axes for r in stats.rows)
+
+
+# --- replicas, decay, schedule, no recompilation -----------------------------------------
+
+
+@pytest.mark.parametrize("hierarchical", [True, False], ids=["hier", "flat"])
+def test_replicas_bit_identical_after_50_steps_without_recompiling(mesh, hierarchical):
+    tx = qadam(1e-2, warmup_steps=10, weight_decay=0.01, hierarchical=hierarchical)
+    params, state, step, _ = run(mesh, tx, make_batches(50))
+    assert int(qadam_state(state).count) == 50
+    assert_replicas_identical((params, state))
+    assert compilations(step) == 1  # the phase switch at step 11 did not recompile
+    for leaf in jax.tree.leaves((params, state)):
+        assert leaf.sharding.is_fully_replicated
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["const-lr", "schedule"])
+def test_weight_decay_applies_in_both_phases_with_the_lr_schedule(mesh, schedule):
+    """Zero gradients leave only decoupled decay: p <- p - lr_t * wd * p, every step."""
+    warmup, steps, wd = 2, 6, 0.5
+    lr = (lambda count: 0.01 * (count + 1).astype(jnp.float32)) if schedule else 0.01
+    tx = qadam(lr, warmup_steps=warmup, weight_decay=wd)
+    params, state, _, hist = run(mesh, tx, make_batches(steps), loss=zero_grad_loss, trace=True)
+    expected = jax.device_get(jax.tree.map(np.asarray, init_params()))
+    for t in range(1, steps + 1):
+        lr_t = np.float32(0.01 * t if schedule else 0.01)
+        expected = jax.tree.map(lambda p, lr_t=lr_t: p + (-lr_t) * (np.float32(wd) * p), expected)
+        assert_trees_all_close(hist[t - 1][0], expected, rtol=1e-6, atol=0)
+    assert int(qadam_state(state).count) == steps > warmup
+
+
+# --- errors ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, bad",
+    [
+        (dict(warmup_steps=0), "0"),
+        (dict(warmup_steps=-3), "-3"),
+        (dict(warmup_steps=2.5), "2.5"),
+        (dict(warmup_steps=True), "True"),
+        (dict(warmup_steps=10, b1=1.0), "1.0"),
+        (dict(warmup_steps=10, b2=-0.1), "-0.1"),
+        (dict(warmup_steps=10, eps=-1e-8), "-1e-08"),
+        (dict(warmup_steps=10, block_size=100), "100"),
+        (dict(warmup_steps=10, node_axis="x", local_axis="x"), "'x'"),
+        (dict(warmup_steps=10, bucket_bytes=0), "0"),
+        (dict(warmup_steps=10, weight_decay=-1.0), "-1.0"),
+        (dict(learning_rate="fast", warmup_steps=10), "'fast'"),
+    ],
+    ids=lambda v: None if isinstance(v, dict) else v,
+)
+def test_bad_arguments_raise_at_build_time(kwargs, bad):
+    kwargs = {"learning_rate": 1e-3, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(bad)):
+        qadam(**kwargs)
+
+
+def test_warmup_steps_is_required_and_positive():
+    with pytest.raises(ValueError, match="warmup_steps must be an int in \\[1, "):
+        scale_by_qadam(warmup_steps=0)
+    with pytest.raises(TypeError):
+        scale_by_qadam()  # keyword-only, no default: warm-up length is a real decision
+
+
+@pytest.mark.parametrize(
+    "first", [jax_bytegrad.bytegrad, jax_bytegrad.gradient_allreduce], ids=["bytegrad", "allreduce"]
+)
+def test_chaining_after_an_averaging_transform_raises(mesh, first):
+    tx = optax.chain(first(), qadam(1e-2, warmup_steps=5))
+    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    params = jax_bytegrad.replicate(init_params(), mesh)
+    state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
+    batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
+    with pytest.raises(ValueError, match="would communicate twice") as info:
+        step(params, state, batch)
+    assert "['w']" in str(info.value) and "qadam(...) as the whole optimizer" in str(info.value)
+
+
+def test_outside_shard_map_raises():
+    tx = qadam(1e-2, warmup_steps=5)
+    params = init_params()
+    with pytest.raises(ValueError, match="must run inside jax.shard_map"):
+        tx.update(params, tx.init(params), params)
+
+
+# --- checkpoints across the phase switch -----------------------------------------------
+
+
+def test_checkpoint_before_switch_restores_bit_exactly(mesh, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    warmup, stop, steps = 4, 3, 9
+    tx = qadam(optax.linear_schedule(1e-2, 1e-3, steps), warmup_steps=warmup, weight_decay=0.01)
+    batches = make_batches(steps)
+    straight_params, straight_state, step, _ = run(mesh, tx, batches)
+
+    params, state, _, _ = run(mesh, tx, batches[:stop], step=step)
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, {"params": params, "opt_state": state})
+        ckptr.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": state})
+    del params, state
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path, abstract)
+    assert int(qadam_state(restored["opt_state"]).count) == stop < warmup
+    params, state, _, _ = run(
+        mesh,
+        tx,
+        batches[stop:],
+        params=restored["params"],
+        state=restored["opt_state"],
+        step=step,
+    )
+    assert int(qadam_state(state).count) == steps > warmup
+    assert_trees_all_equal((params, state), (straight_params, straight_state))
+    assert compilations(step) == 1
+
+
+# --- convergence ------------------------------------------------------------------------
+
+
+def _load_benchmark():
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "qadam_convergence.py"
+    spec = importlib.util.spec_from_file_location("qadam_convergence", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_converges_like_adam_on_a_small_transformer_lm(mesh):
+    """A byte-level 2-layer transformer (d=64, context 64) on stdlib source, 2 x 4 devices."""
+    bench = _load_benchmark()
+    steps = 150
+    adam_losses, adam_val = bench.train("adam", steps=steps, mesh=mesh)
+    qadam_losses, qadam_val = bench.train("qadam", steps=steps, warmup_frac=0.2, mesh=mesh)
+    assert adam_losses[0] > 5.0 and adam_val < 3.2, "the baseline did not learn"
+    # Identical batches and initialisation: warm-up is Adam, so the curves agree there.
+    np.testing.assert_allclose(qadam_losses[:29], adam_losses[:29], rtol=1e-3)
+    assert abs(qadam_val - adam_val) <= 0.05 * adam_val, (qadam_val, adam_val)
+    tail = slice(steps - 20, steps)
+    assert np.mean(qadam_losses[tail]) <= 1.05 * np.mean(adam_losses[tail])
