@@ -2,6 +2,8 @@
 
 from jax_bytegrad.collectives import compressed_mean as compressed_mean
 from jax_bytegrad.collectives import full_precision_mean as full_precision_mean
+from jax_bytegrad.distributed import DistributedInfo as DistributedInfo
+from jax_bytegrad.distributed import initialize as initialize
 from jax_bytegrad.parallel import data_parallel_step as data_parallel_step
 from jax_bytegrad.parallel import make_mesh as make_mesh
 from jax_bytegrad.parallel import replicate as replicate
@@ -22,6 +24,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ByteGradState",
     "CommunicationStats",
+    "DistributedInfo",
     "QuantizedArray",
     "bytegrad",
     "communication_stats",
@@ -30,6 +33,7 @@ __all__ = [
     "dequantize",
     "full_precision_mean",
     "gradient_allreduce",
+    "initialize",
     "make_mesh",
     "quantize",
     "replicate",

@@ -198,13 +198,40 @@ def data_parallel_step(
     )
 
     def step(params, opt_state, batch):
-        for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-            if jnp.ndim(leaf) == 0 or leaf.shape[0] % devices:
-                raise ValueError(
-                    f"data_parallel_step: batch leaf {jax.tree_util.keystr(path)} has shape "
-                    f"{jnp.shape(leaf)}; its leading dimension must be a multiple of the "
-                    f"{devices} devices of the mesh"
-                )
+        _check_batch(batch, devices)
         return sharded(params, opt_state, batch)
 
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    # Inputs are placed before the call: the first call (host arrays) and the later ones
+    # (this step's own committed outputs) then hit the same compiled program; jit alone
+    # compiles once for uncommitted and once for committed arguments.
+    shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P()), NamedSharding(mesh, P(axes)))
+    jitted = jax.jit(
+        step,
+        in_shardings=shardings,
+        out_shardings=shardings[0],
+        donate_argnums=(0, 1) if donate else (),
+    )
+    return _PlacedStep(jitted, shardings)
+
+
+def _check_batch(batch, devices: int) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
+            raise ValueError(
+                f"data_parallel_step: batch leaf {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(leaf)}; its leading dimension must be a multiple of the "
+                f"{devices} devices of the mesh"
+            )
+
+
+class _PlacedStep:
+    """A jitted step that places its arguments on the mesh first; ``lower`` as in jit."""
+
+    def __init__(self, jitted, shardings):
+        self.jitted = jitted
+        self.shardings = shardings
+        self.lower = jitted.lower
+
+    def __call__(self, params, opt_state, batch):
+        _check_batch(batch, self.shardings[2].mesh.size)
+        return self.jitted(*jax.device_put((params, opt_state, batch), self.shardings))

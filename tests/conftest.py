@@ -10,9 +10,20 @@ if "xla_force_host_platform_device_count" not in _flags:
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+@pytest.fixture
+def strict_dtypes():
+    """Strict dtype promotion for tests of this library's own numerics.
+
+    Not global: optax and Flax rely on standard promotion (optax's Adam raises a float to an
+    int32 power), so strict mode is applied where the code under test is ours alone.
+    """
+    with jax.numpy_dtype_promotion("strict"):
+        yield
 
 
 def assert_trees_all_close(actual, expected, *, rtol=0.0, atol=0.0):

@@ -9,6 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 
+pytestmark = pytest.mark.usefixtures("strict_dtypes")
+
 AXES = ("node", "local")
 MESHES = [(2, 4), (4, 2), (8, 1), (1, 8), (3, 2)]
 MESH_IDS = ["2x4", "4x2", "8x1", "1x8", "3x2"]

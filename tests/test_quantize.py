@@ -13,6 +13,7 @@ from jax_bytegrad.quantize import (
     resolve_implementation,
 )
 
+pytestmark = pytest.mark.usefixtures("strict_dtypes")
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = [
     "xla",

@@ -1,0 +1,244 @@
+"""data_parallel_step and make_mesh: replicas, compilation, HLO traffic, Flax NNX, convergence."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from sklearn.datasets import load_digits
+
+import jax_bytegrad
+
+AXES = ("node", "local")
+
+
+class MLP(nnx.Module):
+    def __init__(self, hidden: int, *, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(64, hidden, rngs=rngs)
+        self.out = nnx.Linear(hidden, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(jax.nn.relu(self.hidden(x)))
+
+
+@functools.cache
+def digits():
+    """sklearn's handwritten digits (shipped with the package): fixed 70/30 split."""
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    y = data.target.astype(np.int32)
+    order = np.random.default_rng(0).permutation(len(x))
+    x, y = x[order], y[order]
+    cut = int(0.7 * len(x))
+    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+
+def nnx_loss(graphdef, rest):
+    def loss_fn(params, batch):
+        model = nnx.merge(graphdef, params, rest)
+        logits = model(batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+
+    return loss_fn
+
+
+def batches(steps, batch_size, seed=0):
+    (x, y), _ = digits()
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        idx = rng.choice(len(x), batch_size, replace=False)
+        yield {"x": x[idx], "y": y[idx]}
+
+
+def train(optimizer, *, steps, hidden=32, mesh_shape=(2, 4), batch_size=128):
+    mesh = jax_bytegrad.make_mesh(*mesh_shape)
+    graphdef, params, rest = nnx.split(MLP(hidden, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    step = jax_bytegrad.data_parallel_step(nnx_loss(graphdef, rest), optimizer, mesh, has_aux=True)
+    opt_state = optimizer.init(params)
+    losses = []
+    for batch in batches(steps, batch_size):
+        params, opt_state, loss, _ = step(params, opt_state, batch)
+        losses.append(float(loss))
+    return graphdef, params, rest, losses, step
+
+
+def held_out_accuracy(graphdef, params, rest):
+    _, (x, y) = digits()
+    logits = nnx.merge(graphdef, params, rest)(jnp.asarray(x))
+    return float(jnp.mean(jnp.argmax(logits, -1) == y))
+
+
+def assert_replicas_bit_identical(tree):
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == 8
+        for other in shards[1:]:
+            np.testing.assert_array_equal(other, shards[0])
+
+
+def test_replicas_bit_identical_after_20_steps():
+    tx = optax.chain(jax_bytegrad.bytegrad(block_size=256), optax.adam(1e-2))
+    _, params, _, losses, _ = train(tx, steps=20)
+    assert_replicas_bit_identical(params)
+    assert losses[-1] < losses[0]
+
+
+def test_second_step_does_not_recompile():
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-2))
+        train(tx, steps=1)
+        after_first = len(compiles)
+        train(tx, steps=3)  # a fresh step function: first call compiles, then none
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert after_first >= 1
+    assert len(compiles) - after_first <= after_first  # steps 2 and 3 compiled nothing
+
+
+def compiled_stats(tx):
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    graphdef, params, rest = nnx.split(MLP(512, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    step = jax_bytegrad.data_parallel_step(
+        nnx_loss(graphdef, rest), tx, mesh, has_aux=True, donate=False
+    )
+    batch = next(batches(1, 64))
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    return jax_bytegrad.communication_stats(step, params, tx.init(params), batch), grad_bytes
+
+
+def test_bytegrad_step_has_no_float32_gradient_all_reduce():
+    stats, grad_bytes = compiled_stats(optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-3)))
+    big_reductions = [
+        row
+        for row in stats.rows
+        if row.kind == "all-reduce" and row.payload_bytes >= grad_bytes / 8
+    ]
+    assert not big_reductions, str(stats)
+    # The gradient does cross nodes, as uint8 codes.
+    assert any(row.dtype == "u8" and "node" in row.axes for row in stats.rows), str(stats)
+
+
+def test_inter_node_bytes_at_most_026_of_gradient_allreduce():
+    bytegrad, grad_bytes = compiled_stats(optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-3)))
+    baseline, _ = compiled_stats(optax.chain(jax_bytegrad.gradient_allreduce(), optax.adam(1e-3)))
+    ratio = bytegrad.bytes_on("node") / baseline.bytes_on("node")
+    assert baseline.bytes_on("node") >= grad_bytes  # the baseline really moves the gradient
+    assert ratio <= 0.26, f"{ratio=}\n{bytegrad}\n{baseline}"
+
+
+def test_unsynchronized_optimizer_raises_clear_error():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.sum(b @ w), optax.sgd(0.1), mesh)
+    with pytest.raises(ValueError, match="put jax_bytegrad.bytegrad\\(\\)"):
+        step(jnp.ones(3), optax.sgd(0.1).init(jnp.ones(3)), jnp.ones((8, 3)))
+
+
+def test_batch_that_does_not_split_raises_clear_error():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
+    step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.sum(b @ w), tx, mesh)
+    with pytest.raises(ValueError, match=r"leading dimension must be a multiple of the 8"):
+        step(jnp.ones(3), tx.init(jnp.ones(3)), jnp.ones((12, 3)))
+
+
+def test_data_parallel_step_rejects_unknown_axis():
+    with pytest.raises(ValueError, match="axis 'hosts' is not in the mesh axes"):
+        jax_bytegrad.data_parallel_step(
+            lambda w, b: 0.0, optax.sgd(0.1), jax_bytegrad.make_mesh(2, 4), node_axis="hosts"
+        )
+
+
+def test_plain_pytree_params_and_loss_is_device_mean():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    tx = optax.chain(jax_bytegrad.gradient_allreduce(), optax.sgd(0.5))
+    step = jax_bytegrad.data_parallel_step(
+        lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, mesh, donate=False
+    )
+    params = {"w": jnp.ones((4, 1)), "b": jnp.zeros((1, 1))}
+    batch = jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)), jnp.float32)
+    new_params, _, loss = step(params, tx.init(params), batch)
+    exact_loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p["w"] + p["b"]) ** 2))(
+        params
+    )
+    np.testing.assert_allclose(float(loss), float(exact_loss), rtol=1e-5)
+    np.testing.assert_allclose(
+        new_params["w"], params["w"] - 0.5 * grads["w"], rtol=1e-5, atol=1e-6
+    )
+
+
+def test_nnx_optimizer_in_a_hand_written_shard_map_step():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    model = MLP(16, rngs=nnx.Rngs(1))
+    optimizer = nnx.Optimizer(
+        model, optax.chain(jax_bytegrad.bytegrad(block_size=256), optax.adam(1e-2)), wrt=nnx.Param
+    )
+    graphdef, state = nnx.split((model, optimizer))
+
+    def per_device(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        model_def, params, rest = nnx.split(model, nnx.Param, ...)
+        # Per-device gradients: see data_parallel_step on the hidden all-reduce.
+        varying = jax.lax.pcast(params, AXES, to="varying")
+        grads, _ = jax.grad(nnx_loss(model_def, rest), has_aux=True)(varying, batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    step = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(AXES)), out_specs=P()))
+    (x, y), _ = digits()
+
+    def full_loss(state):
+        model, _ = nnx.merge(graphdef, state)
+        logits = model(x)
+        return float(optax.softmax_cross_entropy_with_integer_labels(logits, y).mean())
+
+    before = full_loss(state)
+    for batch in batches(30, 128, seed=1):
+        state = step(state, batch)
+    assert full_loss(state) < 0.7 * before
+    assert_replicas_bit_identical(state)
+
+
+@pytest.mark.slow
+def test_bytegrad_accuracy_within_one_point_of_gradient_allreduce():
+    accuracies = {}
+    for name, sync in (
+        ("allreduce", jax_bytegrad.gradient_allreduce()),
+        ("bytegrad", jax_bytegrad.bytegrad(block_size=256)),
+    ):
+        graphdef, params, rest, losses, _ = train(
+            optax.chain(sync, optax.adam(3e-3)), steps=300, hidden=64
+        )
+        accuracies[name] = held_out_accuracy(graphdef, params, rest)
+    assert accuracies["allreduce"] > 0.9, accuracies
+    assert abs(accuracies["bytegrad"] - accuracies["allreduce"]) <= 0.01, accuracies
+
+
+@pytest.mark.parametrize(
+    "args,shape", [((2, 4), (2, 4)), ((4, None), (4, 2)), ((None, 2), (4, 2)), ((), (1, 8))]
+)
+def test_make_mesh_shapes(args, shape):
+    mesh = jax_bytegrad.make_mesh(*args)
+    assert mesh.axis_names == AXES and tuple(mesh.devices.shape) == shape
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [((3, 4), "needs 12 devices, but only 8"), ((0, 2), "positive int"), ((3,), "do not split")],
+)
+def test_make_mesh_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        jax_bytegrad.make_mesh(*args)
