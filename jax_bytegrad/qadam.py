@@ -176,7 +176,6 @@ def scale_by_qadam(
     collectives._check_bucket_bytes(bucket_bytes, where)
     if implementation is not None:
         resolve_implementation(implementation)
-    frozen_count = jnp.int32(warmup_steps)
 
     def init_fn(params):
         return ScaleByQAdamState(
@@ -185,16 +184,15 @@ def scale_by_qadam(
             nu=optax.tree.zeros_like(params),
         )
 
-    def warmup(updates, mu, nu, count_inc):
+    def warmup(updates, mu, nu):
         grads = collectives.full_precision_mean(
             updates, node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical
         )
         mu = optax.tree.update_moment(grads, mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
-        return mu, nu, _bias_correction(nu, b2, count_inc)
+        return mu, nu
 
-    def compressed(updates, mu, nu, count_inc):
-        del count_inc
+    def compressed(updates, mu, nu):
         local_mu = optax.tree.update_moment(updates, mu, b1, 1)
         mu = collectives.compressed_mean(
             local_mu,
@@ -205,25 +203,20 @@ def scale_by_qadam(
             bucket_bytes=bucket_bytes,
             implementation=implementation,
         )
-        # Bagua keeps raising the bias correction with t while v stays put, which inflates
-        # the step by up to 1/sqrt(1 - b2^warmup_steps); keep both as they were.
-        return mu, nu, _bias_correction(nu, b2, frozen_count)
+        return mu, nu
 
     def update_fn(updates, state, params=None):
         del params
         collectives.axis_sizes(node_axis, local_axis, where)
         _check_per_device(updates, node_axis, local_axis, where)
         count_inc = optax.safe_increment(state.count)
-        mu, nu, nu_hat = jax.lax.cond(
-            count_inc <= warmup_steps,
-            warmup,
-            compressed,
-            updates,
-            state.mu,
-            state.nu,
-            count_inc,
+        mu, nu = jax.lax.cond(
+            count_inc <= warmup_steps, warmup, compressed, updates, state.mu, state.nu
         )
         mu_hat = _bias_correction(mu, b1, count_inc)
+        # v froze at step warmup_steps, and so does its correction. Bagua keeps raising the
+        # correction with t, which inflates the step by up to 1/sqrt(1 - b2^warmup_steps).
+        nu_hat = _bias_correction(nu, b2, jnp.minimum(count_inc, warmup_steps))
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         nu = optax.tree.cast_like(nu, state.nu)
         return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu)
