@@ -1,0 +1,35 @@
+"""The training of train.py, unchanged on one process or on N: one node per process.
+
+    # One process: one node of this machine's devices.
+    python examples/multihost.py --algorithm bytegrad
+
+    # Two processes on one machine, 4 CPU devices each: a 2 x 4 mesh whose "node" hop
+    # crosses processes (Gloo over TCP).
+    python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 \\
+        examples/multihost.py --algorithm bytegrad
+
+    # A SLURM cluster, one task per host (GPU or CPU): JAX reads the layout from SLURM.
+    srun python examples/multihost.py --algorithm bytegrad
+
+``jax_bytegrad.initialize()`` runs first, before anything touches a device. ``make_mesh()``
+then makes each process a node, every process draws the same global batch and feeds only
+its own rows (``jax_bytegrad.shard_batch``), the parameters start identical everywhere
+(``jax_bytegrad.replicate``), and only process 0 prints.
+"""
+
+import os
+import sys
+
+import jax_bytegrad
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train  # noqa: E402
+
+
+def main(argv=None) -> None:
+    jax_bytegrad.initialize()
+    train.run(train.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

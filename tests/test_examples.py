@@ -1,0 +1,102 @@
+"""The examples train for real: every algorithm learns, and ByteGrad cuts inter-node bytes ~4x.
+
+Short runs of examples/train.py on the 2 x 4 CPU mesh of conftest.py (8 devices), in-process,
+plus the command line once and the multi-process script under the local launcher.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+sys.path.insert(0, EXAMPLES)
+import train  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# Compressed algorithms: <= 0.25 x float32 for the codes, + 0.8% headers + bucket padding.
+COMPRESSED = ("bytegrad", "qadam", "low_precision_decentralized")
+MAX_RATIO = 0.26
+
+
+def _check(results, *, min_accuracy: float, max_test_loss: float) -> None:
+    by_name = {r.algorithm: r for r in results}
+    assert set(by_name) == set(train.ALGORITHMS)
+    for r in results:
+        head, tail = np.mean(r.losses[:3]), np.mean(r.losses[-3:])
+        assert tail < head, f"{r.algorithm}: loss went {head:.4f} -> {tail:.4f}"
+        assert r.test_accuracy > min_accuracy, f"{r.algorithm}: accuracy {r.test_accuracy:.3f}"
+        assert r.test_loss < max_test_loss, f"{r.algorithm}: test loss {r.test_loss:.4f}"
+        assert r.node_bytes > 0
+    baseline = by_name["gradient_allreduce"].node_bytes
+    for name in COMPRESSED:
+        if name in by_name:
+            ratio = by_name[name].node_bytes / baseline
+            assert ratio <= MAX_RATIO, f"{name}: {ratio:.3f}x gradient_allreduce's node bytes"
+
+
+@pytest.fixture(scope="module")
+def cnn_results():
+    config = train.Config(model="cnn", steps=40, nodes=2, devices_per_node=4, progress=False)
+    return train.compare(config)
+
+
+def test_cnn_digits_every_algorithm(cnn_results):
+    # Chance is 10%; 40 steps of batch 128 reach ~85%.
+    _check(cnn_results, min_accuracy=0.5, max_test_loss=1.5)
+
+
+def test_compare_outputs(cnn_results, tmp_path):
+    table = train.results_table(cnn_results)
+    assert table.count("\n") == len(cnn_results) + 1
+    assert "| bytegrad |" in table
+    train.plot_losses(cnn_results, str(tmp_path / "loss.png"), "cnn")
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_transformer_pysource_every_algorithm():
+    config = train.Config(
+        model="transformer", steps=12, batch_size=32, nodes=2, devices_per_node=4, progress=False
+    )
+    # Uniform guessing over 256 bytes is ln 256 = 5.55 nats and 0.4% accuracy.
+    _check(train.compare(config), min_accuracy=0.1, max_test_loss=0.8 * math.log(256))
+
+
+def _run(args, tmp_path, timeout=300):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_command_line(tmp_path):
+    # The script sets XLA_FLAGS itself, for its default 2 x 4 simulated mesh.
+    script = os.path.join(EXAMPLES, "train.py")
+    proc = _run([script, "--algorithm", "bytegrad", "--steps", "3"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh {'node': 2, 'local': 4}" in proc.stdout
+    assert "| bytegrad |" in proc.stdout
+    assert "all-to-all" in proc.stdout  # the communication table of the compiled step
+
+
+def test_multihost_two_processes(tmp_path):
+    script = os.path.join(EXAMPLES, "multihost.py")
+    args = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2"]
+    args += ["--timeout", "240", script, "--algorithm", "bytegrad", "--steps", "5"]
+    proc = _run([*args, "--no-progress", "--batch-size", "32"], tmp_path)
+    if proc.returncode != 0 and "gloo" in proc.stderr.lower() and "address" in proc.stderr.lower():
+        pytest.skip(f"two processes cannot reach each other over Gloo here: {proc.stderr[-500:]}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "mesh {'node': 2, 'local': 2} on 2 process(es)" in proc.stdout
+    # Only process 0 prints the table.
+    assert proc.stdout.count("| bytegrad |") == 1
