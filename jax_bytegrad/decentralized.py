@@ -21,6 +21,7 @@ peer that changes each round (``"shift_one"``, through ``ppermute``). With
 every step, and only nodes gossip with each other. See docs/decentralized.md.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -227,7 +228,8 @@ class DecentralizedState(NamedTuple):
     Attributes:
       params: per-device parameters, stacked on a leading device axis.
       opt_state: per-device optimizer state, stacked likewise.
-      step: int32 step counter, the same on every device.
+      step: the step count, a host int: it picks the program (communication round or
+        local step) without a device round trip.
     """
 
     params: optax.Params
@@ -330,41 +332,62 @@ def decentralized_step(
             branches.append(mix_pairs)
     rounds = len(branches) - 1
 
-    def per_device(state, batch):
+    def per_device(state, batch, *, branch):
         params, opt_state = jax.tree.map(lambda a: a[0], (state.params, state.opt_state))
         out, grads = grad_fn(params, batch)
         loss, aux = out if has_aux else (out, None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        talk = state.step % communication_interval == 0
-        index = jnp.where(talk, 1 + (state.step // communication_interval) % rounds, 0)
-        mixed = jax.lax.switch(index, branches, params)
-        params = optax.apply_updates(mixed, updates)
-        new = DecentralizedState(
-            *jax.tree.map(lambda a: a[None], (params, opt_state)), step=state.step + 1
-        )
+        params = optax.apply_updates(branches[branch](params), updates)
+        new = DecentralizedState(*jax.tree.map(lambda a: a[None], (params, opt_state)), step=None)
         outs = (new, loss[None])
         return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
 
-    state_specs = DecentralizedState(P(axes), P(axes), P())
-    out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
-    sharded = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(state_specs, P(axes)), out_specs=out_specs
-    )
-    jitted = jax.jit(sharded, donate_argnums=(0,) if donate else ())
+    # One program per communication round (and one without communication), chosen on the
+    # host from the step count: collectives inside lax.switch can deadlock XLA:CPU's
+    # thread pool, and a local step then compiles without any collective at all.
+    programs = {}
+
+    def program(branch: int):
+        if branch not in programs:
+            state_specs = DecentralizedState(P(axes), P(axes), None)
+            out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
+            programs[branch] = jax.jit(
+                jax.shard_map(
+                    functools.partial(per_device, branch=branch),
+                    mesh=mesh,
+                    in_specs=(state_specs, P(axes)),
+                    out_specs=out_specs,
+                ),
+                donate_argnums=(0,) if donate else (),
+            )
+        return programs[branch]
+
+    def branch_of(step_count: int) -> int:
+        if step_count % communication_interval:
+            return 0
+        return 1 + (step_count // communication_interval) % rounds
 
     def init(params) -> DecentralizedState:
         _check_float_params(params, where)
         return DecentralizedState(
             params=_stack_per_device(params, mesh, axes),
             opt_state=_stack_per_device(optimizer.init(params), mesh, axes),
-            step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
+            step=0,
         )
+
+    def run(state: DecentralizedState, batch, method):
+        count = int(state.step)
+        fn = program(branch_of(count))
+        if method is not None:
+            return getattr(fn, method)(state._replace(step=None), batch)
+        out = fn(state._replace(step=None), batch)
+        return (out[0]._replace(step=count + 1), *out[1:])
 
     def step(state: DecentralizedState, batch):
         _check_batch(batch, devices, where)
-        return jitted(state, batch)
+        return run(state, batch, None)
 
-    step.lower = jitted.lower
+    step.lower = lambda state, batch: run(state, batch, "lower")
     return DecentralizedTrainStep(init=init, step=step)
 
 
@@ -385,7 +408,8 @@ class LowPrecisionDecentralizedState(NamedTuple):
       weight: ``w``, this device's part of its weights after the last exchange.
       left_peer_weight: ``l``, the replica of the left ring neighbour's ``weight``.
       right_peer_weight: ``r``, the replica of the right ring neighbour's ``weight``.
-      step: int32 step counter, the same on every device.
+      step: the step count, a host int: it picks the program (communication round or
+        local step) without a device round trip.
     """
 
     params: optax.Params
@@ -493,7 +517,7 @@ def low_precision_decentralized_step(
     def keep(own, w, left, right):
         return _missing_varying((own, w, left, right), axes)
 
-    def per_device(state, batch):
+    def per_device(state, batch, *, talk):
         params, opt_state, w, left, right = jax.tree.map(
             lambda a: a[0],
             (state.params, state.opt_state, state.weight, state.left_peer_weight,
@@ -510,26 +534,34 @@ def low_precision_decentralized_step(
             own = own / np.float32(local)
         else:
             own = flat
-        talk = state.step % communication_interval == 0
-        own, w, left, right = jax.lax.cond(talk, exchange, keep, own, w, left, right)
+        own, w, left, right = (exchange if talk else keep)(own, w, left, right)
         if hierarchical:
             flat = jax.lax.all_gather(own, local_axis, axis=0, tiled=True)[:size]
         else:
             flat = own
         params = _unflatten(flat, params)
         new = LowPrecisionDecentralizedState(
-            *jax.tree.map(lambda a: a[None], (params, opt_state, w, left, right)),
-            step=state.step + 1,
+            *jax.tree.map(lambda a: a[None], (params, opt_state, w, left, right)), step=None
         )
         outs = (new, loss[None])
         return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
 
-    state_specs = LowPrecisionDecentralizedState(*([P(axes)] * 5), P())
-    out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
-    sharded = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(state_specs, P(axes)), out_specs=out_specs
-    )
-    jitted = jax.jit(sharded, donate_argnums=(0,) if donate else ())
+    programs = {}
+
+    def program(talk: bool):
+        if talk not in programs:
+            state_specs = LowPrecisionDecentralizedState(*([P(axes)] * 5), None)
+            out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
+            programs[talk] = jax.jit(
+                jax.shard_map(
+                    functools.partial(per_device, talk=talk),
+                    mesh=mesh,
+                    in_specs=(state_specs, P(axes)),
+                    out_specs=out_specs,
+                ),
+                donate_argnums=(0,) if donate else (),
+            )
+        return programs[talk]
 
     def init(params) -> LowPrecisionDecentralizedState:
         _check_float_params(params, where)
@@ -550,12 +582,20 @@ def low_precision_decentralized_step(
             weight=weight,
             left_peer_weight=_stack_per_device(flat, mesh, axes, rows),
             right_peer_weight=_stack_per_device(flat, mesh, axes, rows),
-            step=jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P())),
+            step=0,
         )
+
+    def run(state: LowPrecisionDecentralizedState, batch, method):
+        count = int(state.step)
+        fn = program(count % communication_interval == 0)
+        if method is not None:
+            return getattr(fn, method)(state._replace(step=None), batch)
+        out = fn(state._replace(step=None), batch)
+        return (out[0]._replace(step=count + 1), *out[1:])
 
     def step(state: LowPrecisionDecentralizedState, batch):
         _check_batch(batch, devices, where)
-        return jitted(state, batch)
+        return run(state, batch, None)
 
-    step.lower = jitted.lower
+    step.lower = lambda state, batch: run(state, batch, "lower")
     return DecentralizedTrainStep(init=init, step=step)
