@@ -42,6 +42,7 @@ The header row of a block is ``[scale, zero]`` in float32. Why each piece:
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Keeps |zero| <= 2**23 so that code - zero is an exact float32 integer.
 _SCALE_FLOOR = 2.0**-23
@@ -65,13 +66,18 @@ def _scale_and_zero(lo: jax.Array, hi: jax.Array, stochastic: bool):
     return scale, zero, inv_scale
 
 
-def quantize_blocks(
-    x: jax.Array, *, stochastic: bool = False, key: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """Quantizes rows of ``x`` (num_blocks, block_size) to uint8 codes and a (blocks, 2) header."""
-    x = x.astype(jnp.float32)
-    lo = jnp.min(x, axis=1, keepdims=True)
-    hi = jnp.max(x, axis=1, keepdims=True)
+def _block_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Min and max of each row in one pass (one variadic reduce; NaN propagates)."""
+    lo, hi = jax.lax.reduce(
+        (x, x),
+        (np.float32(np.inf), np.float32(-np.inf)),
+        lambda a, b: (jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])),
+        (1,),
+    )
+    return lo[:, None], hi[:, None]
+
+
+def _encode(x, lo, hi, *, stochastic: bool, key):
     scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic)
     y = x * inv_scale
     if stochastic:
@@ -87,12 +93,31 @@ def quantize_blocks(
     return codes, header
 
 
+def quantize_blocks(
+    x: jax.Array, *, stochastic: bool = False, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Quantizes rows of ``x`` (num_blocks, block_size) to uint8 codes and a (blocks, 2) header."""
+    x = x.astype(jnp.float32)
+    lo, hi = _block_range(x)
+    return _encode(x, lo, hi, stochastic=stochastic, key=key)
+
+
 def dequantize_blocks(codes: jax.Array, header: jax.Array) -> jax.Array:
     """Decodes (num_blocks, block_size) uint8 codes with their header to float32."""
     scale = header[:, 0:1]
     zero = header[:, 1:2]
     x = (codes.astype(jnp.float32) - zero) * scale
     return jnp.clip(x, -_F32_MAX, _F32_MAX)
+
+
+def _weighted_sum(codes: jax.Array, header: jax.Array, weight: float) -> jax.Array:
+    # Slice by slice: XLA on CPU reduces a leading axis several times slower than it adds.
+    total = None
+    for i in range(codes.shape[0]):
+        weighted = header[i] * jnp.asarray([[weight, 1.0]], jnp.float32)
+        part = dequantize_blocks(codes[i], weighted)
+        total = part if total is None else total + part
+    return total
 
 
 def average_requantize(
@@ -107,12 +132,14 @@ def average_requantize(
 
     ``codes`` is (n, num_blocks, block_size) and ``header`` (n, num_blocks, 2). The weight is
     folded into each chunk's scale, so a mean of values near finfo.max does not overflow.
-    The n chunks are summed one by one: XLA on CPU reduces a leading axis several times
-    slower than it adds slices.
+
+    The float32 sum is computed twice, once for the block ranges and once for the encode,
+    instead of being written to memory in between: decoding n bytes per element is cheaper
+    than writing and re-reading 4 (on one CPU core, 36 ms -> 8 ms for 12.6M elements, most
+    of it page faults on the fresh float32 buffer). The barrier keeps XLA from merging the
+    two computations back into one stored intermediate; the values are the same.
     """
-    total = None
-    for i in range(codes.shape[0]):
-        weighted = header[i] * jnp.asarray([[weight, 1.0]], jnp.float32)
-        part = dequantize_blocks(codes[i], weighted)
-        total = part if total is None else total + part
-    return quantize_blocks(total, stochastic=stochastic, key=key)
+    lo, hi = _block_range(_weighted_sum(codes, header, weight))
+    codes, header, lo, hi = jax.lax.optimization_barrier((codes, header, lo, hi))
+    total = _weighted_sum(codes, header, weight)
+    return _encode(total, lo, hi, stochastic=stochastic, key=key)
