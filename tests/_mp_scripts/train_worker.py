@@ -1,0 +1,120 @@
+"""Worker for tests/test_multiprocess.py: ByteGrad and QAdam train steps on several processes.
+
+Run it under ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 train_worker.py
+OUT_DIR``. Each process feeds its own half of every global batch (`jax_bytegrad.shard_batch`),
+starts from the same replicated parameters (`jax_bytegrad.replicate`), trains a small MLP with
+each algorithm, and writes the final parameters as seen on its own devices to
+``OUT_DIR/<algorithm>_rank<k>.npz``.
+
+`train` is also imported by the test, which runs the same steps in one process on a 2 x 4 mesh of
+8 CPU devices and compares.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+IN_DIM, HIDDEN, OUT_DIM = 48, 96, 10
+GLOBAL_BATCH = 64
+# name -> steps. "bytegrad_flat" is ByteGrad with hierarchical=False: no float32 sum between
+# devices at all, only codes exchanged and averaged in a fixed order.
+ALGORITHMS = {"bytegrad": 4, "bytegrad_flat": 4, "qadam": 5}
+QADAM_WARMUP = 2  # shorter than the run, so both phases run
+
+
+def init_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.standard_normal((IN_DIM, HIDDEN)) / np.sqrt(IN_DIM)).astype(np.float32),
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": (rng.standard_normal((HIDDEN, OUT_DIM)) / np.sqrt(HIDDEN)).astype(np.float32),
+        "b2": np.zeros(OUT_DIM, np.float32),
+    }
+
+
+def global_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1000 + step)
+    x = rng.standard_normal((GLOBAL_BATCH, IN_DIM)).astype(np.float32)
+    y = rng.integers(0, OUT_DIM, GLOBAL_BATCH).astype(np.int32)
+    return x, y
+
+
+def loss_fn(params, batch):
+    import jax
+    import optax
+
+    x, y = batch
+    h = jax.nn.relu(x @ params["w1"] + params["b1"][None])
+    logits = h @ params["w2"] + params["b2"][None]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def optimizer(name: str):
+    import optax
+
+    import jax_bytegrad
+    from jax_bytegrad.qadam import qadam
+
+    if name == "bytegrad":
+        return optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1, momentum=0.9))
+    if name == "bytegrad_flat":
+        return optax.chain(jax_bytegrad.bytegrad(hierarchical=False), optax.sgd(0.1, momentum=0.9))
+    if name == "qadam":
+        return qadam(1e-2, warmup_steps=QADAM_WARMUP)
+    raise ValueError(f"train_worker: unknown algorithm {name!r}; use one of {sorted(ALGORITHMS)}")
+
+
+def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarray]:
+    """Runs the steps of `name` on `mesh`; returns the params on this process's first device.
+
+    Also checks that every device of this process holds the same parameters.
+    """
+    import jax
+
+    import jax_bytegrad
+
+    tx = optimizer(name)
+    params = init_params()
+    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    p = jax_bytegrad.replicate(params, mesh)
+    s = jax_bytegrad.replicate(tx.init(params), mesh)
+    rows = GLOBAL_BATCH // nproc
+    for t in range(ALGORITHMS[name]):
+        x, y = global_batch(t)
+        mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
+        p, s, _ = step(p, s, jax_bytegrad.shard_batch(mine, mesh))
+    out = {}
+    for k, leaf in p.items():
+        shards = [np.asarray(sh.data) for sh in leaf.addressable_shards]
+        for other in shards[1:]:
+            np.testing.assert_array_equal(other, shards[0])
+        out[k] = shards[0]
+    if name == "qadam":
+        count = int(np.asarray(s[0].count.addressable_shards[0].data))
+        assert count == ALGORITHMS[name] > QADAM_WARMUP, count
+    jax.block_until_ready(p)
+    return out
+
+
+def main(out_dir: str) -> int:
+    from jax_bytegrad.distributed import initialize
+
+    info = initialize()  # before any JAX computation
+    import jax
+
+    import jax_bytegrad
+
+    mesh = jax_bytegrad.make_mesh()
+    assert mesh.shape["node"] == info.num_processes, mesh.shape
+    for name in ALGORITHMS:
+        params = train(name, mesh, info.process_id, info.num_processes)
+        np.savez(Path(out_dir) / f"{name}_rank{info.process_id}.npz", **params)
+        print(f"{name}: wrote params", flush=True)
+    jax.distributed.shutdown()
+    print("OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,113 @@
+"""Multi-process training on one machine: 2 processes x 4 CPU devices over Gloo on loopback.
+
+Each test starts ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4`` on a worker in
+``tests/_mp_scripts`` and compares its output with the same computation in this process (8 CPU
+devices from conftest). That a failing worker makes the launcher stop the others and exit
+non-zero is tested in tests/test_launch.py (``test_a_failing_rank_makes_the_launcher_stop_the_
+other``), on the same 2 x 4 layout.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import jax_bytegrad
+
+SCRIPTS = Path(__file__).parent / "_mp_scripts"
+REPO = Path(__file__).parent.parent
+WORKER = SCRIPTS / "train_worker.py"
+
+
+def _gloo_available() -> bool:
+    try:
+        from jax._src.lib import _jax
+
+        return hasattr(_jax, "make_gloo_tcp_collectives")
+    except ImportError:
+        return False
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not _gloo_available(),
+        reason="this jaxlib has no Gloo CPU collectives (make_gloo_tcp_collectives)",
+    ),
+]
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("train_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load_worker()
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """Runs the worker on 2 processes x 4 devices once; returns its output directory."""
+    out_dir = tmp_path_factory.mktemp("mp_train")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.pop("XLA_FLAGS", None)  # the device count comes from --devices-per-proc
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "4",
+         "--timeout", "50", str(WORKER), str(out_dir)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=55,
+        text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+    for rank in (0, 1):
+        assert f"[rank {rank}] OK" in proc.stdout, proc.stdout
+    assert time.monotonic() - start < 60
+    return out_dir
+
+
+# Per-device gradients, float32 sums over the 2 nodes (a + b commutes) and the code exchange are
+# bit-for-bit the same in both runs. A float32 sum over the 4 devices of a node is not: Gloo's ring
+# reduce-scatter adds chunk c of the buffer in the order ((g[c+2] + g[c+3]) + g[c+1]) + g[c]
+# (indices mod 4), XLA's in-process CPU collective in device order ((g0 + g1) + g2) + g3, so
+# the sums differ by an ulp here and there (measured on JAX 0.10.2). Flat ByteGrad
+# (hierarchical=False) has no float32 sum between devices, only codes exchanged and averaged
+# in a fixed order, and must match bit for bit; the others must agree to float32 rounding.
+# A lost or doubled gradient would move these parameters by ~1e-3, far past that tolerance.
+ROUNDING_ATOL = 2e-6  # ~16 ulp at |x| = 1; measured: 3e-8 (bytegrad), 5e-7 (qadam)
+EXPECTED = {"bytegrad": "rounding", "bytegrad_flat": "bit-identical", "qadam": "rounding"}
+
+
+@pytest.mark.parametrize("name", sorted(worker.ALGORITHMS))
+def test_two_processes_match_one_process(two_process_run, name):
+    # Both processes hold bit-identical replicas ...
+    ranks = [dict(np.load(two_process_run / f"{name}_rank{r}.npz")) for r in (0, 1)]
+    assert sorted(ranks[0]) == sorted(worker.init_params())
+    for key in ranks[0]:
+        np.testing.assert_array_equal(ranks[1][key], ranks[0][key], err_msg=f"{name} {key}")
+
+    # ... and the parameters of one process with 8 devices on the same 2 x 4 mesh.
+    assert jax.device_count() >= 8
+    single = worker.train(name, jax_bytegrad.make_mesh(2, 4))
+    initial = worker.init_params()
+    assert not np.array_equal(single["w1"], initial["w1"])  # it trained
+    for key, value in single.items():
+        if EXPECTED[name] == "bit-identical":
+            np.testing.assert_array_equal(ranks[0][key], value, err_msg=f"{name} {key}")
+        else:
+            np.testing.assert_allclose(
+                ranks[0][key], value, rtol=0, atol=ROUNDING_ATOL, err_msg=f"{name} {key}"
+            )
