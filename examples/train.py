@@ -94,8 +94,8 @@ class TrainStep(NamedTuple):
 
     Attributes:
       init: ``params -> state``: everything the step carries (parameters included).
-      step: ``(state, batch) -> (state, loss, aux)``, jitted over the mesh (it has
-        ``.lower``). ``loss`` is the mean over devices, or one entry per device.
+      step: ``(state, batch) -> (state, loss, aux)`` over the mesh, with ``.lower`` (for
+        ``communication_stats``). ``loss`` is the mean over devices, or one entry per device.
       params: ``state -> params``: the model to evaluate, replicated.
       warmup_steps: leading steps that run a float32 all-reduce instead of the compressed
         exchange (QAdam). Both phases sit in one compiled program, so their bytes are told
@@ -135,15 +135,9 @@ def _optax(tx: optax.GradientTransformation, loss_fn, mesh, warmup_steps: int = 
     return TrainStep(lambda p: (p, init_opt(p)), step, lambda state: state[0], warmup_steps)
 
 
-def _decentralized(train, loss_fn) -> TrainStep:
+def _decentralized(train) -> TrainStep:
     """Per-device parameters (stacked on a device axis), evaluated at their mean."""
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def step(state, batch):
-        state, loss, aux = train.step(state, batch)
-        return state, loss, aux
-
-    return TrainStep(train.init, step, lambda state: consensus_params(state.params))
+    return TrainStep(train.init, train.step, lambda state: consensus_params(state.params))
 
 
 @register("gradient_allreduce")
@@ -173,14 +167,14 @@ def _qadam(config: Config, loss_fn, mesh) -> TrainStep:
 @register("decentralized")
 def _decentralized_sgd(config: Config, loss_fn, mesh) -> TrainStep:
     tx = optax.adam(config.get("learning_rate"))
-    return _decentralized(decentralized_step(loss_fn, tx, mesh, has_aux=True), loss_fn)
+    return _decentralized(decentralized_step(loss_fn, tx, mesh, has_aux=True))
 
 
 @register("low_precision_decentralized")
 def _low_precision_decentralized(config: Config, loss_fn, mesh) -> TrainStep:
     tx = optax.adam(config.get("learning_rate"))
     train = low_precision_decentralized_step(loss_fn, tx, mesh, has_aux=True)
-    return _decentralized(train, loss_fn)
+    return _decentralized(train)
 
 
 @dataclasses.dataclass
@@ -317,11 +311,9 @@ def evaluate(graphdef, rest, params, inputs, targets, mesh) -> tuple[float, floa
 _mean = jax.jit(jnp.mean)
 
 
-def _node_bytes(train: TrainStep, state, batch, mesh):
-    """The compiled step (run as is, so it compiles once) and its communication."""
-    compiled = train.step.lower(state, batch).compile()
-    stats = jax_bytegrad.communication_stats(compiled, mesh=mesh)
-    return compiled, stats
+def _node_stats(train: TrainStep, state, batch, mesh):
+    """Communication of the compiled step (``step.lower`` compiles; nothing runs)."""
+    return jax_bytegrad.communication_stats(train.step.lower(state, batch).compile(), mesh=mesh)
 
 
 def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = None) -> Result:
@@ -375,14 +367,14 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
 
     batch = next_batch()
     train, state = init_state(ALGORITHMS[config.algorithm])
-    step, stats = _node_bytes(train, state, batch, mesh)
+    stats = _node_stats(train, state, batch, mesh)
     total_node_bytes = stats.bytes_on("node")
     if baseline_node_bytes is None:
         if config.algorithm == "gradient_allreduce":
             baseline_node_bytes = total_node_bytes
         else:
             base, base_state = init_state(ALGORITHMS["gradient_allreduce"])
-            base_stats = _node_bytes(base, base_state, batch, mesh)[1]
+            base_stats = _node_stats(base, base_state, batch, mesh)
             baseline_node_bytes = base_stats.bytes_on("node")
     node_bytes, average = total_node_bytes, total_node_bytes
     if train.warmup_steps:
@@ -394,7 +386,7 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
     pending, losses = [], []
     start = None
     for i in range(steps):
-        state, loss, _ = step(state, batch)
+        state, loss, _ = train.step(state, batch)
         pending.append(loss if loss.ndim == 0 else _mean(loss))
         if i == 0:
             jax.block_until_ready(loss)
