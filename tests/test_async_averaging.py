@@ -1,0 +1,70 @@
+"""Tests for asynchronous model averaging (jax_bytegrad/async_averaging.py)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jax_bytegrad
+from jax_bytegrad.async_averaging import async_model_average
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _loss(w, b):
+    return jnp.mean((b * w[None]) ** 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"peer_selection_mode": "shift_one"}, "peer_selection_mode"),
+        ({"sync_interval_ms": -1}, "sync_interval_ms"),
+        ({"warmup_steps": 1.5}, "warmup_steps"),
+        ({"node_axis": "nodes"}, "'nodes'"),
+    ],
+    ids=["mode", "interval", "warmup", "axis"],
+)
+def test_validates_at_build_time(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        async_model_average(_loss, optax.sgd(0.1), jax_bytegrad.make_mesh(1, 1), **kwargs)
+
+
+def test_single_process_thread_starts_stops_and_resumes():
+    avg = async_model_average(
+        _loss, optax.sgd(0.1), jax_bytegrad.make_mesh(1, 4), sync_interval_ms=1
+    )
+    w, s = avg.init(jnp.ones(4))
+    for _ in range(5):
+        w, s, _ = avg.step(w, s, jnp.ones((8, 4)))
+    assert avg.round_stats.running
+    avg.abort()
+    assert not avg.round_stats.running and avg.round_stats.rounds > 0
+    avg.resume()
+    assert avg.round_stats.running
+    avg.abort()
+    avg.abort()  # idempotent
+    w = avg.average_now(w)  # one process: the mean is itself
+    assert w.shape == (4,)
+
+
+@pytest.mark.slow
+def test_two_processes_average_converge_and_stop_cleanly():
+    if not (ROOT / "jax_bytegrad" / "launch.py").exists():
+        pytest.skip("needs the jax_bytegrad.launch launcher")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # each process gets its device count from the launcher
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2",
+         "--timeout", "240", str(ROOT / "tests" / "_mp_scripts" / "async_worker.py")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("round math OK") == 2, out[-4000:]
+    assert out.count("] OK") == 2, out[-4000:]
+    print("\n".join(line for line in out.splitlines() if "async=" in line))
