@@ -1,4 +1,4 @@
-"""Tests for decentralized SGD and low-precision decentralized SGD (jax_bytegrad/decentralized.py)."""
+"""Tests for decentralized and low-precision decentralized SGD (jax_bytegrad/decentralized.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -100,7 +100,7 @@ CASES = [
 @pytest.mark.parametrize(
     "nodes,local,mode,hierarchical,interval",
     CASES,
-    ids=[f"{n}x{l}-{m}-{'hier' if h else 'flat'}-k{k}" for n, l, m, h, k in CASES],
+    ids=[f"{n}x{loc}-{m}-{'hier' if h else 'flat'}-k{k}" for n, loc, m, h, k in CASES],
 )
 def test_decentralized_matches_numpy_reference(nodes, local, mode, hierarchical, interval):
     mesh = jax_bytegrad.make_mesh(nodes, local)
@@ -219,7 +219,7 @@ LP_CASES = [(2, 4, True, 1), (4, 2, True, 2), (2, 4, False, 1)]
 @pytest.mark.parametrize(
     "nodes,local,hierarchical,interval",
     LP_CASES,
-    ids=[f"{n}x{l}-{'hier' if h else 'flat'}-k{k}" for n, l, h, k in LP_CASES],
+    ids=[f"{n}x{loc}-{'hier' if h else 'flat'}-k{k}" for n, loc, h, k in LP_CASES],
 )
 def test_low_precision_matches_numpy_reference(nodes, local, hierarchical, interval):
     mesh = jax_bytegrad.make_mesh(nodes, local)
@@ -261,7 +261,7 @@ def test_low_precision_ring_replicas_stay_bit_identical(hierarchical):
         loss, optax.sgd(0.5), mesh, hierarchical=hierarchical, block_size=128
     )
     state = train.init(params)
-    for i in range(5):
+    for _ in range(5):
         batch = jnp.asarray(rng.standard_normal((16, 40)), jnp.float32)
         state, _ = train.step(state, batch)
     w = np.asarray(state.weight)
