@@ -83,8 +83,9 @@ def register(name: str, *, wire_bytes_per_param: float | None = None):
 def local_gradient(mesh, num_params: int, dtype):
     """A (devices, num_params) global array whose row on each device is that device's gradient.
 
-    The rows differ per device (a constant 1 + global device index), sharded over both mesh axes,
-    built from each process's own data with `jax.make_array_from_process_local_data`.
+    The rows differ per device ((1 + global device index) times a sawtooth in [0.5, 1.5), so
+    every quantization block has a real range), sharded over both mesh axes, built from each
+    process's own data with `jax.make_array_from_process_local_data`.
     """
     import jax
     from jax.sharding import NamedSharding
@@ -95,7 +96,8 @@ def local_gradient(mesh, num_params: int, dtype):
     sharding = NamedSharding(mesh, P(("node", "local"), None))
     first = jax.process_index() * n_local
     rows = np.arange(first + 1, first + n_local + 1, dtype=np.float32)[:, None]
-    data = np.broadcast_to(rows, (n_local, num_params)).astype(dtype)
+    wave = 0.5 + (np.arange(num_params, dtype=np.int64) % 997).astype(np.float32) / 997
+    data = (rows * wave[None]).astype(dtype)
     return jax.make_array_from_process_local_data(sharding, data, (n_dev, num_params))
 
 
@@ -124,6 +126,226 @@ def _psum_bf16(mesh, num_params):
     return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.bfloat16))
 
 
+# ByteGrad sends 1-byte codes plus a (scale, zero) float32 header per block of 1024.
+_CODE_BYTES_PER_PARAM = 1 + 8 / 1024
+AXES = ("node", "local")
+
+
+def _per_device_builder(mesh, body, grads, *extra):
+    """jit(shard_map(body)) on each device's own gradient row; `extra` args are replicated."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    in_specs = (P(AXES, None), *(P() for _ in extra))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g, *rest: body(g[0], *rest), mesh=mesh, in_specs=in_specs, out_specs=P()
+        )
+    )
+    return fn, (grads, *extra)
+
+
+_BUCKET_MB: list[float | None] = [None]  # set from --bucket-mb in each worker
+
+
+def _bucket_bytes() -> int | None:
+    """`compressed_mean`'s bucket size: the library default, or --bucket-mb (0: one bucket)."""
+    from jax_bytegrad.collectives import DEFAULT_BUCKET_BYTES
+
+    mb = _BUCKET_MB[0]
+    if mb is None:
+        return DEFAULT_BUCKET_BYTES
+    return None if mb == 0 else int(mb * 2**20)
+
+
+@register("bytegrad_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _bytegrad_sync(mesh, num_params):
+    from jax_bytegrad.collectives import compressed_mean
+
+    bucket = _bucket_bytes()
+    return _per_device_builder(
+        mesh,
+        lambda g: compressed_mean(g, bucket_bytes=bucket),
+        local_gradient(mesh, num_params, np.float32),
+    )
+
+
+@register("bytegrad_wire", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _bytegrad_wire(mesh, num_params):
+    """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor."""
+    import jax
+
+    from jax_bytegrad.collectives import gather_invariant
+    from jax_bytegrad.parallel import replicate
+
+    n = mesh.shape["node"] * mesh.shape["local"]
+    blocks = -(-num_params // (1024 * n)) * n
+    codes = np.full((blocks, 1024), 7, np.uint8)
+    header = np.ones((blocks, 2), np.float32)
+
+    def body(g, codes, header):
+        del g
+        codes = jax.lax.pcast(codes, AXES, to="varying")
+        header = jax.lax.pcast(header, AXES, to="varying")
+        codes = jax.lax.all_to_all(codes, AXES, 0, 0, tiled=True)
+        header = jax.lax.all_to_all(header, AXES, 0, 0, tiled=True)
+        own = blocks // n
+        # Stands in for the average: this device's chunk of the mean, the size it would be.
+        codes, header = codes[:own], header[:own]
+        return gather_invariant(codes, AXES), gather_invariant(header, AXES)
+
+    grads = local_gradient(mesh, 8, np.float32)
+    return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
+
+
+@register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _qadam_compressed(mesh, num_params):
+    """One `scale_by_qadam` update past warm-up: local momentum, 8-bit compressed mean, Adam."""
+    from jax_bytegrad.parallel import replicate
+    from jax_bytegrad.qadam import ScaleByQAdamState, scale_by_qadam
+
+    warmup = 4
+    tx = scale_by_qadam(warmup_steps=warmup, bucket_bytes=_bucket_bytes())
+    zeros = np.zeros(num_params, np.float32)
+    # count = warmup_steps: the step taken is warmup_steps + 1, the compressed phase.
+    state = ScaleByQAdamState(
+        count=np.asarray(warmup, np.int32), mu=zeros, nu=np.full(num_params, 1e-4, np.float32)
+    )
+    state = replicate(state, mesh)
+
+    return _per_device_builder(mesh, tx.update, local_gradient(mesh, num_params, np.float32), state)
+
+
+# Full train steps of a ~25M-parameter float32 MLP (num_params sets its width) ------------------
+
+_MLP_IN, _MLP_OUT, _BATCH_PER_DEVICE = 1024, 1024, 16
+
+
+def _mlp_width(num_params: int) -> int:
+    """Hidden width h of in -> h -> h -> out with about `num_params` parameters."""
+    b = _MLP_IN + _MLP_OUT + 3
+    return max(8, int((-b + (b * b + 4 * num_params) ** 0.5) / 2))
+
+
+def _mlp_init(num_params: int) -> dict[str, np.ndarray]:
+    h = _mlp_width(num_params)
+    rng = np.random.default_rng(0)
+    dims = [(_MLP_IN, h), (h, h), (h, _MLP_OUT)]
+    params = {}
+    for i, (a, b) in enumerate(dims):
+        params[f"w{i}"] = (rng.standard_normal((a, b), np.float32) / np.sqrt(a)).astype(np.float32)
+        params[f"b{i}"] = np.zeros(b, np.float32)
+    return params
+
+
+def _mlp_loss(params, batch):
+    import jax
+    import jax.numpy as jnp
+
+    x, y = batch
+    for i in range(3):
+        x = x @ params[f"w{i}"] + params[f"b{i}"][None]
+        if i < 2:
+            x = jax.nn.relu(x)
+    return jnp.mean((x - y) ** 2)
+
+
+def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
+    import jax
+
+    from jax_bytegrad.parallel import data_parallel_step, replicate, shard_batch
+
+    params = _mlp_init(num_params)
+    state = tx.init(params)
+    if qadam_warmup is not None:  # past warm-up, so every timed step is a compressed one
+        state = (state[0]._replace(count=np.asarray(qadam_warmup, np.int32)), *state[1:])
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    rng = np.random.default_rng(1 + jax.process_index())
+    batch = (
+        rng.standard_normal((rows, _MLP_IN), np.float32),
+        rng.standard_normal((rows, _MLP_OUT), np.float32),
+    )
+    step = data_parallel_step(_mlp_loss, tx, mesh, donate=False)
+    return step, (replicate(params, mesh), replicate(state, mesh), shard_batch(batch, mesh))
+
+
+@register("train_allreduce", wire_bytes_per_param=4)
+def _train_allreduce(mesh, num_params):
+    import optax
+
+    from jax_bytegrad.transforms import gradient_allreduce
+
+    return _train_builder(mesh, num_params, optax.chain(gradient_allreduce(), optax.adam(1e-4)))
+
+
+@register("train_bytegrad", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _train_bytegrad(mesh, num_params):
+    import optax
+
+    from jax_bytegrad.transforms import bytegrad
+
+    tx = optax.chain(bytegrad(bucket_bytes=_bucket_bytes()), optax.adam(1e-4))
+    return _train_builder(mesh, num_params, tx)
+
+
+@register("train_qadam", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _train_qadam(mesh, num_params):
+    from jax_bytegrad.qadam import qadam
+
+    warmup = 4
+    tx = qadam(1e-4, warmup_steps=warmup, bucket_bytes=_bucket_bytes())
+    return _train_builder(mesh, num_params, tx, qadam_warmup=warmup)
+
+
+# Decentralized training (weights, not gradients, cross the network) ------------------------------
+
+
+def _decentralized_builder(mesh, num_params, build):
+    """Times successive steps of a decentralized step builder on the MLP; state carried along."""
+    import jax
+    import optax
+
+    from jax_bytegrad.parallel import shard_batch
+
+    train = build(_mlp_loss, optax.sgd(1e-4), mesh)
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    rng = np.random.default_rng(1 + jax.process_index())
+    batch = shard_batch(
+        (
+            rng.standard_normal((rows, _MLP_IN), np.float32),
+            rng.standard_normal((rows, _MLP_OUT), np.float32),
+        ),
+        mesh,
+    )
+    cell = [train.init(_mlp_init(num_params))]
+
+    def fn():
+        cell[0], loss = train.step(cell[0], batch)
+        return loss
+
+    # One program per gossip round: compile them all before timing.
+    for _ in range(mesh.devices.size):
+        jax.block_until_ready(fn())
+    return fn, ()
+
+
+@register("train_decentralized")
+def _train_decentralized(mesh, num_params):
+    import functools
+
+    from jax_bytegrad.decentralized import decentralized_step
+
+    build = functools.partial(decentralized_step, peer_selection_mode="shift_one")
+    return _decentralized_builder(mesh, num_params, build)
+
+
+@register("train_lowprec_decentralized")
+def _train_lowprec_decentralized(mesh, num_params):
+    from jax_bytegrad.decentralized import low_precision_decentralized_step
+
+    return _decentralized_builder(mesh, num_params, low_precision_decentralized_step)
+
+
 # Worker: one per host ---------------------------------------------------------------------------
 
 
@@ -131,6 +353,7 @@ def _worker(args) -> int:
     from jax_bytegrad.distributed import initialize
 
     info = initialize()
+    _BUCKET_MB[0] = args.bucket_mb
     import jax
     from jax.experimental import multihost_utils
 
@@ -140,28 +363,37 @@ def _worker(args) -> int:
         ("node", "local"),
         axis_types=(jax.sharding.AxisType.Auto,) * 2,
     )
-    results = {}
+    built = {}
     for name in args.ops:
-        fn, fn_args = OPS[name](mesh, args.num_params)
+        built[name] = OPS[name](mesh, args.num_params)
+        fn, fn_args = built[name]
         for _ in range(args.warmup):
             jax.block_until_ready(fn(*fn_args))
-        times = []
-        tx0 = _tx_bytes()
-        for step in range(args.steps):
+    # Ops take turns step by step, so a burst of load from elsewhere on this shared machine
+    # lands on all of them alike instead of on whichever op was running at the time.
+    times = {name: [] for name in args.ops}
+    tx = {name: 0 for name in args.ops}
+    for step in range(args.steps):
+        for name in args.ops:
+            fn, fn_args = built[name]
             # Start together, so one host's late start is not counted as link time.
             multihost_utils.sync_global_devices(f"{name}-{step}")
+            tx0 = _tx_bytes()
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*fn_args))
-            times.append(time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
+            tx1 = _tx_bytes()
+            tx[name] += (tx1 - tx0) if tx0 is not None and tx1 is not None else float("nan")
+    results = {}
+    for name in args.ops:
         # A step ends when the slowest host has its result.
-        per_step = np.asarray(multihost_utils.process_allgather(np.asarray(times))).max(axis=0)
-        # Bytes this host put on its link per step (timed steps and the syncs between them).
-        tx = (_tx_bytes() - tx0) / args.steps if tx0 is not None else float("nan")
-        sent = np.asarray(multihost_utils.process_allgather(np.asarray([tx])))
+        all_times = multihost_utils.process_allgather(np.asarray(times[name]))
+        per_step = np.asarray(all_times).max(axis=0)
+        # Bytes this host put on its link per timed step.
+        sent = np.asarray(multihost_utils.process_allgather(np.asarray([tx[name] / args.steps])))
         results[name] = {"steps_s": per_step.tolist(), "tx_bytes_per_host": float(sent.mean())}
         if info.process_id == 0:
             print(f"{name}: median {1e3 * statistics.median(per_step):.1f} ms", flush=True)
-        del fn, fn_args
     if info.process_id == 0:
         Path(args.out).write_text(json.dumps(results))
     jax.distributed.shutdown()
@@ -251,9 +483,15 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
             "--ops", ",".join(args.ops), "--num-params", str(args.num_params),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
         ]  # fmt: skip
+        if args.bucket_mb is not None:
+            worker += ["--bucket-mb", str(args.bucket_mb)]
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         )
+        if args.hugepages:
+            # glibc backs its large (mmap'd) allocations with transparent huge pages: XLA's
+            # fresh output and temp buffers then fault in 2 MiB at a time instead of 4 KiB.
+            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
         code = launch(
             lambda rank: cluster.command(rank, worker),
             nproc=len(cluster.hosts),
@@ -281,6 +519,17 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
     parser.add_argument("--plot", default=None, help="write a PNG of time vs link rate here")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=None,
+        help="ByteGrad / QAdam bucket size in MiB (default: the library's; 0: one bucket)",
+    )
+    parser.add_argument(
+        "--hugepages",
+        action="store_true",
+        help="run the workers with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (a deployment setting)",
+    )
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers and exit")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
