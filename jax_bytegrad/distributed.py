@@ -87,6 +87,24 @@ def _backends_initialized() -> bool:
         return False  # jax.distributed.initialize makes the same check itself
 
 
+def ensure_cpu_threads(cpu_devices: int) -> None:
+    """Gives XLA:CPU enough threads for ``cpu_devices`` devices that run collectives.
+
+    XLA:CPU sizes the one thread pool that both launches each device's program and runs
+    its independent ops concurrently as max(cores, devices). A program with two
+    independent collectives can hold two threads per device while the devices still
+    waiting to launch hold none: on a 2-core host with 8 devices that is a deadlock,
+    which XLA ends after 40 s by aborting the process. XLA reads the pool size from
+    ``NPROC``; 4x the device count leaves headroom. Call it before the CPU backend
+    starts (``initialize`` does); an ``NPROC`` already set is left alone.
+
+    Args:
+      cpu_devices: CPU devices this process will expose.
+    """
+    if "NPROC" not in os.environ:
+        os.environ["NPROC"] = str(max(4 * cpu_devices, os.cpu_count() or 1))
+
+
 def _configure_cpu(cpu_devices: int | None) -> None:
     """Selects Gloo for cross-process CPU collectives and sets the CPU device count.
 
@@ -102,6 +120,8 @@ def _configure_cpu(cpu_devices: int | None) -> None:
                 "jax.devices() call"
             )
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+    if cpu_devices is not None:
+        ensure_cpu_threads(cpu_devices)
 
 
 def _install_fail_fast() -> None:

@@ -12,6 +12,11 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from jax_bytegrad.distributed import ensure_cpu_threads  # noqa: E402
+
+# Without it, 8 CPU devices on 2 cores can deadlock in XLA's collectives (see its docstring).
+ensure_cpu_threads(8)
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
