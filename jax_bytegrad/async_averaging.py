@@ -36,23 +36,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad.parallel import data_parallel_step, shard_batch
+from jax_bytegrad.buckets import flatten_float32, unflatten_like
+from jax_bytegrad.parallel import check_mesh, data_parallel_step, shard_batch
 from jax_bytegrad.transforms import gradient_allreduce
 
 # Private helpers -------------------------------------------------------------------------
-
-
-def _flatten(tree) -> jax.Array:
-    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
-
-
-def _unflatten(flat, like):
-    leaves, treedef = jax.tree.flatten(like)
-    out, offset = [], 0
-    for x in leaves:
-        out.append(flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
-        offset += x.size
-    return jax.tree.unflatten(treedef, out)
 
 
 def _first_local_device(mesh: Mesh, process: int):
@@ -241,7 +229,7 @@ class AsyncModelAverage:
         return jax.tree.map(move, tree)
 
     def _publish(self, params) -> None:
-        flat = jax.device_put(_flatten(params), self._my_device)
+        flat = jax.device_put(flatten_float32(params), self._my_device)
         with self._lock:
             self._snapshot = flat
             self._like = params
@@ -280,7 +268,7 @@ class AsyncModelAverage:
                 self._snapshot = self._snapshot + pending
         if pending is None:
             return params
-        delta = _unflatten(pending, params)
+        delta = unflatten_like(pending, params)
         delta = self._to_local(delta)
         return jax.tree.map(lambda x, d: x + d, params, delta)
 
@@ -415,14 +403,7 @@ def async_model_average(
     for name, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
             raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    for name, param in ((node_axis, "node_axis"), (local_axis, "local_axis")):
-        if name not in mesh.axis_names:
-            raise ValueError(
-                f"{where}: axis {name!r} is not in the mesh axes {tuple(mesh.axis_names)}; "
-                f"pass {param}=..."
-            )
+    check_mesh(mesh, node_axis, local_axis, where)
     grid = np.asarray(mesh.devices)
     if mesh.axis_names.index(node_axis) != 0:
         grid = grid.T

@@ -98,3 +98,18 @@ def from_buckets(buckets, leaves, layout: Layout) -> list:
         out.append(flat[start : start + size].reshape(shape).astype(dtype))
         start += size
     return out
+
+
+def flatten_float32(tree) -> jax.Array:
+    """All leaves of ``tree`` as one flat float32 vector, in tree order (no padding)."""
+    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])
+
+
+def unflatten_like(flat: jax.Array, like):
+    """Inverse of ``flatten_float32``: a pytree shaped and typed like ``like``."""
+    leaves, treedef = jax.tree.flatten(like)
+    out, offset = [], 0
+    for x in leaves:
+        out.append(flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
+        offset += x.size
+    return jax.tree.unflatten(treedef, out)

@@ -32,7 +32,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad.parallel import _varying_axes
+from jax_bytegrad.buckets import flatten_float32, unflatten_like
+from jax_bytegrad.parallel import _varying_axes, check_batch, check_mesh
 from jax_bytegrad.quantize import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
@@ -46,20 +47,6 @@ PeerSelectionMode = Literal["all", "shift_one"]
 
 
 # Private helpers -------------------------------------------------------------------------
-
-
-def _check_mesh(mesh, node_axis, local_axis, where: str) -> tuple[int, int]:
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    for name, param in ((node_axis, "node_axis"), (local_axis, "local_axis")):
-        if name not in mesh.axis_names:
-            raise ValueError(
-                f"{where}: axis {name!r} is not in the mesh axes {tuple(mesh.axis_names)}; "
-                f"pass {param}=..."
-            )
-    if node_axis == local_axis:
-        raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
-    return int(mesh.shape[node_axis]), int(mesh.shape[local_axis])
 
 
 def _check_bool(value, name: str, where: str) -> None:
@@ -160,27 +147,44 @@ def _stack_per_device(tree, mesh: Mesh, axes, rows=None):
     return jax.tree.map(place, tree)
 
 
-def _check_batch(batch, devices: int, where: str) -> None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        if jnp.ndim(leaf) == 0 or leaf.shape[0] % devices:
-            raise ValueError(
-                f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}; "
-                f"its leading dimension must be a multiple of the {devices} devices of the mesh"
+def _host_selected_step(per_device, mesh, axes, state_specs, choose, *, has_aux, donate, where):
+    """A step running one of several compiled programs, picked on the host by ``choose``.
+
+    ``choose(step_count)`` names the program (a communication round, or none). Collectives
+    inside ``lax.switch``/``lax.cond`` can deadlock XLA:CPU's thread pool, and a purely
+    local step then compiles without any collective at all.
+    """
+    devices = mesh.shape[axes[0]] * mesh.shape[axes[1]]
+    out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
+    programs = {}
+
+    def program(choice):
+        if choice not in programs:
+            programs[choice] = jax.jit(
+                jax.shard_map(
+                    functools.partial(per_device, choice=choice),
+                    mesh=mesh,
+                    in_specs=(state_specs, P(axes)),
+                    out_specs=out_specs,
+                ),
+                donate_argnums=(0,) if donate else (),
             )
+        return programs[choice]
 
+    def run(state, batch, method):
+        count = int(state.step)
+        fn = program(choose(count))
+        if method is not None:
+            return getattr(fn, method)(state._replace(step=None), batch)
+        out = fn(state._replace(step=None), batch)
+        return (out[0]._replace(step=count + 1), *out[1:])
 
-def _flatten(tree) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+    def step(state, batch):
+        check_batch(batch, devices, where)
+        return run(state, batch, None)
 
-
-def _unflatten(flat, like):
-    leaves, treedef = jax.tree.flatten(like)
-    out, offset = [], 0
-    for x in leaves:
-        out.append(flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
-        offset += x.size
-    return jax.tree.unflatten(treedef, out)
+    step.lower = lambda state, batch: run(state, batch, "lower")
+    return step
 
 
 def _check_float_params(params, where: str) -> None:
@@ -298,7 +302,7 @@ def decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "decentralized_step"
-    n, local = _check_mesh(mesh, node_axis, local_axis, where)
+    n, local = check_mesh(mesh, node_axis, local_axis, where)
     _check_bool(hierarchical, "hierarchical", where)
     _check_bool(has_aux, "has_aux", where)
     _check_interval(communication_interval, where)
@@ -332,35 +336,15 @@ def decentralized_step(
             branches.append(mix_pairs)
     rounds = len(branches) - 1
 
-    def per_device(state, batch, *, branch):
+    def per_device(state, batch, *, choice):
         params, opt_state = jax.tree.map(lambda a: a[0], (state.params, state.opt_state))
         out, grads = grad_fn(params, batch)
         loss, aux = out if has_aux else (out, None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(branches[branch](params), updates)
+        params = optax.apply_updates(branches[choice](params), updates)
         new = DecentralizedState(*jax.tree.map(lambda a: a[None], (params, opt_state)), step=None)
         outs = (new, loss[None])
         return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
-
-    # One program per communication round (and one without communication), chosen on the
-    # host from the step count: collectives inside lax.switch can deadlock XLA:CPU's
-    # thread pool, and a local step then compiles without any collective at all.
-    programs = {}
-
-    def program(branch: int):
-        if branch not in programs:
-            state_specs = DecentralizedState(P(axes), P(axes), None)
-            out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
-            programs[branch] = jax.jit(
-                jax.shard_map(
-                    functools.partial(per_device, branch=branch),
-                    mesh=mesh,
-                    in_specs=(state_specs, P(axes)),
-                    out_specs=out_specs,
-                ),
-                donate_argnums=(0,) if donate else (),
-            )
-        return programs[branch]
 
     def branch_of(step_count: int) -> int:
         if step_count % communication_interval:
@@ -375,19 +359,16 @@ def decentralized_step(
             step=0,
         )
 
-    def run(state: DecentralizedState, batch, method):
-        count = int(state.step)
-        fn = program(branch_of(count))
-        if method is not None:
-            return getattr(fn, method)(state._replace(step=None), batch)
-        out = fn(state._replace(step=None), batch)
-        return (out[0]._replace(step=count + 1), *out[1:])
-
-    def step(state: DecentralizedState, batch):
-        _check_batch(batch, devices, where)
-        return run(state, batch, None)
-
-    step.lower = lambda state, batch: run(state, batch, "lower")
+    step = _host_selected_step(
+        per_device,
+        mesh,
+        axes,
+        DecentralizedState(P(axes), P(axes), None),
+        branch_of,
+        has_aux=has_aux,
+        donate=donate,
+        where=where,
+    )
     return DecentralizedTrainStep(init=init, step=step)
 
 
@@ -491,7 +472,7 @@ def low_precision_decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "low_precision_decentralized_step"
-    n, local = _check_mesh(mesh, node_axis, local_axis, where)
+    n, local = check_mesh(mesh, node_axis, local_axis, where)
     _check_bool(hierarchical, "hierarchical", where)
     _check_bool(has_aux, "has_aux", where)
     _check_interval(communication_interval, where)
@@ -517,7 +498,7 @@ def low_precision_decentralized_step(
     def keep(own, w, left, right):
         return _missing_varying((own, w, left, right), axes)
 
-    def per_device(state, batch, *, talk):
+    def per_device(state, batch, *, choice):
         params, opt_state, w, left, right = jax.tree.map(
             lambda a: a[0],
             (state.params, state.opt_state, state.weight, state.left_peer_weight,
@@ -526,7 +507,7 @@ def low_precision_decentralized_step(
         out, grads = grad_fn(params, batch)
         loss, aux = out if has_aux else (out, None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        flat = _flatten(optax.apply_updates(params, updates))
+        flat = flatten_float32(optax.apply_updates(params, updates))
         size = flat.size
         if hierarchical:
             flat = jnp.pad(flat, (0, w.size * local - size))
@@ -534,34 +515,17 @@ def low_precision_decentralized_step(
             own = own / np.float32(local)
         else:
             own = flat
-        own, w, left, right = (exchange if talk else keep)(own, w, left, right)
+        own, w, left, right = (exchange if choice else keep)(own, w, left, right)
         if hierarchical:
             flat = jax.lax.all_gather(own, local_axis, axis=0, tiled=True)[:size]
         else:
             flat = own
-        params = _unflatten(flat, params)
+        params = unflatten_like(flat, params)
         new = LowPrecisionDecentralizedState(
             *jax.tree.map(lambda a: a[None], (params, opt_state, w, left, right)), step=None
         )
         outs = (new, loss[None])
         return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
-
-    programs = {}
-
-    def program(talk: bool):
-        if talk not in programs:
-            state_specs = LowPrecisionDecentralizedState(*([P(axes)] * 5), None)
-            out_specs = (state_specs, P(axes), P(axes)) if has_aux else (state_specs, P(axes))
-            programs[talk] = jax.jit(
-                jax.shard_map(
-                    functools.partial(per_device, talk=talk),
-                    mesh=mesh,
-                    in_specs=(state_specs, P(axes)),
-                    out_specs=out_specs,
-                ),
-                donate_argnums=(0,) if donate else (),
-            )
-        return programs[talk]
 
     def init(params) -> LowPrecisionDecentralizedState:
         _check_float_params(params, where)
@@ -585,17 +549,14 @@ def low_precision_decentralized_step(
             step=0,
         )
 
-    def run(state: LowPrecisionDecentralizedState, batch, method):
-        count = int(state.step)
-        fn = program(count % communication_interval == 0)
-        if method is not None:
-            return getattr(fn, method)(state._replace(step=None), batch)
-        out = fn(state._replace(step=None), batch)
-        return (out[0]._replace(step=count + 1), *out[1:])
-
-    def step(state: LowPrecisionDecentralizedState, batch):
-        _check_batch(batch, devices, where)
-        return run(state, batch, None)
-
-    step.lower = lambda state, batch: run(state, batch, "lower")
+    step = _host_selected_step(
+        per_device,
+        mesh,
+        axes,
+        LowPrecisionDecentralizedState(*([P(axes)] * 5), None),
+        lambda count: count % communication_interval == 0,
+        has_aux=has_aux,
+        donate=donate,
+        where=where,
+    )
     return DecentralizedTrainStep(init=init, step=step)

@@ -99,6 +99,21 @@ def shard_batch(tree, mesh: Mesh, *, node_axis: str = "node", local_axis: str = 
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
 
+def check_mesh(mesh, node_axis: str, local_axis: str, where: str) -> tuple[int, int]:
+    """Validates the mesh and its two axis names; returns (nodes, devices per node)."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for name, param in ((node_axis, "node_axis"), (local_axis, "local_axis")):
+        if name not in mesh.axis_names:
+            raise ValueError(
+                f"{where}: axis {name!r} is not in the mesh axes {tuple(mesh.axis_names)}; "
+                f"pass {param}=..."
+            )
+    if node_axis == local_axis:
+        raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
+    return int(mesh.shape[node_axis]), int(mesh.shape[local_axis])
+
+
 def _varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
@@ -162,12 +177,7 @@ def data_parallel_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     axes = (node_axis, local_axis)
-    for name, param in ((node_axis, "node_axis"), (local_axis, "local_axis")):
-        if name not in mesh.axis_names:
-            raise ValueError(
-                f"data_parallel_step: axis {name!r} is not in the mesh axes "
-                f"{tuple(mesh.axis_names)}; pass {param}=..."
-            )
+    check_mesh(mesh, node_axis, local_axis, "data_parallel_step")
     devices = mesh.shape[node_axis] * mesh.shape[local_axis]
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
@@ -198,7 +208,7 @@ def data_parallel_step(
     )
 
     def step(params, opt_state, batch):
-        _check_batch(batch, devices)
+        check_batch(batch, devices)
         return sharded(params, opt_state, batch)
 
     # Inputs are placed before the call: the first call (host arrays) and the later ones
@@ -214,11 +224,12 @@ def data_parallel_step(
     return _PlacedStep(jitted, shardings)
 
 
-def _check_batch(batch, devices: int) -> None:
+def check_batch(batch, devices: int, where: str = "data_parallel_step") -> None:
+    """Raises unless every batch leaf's leading dimension splits over ``devices``."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
             raise ValueError(
-                f"data_parallel_step: batch leaf {jax.tree_util.keystr(path)} has shape "
+                f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape "
                 f"{jnp.shape(leaf)}; its leading dimension must be a multiple of the "
                 f"{devices} devices of the mesh"
             )
@@ -233,5 +244,5 @@ class _PlacedStep:
         self.lower = jitted.lower
 
     def __call__(self, params, opt_state, batch):
-        _check_batch(batch, self.shardings[2].mesh.size)
+        check_batch(batch, self.shardings[2].mesh.size)
         return self.jitted(*jax.device_put((params, opt_state, batch), self.shardings))
