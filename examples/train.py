@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -383,17 +384,16 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
         average = (warm * baseline_node_bytes + (steps - warm) * node_bytes) / steps
 
     progress = Progress(steps, config.algorithm, config.progress)
-    pending, losses = [], []
+    losses = []
     start = None
     for i in range(steps):
         state, loss, _ = train.step(state, batch)
-        pending.append(loss if loss.ndim == 0 else _mean(loss))
+        # Reading the loss every step keeps one step in flight: queueing many steps of
+        # collectives on a few CPU cores can stall XLA:CPU's rendezvous (see docs/qadam.md).
+        losses.append(float(loss if loss.ndim == 0 else _mean(loss)))
         if i == 0:
-            jax.block_until_ready(loss)
-            start = time.perf_counter()  # time from the second step: the first warms up
-        if len(pending) == 10 or i == steps - 1:
-            losses.extend(float(x) for x in pending)
-            pending.clear()
+            start = time.perf_counter()  # time from the second step: the first compiles
+        if (i + 1) % 10 == 0 or i == steps - 1:
             progress.update(i + 1, losses[-1])
         if i < steps - 1:
             batch = next_batch()
@@ -478,7 +478,7 @@ def plot_losses(results: list[Result], path: str, title: str) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (10-step mean)")
     ax.set_yscale("log")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
