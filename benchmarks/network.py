@@ -449,26 +449,36 @@ def _table(rows: list[dict]) -> str:
 
 
 def _plot(rows: list[dict], path: str) -> None:
+    """One panel per host count, one line per op (same colour in every panel), log-log."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
     rows = [r for r in rows if r["mbit"]]  # unshaped runs have no place on a rate axis
-    for hosts, op in sorted({(r["hosts"], r["op"]) for r in rows}):
-        pts = sorted(
-            (r["mbit"] / 1000, r["median_ms"]) for r in rows if (r["hosts"], r["op"]) == (hosts, op)
-        )
-        ax.plot(*zip(*pts, strict=True), marker="o", label=f"{op}, {hosts} hosts")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("link rate (Gbit/s)")
-    ax.set_ylabel("median time per step (ms)")
-    ax.set_title("All-reduce of a gradient between namespace hosts")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    hosts = sorted({r["hosts"] for r in rows})
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    colors = {op: f"C{i}" for i, op in enumerate(ops)}
+    fig, axes = plt.subplots(
+        1, len(hosts), figsize=(4.5 * len(hosts), 4.5), sharey=True, squeeze=False
+    )
+    for ax, k in zip(axes[0], hosts, strict=True):
+        for op in ops:
+            pts = sorted(
+                (r["mbit"] / 1000, r["median_ms"]) for r in rows if (r["hosts"], r["op"]) == (k, op)
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", color=colors[op], label=op)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate (Gbit/s)")
+        ax.set_title(f"{k} hosts")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("median time per step (ms)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(ops)), fontsize="small")
+    fig.suptitle("Gradient sync and train steps between namespace hosts")
+    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(ops) - 1) // 4), 1, 1))
     fig.savefig(path, dpi=120)
 
 
