@@ -37,7 +37,6 @@ from jax_bytegrad.decentralized import (
     decentralized_step,
     low_precision_decentralized_step,
 )
-from jax_bytegrad.qadam import qadam
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data as datasets  # noqa: E402
@@ -161,7 +160,7 @@ def _qadam(config: Config, loss_fn, mesh) -> TrainStep:
     # eps 1e-5, not Adam's 1e-8: after warm-up the second moment is frozen, and where it
     # froze near zero, the 8-bit rounding error of the momentum divided by sqrt(v) makes
     # steps thousands of times too large (the CNN diverges with 1e-8 or 1e-6).
-    tx = qadam(config.get("learning_rate"), warmup_steps=warmup, eps=config.qadam_eps)
+    tx = jax_bytegrad.qadam(config.get("learning_rate"), warmup_steps=warmup, eps=config.qadam_eps)
     return _optax(tx, loss_fn, mesh, warmup)
 
 
