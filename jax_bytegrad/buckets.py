@@ -6,9 +6,9 @@ enough to run at link speed, and several buckets let XLA overlap one bucket's co
 with the next bucket's compute.
 
 Float leaves (float32, bfloat16, float16) are cast to float32 and concatenated in tree
-order; each bucket is zero-padded to a multiple of ``granularity`` (devices x block size),
-so it splits evenly into per-device shards of whole blocks. Integer and bool leaves are not
-bucketed: ``from_buckets`` hands them back untouched.
+order, whole leaves per bucket; each bucket is zero-padded to a multiple of ``granularity``
+(devices x block size), so it splits evenly into per-device shards of whole blocks.
+Integer and bool leaves are not bucketed: ``from_buckets`` hands them back untouched.
 """
 
 import dataclasses
@@ -23,80 +23,77 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where each float leaf lives in the buckets (static, hashable).
+    """Which float leaves go into which bucket (static, hashable).
 
     Attributes:
       shapes: shape of every leaf, in tree order.
       dtypes: dtype of every leaf.
       bucketed: whether each leaf is a float leaf that goes into the buckets.
-      bucket_sizes: unpadded number of elements in each bucket.
+      buckets: for each bucket, the indices of the whole leaves it holds, in order.
       padded_sizes: elements in each bucket after padding to ``granularity``.
     """
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
     bucketed: tuple[bool, ...]
-    bucket_sizes: tuple[int, ...]
+    buckets: tuple[tuple[int, ...], ...]
     padded_sizes: tuple[int, ...]
-
-    @property
-    def num_elements(self) -> int:
-        return sum(self.bucket_sizes)
 
 
 def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout:
-    """Plans the buckets for a list of leaves (arrays or ShapeDtypeStructs)."""
+    """Groups the float leaves (arrays or ShapeDtypeStructs) into buckets of whole leaves.
+
+    A bucket closes when the next leaf would take it past ``bucket_bytes`` of float32; a
+    leaf larger than that gets a bucket of its own. Whole leaves matter on XLA:CPU: a leaf
+    split across two buckets is reassembled by a concatenate fusion that ran 3x slower
+    than the rest of the sync.
+    """
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
     dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in leaves)
     bucketed = tuple(dtype in _FLOAT_DTYPES for dtype in dtypes)
-    total = sum(math.prod(s) for s, b in zip(shapes, bucketed, strict=True) if b)
-    if bucket_bytes is None:
-        per_bucket = max(total, 1)
-    else:
-        # Whole multiples of the granularity, so only the last bucket carries padding.
-        per_bucket = max(granularity, bucket_bytes // 4 // granularity * granularity)
-    sizes = [min(per_bucket, total - start) for start in range(0, total, per_bucket)]
-    padded = [-(-size // granularity) * granularity for size in sizes]
-    return Layout(shapes, dtypes, bucketed, tuple(sizes), tuple(padded))
+    limit = None if bucket_bytes is None else bucket_bytes // 4
+    buckets, current, size = [], [], 0
+    for i, (shape, is_float) in enumerate(zip(shapes, bucketed, strict=True)):
+        n = math.prod(shape)
+        if not is_float or n == 0:
+            continue
+        if current and limit is not None and size + n > limit:
+            buckets.append((tuple(current), size))
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append((tuple(current), size))
+    padded = tuple(-(-size // granularity) * granularity for _, size in buckets)
+    return Layout(shapes, dtypes, bucketed, tuple(b for b, _ in buckets), padded)
 
 
 def to_buckets(leaves, layout: Layout) -> list[jax.Array]:
-    """Concatenates the float leaves as float32 and cuts them into padded buckets."""
-    parts = [
-        leaf.astype(jnp.float32).reshape(-1)
-        for leaf, bucketed in zip(leaves, layout.bucketed, strict=True)
-        if bucketed and leaf.size
-    ]
-    if not layout.bucket_sizes:
-        return []
-    flat = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+    """Concatenates each bucket's leaves as float32, zero-padded to its padded size."""
     buckets = []
-    start = 0
-    for size, padded in zip(layout.bucket_sizes, layout.padded_sizes, strict=True):
-        buckets.append(jnp.pad(flat[start : start + size], (0, padded - size)))
-        start += size
+    for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True):
+        parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in members]
+        size = sum(part.size for part in parts)
+        parts.append(jnp.zeros(padded - size, jnp.float32))
+        buckets.append(jnp.concatenate(parts))
     return buckets
 
 
 def from_buckets(buckets, leaves, layout: Layout) -> list:
     """Inverse of ``to_buckets``: float leaves from the buckets, the others from ``leaves``."""
-    if buckets:
-        parts = [b[:size] for b, size in zip(buckets, layout.bucket_sizes, strict=True)]
-        flat = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-    out = []
-    start = 0
-    for leaf, shape, dtype, bucketed in zip(
-        leaves, layout.shapes, layout.dtypes, layout.bucketed, strict=True
+    out = list(leaves)
+    for bucket, members in zip(buckets, layout.buckets, strict=True):
+        offset = 0
+        for i in members:
+            size = math.prod(layout.shapes[i])
+            out[i] = bucket[offset : offset + size].reshape(layout.shapes[i])
+            out[i] = out[i].astype(layout.dtypes[i])
+            offset += size
+    for i, (shape, dtype, is_float) in enumerate(
+        zip(layout.shapes, layout.dtypes, layout.bucketed, strict=True)
     ):
-        if not bucketed:
-            out.append(leaf)
-            continue
-        size = math.prod(shape)
-        if size == 0:
-            out.append(jnp.zeros(shape, dtype))
-            continue
-        out.append(flat[start : start + size].reshape(shape).astype(dtype))
-        start += size
+        if is_float and math.prod(shape) == 0:
+            out[i] = jnp.zeros(shape, dtype)
     return out
 
 

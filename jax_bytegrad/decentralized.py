@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
-from jax_bytegrad.parallel import _varying_axes, check_batch, check_mesh
+from jax_bytegrad.parallel import _varying_axes, check_batch, check_mesh, compiler_options
 from jax_bytegrad.quantize import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
@@ -168,6 +168,7 @@ def _host_selected_step(per_device, mesh, axes, state_specs, choose, *, has_aux,
                     out_specs=out_specs,
                 ),
                 donate_argnums=(0,) if donate else (),
+                compiler_options=compiler_options(mesh),
             )
         return programs[choice]
 

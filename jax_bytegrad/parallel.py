@@ -114,6 +114,19 @@ def check_mesh(mesh, node_axis: str, local_axis: str, where: str) -> tuple[int, 
     return int(mesh.shape[node_axis]), int(mesh.shape[local_axis])
 
 
+def compiler_options(mesh: Mesh) -> dict | None:
+    """XLA options for the train steps this library compiles over ``mesh``.
+
+    On CPU, XLA's fusion emitters compile the bucket decode, fused into a parameter whose
+    rows do not line up with the 1024-value quantization blocks, to a loop 4x slower than
+    the classic emitters (0.39 s against 0.10 s for a 25M-parameter MLP; the sync alone
+    0.55 s against 0.23 s). Other platforms need nothing.
+    """
+    if next(iter(mesh.devices.flat)).platform == "cpu":
+        return {"xla_cpu_use_fusion_emitters": False}
+    return None
+
+
 def _varying_axes(x) -> frozenset:
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
@@ -220,6 +233,7 @@ def data_parallel_step(
         in_shardings=shardings,
         out_shardings=shardings[0],
         donate_argnums=(0, 1) if donate else (),
+        compiler_options=compiler_options(mesh),
     )
     return _PlacedStep(jitted, shardings)
 
