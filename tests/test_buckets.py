@@ -1,0 +1,60 @@
+"""Bucketing: whole leaves per bucket, padding, and an exact round trip."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_bytegrad import buckets
+
+
+def leaves_of(shapes, dtypes=None):
+    rng = np.random.default_rng(0)
+    dtypes = dtypes or [jnp.float32] * len(shapes)
+    return [jnp.asarray(rng.standard_normal(s), d) for s, d in zip(shapes, dtypes, strict=True)]
+
+
+def test_buckets_hold_whole_leaves_and_close_before_overflowing():
+    leaves = leaves_of([(100,), (30, 10), (50,), (400,), (7,)])
+    layout = buckets.make_layout(leaves, bucket_bytes=4 * 450, granularity=64)
+    # 100 + 300 + 50 fill 450 exactly; 400 would overflow, so it opens the next bucket.
+    assert layout.buckets == ((0, 1, 2), (3, 4))
+    assert layout.padded_sizes == (512, 448)
+
+
+def test_a_leaf_larger_than_a_bucket_gets_its_own():
+    leaves = leaves_of([(10,), (1000,), (10,)])
+    layout = buckets.make_layout(leaves, bucket_bytes=4 * 100, granularity=8)
+    assert layout.buckets == ((0,), (1,), (2,))
+
+
+def test_one_bucket_when_bucket_bytes_is_none():
+    leaves = leaves_of([(10,), (1000,), (10,)])
+    layout = buckets.make_layout(leaves, bucket_bytes=None, granularity=8)
+    assert layout.buckets == ((0, 1, 2),) and layout.padded_sizes == (1024,)
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 4 * 64, 4 * 5000], ids=["one", "small", "big"])
+def test_round_trip_is_exact_and_keeps_dtypes(bucket_bytes):
+    shapes = [(3, 5), (0, 4), (7,), (2, 2, 2), (), (33,)]
+    dtypes = [jnp.float32, jnp.float16, jnp.bfloat16, jnp.int32, jnp.float32, jnp.float32]
+    leaves = leaves_of(shapes, dtypes)
+    layout = buckets.make_layout(leaves, bucket_bytes=bucket_bytes, granularity=16)
+    packed = buckets.to_buckets(leaves, layout)
+    assert all(b.dtype == jnp.float32 and b.size % 16 == 0 for b in packed)
+    # Padding is zeros, and only float elements are packed.
+    assert sum(int(jnp.count_nonzero(b)) for b in packed) == 15 + 7 + 1 + 33
+    out = buckets.from_buckets(packed, leaves, layout)
+    for got, want in zip(out, leaves, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_flatten_and_unflatten_like():
+    tree = {"a": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.arange(4.0)}
+    flat = buckets.flatten_float32(tree)
+    assert flat.shape == (10,) and flat.dtype == jnp.float32
+    back = buckets.unflatten_like(flat * 2, tree)
+    assert back["a"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(back["b"]), [0.0, 2.0, 4.0, 6.0])
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
