@@ -224,18 +224,8 @@ def data_parallel_step(
         check_batch(batch, devices)
         return sharded(params, opt_state, batch)
 
-    # Inputs are placed before the call: the first call (host arrays) and the later ones
-    # (this step's own committed outputs) then hit the same compiled program; jit alone
-    # compiles once for uncommitted and once for committed arguments.
     shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P()), NamedSharding(mesh, P(axes)))
-    jitted = jax.jit(
-        step,
-        in_shardings=shardings,
-        out_shardings=shardings[0],
-        donate_argnums=(0, 1) if donate else (),
-        compiler_options=compiler_options(mesh),
-    )
-    return _PlacedStep(jitted, shardings)
+    return _PlacedStep(step, mesh, shardings, donate)
 
 
 def check_batch(batch, devices: int, where: str = "data_parallel_step") -> None:
@@ -250,13 +240,29 @@ def check_batch(batch, devices: int, where: str = "data_parallel_step") -> None:
 
 
 class _PlacedStep:
-    """A jitted step that places its arguments on the mesh first; ``lower`` as in jit."""
+    """The jitted step; at top level it places its arguments on the mesh first.
 
-    def __init__(self, jitted, shardings):
-        self.jitted = jitted
+    Placing them makes the first call (host arrays) and the later ones (this step's own
+    committed outputs) hit the same compiled program; jit alone compiles once for
+    uncommitted and once for committed arguments. Inside a caller's jit the step is
+    inlined, and the caller's program chooses the compiler options (XLA accepts them on a
+    top-level jit only). ``lower`` works as in jit, for ``communication_stats``.
+    """
+
+    def __init__(self, step, mesh, shardings, donate):
+        kwargs = dict(
+            in_shardings=shardings,
+            out_shardings=shardings[0],
+            donate_argnums=(0, 1) if donate else (),
+        )
+        self.jitted = jax.jit(step, compiler_options=compiler_options(mesh), **kwargs)
+        self._nested = jax.jit(step, **kwargs)
         self.shardings = shardings
-        self.lower = jitted.lower
+        self.lower = self.jitted.lower
 
     def __call__(self, params, opt_state, batch):
         check_batch(batch, self.shardings[2].mesh.size)
-        return self.jitted(*jax.device_put((params, opt_state, batch), self.shardings))
+        args = (params, opt_state, batch)
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+            return self._nested(*args)
+        return self.jitted(*jax.device_put(args, self.shardings))

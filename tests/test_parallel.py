@@ -242,3 +242,15 @@ def test_make_mesh_shapes(args, shape):
 def test_make_mesh_errors(args, match):
     with pytest.raises(ValueError, match=match):
         jax_bytegrad.make_mesh(*args)
+
+
+def test_step_runs_inside_a_callers_jit():
+    # XLA takes compiler options on a top-level jit only; nested, the step is inlined.
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
+    step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh, donate=False)
+    w = jnp.ones(3)
+    batch = jnp.ones((8, 3))
+    direct = step(w, tx.init(w), batch)
+    nested = jax.jit(step)(w, tx.init(w), batch)
+    np.testing.assert_array_equal(np.asarray(direct[0]), np.asarray(nested[0]))
