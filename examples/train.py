@@ -37,6 +37,7 @@ from jax_bytegrad.decentralized import (
     decentralized_step,
     low_precision_decentralized_step,
 )
+from jax_bytegrad.distributed import ensure_cpu_threads
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data as datasets  # noqa: E402
@@ -541,6 +542,7 @@ def simulate_cpu_devices(args: argparse.Namespace) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    ensure_cpu_threads(count)
 
 
 def run(args: argparse.Namespace) -> list[Result]:
