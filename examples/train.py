@@ -317,6 +317,67 @@ def _node_stats(train: TrainStep, state, batch, mesh):
     return jax_bytegrad.communication_stats(train.step.lower(state, batch).compile(), mesh=mesh)
 
 
+ASYNC = "async"
+
+
+def _train_async(config, data, graphdef, rest, host_params, loss_fn, mesh, rng, baseline) -> Result:
+    """Bagua's async model averaging: local steps, the model averaged across processes.
+
+    Each process trains on its own rows with gradients averaged over its own devices; a
+    background thread averages the model over processes every 200 ms. Its traffic between
+    nodes is that averaging (a float32 all-reduce of the model per round), counted here from
+    the rounds that actually ran, spread over the steps.
+    """
+    processes = jax.process_count()
+    if processes == 1:
+        raise ValueError(
+            "train: async model averaging averages the model across processes; run it with "
+            "python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 "
+            "examples/multihost.py --algorithm async"
+        )
+    steps, batch_size = config.get("steps"), config.get("batch_size")
+    tx = optax.adam(config.get("learning_rate"))
+    avg = jax_bytegrad.async_model_average(loss_fn, tx, mesh, sync_interval_ms=200, has_aux=True)
+    params, opt_state = avg.init(host_params)
+    progress = Progress(steps, ASYNC, config.progress)
+    losses, start = [], None
+    for i in range(steps):
+        batch = datasets.train_batch(data, rng, batch_size, config.seq_len)
+        params, opt_state, loss, _ = avg.step(
+            params, opt_state, tuple(_process_rows(x) for x in batch)
+        )
+        losses.append(float(loss))
+        if i == 0:
+            start = time.perf_counter()
+        if (i + 1) % 10 == 0 or i == steps - 1:
+            progress.update(i + 1, losses[-1])
+    elapsed = time.perf_counter() - start
+    progress.close()
+    avg.abort()
+    params = avg.average_now(params)  # one last exact average: the model to evaluate
+    rounds = avg.round_stats.rounds
+    num_params = models.count_params(host_params)
+    per_round = 2 * (processes - 1) / processes * 4 * num_params
+    node_bytes = rounds * per_round / steps
+    test_inputs, test_targets = datasets.test_set(data, config.seq_len)
+    params = jax_bytegrad.replicate(jax.device_get(params), mesh)
+    test_loss, test_accuracy = evaluate(graphdef, rest, params, test_inputs, test_targets, mesh)
+    return Result(
+        algorithm=ASYNC,
+        model=config.model,
+        losses=losses,
+        test_loss=test_loss,
+        test_accuracy=test_accuracy,
+        node_bytes=node_bytes,
+        node_bytes_average=node_bytes,
+        baseline_node_bytes=baseline,
+        steps_per_second=(steps - 1) / elapsed if steps > 1 else float("nan"),
+        num_params=num_params,
+        comm_table=f"async: {rounds} background averaging rounds over {processes} processes, "
+        f"{per_round / 2**20:.2f} MiB sent per process per round",
+    )
+
+
 def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = None) -> Result:
     """Trains ``config.model`` with ``config.algorithm`` and evaluates it on held-out data.
 
@@ -332,9 +393,10 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
       ValueError: for an unknown algorithm or model, or a batch that does not split over
         the devices.
     """
-    if config.algorithm not in ALGORITHMS:
+    if config.algorithm not in (*ALGORITHMS, ASYNC):
         raise ValueError(
-            f"train: unknown algorithm {config.algorithm!r}; use one of {sorted(ALGORITHMS)}"
+            f"train: unknown algorithm {config.algorithm!r}; use one of "
+            f"{sorted([*ALGORITHMS, ASYNC])}"
         )
     if config.model not in MODEL_DEFAULTS:
         raise ValueError(
@@ -353,7 +415,8 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
     )
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     num_params = models.count_params(params)
-    params = jax_bytegrad.replicate(jax.device_get(params), mesh)
+    host_params = jax.device_get(params)
+    params = jax_bytegrad.replicate(host_params, mesh)
     loss_fn = make_loss_fn(graphdef, rest)
 
     def init_state(build):
@@ -367,6 +430,13 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
         return jax_bytegrad.shard_batch(tuple(_process_rows(x) for x in batch), mesh)
 
     batch = next_batch()
+    if config.algorithm == ASYNC:
+        if baseline_node_bytes is None:
+            base, base_state = init_state(ALGORITHMS["gradient_allreduce"])
+            baseline_node_bytes = _node_stats(base, base_state, batch, mesh).bytes_on("node")
+        return _train_async(
+            config, data, graphdef, rest, host_params, loss_fn, mesh, rng, baseline_node_bytes
+        )
     train, state = init_state(ALGORITHMS[config.algorithm])
     stats = _node_stats(train, state, batch, mesh)
     total_node_bytes = stats.bytes_on("node")
@@ -420,7 +490,8 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
 
 def compare(config: Config, algorithms=None) -> list[Result]:
     """Runs every algorithm (gradient_allreduce first, as the baseline) on the same data."""
-    names = list(algorithms or ALGORITHMS)
+    default = [*ALGORITHMS, ASYNC] if jax.process_count() > 1 else list(ALGORITHMS)
+    names = list(algorithms or default)
     names.sort(key=lambda name: name != "gradient_allreduce")
     results, baseline = [], None
     for name in names:
@@ -489,7 +560,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--algorithm",
-        choices=sorted(ALGORITHMS),
+        choices=sorted([*ALGORITHMS, ASYNC]),
         default=None,
         help="train with one algorithm; without it, --compare runs them all",
     )

@@ -100,3 +100,22 @@ def test_multihost_two_processes(tmp_path):
     assert "mesh {'node': 2, 'local': 2} on 2 process(es)" in proc.stdout
     # Only process 0 prints the table.
     assert proc.stdout.count("| bytegrad |") == 1
+
+
+@pytest.mark.slow
+def test_async_model_averaging_across_two_processes(tmp_path):
+    script = os.path.join(EXAMPLES, "multihost.py")
+    args = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2"]
+    args += ["--timeout", "240", script, "--algorithm", "async", "--steps", "150"]
+    proc = _run([*args, "--no-progress", "--batch-size", "32"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if "| async |" in line)
+    accuracy = float(row.split("|")[2].strip().rstrip("%"))
+    assert accuracy > 80.0, row  # chance is 10%
+    rounds = int(proc.stdout.split("async: ")[1].split(" background")[0])
+    assert rounds >= 1  # the background thread really averaged
+
+
+def test_async_needs_several_processes():
+    with pytest.raises(ValueError, match="averages the model across processes"):
+        train.train_and_evaluate(train.Config(algorithm="async", steps=2, progress=False))
