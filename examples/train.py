@@ -158,9 +158,10 @@ def _bytegrad(config: Config, loss_fn, mesh) -> TrainStep:
 @register("qadam")
 def _qadam(config: Config, loss_fn, mesh) -> TrainStep:
     warmup = max(1, int(config.qadam_warmup_fraction * config.get("steps")))
-    # eps 1e-5, not Adam's 1e-8: after warm-up the second moment is frozen, and where it
-    # froze near zero, the 8-bit rounding error of the momentum divided by sqrt(v) makes
-    # steps thousands of times too large (the CNN diverges with 1e-8 or 1e-6).
+    # eps 1e-5, not Adam's 1e-8: after warm-up the second moment is frozen, and weights that
+    # got almost no gradient in the 60 warm-up steps keep it near zero; their first real
+    # gradient is then divided by about eps (the CNN diverges with 1e-8 or 1e-6, even on one
+    # device where nothing is quantized).
     tx = jax_bytegrad.qadam(config.get("learning_rate"), warmup_steps=warmup, eps=config.qadam_eps)
     return _optax(tx, loss_fn, mesh, warmup)
 
