@@ -198,6 +198,48 @@ def _bytegrad_wire(mesh, num_params):
     return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
 
 
+@register("permute_wire", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _permute_wire(mesh, num_params):
+    """ByteGrad's two exchanges as K-1 ppermute shifts each (same bytes as `bytegrad_wire`)."""
+    import functools
+
+    import jax
+
+    from jax_bytegrad.parallel import replicate
+
+    n = mesh.shape["node"] * mesh.shape["local"]
+    blocks = -(-num_params // (1024 * n)) * n
+    own = blocks // n
+    codes = np.full((blocks, 1024), 7, np.uint8)
+    header = np.ones((blocks, 2), np.float32)
+
+    def shifts(chunk_of, me):
+        # Round s sends this device's piece for device me + s and receives the piece of me - s.
+        out = [chunk_of(me)]
+        for s in range(1, n):
+            perm = [(i, (i + s) % n) for i in range(n)]
+            out.append(jax.lax.ppermute(chunk_of((me + s) % n), AXES, perm))
+        return out
+
+    def body(g, codes, header):
+        del g
+        me = jax.lax.axis_index(AXES)
+        codes = jax.lax.pcast(codes, AXES, to="varying")
+        header = jax.lax.pcast(header, AXES, to="varying")
+        take = lambda a: lambda j: jax.lax.dynamic_slice_in_dim(a, j * own, own)
+        received = shifts(take(codes), me), shifts(take(header), me)
+        # Stands in for the average: uses every received chunk, and has the size it would.
+        mine = [functools.reduce(jax.numpy.maximum, parts) for parts in received]
+        gathered = [jax.numpy.concatenate(shifts(lambda j, a=a: a, me)) for a in mine]
+        # A scalar that depends on every received byte keeps the exchanges alive; its psum
+        # makes the output replicated (4 bytes).
+        touched = sum(jax.numpy.sum(a.astype(jax.numpy.float32)) for a in gathered)
+        return jax.lax.psum(touched, AXES)
+
+    grads = local_gradient(mesh, 8, np.float32)
+    return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
+
+
 @register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _qadam_compressed(mesh, num_params):
     """One `scale_by_qadam` update past warm-up: local momentum, 8-bit compressed mean, Adam."""
