@@ -76,10 +76,12 @@ def gather_invariant(x: jax.Array, axis) -> jax.Array:
 
 
 def _compressed_sum_flat(
-    x, *, node_axis, local_axis, hierarchical, weight, block_size, stochastic, key, impl
+    x, *, node_axis, local_axis, n, local, hierarchical, weight, block_size, stochastic, key, impl
 ):
-    """All-reduce of one flat float32 bucket; its length is a multiple of devices x block."""
-    n, local = axis_sizes(node_axis, local_axis, "compressed_mean")
+    """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
+
+    ``n`` and ``local`` are the sizes of ``node_axis`` and ``local_axis``.
+    """
     if hierarchical:
         group, group_size = node_axis, n
         if local > 1:
@@ -191,6 +193,8 @@ def compressed_mean(
                 bucket,
                 node_axis=node_axis,
                 local_axis=local_axis,
+                n=n,
+                local=local,
                 hierarchical=hierarchical,
                 weight=weight,
                 block_size=block_size,
