@@ -33,10 +33,8 @@ from jax_bytegrad.parallel import _varying_axes
 from jax_bytegrad.quantize import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
-    check_block_size,
-    resolve_implementation,
 )
-from jax_bytegrad.transforms import _check_axes, _check_flag
+from jax_bytegrad.transforms import check_sync_args
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -170,12 +168,15 @@ def scale_by_qadam(
     _check_decay(b2, "b2", where)
     _check_non_negative(eps, "eps", where)
     _check_warmup_steps(warmup_steps, where)
-    _check_axes(node_axis, local_axis, where)
-    _check_flag(hierarchical, "hierarchical", where)
-    check_block_size(block_size, where)
-    collectives._check_bucket_bytes(bucket_bytes, where)
-    if implementation is not None:
-        resolve_implementation(implementation)
+    check_sync_args(
+        where,
+        node_axis=node_axis,
+        local_axis=local_axis,
+        hierarchical=hierarchical,
+        block_size=block_size,
+        bucket_bytes=bucket_bytes,
+        implementation=implementation,
+    )
 
     def init_fn(params):
         return ScaleByQAdamState(

@@ -46,6 +46,18 @@ def _check_axes(node_axis, local_axis, where: str) -> None:
         raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
 
 
+def check_sync_args(
+    where: str, *, node_axis, local_axis, hierarchical, block_size, bucket_bytes, implementation
+) -> None:
+    """Validates, at build time, the arguments every compressed-sync transform takes."""
+    _check_axes(node_axis, local_axis, where)
+    _check_flag(hierarchical, "hierarchical", where)
+    check_block_size(block_size, where)
+    collectives._check_bucket_bytes(bucket_bytes, where)
+    if implementation is not None:
+        resolve_implementation(implementation)
+
+
 def bytegrad(
     *,
     node_axis: str = "node",
@@ -91,14 +103,17 @@ def bytegrad(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "bytegrad"
-    _check_axes(node_axis, local_axis, where)
-    _check_flag(hierarchical, "hierarchical", where)
+    check_sync_args(
+        where,
+        node_axis=node_axis,
+        local_axis=local_axis,
+        hierarchical=hierarchical,
+        block_size=block_size,
+        bucket_bytes=bucket_bytes,
+        implementation=implementation,
+    )
     _check_flag(average, "average", where)
-    check_block_size(block_size, where)
-    collectives._check_bucket_bytes(bucket_bytes, where)
     stochastic = check_rounding(rounding, where)
-    if implementation is not None:
-        resolve_implementation(implementation)
 
     def init_fn(params):
         del params
