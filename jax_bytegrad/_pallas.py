@@ -291,17 +291,13 @@ def _as_lanes(a: jax.Array) -> jax.Array:
     return a.reshape(*a.shape[:-1], a.shape[-1] // _LANES, _LANES)
 
 
-@functools.partial(jax.jit, static_argnames=("stochastic", "interpret", "tiles"))
-def _quantize(x, u, *, stochastic, interpret, tiles):
-    num_blocks, block_size = x.shape
-    rows, padded = _plan(num_blocks, block_size, tiles)
-    inputs = [_as_lanes(_pad_blocks(x, padded, 0))]
-    if stochastic:
-        inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
+def _encode_launch(kernel, inputs, in_specs, *, rows, padded, num_blocks, interpret):
+    """Launches a kernel that writes codes and headers; drops the padding blocks."""
+    block_size = inputs[0].shape[-2] * _LANES
     codes, header = _launch(
-        functools.partial(_quantize_kernel, stochastic=stochastic),
+        kernel,
         grid=padded // rows,
-        in_specs=[_tile_spec(rows, block_size)] * len(inputs),
+        in_specs=in_specs,
         out_specs=[_tile_spec(rows, block_size), _header_spec(rows)],
         out_shape=[
             jax.ShapeDtypeStruct((padded, block_size // _LANES, _LANES), jnp.uint8),
@@ -311,6 +307,24 @@ def _quantize(x, u, *, stochastic, interpret, tiles):
     )(*inputs)
     codes = codes.reshape(padded, block_size)[:num_blocks]
     return codes, header.reshape(padded, 2)[:num_blocks]
+
+
+@functools.partial(jax.jit, static_argnames=("stochastic", "interpret", "tiles"))
+def _quantize(x, u, *, stochastic, interpret, tiles):
+    num_blocks, block_size = x.shape
+    rows, padded = _plan(num_blocks, block_size, tiles)
+    inputs = [_as_lanes(_pad_blocks(x, padded, 0))]
+    if stochastic:
+        inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
+    return _encode_launch(
+        functools.partial(_quantize_kernel, stochastic=stochastic),
+        inputs,
+        [_tile_spec(rows, block_size)] * len(inputs),
+        rows=rows,
+        padded=padded,
+        num_blocks=num_blocks,
+        interpret=interpret,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
@@ -340,19 +354,15 @@ def _average_requantize(codes, header, u, *, weight, stochastic, interpret, tile
     if stochastic:
         inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
         in_specs.append(_tile_spec(rows, block_size))
-    out_codes, out_header = _launch(
+    return _encode_launch(
         functools.partial(_average_requantize_kernel, weight=weight, stochastic=stochastic),
-        grid=padded // rows,
-        in_specs=in_specs,
-        out_specs=[_tile_spec(rows, block_size), _header_spec(rows)],
-        out_shape=[
-            jax.ShapeDtypeStruct((padded, block_size // _LANES, _LANES), jnp.uint8),
-            jax.ShapeDtypeStruct((2 * padded,), jnp.float32),
-        ],
+        inputs,
+        in_specs,
+        rows=rows,
+        padded=padded,
+        num_blocks=num_blocks,
         interpret=interpret,
-    )(*inputs)
-    out_codes = out_codes.reshape(padded, block_size)[:num_blocks]
-    return out_codes, out_header.reshape(padded, 2)[:num_blocks]
+    )
 
 
 def _uniforms(key, shape):
