@@ -190,8 +190,8 @@ def data_parallel_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     axes = (node_axis, local_axis)
-    check_mesh(mesh, node_axis, local_axis, "data_parallel_step")
-    devices = mesh.shape[node_axis] * mesh.shape[local_axis]
+    nodes, per_node = check_mesh(mesh, node_axis, local_axis, "data_parallel_step")
+    devices = nodes * per_node
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
     def per_device(params, opt_state, batch):
@@ -225,7 +225,7 @@ def data_parallel_step(
         return sharded(params, opt_state, batch)
 
     shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P()), NamedSharding(mesh, P(axes)))
-    return _PlacedStep(step, mesh, shardings, donate)
+    return _PlacedStep(step, mesh, shardings, devices, donate)
 
 
 def check_batch(batch, devices: int, where: str = "data_parallel_step") -> None:
@@ -249,7 +249,7 @@ class _PlacedStep:
     top-level jit only). ``lower`` works as in jit, for ``communication_stats``.
     """
 
-    def __init__(self, step, mesh, shardings, donate):
+    def __init__(self, step, mesh, shardings, devices, donate):
         kwargs = dict(
             in_shardings=shardings,
             out_shardings=shardings[0],
@@ -258,10 +258,11 @@ class _PlacedStep:
         self.jitted = jax.jit(step, compiler_options=compiler_options(mesh), **kwargs)
         self._nested = jax.jit(step, **kwargs)
         self.shardings = shardings
+        self.devices = devices
         self.lower = self.jitted.lower
 
     def __call__(self, params, opt_state, batch):
-        check_batch(batch, self.shardings[2].mesh.size)
+        check_batch(batch, self.devices)
         args = (params, opt_state, batch)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             return self._nested(*args)

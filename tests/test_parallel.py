@@ -254,3 +254,18 @@ def test_step_runs_inside_a_callers_jit():
     direct = step(w, tx.init(w), batch)
     nested = jax.jit(step)(w, tx.init(w), batch)
     np.testing.assert_array_equal(np.asarray(direct[0]), np.asarray(nested[0]))
+
+
+def test_batch_splits_over_node_and_local_only_on_a_mesh_with_another_axis():
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()).reshape(2, 2, 2),
+        ("node", "local", "model"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 3,
+    )
+    tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
+    step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh, donate=False)
+    w = jnp.ones(3)
+    _, _, loss = step(w, tx.init(w), jnp.ones((4, 3)))  # 4 rows: one per (node, local) pair
+    assert float(loss) == 3.0
+    with pytest.raises(ValueError, match="multiple of the 4 devices"):
+        step(w, tx.init(w), jnp.ones((6, 3)))
