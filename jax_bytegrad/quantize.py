@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad import _reference
+from jax_bytegrad import _pallas, _reference
 
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 Rounding = Literal["nearest", "stochastic"]
@@ -95,8 +95,6 @@ def _pallas_compiles() -> bool:
     Mosaic GPU lowers, so a failure here picks XLA and says so in a warning. An explicit
     ``implementation="pallas"`` never takes this path: it raises the compiler's error.
     """
-    from jax_bytegrad import _pallas
-
     x = jax.ShapeDtypeStruct((4, MIN_BLOCK_SIZE), jnp.float32)
     codes = jax.ShapeDtypeStruct((4, MIN_BLOCK_SIZE), jnp.uint8)
     header = jax.ShapeDtypeStruct((4, HEADER_WIDTH), jnp.float32)
@@ -128,8 +126,6 @@ def _pallas_compiles() -> bool:
 
 def resolve_implementation(implementation: Implementation | None) -> Implementation:
     """Returns the implementation to run: the one asked for, or the best available."""
-    from jax_bytegrad import _pallas
-
     if implementation is None:
         return "pallas" if _pallas.is_supported() and _pallas_compiles() else "xla"
     if implementation == "pallas" and not _pallas.is_supported():
@@ -156,8 +152,6 @@ def quantize_blocks(
     """Quantizes rows of a (num_blocks, block_size) array; see ``_reference``."""
     if implementation == "xla":
         return _reference.quantize_blocks(x, stochastic=stochastic, key=key)
-    from jax_bytegrad import _pallas
-
     return _pallas.quantize_blocks(
         x, stochastic=stochastic, key=key, interpret=implementation == "pallas_interpret"
     )
@@ -169,8 +163,6 @@ def dequantize_blocks(
     """Decodes (num_blocks, block_size) codes to float32; see ``_reference``."""
     if implementation == "xla":
         return _reference.dequantize_blocks(codes, header)
-    from jax_bytegrad import _pallas
-
     return _pallas.dequantize_blocks(codes, header, interpret=implementation == "pallas_interpret")
 
 
@@ -188,8 +180,6 @@ def average_requantize(
         return _reference.average_requantize(
             codes, header, weight=weight, stochastic=stochastic, key=key
         )
-    from jax_bytegrad import _pallas
-
     return _pallas.average_requantize(
         codes,
         header,
