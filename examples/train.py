@@ -318,6 +318,28 @@ def _node_stats(train: TrainStep, state, batch, mesh):
     return jax_bytegrad.communication_stats(train.step.lower(state, batch).compile(), mesh=mesh)
 
 
+def _train_loop(step, state, batch, next_batch, *, steps: int, name: str, progress: bool):
+    """Runs ``steps`` steps from ``batch``; returns the state, each loss, the seconds after step 1.
+
+    Reading the loss every step keeps one step in flight: queueing many steps of collectives
+    on a few CPU cores can stall XLA:CPU's rendezvous (see docs/qadam.md).
+    """
+    bar = Progress(steps, name, progress)
+    losses, start = [], None
+    for i in range(steps):
+        state, loss, _ = step(state, batch)
+        losses.append(float(loss if loss.ndim == 0 else _mean(loss)))
+        if i == 0:
+            start = time.perf_counter()  # time from the second step: the first compiles
+        if (i + 1) % 10 == 0 or i == steps - 1:
+            bar.update(i + 1, losses[-1])
+        if i < steps - 1:
+            batch = next_batch()
+    elapsed = time.perf_counter() - start
+    bar.close()
+    return state, losses, elapsed
+
+
 ASYNC = "async"
 
 
@@ -339,21 +361,24 @@ def _train_async(config, data, graphdef, rest, host_params, loss_fn, mesh, rng, 
     steps, batch_size = config.get("steps"), config.get("batch_size")
     tx = optax.adam(config.get("learning_rate"))
     avg = jax_bytegrad.async_model_average(loss_fn, tx, mesh, sync_interval_ms=200, has_aux=True)
-    params, opt_state = avg.init(host_params)
-    progress = Progress(steps, ASYNC, config.progress)
-    losses, start = [], None
-    for i in range(steps):
+
+    def step(state, batch):
+        params, opt_state, loss, aux = avg.step(*state, batch)
+        return (params, opt_state), loss, aux
+
+    def next_rows():
         batch = datasets.train_batch(data, rng, batch_size, config.seq_len)
-        params, opt_state, loss, _ = avg.step(
-            params, opt_state, tuple(_process_rows(x) for x in batch)
-        )
-        losses.append(float(loss))
-        if i == 0:
-            start = time.perf_counter()
-        if (i + 1) % 10 == 0 or i == steps - 1:
-            progress.update(i + 1, losses[-1])
-    elapsed = time.perf_counter() - start
-    progress.close()
+        return tuple(_process_rows(x) for x in batch)
+
+    (params, _), losses, elapsed = _train_loop(
+        step,
+        avg.init(host_params),
+        next_rows(),
+        next_rows,
+        steps=steps,
+        name=ASYNC,
+        progress=config.progress,
+    )
     avg.abort()
     params = avg.average_now(params)  # one last exact average: the model to evaluate
     rounds = avg.round_stats.rounds
@@ -454,22 +479,15 @@ def train_and_evaluate(config: Config, *, baseline_node_bytes: float | None = No
         warm = min(train.warmup_steps, steps)
         average = (warm * baseline_node_bytes + (steps - warm) * node_bytes) / steps
 
-    progress = Progress(steps, config.algorithm, config.progress)
-    losses = []
-    start = None
-    for i in range(steps):
-        state, loss, _ = train.step(state, batch)
-        # Reading the loss every step keeps one step in flight: queueing many steps of
-        # collectives on a few CPU cores can stall XLA:CPU's rendezvous (see docs/qadam.md).
-        losses.append(float(loss if loss.ndim == 0 else _mean(loss)))
-        if i == 0:
-            start = time.perf_counter()  # time from the second step: the first compiles
-        if (i + 1) % 10 == 0 or i == steps - 1:
-            progress.update(i + 1, losses[-1])
-        if i < steps - 1:
-            batch = next_batch()
-    elapsed = time.perf_counter() - start
-    progress.close()
+    state, losses, elapsed = _train_loop(
+        train.step,
+        state,
+        batch,
+        next_batch,
+        steps=steps,
+        name=config.algorithm,
+        progress=config.progress,
+    )
 
     test_inputs, test_targets = datasets.test_set(data, config.seq_len)
     params = train.params(state)
