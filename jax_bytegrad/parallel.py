@@ -118,9 +118,9 @@ def compiler_options(mesh: Mesh) -> dict | None:
     """XLA options for the train steps this library compiles over ``mesh``.
 
     On CPU, XLA's fusion emitters compile the bucket decode, fused into a parameter whose
-    rows do not line up with the 1024-value quantization blocks, to a loop 4x slower than
-    the classic emitters (0.39 s against 0.10 s for a 25M-parameter MLP; the sync alone
-    0.55 s against 0.23 s). Other platforms need nothing.
+    rows do not line up with the 1024-value quantization blocks, to a slow element-wise
+    loop; with the classic emitters a ByteGrad step of a 25M-parameter MLP took 763 ms
+    instead of 5544 ms (benchmarks/RESULTS.md, "Network"). Other platforms need nothing.
     """
     if next(iter(mesh.devices.flat)).platform == "cpu":
         return {"xla_cpu_use_fusion_emitters": False}
