@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_bytegrad.quantize import (  # noqa: E402
+from jax_bytegrad.quantization import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     average_requantize,
     dequantize_blocks,

@@ -244,7 +244,7 @@ def _permute_wire(mesh, num_params):
 def _qadam_compressed(mesh, num_params):
     """One `scale_by_qadam` update past warm-up: local momentum, 8-bit compressed mean, Adam."""
     from jax_bytegrad.parallel import replicate
-    from jax_bytegrad.qadam import ScaleByQAdamState, scale_by_qadam
+    from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, scale_by_qadam
 
     warmup = 4
     tx = scale_by_qadam(warmup_steps=warmup, bucket_bytes=_bucket_bytes())
@@ -332,7 +332,7 @@ def _train_bytegrad(mesh, num_params):
 
 @register("train_qadam", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _train_qadam(mesh, num_params):
-    from jax_bytegrad.qadam import qadam
+    from jax_bytegrad.qadam_optimizer import qadam
 
     warmup = 4
     tx = qadam(1e-4, warmup_steps=warmup, bucket_bytes=_bucket_bytes())

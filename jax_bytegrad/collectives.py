@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad import buckets as bucketing
-from jax_bytegrad.quantize import (
+from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
     HEADER_WIDTH,
     Implementation,

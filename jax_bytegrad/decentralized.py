@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
 from jax_bytegrad.parallel import _varying_axes, check_batch, check_mesh, compiler_options
-from jax_bytegrad.quantize import (
+from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
     check_block_size,

@@ -13,7 +13,7 @@ import jax
 import optax
 
 from jax_bytegrad import collectives
-from jax_bytegrad.quantize import (
+from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
     Rounding,

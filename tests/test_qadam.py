@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
-from jax_bytegrad.qadam import ScaleByQAdamState, qadam, scale_by_qadam
+from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, qadam, scale_by_qadam
 
 AXES = ("node", "local")
 NODES, LOCAL = 2, 4

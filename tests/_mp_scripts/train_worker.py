@@ -54,7 +54,7 @@ def optimizer(name: str):
     import optax
 
     import jax_bytegrad
-    from jax_bytegrad.qadam import qadam
+    from jax_bytegrad.qadam_optimizer import qadam
 
     if name == "bytegrad":
         return optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1, momentum=0.9))

@@ -30,7 +30,7 @@ import optax
 
 from jax_bytegrad import collectives
 from jax_bytegrad.parallel import _varying_axes
-from jax_bytegrad.quantize import (
+from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
 )
@@ -155,7 +155,7 @@ def scale_by_qadam(
         axis the mesh lacks, or for gradients that are already averaged across devices.
 
     Examples:
-      >>> import optax, jax_bytegrad.qadam as qadam_lib
+      >>> import optax, jax_bytegrad.qadam_optimizer as qadam_lib
       >>> tx = optax.chain(qadam_lib.scale_by_qadam(warmup_steps=100), optax.scale(-1e-3))
 
     References:
@@ -274,7 +274,7 @@ def qadam(
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad
-      >>> from jax_bytegrad.qadam import qadam
+      >>> from jax_bytegrad.qadam_optimizer import qadam
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> tx = qadam(1e-2, warmup_steps=2)
       >>> step = jax_bytegrad.data_parallel_step(
