@@ -501,8 +501,11 @@ def low_precision_decentralized_step(
     def exchange(own, w, left, right):
         z = (w + left + right) * third - w + (own - w)
         q = quantize(z, block_size=block_size, implementation=impl)
+
         def received(perm):
-            return dequantize(split_ppermute(q, ring_axis, perm, message_bytes), implementation=impl)
+            return dequantize(
+                split_ppermute(q, ring_axis, perm, message_bytes), implementation=impl
+            )
 
         left = left + received(from_left)
         right = right + received(from_right)
