@@ -103,11 +103,13 @@ def split_ppermute(tree, axis, perm, message_bytes: int | None):
     return jax.tree.map(send, tree)
 
 
-def _compressed_piece(x, *, group, weight, stochastic, key, impl):
+def _compressed_piece(x, *, group, gather_group, weight, stochastic, key, impl):
     """The compressed all-reduce of one message's worth of blocks.
 
-    ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j, which owns
-    those blocks of the mean. Returns the decoded mean of all of ``x``, same shape.
+    ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j over ``group``,
+    which owns those blocks of the mean. The averaged codes come back over ``gather_group``
+    (the same devices, possibly named by more axes, which it marks the result replicated
+    over). Returns the decoded mean of all of ``x``, same shape.
     """
     peers, blocks, block_size = x.shape
     keys = (None, None) if key is None else jax.random.split(key)
@@ -122,8 +124,8 @@ def _compressed_piece(x, *, group, weight, stochastic, key, impl):
     codes, header = average_requantize(
         codes, header, weight=weight, stochastic=stochastic, key=keys[1], implementation=impl
     )
-    codes = jax.lax.all_gather(codes, group, axis=0, to="invarying")
-    header = jax.lax.all_gather(header, group, axis=0, to="invarying")
+    codes = jax.lax.all_gather(codes, gather_group, axis=0, to="invarying")
+    header = jax.lax.all_gather(header, gather_group, axis=0, to="invarying")
     decoded = dequantize_blocks(
         codes.reshape(peers * blocks, -1), header.reshape(peers * blocks, -1), implementation=impl
     )
@@ -157,11 +159,18 @@ def _compressed_sum_flat(
         group, group_size = node_axis, n
         if local > 1:
             x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+        # With one device per node, gathering over both axes reaches the same devices and
+        # leaves the result replicated: a separate size-1 gather would copy the whole bucket.
+        gather_group = node_axis if local > 1 else (node_axis, local_axis)
     else:
-        group, group_size = (node_axis, local_axis), n * local
+        group = gather_group = (node_axis, local_axis)
+        group_size = n * local
     if group_size == 1:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
+        if hierarchical:
+            # Size-1 gathers move no bytes; they only mark the value as replicated.
+            x = gather_invariant(gather_invariant(x, node_axis), local_axis)
     else:
         x = x.reshape(group_size, -1, block_size)
         pieces = message_slices(x.shape[1], block_size, message_bytes)
@@ -170,6 +179,7 @@ def _compressed_sum_flat(
                 _compressed_piece(
                     x[:, blocks],
                     group=group,
+                    gather_group=gather_group,
                     weight=weight,
                     stochastic=stochastic,
                     key=None if key is None else jax.random.fold_in(key, i),
@@ -179,10 +189,8 @@ def _compressed_sum_flat(
             ],
             axis=1,
         ).reshape(-1)
-    if hierarchical:
-        # Size-1 gathers move no bytes; they only mark the value as replicated.
-        x = gather_invariant(x, node_axis) if group_size == 1 else x
-        x = gather_invariant(x, local_axis)
+        if hierarchical and local > 1:
+            x = gather_invariant(x, local_axis)
     return x
 
 
