@@ -142,8 +142,9 @@ def _refresh_counter(warmup_steps: int, interval: int, growth: float, where: str
         return None  # the first refresh would fall beyond int32's last step
 
     def count(t):
-        done = jnp.searchsorted(table, t, side="right").astype(jnp.int32)
-        last = table[jnp.maximum(done - 1, 0)]
+        steps = jnp.asarray(table)  # a constant of the traced program
+        done = jnp.searchsorted(steps, t, side="right").astype(jnp.int32)
+        last = steps[jnp.maximum(done - 1, 0)]
         return (done > 0) & (last == t), done
 
     return count
