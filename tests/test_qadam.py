@@ -441,7 +441,7 @@ def test_refresh_steps_land_on_the_schedule_without_recompiling(mesh, interval, 
 
 def test_refresh_step_is_an_adam_step_on_the_exact_mean_gradient(mesh):
     """m and v take the float32 mean gradient; v's correction counts its W + r updates."""
-    warmup, interval, steps, lr, b1, b2, eps = 3, 2, 9, 1e-2, 0.9, 0.999, 1e-8
+    warmup, interval, steps, lr, b1, b2, eps = 3, 2, 10, 1e-2, 0.9, 0.999, 1e-8
     tx = qadam(lr, warmup_steps=warmup, b1=b1, b2=b2, eps=eps, nu_refresh_interval=interval)
     batches = make_batches(steps)
     _, _, _, hist = run(mesh, tx, batches, trace=True)
@@ -462,11 +462,24 @@ def test_refresh_step_is_an_adam_step_on_the_exact_mean_gradient(mesh):
         assert_trees_all_close(state.nu, f32(nu), rtol=2e-5, atol=1e-9)
         params = hist[t - 1][0]
         ours = adam_step(prev_params, mu, nu, lr, 1 - b1**t, 1 - b2 ** (warmup + r), eps)
-        # The step is ~lr per element; m's cancellation leaves float32 ~1e-5 of it.
+        # The step is ~lr per element. float32 leaves ~1e-5 of it: 1 - b2^n cancels, and
+        # so may b1 m + (1 - b1) g.
         assert_trees_all_close(params, f32(ours), rtol=1e-5, atol=5e-5 * lr)
         # A correction of 1 - b2^t (Adam's, as if v had seen every step) differs visibly.
         adam_t = adam_step(prev_params, mu, nu, lr, 1 - b1**t, 1 - b2**t, eps)
         assert not np.allclose(params["w"], adam_t["w"], rtol=1e-5, atol=1e-7)
+        if t < steps:
+            # The compressed step after it keeps v, and v's correction, as the refresh left them.
+            after = qadam_state(hist[t][1])
+            assert_trees_all_equal(after.nu, state.nu)
+            ours = adam_step(
+                params, after.mu, after.nu, lr, 1 - b1 ** (t + 1), 1 - b2 ** (warmup + r), eps
+            )
+            assert_trees_all_close(hist[t][0], ours, rtol=1e-5, atol=5e-5 * lr)
+            stale = adam_step(
+                params, after.mu, after.nu, lr, 1 - b1 ** (t + 1), 1 - b2**warmup, eps
+            )
+            assert not np.allclose(hist[t][0]["w"], stale["w"], rtol=1e-5, atol=5e-5 * lr)
 
 
 # --- errors ----------------------------------------------------------------------------
