@@ -115,32 +115,47 @@ def register(variant: Variant, steps: int) -> str:
     return name
 
 
-def report(model: str, steps: int, variants, results) -> str:
-    """The markdown table, each figure also against Adam's (the first variant)."""
+def diverged(losses) -> bool:
+    """Ended above half its first loss, or not finite (diverged CNN runs sit at ln 10 or NaN)."""
+    return not float(sum(losses[-10:]) / 10) <= 0.5 * float(losses[0])
+
+
+def report(model: str, steps: int, seeds: int, variants, runs) -> str:
+    """The markdown table: medians over seeds, each against Adam's (the first variant).
+
+    ``runs[i][s]`` is variant i's ``(Result, seconds)`` for seed s.
+    """
     import numpy as np
 
-    adam = results[0][0]
-    adam_train = float(np.mean(adam.losses[-10:]))
+    def medians(results):
+        test = float(np.median([r.test_loss for r, _ in results]))
+        train = float(np.median([np.mean(r.losses[-10:]) for r, _ in results]))
+        accuracy = float(np.median([r.test_accuracy for r, _ in results]))
+        return test, train, accuracy
+
+    adam_test, adam_train, _ = medians(runs[0])
     rows = [
-        f"{model}, {steps} steps, mesh 2 x 4; inter-node bytes as a fraction of "
-        "gradient_allreduce's",
+        f"{model}, {steps} steps, mesh 2 x 4, median over {seeds} seed(s); inter-node bytes "
+        "as a fraction of gradient_allreduce's",
         "",
         "| optimizer | float32 steps | test loss | vs Adam | final train loss | vs Adam "
-        "| test accuracy | run-average bytes | seconds |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| test accuracy | diverged | run-average bytes | seconds/run |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for variant, (r, seconds) in zip(variants, results, strict=True):
-        train_loss = float(np.mean(r.losses[-10:]))
+    for variant, results in zip(variants, runs, strict=True):
+        test, train, accuracy = medians(results)
         if variant.warmup_frac is None:
             full = "all"
         else:
             warmup, refreshes = full_precision_steps(variant, steps)
             full = f"{warmup} + {refreshes}"
+        r = results[0][0]
         rows.append(
-            f"| {variant.label()} | {full} | {r.test_loss:.4f} "
-            f"| {r.test_loss / adam.test_loss - 1:+.1%} | {train_loss:.4f} "
-            f"| {train_loss / adam_train - 1:+.1%} | {r.test_accuracy:.2%} "
-            f"| {r.node_bytes_average / r.baseline_node_bytes:.3f}x | {seconds:.0f} |"
+            f"| {variant.label()} | {full} | {test:.4f} | {test / adam_test - 1:+.1%} "
+            f"| {train:.4f} | {train / adam_train - 1:+.1%} | {accuracy:.2%} "
+            f"| {sum(diverged(r.losses) for r, _ in results)}/{len(results)} "
+            f"| {r.node_bytes_average / r.baseline_node_bytes:.3f}x "
+            f"| {np.median([t for _, t in results]):.0f} |"
         )
     return "\n".join(rows)
 
@@ -150,6 +165,7 @@ def main(argv=None) -> None:
     parser.add_argument("--model", choices=sorted(example.MODEL_DEFAULTS), default="cnn")
     parser.add_argument("--steps", type=int, default=None, help="default: the example's")
     parser.add_argument("--variants", choices=sorted(VARIANT_SETS), default="main")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1 (params, batches)")
     args = parser.parse_args(argv)
     example.simulate_cpu_devices(argparse.Namespace(nodes=None, devices_per_node=None))
 
@@ -159,23 +175,26 @@ def main(argv=None) -> None:
     if variants[0] is not ADAM:
         variants = [ADAM, *variants]
     # Adam first: its bytes are the baseline, and the table compares against its losses.
-    results, baseline = [], None
+    runs, baseline = [], None
     for variant in variants:
-        start = time.perf_counter()
         name = register(variant, steps)
-        result = example.train_and_evaluate(
-            dataclasses.replace(config, algorithm=name), baseline_node_bytes=baseline
-        )
-        baseline = result.baseline_node_bytes
-        seconds = time.perf_counter() - start
-        results.append((result, seconds))
-        print(
-            f"{variant.label():>40}: test loss {result.test_loss:.4f}, "
-            f"train loss {sum(result.losses[-10:]) / 10:.4f} ({seconds:.0f} s)",
-            flush=True,
-        )
+        runs.append([])
+        for seed in range(args.seeds):
+            start = time.perf_counter()
+            result = example.train_and_evaluate(
+                dataclasses.replace(config, algorithm=name, seed=seed),
+                baseline_node_bytes=baseline,
+            )
+            baseline = result.baseline_node_bytes
+            seconds = time.perf_counter() - start
+            runs[-1].append((result, seconds))
+            print(
+                f"{variant.label():>40} seed {seed}: test loss {result.test_loss:.4f}, "
+                f"train loss {sum(result.losses[-10:]) / 10:.4f} ({seconds:.0f} s)",
+                flush=True,
+            )
     print()
-    print(report(args.model, steps, variants, results))
+    print(report(args.model, steps, args.seeds, variants, runs))
 
 
 if __name__ == "__main__":
