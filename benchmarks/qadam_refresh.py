@@ -76,7 +76,7 @@ VARIANT_SETS = {
         Variant(0.2),
         Variant(0.1),
         Variant(0.1, interval=5),
-        Variant(0.05, interval=5),
+        Variant(0.1, interval=10),
     ],
 }
 
