@@ -258,9 +258,8 @@ def scale_by_qadam(
     float32 all-reduce). With ``nu_refresh_interval``, a few later steps (ever further
     apart, see ``refresh_steps``) are warm-up steps again: float32 mean gradient, and the
     second moment updated as Adam would. Every replica ends the step with bit-identical
-    state. It must
-    receive per-device gradients inside ``jax.shard_map``: put it first in the chain, with
-    no ``bytegrad()`` or ``gradient_allreduce()`` before it.
+    state. It must receive per-device gradients inside ``jax.shard_map``: put it first in
+    the chain, with no ``bytegrad()`` or ``gradient_allreduce()`` before it.
 
     Args:
       b1: decay of the first moment.
