@@ -266,8 +266,7 @@ def scale_by_qadam(
       b2: decay of the second moment (during warm-up).
       eps: added to the square root of the bias-corrected second moment.
       warmup_steps: steps of plain Adam before compression starts, >= 1. The frozen second
-        moment must have settled by then; 15-25% of the run is a good default (less with
-        a refresh).
+        moment must have settled by then; 15-25% of the run is a good default.
       nu_refresh_interval: None (default) never updates the second moment after warm-up.
         An int k >= 1 refreshes it, in float32, k steps after warm-up and then at gaps
         growing by ``nu_refresh_growth``.
