@@ -259,6 +259,39 @@ def _permute_wire(mesh, num_params):
     return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
 
 
+def _overlap_probe(mesh, num_params, *, wire: bool, compute: bool):
+    """An all_to_all of ByteGrad's codes and/or an independent pass over the gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_bytegrad.parallel import replicate
+
+    n = mesh.shape["node"] * mesh.shape["local"]
+    codes = np.full((n, -(-num_params // (8 * n)) * 8), 7, np.uint8)
+
+    def body(g, codes):
+        # Eight independent pieces of each: XLA:CPU runs a program of 8 thunks or fewer in
+        # sequence, whatever its dependencies.
+        out = []
+        if wire:
+            codes = jax.lax.pcast(codes, AXES, to="varying")
+            for part in jnp.split(codes, 8, axis=1):
+                received = jax.lax.all_to_all(part, AXES, 0, 0, tiled=True)
+                out.append(received.sum(dtype=jnp.int32))
+        if compute:  # about the CPU work of quantizing the gradient: three passes over it
+            for part in jnp.split(g[: g.size // 8 * 8], 8):
+                out.append(jnp.sum(jnp.sin(part) * jnp.cos(part) + jnp.sqrt(jnp.abs(part))))
+        return jax.lax.psum(sum(x.astype(jnp.float32) for x in out), AXES)
+
+    grads = local_gradient(mesh, num_params, np.float32)
+    return _per_device_builder(mesh, body, grads, replicate(codes, mesh))
+
+
+register("probe_wire")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, compute=False))
+register("probe_compute")(lambda mesh, n: _overlap_probe(mesh, n, wire=False, compute=True))
+register("probe_both")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, compute=True))
+
+
 @register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _qadam_compressed(mesh, num_params):
     """One `scale_by_qadam` update past warm-up: local momentum, 8-bit compressed mean, Adam."""
