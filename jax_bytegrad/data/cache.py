@@ -13,6 +13,7 @@ data_source=cached, ...)`` with worker processes), and a plain ``Sequence`` for 
 
 import hashlib
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,13 +37,12 @@ def _describe(obj, depth: int = 0) -> str:
         kwargs = ",".join(f"{k}={_describe(v, depth + 1)}" for k, v in sorted(obj.keywords.items()))
         return f"partial({_describe(func, depth + 1)};{args};{kwargs})"
     if callable(obj) and hasattr(obj, "__qualname__"):
-        try:
-            source = inspect.getsource(obj)
-        except (OSError, TypeError):
-            source = ""
-        # The source of a lambda is its whole line, so the bytecode tells two apart.
+        # Bytecode, not source text: a lambda's source is its whole line, which changes
+        # with the code around it.
         code = getattr(obj, "__code__", None)
-        source += _code_text(code) if code is not None else ""
+        source = _code_text(code) if code is not None else ""
+        defaults = (getattr(obj, "__defaults__", None), getattr(obj, "__kwdefaults__", None))
+        source += _describe(defaults, depth + 1)
         closure = getattr(obj, "__closure__", None) or ()
         cells = ",".join(_describe(c.cell_contents, depth + 1) for c in closure)
         return f"{getattr(obj, '__module__', '')}.{obj.__qualname__}:{source}:[{cells}]"
@@ -56,11 +56,14 @@ def _describe(obj, depth: int = 0) -> str:
 
 
 def fingerprint(preprocess: Callable) -> str:
-    """A short hash of a preprocessing callable: its source, closure and bound arguments.
+    """A short hash of a preprocessing callable: its bytecode, closure and bound arguments.
 
-    It is the same in every process and run while the code is the same. It does not see
-    into the functions that ``preprocess`` calls: when those change, pass an explicit
-    ``fingerprint=`` (a version string) to ``CachedDataset``.
+    It covers the function's own code and constants, its default arguments, the values it
+    closes over and a ``functools.partial``'s arguments (through their ``repr``), and a
+    callable object's ``__call__`` and attributes. It is the same in every process and run
+    under one Python version (bytecode differs between versions: a new Python recomputes
+    once). It does not see into the functions or globals that ``preprocess`` uses: when
+    those change, pass an explicit ``fingerprint=`` (a version string) to ``CachedDataset``.
 
     Examples:
       >>> fingerprint(lambda x: x + 1) == fingerprint(lambda x: x + 2)
@@ -139,6 +142,7 @@ class CachedDataset:
         self.writer_buffer_size = writer_buffer_size
         self._prefix = f"{dataset_name}/{self.fingerprint}/".encode()
         self._pending: dict[bytes, bytes] = {}
+        self._lock = threading.Lock()  # grain reads a source from several threads
         self.hits = 0
         self.misses = 0
         self.bad_entries = 0
@@ -160,7 +164,11 @@ class CachedDataset:
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_pending"] = {}  # a worker writes its own samples
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def __getitem__(self, index: int):
         index = int(index)
@@ -168,28 +176,35 @@ class CachedDataset:
             raise IndexError(f"CachedDataset: index {index} out of range for {len(self)} samples")
         index %= len(self)
         key = self.key(index)
-        data = self._pending.get(key)
+        with self._lock:
+            data = self._pending.get(key)
         if data is None:
             data = self.store.get(key)
         if data is not None:
             try:
                 value = _codec.decode(key, data)
-                self.hits += 1
+                with self._lock:
+                    self.hits += 1
                 return value
             except _codec.DecodeError:
-                self.bad_entries += 1  # recomputed below, and overwritten
-        self.misses += 1
+                with self._lock:
+                    self.bad_entries += 1  # recomputed below, and overwritten
         record = self.source[index]
         value = record if self.preprocess is None else self.preprocess(record)
-        self._pending[key] = _codec.encode(key, value)
-        if len(self._pending) >= self.writer_buffer_size:
+        encoded = _codec.encode(key, value)
+        with self._lock:
+            self.misses += 1
+            self._pending[key] = encoded
+            full = len(self._pending) >= self.writer_buffer_size
+        if full:
             self.flush()
         return value
 
     def flush(self) -> None:
         """Writes the pending samples to the store in one batch."""
-        if self._pending:
+        with self._lock:
             pending, self._pending = self._pending, {}
+        if pending:
             self.store.put_many(pending.items())
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ import socket
 import sqlite3
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -90,20 +91,33 @@ class SqliteStore:
         self.path = os.fspath(path)
         self.capacity_bytes = _parse_size(capacity_bytes, "SqliteStore: capacity_bytes")
         self.timeout_s = float(timeout_s)
-        self._conn = None
-        self._pid = None
-        self._warned = False
+        self._reset()
         self._connect()
 
+    def _reset(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._conns: list[sqlite3.Connection] = []
+        self._pid = os.getpid()
+        self._warned = False
+
     def _connect(self) -> sqlite3.Connection:
-        # A connection must not cross a fork: each process opens its own.
-        if self._conn is None or self._pid != os.getpid():
-            conn = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None)
+        # A connection must not cross a fork, nor (sqlite3's rule) a thread: grain reads from
+        # a pool of threads. Each thread of each process opens its own.
+        if self._pid != os.getpid():
+            self._reset()
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(
+                self.path, timeout=self.timeout_s, isolation_level=None, check_same_thread=False
+            )
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(_SCHEMA)
-            self._conn, self._pid = conn, os.getpid()
-        return self._conn
+            self._local.conn = conn
+            with self._lock:
+                self._conns.append(conn)
+        return conn
 
     def __getstate__(self):
         return {
@@ -113,7 +127,8 @@ class SqliteStore:
         }
 
     def __setstate__(self, state):
-        self.__dict__.update(state, _conn=None, _pid=None, _warned=False)
+        self.__dict__.update(state)
+        self._reset()
 
     def __repr__(self) -> str:
         return f"SqliteStore({self.path!r}, capacity_bytes={self.capacity_bytes})"
@@ -174,10 +189,12 @@ class SqliteStore:
         return self._connect().execute("SELECT COUNT(*) FROM cache").fetchone()[0]
 
     def close(self) -> None:
-        """Closes this process's connection; the file and its entries stay."""
-        if self._conn is not None and self._pid == os.getpid():
-            self._conn.close()
-        self._conn = None
+        """Closes this process's connections; the file and its entries stay."""
+        if self._pid == os.getpid():
+            with self._lock:
+                for conn in self._conns:
+                    conn.close()
+        self._reset()
 
 
 def _free_port() -> int:
