@@ -235,11 +235,11 @@ class RedisServer:
         startup_timeout_s: float = 20.0,
     ):
         maxmemory = _parse_size(maxmemory, "RedisServer: maxmemory")
-        binary = executable or shutil.which("redis-server")
+        binary = shutil.which(executable or "redis-server")
         if binary is None:
             raise FileNotFoundError(
-                "RedisServer: no redis-server binary on PATH; install it (Debian: apt-get "
-                "install redis-server) or pass executable=..."
+                f"RedisServer: no {executable or 'redis-server'} binary on PATH; install it "
+                "(Debian: apt-get install redis-server) or pass executable=..."
             )
         self.host = "127.0.0.1"
         self.port = port or _free_port()
@@ -325,6 +325,9 @@ class RedisStore:
       hosts: ``"host:port"`` strings or ``(host, port)`` pairs; the order fixes the sharding,
         so every process must list them in the same order.
       socket_timeout_s: per-request timeout; a read that times out is a miss.
+      retry_after_s: after a server fails to answer, its keys are misses (and its writes
+        dropped) for this long before it is tried again, so a dead server costs one
+        timeout, not one per sample.
 
     Raises:
       ValueError: for no hosts or a malformed one.
@@ -337,13 +340,21 @@ class RedisStore:
       b'v'
     """
 
-    def __init__(self, hosts: Sequence[str | tuple[str, int]], *, socket_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        hosts: Sequence[str | tuple[str, int]],
+        *,
+        socket_timeout_s: float = 5.0,
+        retry_after_s: float = 30.0,
+    ):
         if isinstance(hosts, str | tuple) or not hosts:
             raise ValueError(
                 f"RedisStore: hosts must be a non-empty list of 'host:port', got {hosts!r}"
             )
         self.hosts = [_parse_host(h) for h in hosts]
         self.socket_timeout_s = float(socket_timeout_s)
+        self.retry_after_s = float(retry_after_s)
+        self._down_until = [0.0] * len(self.hosts)
         self._clients = None
         self._pid = None
         self._warned = False
@@ -378,6 +389,8 @@ class RedisStore:
 
     def _connect(self):
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         if self._clients is None or self._pid != os.getpid():
             self._clients = [
@@ -386,6 +399,8 @@ class RedisStore:
                     port=p,
                     socket_timeout=self.socket_timeout_s,
                     socket_connect_timeout=self.socket_timeout_s,
+                    # One try: a cache read is cheaper to recompute than to retry.
+                    retry=Retry(NoBackoff(), 0),
                 )
                 for h, p in self.hosts
             ]
@@ -393,10 +408,15 @@ class RedisStore:
         return self._clients
 
     def __getstate__(self):
-        return {"hosts": self.hosts, "socket_timeout_s": self.socket_timeout_s}
+        return {
+            "hosts": self.hosts,
+            "socket_timeout_s": self.socket_timeout_s,
+            "retry_after_s": self.retry_after_s,
+        }
 
     def __setstate__(self, state):
         self.__dict__.update(state, _clients=None, _pid=None, _warned=False, servers=[])
+        self._down_until = [0.0] * len(self.hosts)
 
     def __repr__(self) -> str:
         return f"RedisStore({[f'{h}:{p}' for h, p in self.hosts]!r})"
@@ -406,19 +426,32 @@ class RedisStore:
         digest = hashlib.blake2b(key, digest_size=8).digest()
         return int.from_bytes(digest, "little") % len(self.hosts)
 
-    def _warn(self, what: str, error: Exception) -> None:
+    def _failed(self, shard: int, what: str, error: Exception) -> None:
+        import redis
+
+        if isinstance(error, redis.ConnectionError | redis.TimeoutError):
+            self._down_until[shard] = time.monotonic() + self.retry_after_s
         if not self._warned:
-            warnings.warn(f"{self!r}: {what} failed ({error}); treated as a miss", stacklevel=3)
+            warnings.warn(
+                f"{self!r}: {what} on {self.hosts[shard]} failed ({error}); treated as a miss",
+                stacklevel=3,
+            )
             self._warned = True
+
+    def _up(self, shard: int) -> bool:
+        return time.monotonic() >= self._down_until[shard]
 
     def get(self, key: bytes) -> bytes | None:
         """The value stored under ``key``, or None (also when the server cannot answer)."""
         import redis
 
+        shard = self.shard(key)
+        if not self._up(shard):
+            return None
         try:
-            return self._connect()[self.shard(key)].get(key)
+            return self._connect()[shard].get(key)
         except redis.RedisError as e:
-            self._warn("read", e)
+            self._failed(shard, "read", e)
             return None
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
@@ -430,10 +463,12 @@ class RedisStore:
             by_shard.setdefault(self.shard(key), {})[key] = value
         clients = self._connect()
         for shard, mapping in by_shard.items():
+            if not self._up(shard):
+                continue
             try:
                 clients[shard].mset(mapping)
             except redis.RedisError as e:
-                self._warn("write", e)
+                self._failed(shard, "write", e)
 
     def close(self) -> None:
         """Closes the connections, and stops the servers this store started."""
