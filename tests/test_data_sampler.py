@@ -211,3 +211,26 @@ def test_batch_sampler_validation():
     bs = LoadBalancingBatchSampler(_sampler(_lengths(20)), lambda idx: [idx, []])
     with pytest.raises(ValueError, match="non-empty batches"):
         bs.all_batches()
+
+
+def test_one_replica_per_row_balances_every_row_of_a_step_on_its_device():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    rows = replica_ranks(mesh, per_device=3)
+    assert rows == range(24)
+    lengths = _lengths(500)
+    s = _sampler(lengths, replicas=24, seed=1)
+    step = next(s.local_batches(1, rows))
+    np.testing.assert_array_equal(step, s.order()[0])
+    batch = jax_bytegrad.shard_batch(lengths[step], mesh)
+    flat_devices = list(mesh.devices.reshape(-1))
+    for shard in batch.addressable_shards:
+        d = flat_devices.index(shard.device)
+        np.testing.assert_array_equal(
+            np.asarray(shard.data), lengths[s.order()[0, 3 * d : 3 * d + 3]]
+        )
+    costs = lengths[s.order()]
+    ranked = np.sort(lengths)
+    # Each step's 24 rows are 24 consecutive sorted lengths (apart from the padded last group).
+    assert (costs.max(axis=1) - costs.min(axis=1)).sum() <= ranked[-1] - ranked[0] + ranked[-1]
+    with pytest.raises(ValueError, match="per_device must be an int >= 1, got 0"):
+        replica_ranks(mesh, per_device=0)

@@ -24,7 +24,10 @@ class DecodeError(ValueError):
 
 
 def _digest(key: bytes, payload: bytes) -> bytes:
-    return hashlib.blake2b(payload, digest_size=_DIGEST, key=hashlib.sha256(key).digest()).digest()
+    # Length-prefixed key, so no (key, payload) pair hashes like another split of the bytes.
+    h = hashlib.blake2b(struct.pack("<Q", len(key)) + key, digest_size=_DIGEST)
+    h.update(payload)
+    return h.digest()
 
 
 def _pack_bytes(out: list, tag: bytes, data: bytes) -> None:

@@ -38,19 +38,25 @@ def _int_at_least(value, low: int, name: str) -> int:
     return int(value)
 
 
-def replica_ranks(mesh, *, node_axis: str = "node", local_axis: str = "local") -> range:
-    """The replicas (batch slices) this process feeds, in ``shard_batch``'s row order.
+def replica_ranks(
+    mesh, *, per_device: int = 1, node_axis: str = "node", local_axis: str = "local"
+) -> range:
+    """The replicas this process feeds, in ``shard_batch``'s row order.
 
     ``shard_batch`` splits the global batch over the devices in (node, local) order, and a
-    process passes only the rows of its own devices. Replica ``r`` is the ``r``-th slice.
+    process passes only the rows of its own devices. With ``per_device=1`` a replica is a
+    device's slice; with ``per_device=B`` a replica is one row of a global batch of ``B``
+    rows per device (the sampler then balances every row of a step, which is what padding
+    in a single SPMD program needs; see docs/data.md).
 
     Args:
       mesh: from ``jax_bytegrad.make_mesh``.
+      per_device: replicas per device.
       node_axis: the mesh axis between nodes.
       local_axis: the mesh axis within a node.
 
     Returns:
-      A ``range`` of replica ranks; ``len(range)`` is this process's device count.
+      A ``range`` of replica ranks, ``per_device`` times this process's device count long.
 
     Raises:
       ValueError: for a mesh without the axes, or one where this process's devices are not
@@ -61,9 +67,12 @@ def replica_ranks(mesh, *, node_axis: str = "node", local_axis: str = "local") -
       >>> from jax_bytegrad.data import replica_ranks
       >>> replica_ranks(jax_bytegrad.make_mesh(1, 1))
       range(0, 1)
+      >>> replica_ranks(jax_bytegrad.make_mesh(1, 1), per_device=4)
+      range(0, 4)
     """
     import jax
 
+    per_device = _int_at_least(per_device, 1, "replica_ranks: per_device")
     check_mesh(mesh, node_axis, local_axis, "replica_ranks")
     grid = np.moveaxis(
         mesh.devices,
@@ -77,7 +86,7 @@ def replica_ranks(mesh, *, node_axis: str = "node", local_axis: str = "local") -
             f"replica_ranks: this process's devices are at batch slices {mine}, not one "
             "consecutive run; build the mesh with jax_bytegrad.make_mesh"
         )
-    return range(mine[0], mine[-1] + 1)
+    return range(mine[0] * per_device, (mine[-1] + 1) * per_device)
 
 
 class LoadBalancingSampler:
