@@ -27,10 +27,6 @@ Usage:
 """
 
 import argparse
-import ast
-import importlib
-import importlib.util
-import inspect
 import os
 import statistics
 import sys
@@ -50,32 +46,11 @@ from jax_bytegrad.data import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "examples"))  # for models.py
+sys.path.insert(0, str(REPO / "examples"))  # for cached_data.py and models.py
 
+from cached_data import function_sources  # noqa: E402
 
-def _examples_data():
-    # By path: this script is itself named data.py.
-    spec = importlib.util.spec_from_file_location("examples_data", REPO / "examples" / "data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-STDLIB_MODULES = _examples_data().STDLIB_MODULES
 REPLICAS = 8
-
-
-def function_sources() -> list[bytes]:
-    """The source bytes of every function and method in ``STDLIB_MODULES``, in file order."""
-    out = []
-    for name in STDLIB_MODULES:
-        with open(inspect.getsourcefile(importlib.import_module(name)), "rb") as f:
-            text = f.read()
-        lines = text.split(b"\n")
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                out.append(b"\n".join(lines[node.lineno - 1 : node.end_lineno]))
-    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -196,7 +171,7 @@ def run_balance(args) -> None:
     from flax import nnx
     from models import CharTransformer
 
-    sources = [s[: args.max_len] for s in function_sources()]
+    sources = function_sources(args.max_len)
     lengths = np.array([len(s) for s in sources], dtype=np.int64)
     print(f"{len(sources)} functions; length percentiles 10/50/90/100: "
           f"{np.percentile(lengths, [10, 50, 90, 100]).astype(int).tolist()} bytes "
