@@ -17,13 +17,13 @@ with a token budget. Reported per step:
   batch pads to the longest sequence (and the most rows) of any replica;
 - per-replica step time when each replica pads to its own longest sequence (separate
   processes, as in Bagua): the char transformer's forward and backward pass on that
-  replica's batch, as CPU seconds of the process (best of 3), since wall time on shared
+  replica's batch, as CPU seconds of the process (best of ``--repeats``), since wall time on shared
   cores mostly measures the neighbours; the step waits for the slowest replica, so the
   spread (max - min) is time lost.
 
 Usage:
   python benchmarks/data.py cache --samples 600 --epochs 3 --sleep-ms 2
-  python benchmarks/data.py balance --steps 12
+  python benchmarks/data.py balance --steps 4
 """
 
 import argparse
@@ -89,42 +89,44 @@ def make_store(backend: str, tmp: str):
 def run_cache(args) -> None:
     sources = function_sources()
     sources = (sources * (1 + args.samples // len(sources)))[: args.samples]
-    slow = SlowTokenize(args.sleep_ms / 1000)
+    slow, fast = SlowTokenize(args.sleep_ms / 1000), SlowTokenize(0.0)
     rng = np.random.default_rng(0)
     orders = [rng.permutation(len(sources)) for _ in range(args.epochs)]
-    rows = []
+    backends = ("none", "embedded", "redis")
+    epochs = {b: [] for b in backends}  # per repeat, the epoch times
+    overhead = {b: [] for b in backends[1:]}  # per repeat, all-miss minus no-cache seconds
     with tempfile.TemporaryDirectory() as tmp:
-        plain = [epoch_time(_Mapped(sources, slow), order) for order in orders]
-        rows.append(("none", plain, None))
-        for backend in ("embedded", "redis"):
-            store = make_store(backend, tmp)
-            ds = CachedDataset(sources, slow, store=store, dataset_name="fn")
-            times = [epoch_time(ds, order) for order in orders]
-            # All misses, fast preprocessing: a new fingerprint each repeat.
-            fast = SlowTokenize(0.0)
-            miss, base = [], []
-            for r in range(args.repeats):
+        # Backends interleaved within each repeat, so load from other users hits them alike.
+        for r in range(args.repeats):
+            epochs["none"].append([epoch_time(_Mapped(sources, slow), o) for o in orders])
+            for backend in backends[1:]:
+                store = make_store(backend, tmp)
+                ds = CachedDataset(sources, slow, store=store, dataset_name="fn")
+                epochs[backend].append([epoch_time(ds, o) for o in orders])
+                # Every read a miss (a fresh fingerprint), fast preprocessing, paired with
+                # the same reads uncached.
                 cold = CachedDataset(sources, fast, store=store, dataset_name="fn",
                                      fingerprint=f"miss-{r}")  # fmt: skip
-                miss.append(epoch_time(cold, orders[0]))
-                base.append(epoch_time(_Mapped(sources, fast), orders[0]))
-            rows.append((backend, times, (statistics.median(miss), statistics.median(base))))
-            store.close()
+                miss = epoch_time(cold, orders[0])
+                base = epoch_time(_Mapped(sources, fast), orders[0])
+                overhead[backend].append(miss - base)
+                store.close()
     n = len(sources)
-    print(f"\n{n} samples, preprocessing {args.sleep_ms} ms/sample (sleep) + tokenization\n")
+    print(f"\n{n} samples, preprocessing {args.sleep_ms} ms/sample (sleep) + tokenization; "
+          f"medians of {args.repeats} repeats\n")  # fmt: skip
     head = " | ".join(f"epoch {e + 1}" for e in range(args.epochs))
-    print(f"| cache | {head} | epochs 2+ vs epoch 1 | all-miss cost per sample |")
+    print(f"| cache | {head} | epoch 1 / epochs 2+ | all-miss cost per sample |")
     print("|---|" + "---:|" * (args.epochs + 2))
-    for backend, times, miss in rows:
-        cells = " | ".join(f"{t:.2f} s" for t in times)
-        later = statistics.median(times[1:]) if len(times) > 1 else float("nan")
-        ratio = f"{times[0] / later:.1f}x faster"
-        cost = "-" if miss is None else f"+{(miss[0] - miss[1]) / n * 1e6:.0f} us"
+    for backend in backends:
+        med = [statistics.median(t[e] for t in epochs[backend]) for e in range(args.epochs)]
+        cells = " | ".join(f"{t:.2f} s" for t in med)
+        ratio = f"{med[0] / statistics.median(med[1:]):.1f}x"
+        cost = (
+            "-"
+            if backend == "none"
+            else f"+{statistics.median(overhead[backend]) / n * 1e6:.0f} us"
+        )
         print(f"| {backend} | {cells} | {ratio} | {cost} |")
-    for backend, _, miss in rows:
-        if miss is not None:
-            print(f"\n{backend}: fast preprocessing alone {miss[1] / n * 1e6:.0f} us/sample, "
-                  f"all misses through the cache {miss[0] / n * 1e6:.0f} us/sample")  # fmt: skip
 
 
 class _Mapped:
@@ -178,8 +180,8 @@ def run_balance(args) -> None:
           f"(truncated to {args.max_len})")  # fmt: skip
 
     bucket = args.bucket
-    model = CharTransformer(seq_len=args.max_len + bucket, dim=64, depth=2, num_heads=4,
-                            rngs=nnx.Rngs(0))  # fmt: skip
+    model = CharTransformer(seq_len=args.max_len + bucket, dim=args.dim, depth=args.depth,
+                            num_heads=4, rngs=nnx.Rngs(0))  # fmt: skip
     graphdef, params = nnx.split(model)
 
     @jax.jit
@@ -198,10 +200,10 @@ def run_balance(args) -> None:
             tokens[row, : lengths[i]] = np.frombuffer(sources[i], np.uint8)
         tokens = jnp.asarray(tokens)
         jax.block_until_ready(grad_step(params, tokens))  # compiled once per shape
-        # CPU time of the whole process (all XLA threads), best of 3: on shared cores, wall
+        # CPU time of the whole process (all XLA threads), the best: on shared cores, wall
         # time mostly measures the neighbours.
         best = float("inf")
-        for _ in range(3):
+        for _ in range(args.repeats):
             start = time.process_time()
             jax.block_until_ready(grad_step(params, tokens))
             best = min(best, time.process_time() - start)
@@ -257,6 +259,9 @@ def main() -> None:
     balance.add_argument("--batch-size", type=int, default=4)
     balance.add_argument("--max-len", type=int, default=1024)
     balance.add_argument("--bucket", type=int, default=64)
+    balance.add_argument("--dim", type=int, default=64)
+    balance.add_argument("--depth", type=int, default=1)
+    balance.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     {"cache": run_cache, "balance": run_balance}[args.cmd](args)
 
