@@ -216,11 +216,14 @@ def run_balance(args) -> None:
         token_budget_batches(lengths, budget),
     )
     variable_steps = [list(step) for step in variable.local_batches(range(REPLICAS))]
+    b = args.batch_size
+    rows = LoadBalancingSampler(lengths, lambda x: x, num_replicas=REPLICAS * b, seed=0).order()
     schemes = {
-        "random shard": fixed_batches(
-            random_shard_order(len(lengths), REPLICAS, 0), args.batch_size
-        ),
-        "load-balanced per device": fixed_batches(balanced.order(), args.batch_size),
+        "random shard": fixed_batches(random_shard_order(len(lengths), REPLICAS, 0), b),
+        "load-balanced per device (num_replicas=8)": fixed_batches(balanced.order(), b),
+        f"load-balanced per row (num_replicas=8x{b})": [
+            [step[r * b : (r + 1) * b].tolist() for r in range(REPLICAS)] for step in rows
+        ],
         f"load-balanced + token budget {budget}": variable_steps,
     }
     print(f"\n{REPLICAS} replicas; fixed schemes take {args.batch_size} sequences per replica "

@@ -178,3 +178,30 @@ def test_bad_server_arguments_raise():
         RedisServer("a lot")
     with pytest.raises(FileNotFoundError, match="apt-get install redis-server"):
         RedisServer("1mb", executable="/nonexistent/redis-server")
+
+
+def test_a_started_server_stops_when_its_process_exits():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "from jax_bytegrad.data import RedisStore\n"
+        "print(RedisStore.start_local(1, '8mb').servers[0].process.pid)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent.parent))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60, check=True)  # fmt: skip
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)  # still there (or a zombie not yet reaped by init)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().split()[2] == "Z":
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"redis-server {pid} outlived the process that started it")

@@ -19,6 +19,7 @@ The embedded default is SQLite, through the standard library's ``sqlite3``:
   eviction and map resizing to us.
 """
 
+import atexit
 import contextlib
 import hashlib
 import os
@@ -208,8 +209,8 @@ class RedisServer:
 
     As Bagua starts one per node: ``maxmemory`` bounds the memory, ``allkeys-random`` evicts
     random keys when it is reached, and neither RDB snapshots nor the append-only file are
-    written. The server listens on 127.0.0.1 only and is stopped by ``stop()`` (or at the
-    end of a ``with`` block).
+    written. The server listens on 127.0.0.1 only and is stopped by ``stop()``, at the end
+    of a ``with`` block, or when this process exits.
 
     Args:
       maxmemory: the memory cap, an int of bytes or a string like ``"256mb"``.
@@ -254,6 +255,8 @@ class RedisServer:
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
         )
         self._wait_ready(startup_timeout_s)
+        # A server outliving its process would hold memory and a port: stop it at exit.
+        atexit.register(self.stop)
 
     def _wait_ready(self, timeout_s: float) -> None:
         import redis
@@ -284,6 +287,7 @@ class RedisServer:
 
     def stop(self) -> None:
         """Stops the server (its data is gone: nothing was persisted)."""
+        atexit.unregister(self.stop)
         if self.process.poll() is None:
             self.process.terminate()
             try:
