@@ -221,6 +221,55 @@ def average_requantize(
     )
 
 
+def average_blocks(
+    codes: jax.Array,
+    header: jax.Array,
+    *,
+    weight: float,
+    bits: int = 8,
+    implementation: Implementation = "xla",
+) -> jax.Array:
+    """Decodes n chunks and sums them times ``weight`` in float32: the fused op's first half.
+
+    The weight is folded into each chunk's scale and the chunks are added in order, as in
+    ``average_requantize``, so a mean of values near finfo.max does not overflow.
+    """
+    fold = jnp.asarray([[weight, 1.0]], jnp.float32)
+    total = None
+    for i in range(codes.shape[0]):
+        part = dequantize_blocks(
+            codes[i], header[i] * fold, bits=bits, implementation=implementation
+        )
+        total = part if total is None else total + part
+    return total
+
+
+def quantize_with_feedback(
+    x: jax.Array,
+    residual: jax.Array,
+    *,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+    bits: int = 8,
+    implementation: Implementation = "xla",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantizes rows of ``x + residual``; returns codes, header and the new residual.
+
+    Error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD",
+    ICML 2019): what the codes fail to carry this time, ``x + residual - decoded``, is
+    carried into the next call, so compression errors cancel over steps instead of piling
+    up. ``decoded + new_residual == x + residual`` holds exactly in float32 wherever
+    ``x + residual - decoded`` is representable, else to within an ulp. A non-finite block
+    makes its residual NaN, as it makes the decoded values NaN.
+    """
+    target = x + residual
+    codes, header = quantize_blocks(
+        target, stochastic=stochastic, key=key, bits=bits, implementation=implementation
+    )
+    decoded = dequantize_blocks(codes, header, bits=bits, implementation=implementation)
+    return codes, header, target - decoded
+
+
 def quantize(
     x: jax.typing.ArrayLike,
     *,
