@@ -3,9 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from conftest import assert_trees_all_equal
+from jax.sharding import PartitionSpec as P
 
+import jax_bytegrad
 from jax_bytegrad.quantization import dequantize_blocks, quantize_with_feedback
+from jax_bytegrad.transforms import shard_state, state_specs
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = [
@@ -88,3 +93,148 @@ def test_non_finite_input_poisons_only_its_own_residual_block():
     new = np.asarray(new)
     assert np.isnan(new[1]).all()
     assert np.isfinite(new[[0, 2]]).all()
+
+
+# --- ByteGrad with error feedback on a 2 x 4 mesh --------------------------------------
+
+AXES = ("node", "local")
+IN_DIM, HIDDEN, OUT_DIM, BATCH = 32, 64, 10, 64
+
+
+def init_params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.standard_normal((IN_DIM, HIDDEN)) / np.sqrt(IN_DIM), jnp.float32),
+        "b1": jnp.zeros(HIDDEN, jnp.float32),
+        "w2": jnp.asarray(rng.standard_normal((HIDDEN, OUT_DIM)) / np.sqrt(HIDDEN), jnp.float32),
+    }
+
+
+def batch(step):
+    rng = np.random.default_rng(100 + step)
+    x = rng.standard_normal((BATCH, IN_DIM)).astype(np.float32)
+    return x, rng.integers(0, OUT_DIM, BATCH).astype(np.int32)
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    logits = jax.nn.relu(x @ params["w1"] + params["b1"]) @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def make_step(tx, mesh, state):
+    specs = state_specs(state)
+
+    def per_device(params, state, batch):
+        grads = jax.grad(loss_fn)(jax.lax.pcast(params, AXES, to="varying"), batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(
+        jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), specs, P(AXES)), out_specs=(P(), specs)
+        )
+    )
+
+
+def run(tx, mesh, steps, params=None, state=None, first=0):
+    params = jax_bytegrad.replicate(init_params(), mesh) if params is None else params
+    state = shard_state(tx.init(init_params()), mesh) if state is None else state
+    step = make_step(tx, mesh, state)
+    for t in range(first, first + steps):
+        params, state = step(params, state, jax_bytegrad.shard_batch(batch(t), mesh))
+        yield params, state
+
+
+def device_copies(tree):
+    return [
+        [np.asarray(shard.data) for shard in leaf.addressable_shards]
+        for leaf in jax.tree.leaves(tree)
+    ]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax_bytegrad.make_mesh(2, 4)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_replicas_stay_bit_identical_over_20_steps(mesh, bits):
+    tx = optax.chain(
+        jax_bytegrad.bytegrad(bits=bits, error_feedback=True, mesh=mesh, block_size=256),
+        optax.sgd(0.1, momentum=0.9),
+    )
+    for params, state in run(tx, mesh, 20):
+        for copies in device_copies(params):
+            for other in copies[1:]:
+                np.testing.assert_array_equal(other, copies[0])
+    residuals = jax.tree.leaves(state[0].residuals)
+    assert residuals and all(np.any(np.asarray(r) != 0) for r in residuals)
+    # Each device keeps its own residual: they are not copies of one another.
+    send = np.asarray(state[0].residuals[0][0]).reshape(8, -1)
+    assert len({row.tobytes() for row in send}) == 8
+
+
+def test_error_feedback_changes_the_trajectory_and_tracks_float32_closer(mesh):
+    def final(sync):
+        *_, (params, _) = run(optax.chain(sync, optax.sgd(0.1)), mesh, 10)
+        return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+
+    exact = final(jax_bytegrad.gradient_allreduce(hierarchical=True))
+    plain = final(jax_bytegrad.bytegrad(bits=4, block_size=256))
+    feedback = final(jax_bytegrad.bytegrad(bits=4, block_size=256, error_feedback=True, mesh=mesh))
+    assert not np.array_equal(plain, feedback)
+    assert np.abs(feedback - exact).max() < np.abs(plain - exact).max()
+
+
+def test_checkpoint_restores_residuals_and_continues_bit_exactly(mesh, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = optax.chain(
+        jax_bytegrad.bytegrad(bits=4, error_feedback=True, mesh=mesh, block_size=256),
+        optax.adam(1e-2),
+    )
+    *_, straight = run(tx, mesh, 6)
+    *_, (params, state) = run(tx, mesh, 3)
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, {"params": params, "opt_state": state})
+        ckptr.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": state})
+    saved = device_copies(state)
+    del params, state
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path, abstract)
+    # Every device gets its own residual back, not another device's.
+    for got, want in zip(device_copies(restored["opt_state"]), saved, strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    *_, resumed = run(tx, mesh, 3, restored["params"], restored["opt_state"], first=3)
+    assert_trees_all_equal(resumed, straight)
+
+
+@pytest.mark.parametrize(("bits", "limit"), [(8, 0.26), (4, 0.135)], ids=["8bit", "4bit"])
+def test_inter_node_bytes_against_gradient_allreduce(mesh, bits, limit):
+    params = {"w": jnp.zeros((1000, 1000), jnp.float32), "b": jnp.zeros(1000, jnp.float32)}
+    grads = jax.ShapeDtypeStruct((8, *params["w"].shape), jnp.float32)
+
+    def node_bytes(sync):
+        tx = optax.chain(sync, optax.sgd(0.1))
+        state = shard_state(tx.init(params), mesh)
+        specs = state_specs(state)
+
+        def per_device(state, g):
+            updates, state = tx.update({"w": g[0], "b": g[0, 0]}, state)
+            return updates, state
+
+        fn = jax.jit(
+            jax.shard_map(
+                per_device, mesh=mesh, in_specs=(specs, P(AXES)), out_specs=(P(), specs)
+            )
+        )
+        return jax_bytegrad.communication_stats(fn, state, grads, mesh=mesh).bytes_on("node")
+
+    baseline = node_bytes(jax_bytegrad.gradient_allreduce(hierarchical=True))
+    for error_feedback in (False, True):
+        sync = jax_bytegrad.bytegrad(bits=bits, error_feedback=error_feedback, mesh=mesh)
+        ratio = node_bytes(sync) / baseline
+        assert bits / 32 < ratio <= limit, (error_feedback, ratio)
