@@ -145,27 +145,43 @@ def _per_device_builder(mesh, body, grads, *extra):
     return fn, (grads, *extra)
 
 
-_BUCKET_MB: list[float | None] = [None]  # set from --bucket-mb in each worker
+# --bucket-mb and --message-kb, set in each worker; None: the library's defaults.
+_SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
 
 
 def _bucket_bytes() -> int | None:
     """`compressed_mean`'s bucket size: the library default, or --bucket-mb (0: one bucket)."""
     from jax_bytegrad.collectives import DEFAULT_BUCKET_BYTES
 
-    mb = _BUCKET_MB[0]
+    mb = _SIZES["bucket_mb"]
     if mb is None:
         return DEFAULT_BUCKET_BYTES
     return None if mb == 0 else int(mb * 2**20)
+
+
+def _message_bytes() -> int | None:
+    """Bytes per message between nodes: the library default, or --message-kb (0: one each)."""
+    from jax_bytegrad.collectives import DEFAULT_MESSAGE_BYTES
+
+    kb = _SIZES["message_kb"]
+    if kb is None:
+        return DEFAULT_MESSAGE_BYTES
+    return None if kb == 0 else int(kb * 2**10)
+
+
+def _sizes() -> dict:
+    """The bucket and message sizes of this run, as keyword arguments of the library."""
+    return {"bucket_bytes": _bucket_bytes(), "message_bytes": _message_bytes()}
 
 
 @register("bytegrad_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _bytegrad_sync(mesh, num_params):
     from jax_bytegrad.collectives import compressed_mean
 
-    bucket = _bucket_bytes()
+    sizes = _sizes()
     return _per_device_builder(
         mesh,
-        lambda g: compressed_mean(g, bucket_bytes=bucket),
+        lambda g: compressed_mean(g, **sizes),
         local_gradient(mesh, num_params, np.float32),
     )
 
@@ -175,24 +191,27 @@ def _bytegrad_wire(mesh, num_params):
     """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor."""
     import jax
 
-    from jax_bytegrad.collectives import gather_invariant
+    from jax_bytegrad.collectives import message_slices
     from jax_bytegrad.parallel import replicate
 
     n = mesh.shape["node"] * mesh.shape["local"]
     blocks = -(-num_params // (1024 * n)) * n
-    codes = np.full((blocks, 1024), 7, np.uint8)
-    header = np.ones((blocks, 2), np.float32)
+    own = blocks // n
+    codes = np.full((n, own, 1024), 7, np.uint8)
+    header = np.ones((n, own, 2), np.float32)
+    pieces = message_slices(own, 1024, _message_bytes())
 
     def body(g, codes, header):
         del g
         codes = jax.lax.pcast(codes, AXES, to="varying")
         header = jax.lax.pcast(header, AXES, to="varying")
-        codes = jax.lax.all_to_all(codes, AXES, 0, 0, tiled=True)
-        header = jax.lax.all_to_all(header, AXES, 0, 0, tiled=True)
-        own = blocks // n
-        # Stands in for the average: this device's chunk of the mean, the size it would be.
-        codes, header = codes[:own], header[:own]
-        return gather_invariant(codes, AXES), gather_invariant(header, AXES)
+        out = []
+        for rows in pieces:  # the same messages as compressed_mean's, one piece at a time
+            for part in (codes[:, rows], header[:, rows]):
+                part = jax.lax.all_to_all(part, AXES, 0, 0, tiled=True)
+                # Stands in for the average: this device's piece of the mean, its real size.
+                out.append(jax.lax.all_gather(part[0], AXES, axis=0, to="invarying"))
+        return out
 
     grads = local_gradient(mesh, 8, np.float32)
     return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
@@ -247,7 +266,7 @@ def _qadam_compressed(mesh, num_params):
     from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, scale_by_qadam
 
     warmup = 4
-    tx = scale_by_qadam(warmup_steps=warmup, bucket_bytes=_bucket_bytes())
+    tx = scale_by_qadam(warmup_steps=warmup, **_sizes())
     zeros = np.zeros(num_params, np.float32)
     # count = warmup_steps: the step taken is warmup_steps + 1, the compressed phase.
     state = ScaleByQAdamState(
@@ -326,7 +345,7 @@ def _train_bytegrad(mesh, num_params):
 
     from jax_bytegrad.transforms import bytegrad
 
-    tx = optax.chain(bytegrad(bucket_bytes=_bucket_bytes()), optax.adam(1e-4))
+    tx = optax.chain(bytegrad(**_sizes()), optax.adam(1e-4))
     return _train_builder(mesh, num_params, tx)
 
 
@@ -335,7 +354,7 @@ def _train_qadam(mesh, num_params):
     from jax_bytegrad.qadam_optimizer import qadam
 
     warmup = 4
-    tx = qadam(1e-4, warmup_steps=warmup, bucket_bytes=_bucket_bytes())
+    tx = qadam(1e-4, warmup_steps=warmup, **_sizes())
     return _train_builder(mesh, num_params, tx, qadam_warmup=warmup)
 
 
@@ -395,7 +414,7 @@ def _worker(args) -> int:
     from jax_bytegrad.distributed import initialize
 
     info = initialize()
-    _BUCKET_MB[0] = args.bucket_mb
+    _SIZES.update(bucket_mb=args.bucket_mb, message_kb=args.message_kb)
     import jax
     from jax.experimental import multihost_utils
 
@@ -407,7 +426,11 @@ def _worker(args) -> int:
     )
     built = {}
     for name in args.ops:
-        built[name] = OPS[name](mesh, args.num_params)
+        op, _, message_kb = name.partition(":")
+        if message_kb:  # "op:KB" runs op with messages of KB KiB, in the same run as the others
+            _SIZES["message_kb"] = float(message_kb)
+        built[name] = OPS[op](mesh, args.num_params)
+        _SIZES["message_kb"] = args.message_kb
         fn, fn_args = built[name]
         for _ in range(args.warmup):
             jax.block_until_ready(fn(*fn_args))
@@ -470,6 +493,7 @@ def _rate_label(mbit: float) -> str:
 
 
 def _ring_bound_ms(op: str, hosts: int, num_params: int, mbit: float) -> float | None:
+    op = op.partition(":")[0]
     if op not in WIRE_BYTES_PER_PARAM or hosts < 2 or not mbit:
         return None
     sent = 2 * (hosts - 1) / hosts * num_params * WIRE_BYTES_PER_PARAM[op]
@@ -535,15 +559,12 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
             "--ops", ",".join(args.ops), "--num-params", str(args.num_params),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
         ]  # fmt: skip
-        if args.bucket_mb is not None:
-            worker += ["--bucket-mb", str(args.bucket_mb)]
+        for flag, value in (("--bucket-mb", args.bucket_mb), ("--message-kb", args.message_kb)):
+            if value is not None:
+                worker += [flag, str(value)]
         env = dict(
             os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
         )
-        if args.hugepages:
-            # glibc backs its large (mmap'd) allocations with transparent huge pages: XLA's
-            # fresh output and temp buffers then fault in 2 MiB at a time instead of 4 KiB.
-            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
         code = launch(
             lambda rank: cluster.command(rank, worker),
             nproc=len(cluster.hosts),
@@ -551,6 +572,7 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
             port=_free_port(),
             timeout=args.timeout,
             env=env,
+            hugepages=args.hugepages,
         )
         if code != 0:
             raise SystemExit(code)
@@ -564,7 +586,11 @@ def main(argv=None) -> int:
         "--rates", default="1gbit,10gbit", help="comma-separated link rates (default 1gbit,10gbit)"
     )
     parser.add_argument("--delay", type=float, default=None, help="one-way latency in ms (netem)")
-    parser.add_argument("--ops", default=",".join(DEFAULT_OPS), help="comma-separated op names")
+    parser.add_argument(
+        "--ops",
+        default=",".join(DEFAULT_OPS),
+        help="comma-separated op names; op:KB sets its message size",
+    )
     parser.add_argument("--num-params", type=int, default=DEFAULT_NUM_PARAMS)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median is reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -578,16 +604,23 @@ def main(argv=None) -> int:
         help="ByteGrad / QAdam bucket size in MiB (default: the library's; 0: one bucket)",
     )
     parser.add_argument(
-        "--hugepages",
-        action="store_true",
-        help="run the workers with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (a deployment setting)",
+        "--message-kb",
+        type=float,
+        default=None,
+        help="bytes per message between nodes, in KiB (default: the library's; 0: one per peer)",
+    )
+    parser.add_argument(
+        "--no-hugepages",
+        dest="hugepages",
+        action="store_false",
+        help="workers on 4 KiB pages (default, as the launcher: glibc.malloc.hugetlb=1)",
     )
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers and exit")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
-    unknown = [o for o in args.ops if o not in OPS]
+    unknown = [o for o in args.ops if o.partition(":")[0] not in OPS]
     if unknown:
         parser.error(f"unknown op(s) {unknown}; registered: {sorted(OPS)}")
     if args.steps < 1 or args.warmup < 0:

@@ -26,7 +26,6 @@ import numpy as np
 from jax_bytegrad import buckets as bucketing
 from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
-    HEADER_WIDTH,
     Implementation,
     Rounding,
     average_requantize,
@@ -41,6 +40,11 @@ from jax_bytegrad.quantization import (
 # Big enough that each collective runs at link speed, small enough that a 25M-parameter
 # model gets a few buckets whose communication XLA can overlap with the next one's quantize.
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+# Bytes per message of the exchanges between nodes. Through XLA's Gloo collectives, one large
+# message per peer moves at about half the link rate, while messages of about 1 MiB move near
+# line rate (benchmarks/RESULTS.md, "Message size"). None sends one message per peer.
+DEFAULT_MESSAGE_BYTES = 2**20
 
 
 def _mesh_axis_names() -> tuple[str, ...]:
@@ -75,12 +79,61 @@ def gather_invariant(x: jax.Array, axis) -> jax.Array:
     return jax.lax.all_gather(x, axis, axis=0, tiled=True, to="invarying")
 
 
+def message_slices(blocks: int, block_bytes: int, message_bytes: int | None) -> list[slice]:
+    """Consecutive block ranges of about ``message_bytes`` each (at least one block)."""
+    per = blocks if message_bytes is None else max(1, message_bytes // block_bytes)
+    return [slice(start, min(start + per, blocks)) for start in range(0, blocks, per)]
+
+
+def _compressed_piece(x, *, group, weight, stochastic, key, impl):
+    """The compressed all-reduce of one message's worth of blocks.
+
+    ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j, which owns
+    those blocks of the mean. Returns the decoded mean of all of ``x``, same shape.
+    """
+    peers, blocks, block_size = x.shape
+    keys = (None, None) if key is None else jax.random.split(key)
+    codes, header = quantize_blocks(
+        x.reshape(peers * blocks, block_size),
+        stochastic=stochastic,
+        key=keys[0],
+        implementation=impl,
+    )
+    codes = jax.lax.all_to_all(codes.reshape(peers, blocks, -1), group, 0, 0, tiled=True)
+    header = jax.lax.all_to_all(header.reshape(peers, blocks, -1), group, 0, 0, tiled=True)
+    codes, header = average_requantize(
+        codes, header, weight=weight, stochastic=stochastic, key=keys[1], implementation=impl
+    )
+    codes = jax.lax.all_gather(codes, group, axis=0, to="invarying")
+    header = jax.lax.all_gather(header, group, axis=0, to="invarying")
+    decoded = dequantize_blocks(
+        codes.reshape(peers * blocks, -1), header.reshape(peers * blocks, -1), implementation=impl
+    )
+    return decoded.reshape(x.shape)
+
+
 def _compressed_sum_flat(
-    x, *, node_axis, local_axis, n, local, hierarchical, weight, block_size, stochastic, key, impl
+    x,
+    *,
+    node_axis,
+    local_axis,
+    n,
+    local,
+    hierarchical,
+    weight,
+    block_size,
+    stochastic,
+    key,
+    impl,
+    message_bytes,
 ):
     """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
 
-    ``n`` and ``local`` are the sizes of ``node_axis`` and ``local_axis``.
+    ``n`` and ``local`` are the sizes of ``node_axis`` and ``local_axis``. Between nodes the
+    bucket goes as independent pieces of ``message_bytes`` of codes per peer. XLA runs the
+    collectives one at a time, in program order, but a piece's quantize, average and decode
+    only wait for their own data, so they run while other pieces are on the wire. Blocks are
+    coded independently, so with nearest rounding the result does not depend on the split.
     """
     if hierarchical:
         group, group_size = node_axis, n
@@ -92,27 +145,22 @@ def _compressed_sum_flat(
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
     else:
-        chunk_blocks = x.size // (group_size * block_size)
-        keys = (None, None) if key is None else jax.random.split(key)
-        codes, header = quantize_blocks(
-            x.reshape(group_size * chunk_blocks, block_size),
-            stochastic=stochastic,
-            key=keys[0],
-            implementation=impl,
-        )
-        codes = jax.lax.all_to_all(codes, group, 0, 0, tiled=True)
-        header = jax.lax.all_to_all(header, group, 0, 0, tiled=True)
-        codes, header = average_requantize(
-            codes.reshape(group_size, chunk_blocks, block_size),
-            header.reshape(group_size, chunk_blocks, HEADER_WIDTH),
-            weight=weight,
-            stochastic=stochastic,
-            key=keys[1],
-            implementation=impl,
-        )
-        codes = gather_invariant(codes, group)
-        header = gather_invariant(header, group)
-        x = dequantize_blocks(codes, header, implementation=impl).reshape(-1)
+        x = x.reshape(group_size, -1, block_size)
+        pieces = message_slices(x.shape[1], block_size, message_bytes)
+        x = jnp.concatenate(
+            [
+                _compressed_piece(
+                    x[:, blocks],
+                    group=group,
+                    weight=weight,
+                    stochastic=stochastic,
+                    key=None if key is None else jax.random.fold_in(key, i),
+                    impl=impl,
+                )
+                for i, blocks in enumerate(pieces)
+            ],
+            axis=1,
+        ).reshape(-1)
     if hierarchical:
         # Size-1 gathers move no bytes; they only mark the value as replicated.
         x = gather_invariant(x, node_axis) if group_size == 1 else x
@@ -129,6 +177,7 @@ def compressed_mean(
     average: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     implementation: Implementation | None = None,
@@ -149,6 +198,8 @@ def compressed_mean(
       average: divide by the total device count (default); False returns the sum.
       block_size: quantization block size (see ``quantize``).
       bucket_bytes: float32 bytes per bucket; None puts everything in one bucket.
+      message_bytes: bytes per message of the exchanges between nodes (codes, per peer);
+        None sends one message per peer. Results do not depend on it, only speed does.
       rounding: ``"nearest"`` or ``"stochastic"`` (needs ``key``).
       key: PRNG key for stochastic rounding.
       implementation: quantization kernels to use (see ``quantize``).
@@ -158,7 +209,7 @@ def compressed_mean(
 
     Raises:
       ValueError: outside ``shard_map``, for an axis name the mesh lacks, or for bad
-        ``block_size``, ``rounding``, ``key`` or ``bucket_bytes``.
+        ``block_size``, ``rounding``, ``key``, ``bucket_bytes`` or ``message_bytes``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jax_bytegrad
@@ -175,7 +226,8 @@ def compressed_mean(
     check_block_size(block_size, "compressed_mean")
     stochastic = check_rounding(rounding, "compressed_mean")
     check_key(stochastic, key, "compressed_mean")
-    _check_bucket_bytes(bucket_bytes, "compressed_mean")
+    check_size_bytes(bucket_bytes, "bucket_bytes", "compressed_mean")
+    check_size_bytes(message_bytes, "message_bytes", "compressed_mean")
     impl = resolve_implementation(implementation)
     n, local = axis_sizes(node_axis, local_axis, "compressed_mean")
     leaves, treedef = jax.tree.flatten(tree)
@@ -201,6 +253,7 @@ def compressed_mean(
                 stochastic=stochastic,
                 key=None if key is None else jax.random.fold_in(key, i),
                 impl=impl,
+                message_bytes=message_bytes,
             )
         )
     return jax.tree.unflatten(treedef, bucketing.from_buckets(reduced, leaves, layout))
@@ -242,8 +295,7 @@ def full_precision_mean(
     return jax.tree.map(reduce, tree)
 
 
-def _check_bucket_bytes(bucket_bytes, where: str) -> None:
-    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
-        raise ValueError(
-            f"{where}: bucket_bytes must be a positive int or None, got {bucket_bytes!r}"
-        )
+def check_size_bytes(value, name: str, where: str) -> None:
+    """A byte count (``bucket_bytes``, ``message_bytes``) must be a positive int or None."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{where}: {name} must be a positive int or None, got {value!r}")

@@ -199,6 +199,12 @@ def initialize(
 
     A repeated call returns the first result; one asking for a different layout raises.
 
+    CPU workers should run with glibc's large allocations on transparent huge pages
+    (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``): it makes a compressed sync several times
+    cheaper in CPU. glibc reads that setting only when a process starts, so this function
+    cannot turn it on; ``python -m jax_bytegrad.launch`` does by default, and under ``srun`` or
+    ``mpirun`` export it in the job's environment.
+
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator service.
         Env: ``JAX_BYTEGRAD_COORDINATOR``.

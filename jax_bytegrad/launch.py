@@ -9,7 +9,12 @@ free port, the process count, its id and its CPU device count), so the script on
 Usage::
 
     python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 [--port P] [--timeout S] \\
-        script.py [args ...]
+        [--no-hugepages] script.py [args ...]
+
+The processes run with glibc's large allocations on transparent huge pages
+(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, glibc >= 2.35): XLA:CPU allocates fresh buffers of
+the gradient's size every step, and with 4 KiB pages most of a compressed sync's CPU time goes
+to page faults (benchmarks/RESULTS.md). ``--no-hugepages`` leaves the allocator as it is.
 
 Each line a process prints is echoed as ``[rank k] line``. If one process fails (non-zero exit or
 killed by a signal), the launcher stops the others (SIGTERM to each process group, SIGKILL after
@@ -44,6 +49,7 @@ EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 
 _PREFIX = "[launch] "
+HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 # Private helpers ----------------------------------------------------------------------------------
@@ -112,6 +118,19 @@ def _describe(code: int) -> str:
 # Public API ---------------------------------------------------------------------------------------
 
 
+def with_hugepages(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with glibc's malloc on transparent huge pages, unless it already says otherwise.
+
+    glibc reads its tunables once, when a process starts, so this is for the environment of
+    processes yet to start; other tunables in ``GLIBC_TUNABLES`` are kept.
+    """
+    env = dict(env)
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    if not any(t.startswith("glibc.malloc.hugetlb=") for t in tunables):
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, HUGEPAGES_TUNABLE])
+    return env
+
+
 def launch(
     command: Sequence[str] | Callable[[int], Sequence[str]],
     nproc: int,
@@ -122,6 +141,7 @@ def launch(
     timeout: float | None = None,
     grace: float = 5.0,
     env: Mapping[str, str] | None = None,
+    hugepages: bool = True,
     out=None,
 ) -> int:
     """Runs `command` as `nproc` cooperating local processes and returns the launcher's exit code.
@@ -137,6 +157,8 @@ def launch(
       timeout: Seconds after which every process is stopped and 124 returned; None for no limit.
       grace: Seconds between SIGTERM and SIGKILL when stopping processes.
       env: Base environment for the processes; None uses this process's.
+      hugepages: run the processes with glibc's large allocations on transparent huge pages
+        (see `with_hugepages`); a ``glibc.malloc.hugetlb`` setting already in ``env`` wins.
       out: Binary stream for the rank-prefixed output; None uses ``sys.stdout.buffer``.
 
     Returns:
@@ -172,6 +194,8 @@ def launch(
     out = out if out is not None else sys.stdout.buffer
     port = port if port is not None else _free_port()
     base_env = dict(os.environ if env is None else env)
+    if hugepages:
+        base_env = with_hugepages(base_env)
     base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"  # so lines arrive as they are printed, not at exit
 
@@ -266,6 +290,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)"
     )
+    parser.add_argument(
+        "--no-hugepages",
+        dest="hugepages",
+        action="store_false",
+        help="leave glibc's malloc on 4 KiB pages (default: GLIBC_TUNABLES=glibc.malloc.hugetlb=1)",
+    )
     parser.add_argument("script", help="Python script to run in each process")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     ns = parser.parse_args(argv)
@@ -277,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             port=ns.port,
             timeout=ns.timeout,
             grace=ns.grace,
+            hugepages=ns.hugepages,
         )
     except ValueError as e:
         parser.error(str(e))

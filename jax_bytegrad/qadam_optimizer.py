@@ -120,6 +120,7 @@ def scale_by_qadam(
     hierarchical: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
     bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
+    message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
     implementation: Implementation | None = None,
 ) -> optax.GradientTransformation:
     """Rescales per-device gradients by QAdam, doing its own communication.
@@ -145,6 +146,8 @@ def scale_by_qadam(
         axes as one group.
       block_size: elements per quantization block, a power of two >= 128.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
+      message_bytes: bytes per message of the exchanges between nodes; None for one message
+        per peer. It changes the speed, never the result.
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
 
     Returns:
@@ -175,6 +178,7 @@ def scale_by_qadam(
         hierarchical=hierarchical,
         block_size=block_size,
         bucket_bytes=bucket_bytes,
+        message_bytes=message_bytes,
         implementation=implementation,
     )
 
@@ -202,6 +206,7 @@ def scale_by_qadam(
             hierarchical=hierarchical,
             block_size=block_size,
             bucket_bytes=bucket_bytes,
+            message_bytes=message_bytes,
             implementation=implementation,
         )
         return mu, nu
@@ -239,6 +244,7 @@ def qadam(
     hierarchical: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
     bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
+    message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
     implementation: Implementation | None = None,
 ) -> optax.GradientTransformation:
     """QAdam: Adam whose momentum crosses the network 8-bit after a float32 warm-up.
@@ -262,6 +268,8 @@ def qadam(
       hierarchical: reduce within each node before the inter-node hop (default).
       block_size: elements per quantization block, a power of two >= 128.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
+      message_bytes: bytes per message of the exchanges between nodes; None for one message
+        per peer. It changes the speed, never the result.
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
 
     Returns:
@@ -311,6 +319,7 @@ def qadam(
             hierarchical=hierarchical,
             block_size=block_size,
             bucket_bytes=bucket_bytes,
+            message_bytes=message_bytes,
             implementation=implementation,
         )
     ]

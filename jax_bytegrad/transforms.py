@@ -47,13 +47,22 @@ def _check_axes(node_axis, local_axis, where: str) -> None:
 
 
 def check_sync_args(
-    where: str, *, node_axis, local_axis, hierarchical, block_size, bucket_bytes, implementation
+    where: str,
+    *,
+    node_axis,
+    local_axis,
+    hierarchical,
+    block_size,
+    bucket_bytes,
+    message_bytes,
+    implementation,
 ) -> None:
     """Validates, at build time, the arguments every compressed-sync transform takes."""
     _check_axes(node_axis, local_axis, where)
     _check_flag(hierarchical, "hierarchical", where)
     check_block_size(block_size, where)
-    collectives._check_bucket_bytes(bucket_bytes, where)
+    collectives.check_size_bytes(bucket_bytes, "bucket_bytes", where)
+    collectives.check_size_bytes(message_bytes, "message_bytes", where)
     if implementation is not None:
         resolve_implementation(implementation)
 
@@ -66,6 +75,7 @@ def bytegrad(
     average: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
     bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
+    message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
     rounding: Rounding = "nearest",
     seed: int = 0,
     implementation: Implementation | None = None,
@@ -84,6 +94,8 @@ def bytegrad(
       average: divide by the device count (default); False sums.
       block_size: elements per quantization block, a power of two >= 128.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
+      message_bytes: bytes per message of the exchanges between nodes; None for one message
+        per peer. It changes the speed, never the result.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
       seed: seeds the PRNG key for stochastic rounding.
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
@@ -110,6 +122,7 @@ def bytegrad(
         hierarchical=hierarchical,
         block_size=block_size,
         bucket_bytes=bucket_bytes,
+        message_bytes=message_bytes,
         implementation=implementation,
     )
     _check_flag(average, "average", where)
@@ -130,6 +143,7 @@ def bytegrad(
             average=average,
             block_size=block_size,
             bucket_bytes=bucket_bytes,
+            message_bytes=message_bytes,
             rounding=rounding,
             key=step_key if stochastic else None,
             implementation=implementation,

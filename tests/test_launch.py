@@ -161,6 +161,42 @@ def test_launch_sets_the_environment_and_prefixes_output(tmp_path):
     assert lines == [f"[rank {k}] {k} 3 2 127.0.0.1:23456" for k in range(3)]
 
 
+@pytest.mark.parametrize(
+    "hugepages, base, expected",
+    [
+        (True, None, "glibc.malloc.hugetlb=1"),
+        (True, "glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+        (True, "glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),
+        (False, None, "unset"),
+    ],
+    ids=["default-on", "keeps-other-tunables", "user-setting-wins", "turned-off"],
+)
+def test_launch_puts_cpu_workers_on_huge_pages(tmp_path, hugepages, base, expected):
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if base is not None:
+        env["GLIBC_TUNABLES"] = base
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(
+            _py("import os; print(os.environ.get('GLIBC_TUNABLES', 'unset'))"),
+            nproc=1,
+            env=env,
+            hugepages=hugepages,
+            out=out,
+        )
+    assert code == 0
+    assert out_file.read_text().splitlines() == [f"[rank 0] {expected}"]
+
+
+def test_launcher_command_line_turns_huge_pages_off(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import os; print(os.environ.get('GLIBC_TUNABLES', 'unset'))\n")
+    for flags, expected in (((), "glibc.malloc.hugetlb=1"), (("--no-hugepages",), "unset")):
+        code, output, _ = _run_launcher("--nproc", "1", *flags, str(script))
+        assert code == 0, output
+        assert f"[rank 0] {expected}" in output.splitlines()
+
+
 def test_launch_stops_the_others_when_one_fails(tmp_path):
     start = time.monotonic()
     with (tmp_path / "out").open("wb") as out:

@@ -1,0 +1,145 @@
+"""Exchanges between nodes split into messages of ``message_bytes``: same results, same bytes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+from test_bytegrad import documented_bound, flat_f32
+
+import jax_bytegrad
+from jax_bytegrad.qadam_optimizer import scale_by_qadam
+
+pytestmark = pytest.mark.usefixtures("strict_dtypes")
+
+AXES = ("node", "local")
+BLOCK = 128
+# None: one message per peer; BLOCK: one block of codes per message; 3 * BLOCK + 1: pieces of
+# three blocks, the last one shorter.
+SPLITS = [None, BLOCK, 3 * BLOCK + 1]
+
+
+def _grads(devices: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [
+        jnp.asarray(rng.standard_normal((devices, 5000)) * 0.1, jnp.float32),
+        jnp.asarray(rng.standard_normal((devices, 40, 25)) * 10.0, jnp.float32),
+    ]
+
+
+def _mean_fn(mesh, **kwargs):
+    def body(tree):
+        return jax_bytegrad.compressed_mean(jax.tree.map(lambda x: x[0], tree), **kwargs)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
+
+
+def _node_all_to_alls(stats) -> int:
+    return sum(r.count for r in stats.rows if r.kind == "all-to-all" and r.axes != "local")
+
+
+@pytest.mark.parametrize("hierarchical", [True, False], ids=["hier", "flat"])
+@pytest.mark.parametrize("shape", [(2, 4), (3, 2), (8, 1)], ids=["2x4", "3x2", "8x1"])
+def test_message_size_changes_no_result_and_no_bytes(shape, hierarchical):
+    mesh = jax_bytegrad.make_mesh(*shape)
+    grads = _grads(shape[0] * shape[1], seed=sum(shape))
+    outs, stats = [], []
+    for message_bytes in SPLITS:
+        fn = _mean_fn(
+            mesh,
+            hierarchical=hierarchical,
+            block_size=BLOCK,
+            bucket_bytes=None,
+            message_bytes=message_bytes,
+        )
+        outs.append([np.asarray(x) for x in fn(grads)])
+        stats.append(jax_bytegrad.communication_stats(fn, grads))
+    for out, message_bytes in zip(outs[1:], SPLITS[1:], strict=True):
+        for got, want in zip(out, outs[0], strict=True):
+            np.testing.assert_array_equal(got, want, err_msg=f"message_bytes={message_bytes}")
+    # The split really happened: one message per block, then one per three blocks ...
+    counts = [_node_all_to_alls(s) for s in stats]
+    assert counts[0] == 2  # codes and headers, one message each
+    assert counts[1] > counts[2] > counts[0], counts
+    # ... and the bytes between nodes are the same: splitting adds no padding.
+    node = [s.bytes_on("node") for s in stats]
+    assert node[0] > 0
+    assert node[1] == node[2] == node[0], node
+
+
+def test_stochastic_rounding_split_keeps_replicas_identical_and_close():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    grads = _grads(8, seed=3)
+
+    def body(tree):
+        mean = jax_bytegrad.compressed_mean(
+            jax.tree.map(lambda x: x[0], tree),
+            block_size=BLOCK,
+            message_bytes=BLOCK,
+            rounding="stochastic",
+            key=jax.random.key(0),
+        )
+        # Per device, so that replicas can be compared.
+        return jax.tree.map(lambda x: jax.lax.pcast(x, AXES, to="varying")[None], mean)
+
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))(grads)
+    result = []
+    for leaf in out:
+        leaf = np.asarray(leaf).reshape(8, -1)
+        for replica in leaf[1:]:
+            np.testing.assert_array_equal(replica, leaf[0])
+        result.append(leaf[0])
+    # Stochastic rounding errs by up to a whole code step, twice nearest rounding's half step.
+    exact, bound = documented_bound(flat_f32(grads), 2, 4, True, BLOCK)
+    assert np.all(np.abs(np.concatenate(result) - exact) <= 2 * bound)
+
+
+def test_qadam_compressed_phase_does_not_depend_on_the_split():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    grads = _grads(8, seed=5)
+    params = [g[0] for g in grads]
+    results = []
+    for message_bytes in (None, BLOCK):
+        tx = scale_by_qadam(warmup_steps=1, block_size=BLOCK, message_bytes=message_bytes)
+        state = tx.init(params)
+        state = state._replace(count=jnp.asarray(1, jnp.int32))  # past warm-up: compressed
+
+        def body(g, state, tx=tx):
+            updates, state = tx.update([x[0] for x in g], state)
+            return updates, state
+
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P()))
+        updates, _ = fn(grads, state)
+        results.append([np.asarray(u) for u in updates])
+    for got, want in zip(results[1], results[0], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_split_train_step_has_no_float32_gradient_all_reduce():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.standard_normal((64, 256)) * 0.1, jnp.float32),
+        "b": jnp.zeros(256, jnp.float32),
+    }
+
+    def loss_fn(p, batch):
+        return jnp.mean((batch @ p["w"] + p["b"]) ** 2)
+
+    tx = optax.chain(jax_bytegrad.bytegrad(block_size=BLOCK, message_bytes=BLOCK), optax.sgd(0.1))
+    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    batch = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    stats = jax_bytegrad.communication_stats(step, params, tx.init(params), batch)
+    grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
+    f32_reductions = [r for r in stats.rows if r.kind == "all-reduce" and "f32" in r.dtype]
+    assert sum(r.payload_bytes for r in f32_reductions) < grad_bytes / 8, str(stats)
+    assert _node_all_to_alls(stats) > 2, str(stats)  # split into several messages
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "1MiB"], ids=str)
+def test_message_bytes_is_validated_when_built(bad):
+    with pytest.raises(ValueError, match="message_bytes must be a positive int or None"):
+        jax_bytegrad.bytegrad(message_bytes=bad)
+    with pytest.raises(ValueError, match="message_bytes must be a positive int or None"):
+        scale_by_qadam(warmup_steps=1, message_bytes=bad)
