@@ -104,9 +104,7 @@ def train(name: str, *, steps: int, seed: int, mesh) -> tuple[float, float, floa
     losses = []
     for _ in range(steps):
         rows = rng.choice(len(data.train_targets), BATCH_SIZE, replace=False)
-        batch = jax_bytegrad.shard_batch(
-            (data.train_inputs[rows], data.train_targets[rows]), mesh
-        )
+        batch = jax_bytegrad.shard_batch((data.train_inputs[rows], data.train_targets[rows]), mesh)
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))  # one step in flight: see docs/qadam.md
 
@@ -129,9 +127,7 @@ def report(results: dict[str, list[tuple[float, float, float]]], steps: int) -> 
     for name, runs in results.items():
         acc, loss, train_loss = (np.mean(column) for column in zip(*runs, strict=True))
         per_seed = ", ".join(f"{100 * r[0]:.2f}" for r in runs)
-        lines.append(
-            f"| {name} | {100 * acc:.2f}% ({per_seed}) | {loss:.4f} | {train_loss:.4f} |"
-        )
+        lines.append(f"| {name} | {100 * acc:.2f}% ({per_seed}) | {loss:.4f} | {train_loss:.4f} |")
     return "\n".join(lines)
 
 

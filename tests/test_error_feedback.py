@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_all_equal
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
@@ -118,7 +117,7 @@ def batch(step):
 
 def loss_fn(params, batch):
     x, y = batch
-    logits = jax.nn.relu(x @ params["w1"] + params["b1"]) @ params["w2"]
+    logits = jax.nn.relu(x @ params["w1"] + params["b1"][None]) @ params["w2"]
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
@@ -131,9 +130,7 @@ def make_step(tx, mesh, state):
         return optax.apply_updates(params, updates), state
 
     return jax.jit(
-        jax.shard_map(
-            per_device, mesh=mesh, in_specs=(P(), specs, P(AXES)), out_specs=(P(), specs)
-        )
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), specs, P(AXES)), out_specs=(P(), specs))
     )
 
 
@@ -147,10 +144,20 @@ def run(tx, mesh, steps, params=None, state=None, first=0):
 
 
 def device_copies(tree):
-    return [
-        [np.asarray(shard.data) for shard in leaf.addressable_shards]
-        for leaf in jax.tree.leaves(tree)
-    ]
+    """Every leaf as the list of what each device holds (PRNG keys as their key data)."""
+    out = []
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        out.append([np.asarray(shard.data) for shard in leaf.addressable_shards])
+    return out
+
+
+def assert_same_on_every_device(tree, copies):
+    """``tree`` holds, device by device, exactly ``copies`` (from ``device_copies``)."""
+    for got, want in zip(device_copies(tree), copies, strict=True):
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
 
 
 @pytest.fixture(scope="module")
@@ -164,15 +171,16 @@ def test_replicas_stay_bit_identical_over_20_steps(mesh, bits):
         jax_bytegrad.bytegrad(bits=bits, error_feedback=True, mesh=mesh, block_size=256),
         optax.sgd(0.1, momentum=0.9),
     )
-    for params, state in run(tx, mesh, 20):
+    for params, state in run(tx, mesh, 20):  # noqa: B007 - the last state is checked below
         for copies in device_copies(params):
             for other in copies[1:]:
                 np.testing.assert_array_equal(other, copies[0])
     residuals = jax.tree.leaves(state[0].residuals)
     assert residuals and all(np.any(np.asarray(r) != 0) for r in residuals)
-    # Each device keeps its own residual: they are not copies of one another.
-    send = np.asarray(state[0].residuals[0][0]).reshape(8, -1)
-    assert len({row.tobytes() for row in send}) == 8
+    # Each device keeps its own residual, not a copy of another's (a device whose share of
+    # the bucket is all padding keeps zeros).
+    send = [row for row in np.asarray(state[0].residuals[0][0]).reshape(8, -1) if row.any()]
+    assert len(send) >= 4 and len({row.tobytes() for row in send}) == len(send)
 
 
 def test_error_feedback_changes_the_trajectory_and_tracks_float32_closer(mesh):
@@ -205,11 +213,9 @@ def test_checkpoint_restores_residuals_and_continues_bit_exactly(mesh, tmp_path)
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path, abstract)
     # Every device gets its own residual back, not another device's.
-    for got, want in zip(device_copies(restored["opt_state"]), saved, strict=True):
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_array_equal(g, w)
+    assert_same_on_every_device(restored["opt_state"], saved)
     *_, resumed = run(tx, mesh, 3, restored["params"], restored["opt_state"], first=3)
-    assert_trees_all_equal(resumed, straight)
+    assert_same_on_every_device(resumed, device_copies(straight))
 
 
 @pytest.mark.parametrize(("bits", "limit"), [(8, 0.26), (4, 0.135)], ids=["8bit", "4bit"])
@@ -227,9 +233,7 @@ def test_inter_node_bytes_against_gradient_allreduce(mesh, bits, limit):
             return updates, state
 
         fn = jax.jit(
-            jax.shard_map(
-                per_device, mesh=mesh, in_specs=(specs, P(AXES)), out_specs=(P(), specs)
-            )
+            jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P(AXES)), out_specs=(P(), specs))
         )
         return jax_bytegrad.communication_stats(fn, state, grads, mesh=mesh).bytes_on("node")
 
