@@ -25,7 +25,7 @@ Bits = Literal[8, 4]
 # 8-byte header costs < 1% of the codes, small enough that one outlier spoils few values.
 DEFAULT_BLOCK_SIZE = 1024
 # 4 bits: see "4-bit block size" in benchmarks/RESULTS.md.
-DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 1024}
+DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 512}
 # Kernels tile a block's (packed) codes as whole rows of 128 lanes, and Pallas block shapes
 # are powers of two: 128 values at 8 bits, 256 at 4 bits.
 MIN_BLOCK_SIZE = 128

@@ -63,19 +63,19 @@ def two_process_run(tmp_path_factory):
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "4",
-         "--timeout", "50", str(WORKER), str(out_dir)],
+         "--timeout", "100", str(WORKER), str(out_dir)],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        timeout=55,
+        timeout=110,
         text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout
     for rank in (0, 1):
         assert f"[rank {rank}] OK" in proc.stdout, proc.stdout
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 120
     return out_dir
 
 
@@ -88,7 +88,12 @@ def two_process_run(tmp_path_factory):
 # in a fixed order, and must match bit for bit; the others must agree to float32 rounding.
 # A lost or doubled gradient would move these parameters by ~1e-3, far past that tolerance.
 ROUNDING_ATOL = 2e-6  # ~16 ulp at |x| = 1; measured: 3e-8 (bytegrad), 5e-7 (qadam)
-EXPECTED = {"bytegrad": "rounding", "bytegrad_flat": "bit-identical", "qadam": "rounding"}
+EXPECTED = {
+    "bytegrad": "rounding",
+    "bytegrad_flat": "bit-identical",
+    "bytegrad4_ef_flat": "bit-identical",
+    "qadam": "rounding",
+}
 
 
 @pytest.mark.parametrize("name", sorted(worker.ALGORITHMS))
