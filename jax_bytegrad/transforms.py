@@ -244,7 +244,7 @@ def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> tx = jax_bytegrad.bytegrad(error_feedback=True, mesh=mesh)
       >>> state_specs(tx.init({"w": jnp.ones(3)})).residuals
-      ((PartitionSpec(('node', 'local'),), PartitionSpec(('node', 'local'),)),)
+      ((P(('node', 'local'),), P(('node', 'local'),)),)
     """
     per_device = P((node_axis, local_axis))
 
