@@ -330,6 +330,38 @@ def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
     return step, (replicate(params, mesh), replicate(state, mesh), shard_batch(batch, mesh))
 
 
+@register("train_local")
+def _train_local(mesh, num_params):
+    """The same train step with no sync at all (forward, backward, Adam): with `bytegrad_sync`,
+    the parts that `train_bytegrad` overlaps when it takes less than their sum."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from jax_bytegrad.parallel import compiler_options, replicate, shard_batch
+
+    tx = optax.adam(1e-4)
+    params = _mlp_init(num_params)
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    rng = np.random.default_rng(1 + jax.process_index())
+    batch = (
+        rng.standard_normal((rows, _MLP_IN), np.float32),
+        rng.standard_normal((rows, _MLP_OUT), np.float32),
+    )
+
+    def body(params, state, batch):
+        grads = jax.grad(_mlp_loss)(jax.lax.pcast(params, AXES, to="varying"), batch)
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates))
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXES)), out_specs=P(AXES)),
+        compiler_options=compiler_options(mesh),  # as data_parallel_step compiles
+    )
+    args = (*replicate((params, tx.init(params)), mesh), shard_batch(batch, mesh))
+    return fn, args
+
+
 @register("train_allreduce", wire_bytes_per_param=4)
 def _train_allreduce(mesh, num_params):
     import optax

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
+from jax_bytegrad.collectives import DEFAULT_MESSAGE_BYTES, check_size_bytes, split_ppermute
 from jax_bytegrad.parallel import _varying_axes, check_batch, check_mesh, compiler_options
 from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
@@ -111,7 +112,7 @@ def _missing_varying(tree, axes):
     return jax.tree.map(cast, tree)
 
 
-def _pair_mean(tree, pairs, axis, num_peers):
+def _pair_mean(tree, pairs, axis, num_peers, message_bytes):
     """Mean of each peer's value with its partner's; peers left out of ``pairs`` keep theirs."""
     perm = [(a, b) for a, b in pairs] + [(b, a) for a, b in pairs]
     if not perm:
@@ -119,7 +120,7 @@ def _pair_mean(tree, pairs, axis, num_peers):
     paired = np.zeros(num_peers, bool)
     for a, b in pairs:
         paired[a] = paired[b] = True
-    received = jax.lax.ppermute(tree, axis, perm)
+    received = split_ppermute(tree, axis, perm, message_bytes)
     if paired.all():
         return jax.tree.map(lambda x, y: (x + y) / np.asarray(2, x.dtype), tree, received)
     has_peer = jnp.asarray(paired)[jax.lax.axis_index(axis)]
@@ -250,6 +251,7 @@ def decentralized_step(
     hierarchical: bool = True,
     peer_selection_mode: PeerSelectionMode = "all",
     communication_interval: int = 1,
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     has_aux: bool = False,
     donate: bool = True,
     node_axis: str = "node",
@@ -273,6 +275,8 @@ def decentralized_step(
         with one peer, a different one each communication round (``shift_one_schedule``).
       communication_interval: gossip every k steps; steps in between are local (apart from
         the node average with ``hierarchical``).
+      message_bytes: bytes per message of the exchanges with peers; None for one message
+        per leaf. It changes the speed, never the result.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux comes back per device.
       donate: donate the state's buffers to the step.
       node_axis: the mesh axis between nodes.
@@ -307,6 +311,7 @@ def decentralized_step(
     _check_bool(hierarchical, "hierarchical", where)
     _check_bool(has_aux, "has_aux", where)
     _check_interval(communication_interval, where)
+    check_size_bytes(message_bytes, "message_bytes", where)
     if peer_selection_mode not in ("all", "shift_one"):
         raise ValueError(
             f"{where}: peer_selection_mode must be 'all' or 'shift_one', got "
@@ -332,7 +337,8 @@ def decentralized_step(
 
             def mix_pairs(x, pairs=pairs):
                 x = jax.lax.pmean(x, local_axis) if hierarchical else x
-                return _missing_varying(_pair_mean(x, pairs, gossip_axis, peers), axes)
+                mixed = _pair_mean(x, pairs, gossip_axis, peers, message_bytes)
+                return _missing_varying(mixed, axes)
 
             branches.append(mix_pairs)
     rounds = len(branches) - 1
@@ -411,6 +417,7 @@ def low_precision_decentralized_step(
     communication_interval: int = 1,
     block_size: int = DEFAULT_BLOCK_SIZE,
     implementation: Implementation | None = None,
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     has_aux: bool = False,
     donate: bool = True,
     node_axis: str = "node",
@@ -443,6 +450,8 @@ def low_precision_decentralized_step(
       communication_interval: exchange every k steps (Bagua's op takes the same option).
       block_size: quantization block size, a power of two >= 128.
       implementation: quantization kernels (see ``quantize``).
+      message_bytes: bytes per message of the exchanges with neighbours; None for one
+        message each. It changes the speed, never the result.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; aux comes back per device.
       donate: donate the state's buffers to the step.
       node_axis: the mesh axis between nodes.
@@ -477,6 +486,7 @@ def low_precision_decentralized_step(
     _check_bool(hierarchical, "hierarchical", where)
     _check_bool(has_aux, "has_aux", where)
     _check_interval(communication_interval, where)
+    check_size_bytes(message_bytes, "message_bytes", where)
     check_block_size(block_size, where)
     impl = resolve_implementation(implementation)
     axes = (node_axis, local_axis)
@@ -491,8 +501,14 @@ def low_precision_decentralized_step(
     def exchange(own, w, left, right):
         z = (w + left + right) * third - w + (own - w)
         q = quantize(z, block_size=block_size, implementation=impl)
-        left = left + dequantize(jax.lax.ppermute(q, ring_axis, from_left), implementation=impl)
-        right = right + dequantize(jax.lax.ppermute(q, ring_axis, from_right), implementation=impl)
+
+        def received(perm):
+            return dequantize(
+                split_ppermute(q, ring_axis, perm, message_bytes), implementation=impl
+            )
+
+        left = left + received(from_left)
+        right = right + received(from_right)
         x = w + dequantize(q, implementation=impl)
         return _missing_varying((x, x, left, right), axes)
 

@@ -143,3 +143,37 @@ def test_message_bytes_is_validated_when_built(bad):
         jax_bytegrad.bytegrad(message_bytes=bad)
     with pytest.raises(ValueError, match="message_bytes must be a positive int or None"):
         scale_by_qadam(warmup_steps=1, message_bytes=bad)
+
+
+@pytest.mark.parametrize("algorithm", ["shift_one", "low_precision"])
+def test_decentralized_exchanges_split_without_changing_the_weights(algorithm):
+    from jax_bytegrad.decentralized import decentralized_step, low_precision_decentralized_step
+
+    mesh = jax_bytegrad.make_mesh(4, 2)
+    rng = np.random.default_rng(7)
+    w0 = {"w": jnp.asarray(rng.standard_normal((32, 40)) * 0.1, jnp.float32)}
+    batch = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+
+    def loss_fn(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+
+    finals, permutes = [], []
+    for message_bytes in (None, 4 * BLOCK):
+        if algorithm == "shift_one":
+            train = decentralized_step(
+                loss_fn, optax.sgd(0.5), mesh, peer_selection_mode="shift_one",
+                message_bytes=message_bytes, donate=False,
+            )  # fmt: skip
+        else:
+            train = low_precision_decentralized_step(
+                loss_fn, optax.sgd(0.5), mesh, block_size=BLOCK, message_bytes=message_bytes,
+                donate=False,
+            )  # fmt: skip
+        state = train.init(w0)
+        for _ in range(4):
+            state, _ = train.step(state, batch)
+        finals.append(jax.tree.map(np.asarray, state))
+        stats = jax_bytegrad.communication_stats(train.step, state, batch)
+        permutes.append(sum(r.count for r in stats.rows if r.kind == "collective-permute"))
+    jax.tree.map(np.testing.assert_array_equal, finals[1], finals[0])
+    assert permutes[1] > permutes[0] > 0, permutes

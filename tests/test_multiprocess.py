@@ -11,7 +11,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -60,22 +59,20 @@ def two_process_run(tmp_path_factory):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env.pop("XLA_FLAGS", None)  # the device count comes from --devices-per-proc
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "4",
-         "--timeout", "100", str(WORKER), str(out_dir)],
+         "--timeout", "240", str(WORKER), str(out_dir)],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        timeout=110,
+        timeout=250,
         text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout
     for rank in (0, 1):
         assert f"[rank {rank}] OK" in proc.stdout, proc.stdout
-    assert time.monotonic() - start < 120
     return out_dir
 
 
@@ -91,8 +88,10 @@ ROUNDING_ATOL = 2e-6  # ~16 ulp at |x| = 1; measured: 3e-8 (bytegrad), 5e-7 (qad
 EXPECTED = {
     "bytegrad": "rounding",
     "bytegrad_flat": "bit-identical",
-    "bytegrad4_ef_flat": "bit-identical",
     "qadam": "rounding",
+    "bytegrad_128": "rounding",
+    "bytegrad_128_split": "rounding",
+    "bytegrad4_ef_flat": "bit-identical",
 }
 
 
@@ -116,3 +115,13 @@ def test_two_processes_match_one_process(two_process_run, name):
             np.testing.assert_allclose(
                 ranks[0][key], value, rtol=0, atol=ROUNDING_ATOL, err_msg=f"{name} {key}"
             )
+
+
+def test_message_split_changes_no_bit_over_gloo(two_process_run):
+    """One message per peer, or one block per message: the same parameters on every rank."""
+    for rank in (0, 1):
+        whole = np.load(two_process_run / f"bytegrad_128_rank{rank}.npz")
+        split = np.load(two_process_run / f"bytegrad_128_split_rank{rank}.npz")
+        assert sorted(whole) == sorted(split)
+        for key in whole:
+            np.testing.assert_array_equal(split[key], whole[key], err_msg=f"rank {rank} {key}")

@@ -18,9 +18,18 @@ import numpy as np
 IN_DIM, HIDDEN, OUT_DIM = 48, 96, 10
 GLOBAL_BATCH = 64
 # name -> steps. "bytegrad_flat" is ByteGrad with hierarchical=False: no float32 sum between
-# devices at all, only codes exchanged and averaged in a fixed order. "bytegrad4_ef_flat" is
-# the same with 4-bit codes and error feedback, whose residuals are per-device state.
-ALGORITHMS = {"bytegrad": 4, "bytegrad_flat": 4, "bytegrad4_ef_flat": 4, "qadam": 5}
+# devices at all, only codes exchanged and averaged in a fixed order. "bytegrad_128" and
+# "bytegrad_128_split" differ only in the message size between nodes (one per peer, or one
+# 128-value block per message), which must not change a bit. "bytegrad4_ef_flat" is the flat
+# one with 4-bit codes and error feedback, whose residuals are per-device state.
+ALGORITHMS = {
+    "bytegrad": 4,
+    "bytegrad_flat": 4,
+    "qadam": 5,
+    "bytegrad_128": 4,
+    "bytegrad_128_split": 4,
+    "bytegrad4_ef_flat": 4,
+}
 QADAM_WARMUP = 2  # shorter than the run, so both phases run
 
 
@@ -68,6 +77,10 @@ def optimizer(name: str, mesh):
         return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
     if name == "qadam":
         return qadam(1e-2, warmup_steps=QADAM_WARMUP)
+    if name in ("bytegrad_128", "bytegrad_128_split"):
+        message_bytes = 128 if name.endswith("split") else None
+        sync = jax_bytegrad.bytegrad(block_size=128, message_bytes=message_bytes)
+        return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
     raise ValueError(f"train_worker: unknown algorithm {name!r}; use one of {sorted(ALGORITHMS)}")
 
 
