@@ -237,6 +237,23 @@ def residual_sizes(
     sum (hierarchical) or of its own bucket (flat); ``mean`` what the requantize of the
     device's averaged chunk left unsent, 1/n (1/(nL) flat) of that. Both are 0 where
     nothing is compressed (one node, hierarchical).
+
+    Args:
+      tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``), as one device has it.
+      num_nodes: size of the node axis.
+      devices_per_node: size of the local axis.
+      hierarchical, bits, block_size, bucket_bytes: as given to ``compressed_mean``.
+
+    Returns:
+      One (send, mean) pair of per-device lengths per bucket.
+
+    Raises:
+      ValueError: for a bad ``block_size``.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> residual_sizes({"w": jnp.ones(1000)}, num_nodes=2, devices_per_node=4, bits=4)
+      ((1024, 512),)
     """
     block_size = check_block_size(block_size, "residual_sizes", bits)
     leaves = jax.tree.leaves(tree)
@@ -254,8 +271,13 @@ def residual_sizes(
 def init_residuals(tree, **kwargs) -> tuple[tuple[jax.Array, jax.Array], ...]:
     """Zero residuals for ``compressed_mean(..., residuals=...)``, as one device holds them.
 
-    Takes the arguments of ``residual_sizes``; call it with the same ``tree`` structure and
-    settings as ``compressed_mean``.
+    Args:
+      tree: the gradient pytree, as one device has it.
+      **kwargs: the other arguments of ``residual_sizes``, with the settings that
+        ``compressed_mean`` will get.
+
+    Returns:
+      One (send, mean) pair of zero float32 vectors per bucket.
     """
     return tuple(
         (jnp.zeros(send, jnp.float32), jnp.zeros(mean, jnp.float32))

@@ -6,24 +6,11 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import PartitionSpec as P
+from test_quantize import BITS, IMPLEMENTATIONS
 
 import jax_bytegrad
 from jax_bytegrad.quantization import dequantize_blocks, quantize_with_feedback
 from jax_bytegrad.transforms import shard_state, state_specs
-
-ON_GPU = jax.default_backend() == "gpu"
-IMPLEMENTATIONS = [
-    "xla",
-    "pallas_interpret",
-    pytest.param(
-        "pallas",
-        marks=pytest.mark.skipif(
-            not ON_GPU,
-            reason="compiled Pallas needs a GPU; pallas_interpret runs the same kernel here",
-        ),
-    ),
-]
-BITS = [pytest.param(8, id="8bit"), pytest.param(4, id="4bit")]
 
 
 def _ulp(x: np.ndarray) -> np.ndarray:
