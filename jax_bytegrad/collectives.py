@@ -116,13 +116,15 @@ def split_ppermute(tree, axis, perm, message_bytes: int | None):
     return jax.tree.map(send, tree)
 
 
-def _compressed_piece(x, residual, *, group, weight, stochastic, key, bits, impl):
+def _compressed_piece(x, residual, *, group, gather_group, weight, stochastic, key, bits, impl):
     """The compressed all-reduce of one message's worth of blocks.
 
-    ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j, which owns
-    those blocks of the mean. Returns the decoded mean of all of ``x``, same shape, and
-    the new residuals: None without error feedback, else, for ``residual`` = (send, mean)
-    of shapes ``x.shape`` and ``x.shape[1:]``, what each compression left unsent.
+    ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j over ``group``,
+    which owns those blocks of the mean. The averaged codes come back over ``gather_group``
+    (the same devices, possibly named by more axes, which it marks the result replicated
+    over). Returns the decoded mean of all of ``x``, same shape, and the new residuals: None
+    without error feedback, else, for ``residual`` = (send, mean) of shapes ``x.shape`` and
+    ``x.shape[1:]``, what each compression left unsent.
     """
     peers, blocks, block_size = x.shape
     keys = (None, None) if key is None else jax.random.split(key)
@@ -141,8 +143,8 @@ def _compressed_piece(x, residual, *, group, weight, stochastic, key, bits, impl
         total = average_blocks(codes, header, weight=weight, bits=bits, implementation=impl)
         codes, header, mean = quantize_with_feedback(total, mean, key=keys[1], **codec)
         residual = (send.reshape(peers, blocks, block_size), mean)
-    codes = jax.lax.all_gather(codes, group, axis=0, to="invarying")
-    header = jax.lax.all_gather(header, group, axis=0, to="invarying")
+    codes = jax.lax.all_gather(codes, gather_group, axis=0, to="invarying")
+    header = jax.lax.all_gather(header, gather_group, axis=0, to="invarying")
     decoded = dequantize_blocks(
         codes.reshape(peers * blocks, -1),
         header.reshape(peers * blocks, -1),
@@ -184,11 +186,18 @@ def _compressed_sum_flat(
         group, group_size = node_axis, n
         if local > 1:
             x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+        # With one device per node, gathering over both axes reaches the same devices and
+        # leaves the result replicated: a separate size-1 gather would copy the whole bucket.
+        gather_group = node_axis if local > 1 else (node_axis, local_axis)
     else:
-        group, group_size = (node_axis, local_axis), n * local
+        group = gather_group = (node_axis, local_axis)
+        group_size = n * local
     if group_size == 1:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
+        if hierarchical:
+            # Size-1 gathers move no bytes; they only mark the value as replicated.
+            x = gather_invariant(gather_invariant(x, node_axis), local_axis)
     else:
         x = x.reshape(group_size, -1, block_size)
         if residual is not None:
@@ -198,6 +207,7 @@ def _compressed_sum_flat(
                 x[:, blocks],
                 None if residual is None else (residual[0][:, blocks], residual[1][blocks]),
                 group=group,
+                gather_group=gather_group,
                 weight=weight,
                 stochastic=stochastic,
                 key=None if key is None else jax.random.fold_in(key, i),
@@ -214,10 +224,8 @@ def _compressed_sum_flat(
                 jnp.concatenate([kept[0] for _, kept in pieces], axis=1).reshape(-1),
                 jnp.concatenate([kept[1] for _, kept in pieces], axis=0).reshape(-1),
             )
-    if hierarchical:
-        # Size-1 gathers move no bytes; they only mark the value as replicated.
-        x = gather_invariant(x, node_axis) if group_size == 1 else x
-        x = gather_invariant(x, local_axis)
+        if hierarchical and local > 1:
+            x = gather_invariant(x, local_axis)
     return x, residual
 
 

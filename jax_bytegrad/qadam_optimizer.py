@@ -3,6 +3,8 @@
 Follows Bagua's QAdam (Gan et al., "Bagua: Scaling up Distributed Learning with System
 Relaxations", VLDB 2022), which builds on 1-bit Adam (Tang et al., "1-bit Adam:
 Communication Efficient Large-Scale Training with Adam's Convergence Speed", ICML 2021).
+The optional second-moment refresh follows 0/1 Adam (Lu et al., "Maximizing
+Communication Efficiency for Large-scale Training via 0/1 Adam", ICLR 2023).
 Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
 
     warm-up (t <= warmup_steps), plain Adam on the float32 mean gradient:
@@ -15,10 +17,18 @@ Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
         v and its bias correction stay as they were at t = warmup_steps
         update = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^warmup_steps)) + eps)
 
-Both phases live in one compiled program (``lax.cond`` on the step count), so the switch
-neither recompiles nor changes the state's shapes.
+    refresh (optional: nu_refresh_interval=k, nu_refresh_growth=g), at the steps
+    t = warmup_steps + k (1 + g + ... + g^j), j = 0, 1, ...: the warm-up step again,
+        float32 mean gradient into m and v, and v's correction is 1 - b2^(number of
+        updates v has had): warmup_steps plus the refreshes so far, this one included.
+
+Both phases live in one compiled program (``lax.cond`` on the step count: a refresh is a
+step that takes the warm-up branch), so neither the switch nor a refresh recompiles or
+changes the state's shapes.
 """
 
+import itertools
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -37,6 +47,8 @@ from jax_bytegrad.quantization import (
 from jax_bytegrad.transforms import check_sync_args
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+# Longest refresh schedule compiled into a step: growth 1.001 from k = 1 needs ~15,000.
+_MAX_REFRESH_TABLE = 1 << 16
 
 
 def _check_decay(value, name: str, where: str) -> None:
@@ -60,6 +72,82 @@ def _check_warmup_steps(warmup_steps, where: str) -> None:
             "QAdam freezes the second moment after warm-up, so it needs at least one full "
             "precision step (15-25% of the run is a good default)"
         )
+
+
+def _check_refresh(interval, growth, where: str) -> None:
+    if interval is not None and (
+        isinstance(interval, bool)
+        or not isinstance(interval, numbers.Integral)
+        or not 1 <= interval <= _INT32_MAX
+    ):
+        raise ValueError(
+            f"{where}: nu_refresh_interval must be None or an int in [1, {_INT32_MAX}], got "
+            f"{interval!r}; it is the number of compressed steps after warm-up before the "
+            "first float32 refresh of the second moment (None: never refresh)"
+        )
+    if (
+        isinstance(growth, bool)
+        or not isinstance(growth, numbers.Real)
+        or not 1.0 <= growth < float("inf")
+    ):
+        raise ValueError(
+            f"{where}: nu_refresh_growth must be a finite float >= 1, got {growth!r}; each "
+            "gap between refreshes is this many times the previous one (1.0: a fixed interval)"
+        )
+
+
+def _schedule(warmup_steps: int, interval: int, growth: float):
+    """Yields the refresh steps ``warmup_steps + round(k (1 + g + ... + g^j))``, forever."""
+    offset, gap = 0.0, float(interval)
+    while True:
+        offset += gap
+        # Round half up on the running sum: it grows by >= 1 per refresh, so the steps
+        # strictly increase; integer k and g give the exact sums.
+        yield warmup_steps + math.floor(offset + 0.5)
+        gap *= growth
+
+
+def _refresh_counter(warmup_steps: int, interval: int, growth: float, where: str):
+    """``t -> (is t a refresh step, refreshes up to and including t)``, traced on device.
+
+    A fixed interval is a modulus; a growing one looks ``t`` up in the schedule up to
+    int32's end, computed here once (a few dozen steps for g = 2) and compiled in as a
+    constant, so no step's program depends on where the run stands. None when no refresh
+    fits in int32 steps.
+    """
+    if growth == 1.0:
+
+        def count(t):
+            since = jnp.maximum(t - warmup_steps, 0)
+            return (since > 0) & (since % interval == 0), since // interval
+
+        return count
+
+    table = np.fromiter(
+        itertools.islice(
+            itertools.takewhile(
+                lambda step: step <= _INT32_MAX, _schedule(warmup_steps, interval, growth)
+            ),
+            _MAX_REFRESH_TABLE + 1,
+        ),
+        np.int32,
+    )
+    if table.size > _MAX_REFRESH_TABLE:
+        raise ValueError(
+            f"{where}: nu_refresh_growth={growth!r} with nu_refresh_interval={interval!r} "
+            f"schedules more than {_MAX_REFRESH_TABLE} refreshes; pass "
+            "nu_refresh_growth=1.0 for a fixed interval, or a growth of at least 1.001"
+        )
+    if table.size == 0:
+        return None  # the first refresh would fall beyond int32's last step
+
+    def count(t):
+        steps = jnp.asarray(table)  # a constant of the traced program
+        done = jnp.searchsorted(steps, t, side="right").astype(jnp.int32)
+        last = steps[jnp.maximum(done - 1, 0)]
+        return (done > 0) & (last == t), done
+
+    return count
 
 
 def _bias_correction(moment, decay: float, count: jax.Array):
@@ -100,13 +188,50 @@ class ScaleByQAdamState(NamedTuple):
       count: int32 scalar, the number of steps taken; step ``t = count + 1`` is a warm-up
         step while ``t <= warmup_steps``.
       mu: first moment, like the params; after warm-up the 8-bit compressed mean of the
-        devices' local momenta.
-      nu: second moment, like the params; frozen from step ``warmup_steps`` on.
+        devices' local momenta (the float32 one on a refresh step).
+      nu: second moment, like the params; frozen from step ``warmup_steps`` on, except on
+        refresh steps. How many updates it has had follows from ``count``.
     """
 
     count: jax.Array
     mu: optax.Updates
     nu: optax.Updates
+
+
+def refresh_steps(
+    warmup_steps: int, nu_refresh_interval: int, nu_refresh_growth: float, num_steps: int
+) -> list[int]:
+    """The steps ``t <= num_steps`` (counted from 1) on which QAdam refreshes its ``v``.
+
+    They are ``warmup_steps + round(k (1 + g + ... + g^j))`` for ``j = 0, 1, ...``, with
+    ``k = nu_refresh_interval`` and ``g = nu_refresh_growth``: the first ``k`` steps after
+    warm-up, then gaps ``k g``, ``k g^2``, ... (halves round up). Every gap is at least 1.
+
+    Args:
+      warmup_steps: QAdam's warm-up length.
+      nu_refresh_interval: the first gap, an int >= 1.
+      nu_refresh_growth: each gap over the previous one, a float >= 1.
+      num_steps: the last step to list.
+
+    Returns:
+      The refresh steps, ascending.
+
+    Raises:
+      ValueError: for a bad interval or growth.
+
+    Examples:
+      >>> refresh_steps(10, 4, 2.0, 60)
+      [14, 22, 38]
+    """
+    where = "refresh_steps"
+    _check_warmup_steps(warmup_steps, where)
+    _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
+    return list(
+        itertools.takewhile(
+            lambda step: step <= num_steps,
+            _schedule(warmup_steps, nu_refresh_interval, nu_refresh_growth),
+        )
+    )
 
 
 def scale_by_qadam(
@@ -115,6 +240,8 @@ def scale_by_qadam(
     eps: float = 1e-8,
     *,
     warmup_steps: int,
+    nu_refresh_interval: int | None = None,
+    nu_refresh_growth: float = 2.0,
     node_axis: str = "node",
     local_axis: str = "local",
     hierarchical: bool = True,
@@ -129,9 +256,11 @@ def scale_by_qadam(
     second moment and its bias correction are frozen, and only the momentum crosses the
     network: each device updates the momentum with its own gradient, and the momenta are
     averaged with ``compressed_mean`` (8-bit between nodes, about 4x fewer bytes than a
-    float32 all-reduce). Every replica ends the step with bit-identical state. It must
-    receive per-device gradients inside ``jax.shard_map``: put it first in the chain, with
-    no ``bytegrad()`` or ``gradient_allreduce()`` before it.
+    float32 all-reduce). With ``nu_refresh_interval``, a few later steps (ever further
+    apart, see ``refresh_steps``) are warm-up steps again: float32 mean gradient, and the
+    second moment updated as Adam would. Every replica ends the step with bit-identical
+    state. It must receive per-device gradients inside ``jax.shard_map``: put it first in
+    the chain, with no ``bytegrad()`` or ``gradient_allreduce()`` before it.
 
     Args:
       b1: decay of the first moment.
@@ -139,6 +268,11 @@ def scale_by_qadam(
       eps: added to the square root of the bias-corrected second moment.
       warmup_steps: steps of plain Adam before compression starts, >= 1. The frozen second
         moment must have settled by then; 15-25% of the run is a good default.
+      nu_refresh_interval: None (default) never updates the second moment after warm-up.
+        An int k >= 1 refreshes it, in float32, k steps after warm-up and then at gaps
+        growing by ``nu_refresh_growth``.
+      nu_refresh_growth: each gap between refreshes over the previous one, >= 1 (1.0: a
+        refresh every k steps).
       node_axis: mesh axis between nodes (slow links): the compressed hop.
       local_axis: mesh axis within a node (fast links): float32.
       hierarchical: reduce within each node before the inter-node hop (default), for the
@@ -165,12 +299,15 @@ def scale_by_qadam(
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
       Convergence Speed", ICML 2021.
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+      Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1
+      Adam", ICLR 2023.
     """
     where = "scale_by_qadam"
     _check_decay(b1, "b1", where)
     _check_decay(b2, "b2", where)
     _check_non_negative(eps, "eps", where)
     _check_warmup_steps(warmup_steps, where)
+    _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
     check_sync_args(
         where,
         node_axis=node_axis,
@@ -189,7 +326,13 @@ def scale_by_qadam(
             nu=optax.tree.zeros_like(params),
         )
 
-    def warmup(updates, mu, nu):
+    refresh = (
+        None
+        if nu_refresh_interval is None
+        else _refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
+    )
+
+    def full_precision(updates, mu, nu):
         grads = collectives.full_precision_mean(
             updates, node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical
         )
@@ -216,13 +359,19 @@ def scale_by_qadam(
         collectives.axis_sizes(node_axis, local_axis, where)
         _check_per_device(updates, node_axis, local_axis, where)
         count_inc = optax.safe_increment(state.count)
-        mu, nu = jax.lax.cond(
-            count_inc <= warmup_steps, warmup, compressed, updates, state.mu, state.nu
-        )
-        mu_hat = _bias_correction(mu, b1, count_inc)
+        full = count_inc <= warmup_steps
         # v froze at step warmup_steps, and so does its correction. Bagua keeps raising the
         # correction with t, which inflates the step by up to 1/sqrt(1 - b2^warmup_steps).
-        nu_hat = _bias_correction(nu, b2, jnp.minimum(count_inc, warmup_steps))
+        nu_updates = jnp.minimum(count_inc, warmup_steps)
+        if refresh is not None:
+            # A refresh is a warm-up step (the same branch, so no float32 collective is
+            # added to the program), and v's correction counts the updates v has had.
+            is_refresh, refreshes = refresh(count_inc)
+            full = full | is_refresh
+            nu_updates = nu_updates + refreshes
+        mu, nu = jax.lax.cond(full, full_precision, compressed, updates, state.mu, state.nu)
+        mu_hat = _bias_correction(mu, b1, count_inc)
+        nu_hat = _bias_correction(nu, b2, nu_updates)
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         nu = optax.tree.cast_like(nu, state.nu)
         return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu)
@@ -234,6 +383,8 @@ def qadam(
     learning_rate: float | Callable[[jax.Array], jax.Array],
     *,
     warmup_steps: int,
+    nu_refresh_interval: int | None = None,
+    nu_refresh_growth: float = 2.0,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -258,6 +409,10 @@ def qadam(
       learning_rate: a float or an optax schedule ``step -> lr``.
       warmup_steps: steps of plain float32 Adam before compression starts, >= 1; 15-25%
         of the run is a good default (see ``scale_by_qadam``).
+      nu_refresh_interval: None (default): the second moment stays frozen after warm-up.
+        An int k >= 1: float32 refreshes of it, k steps after warm-up and then at gaps
+        growing by ``nu_refresh_growth`` (see ``refresh_steps``).
+      nu_refresh_growth: each gap between refreshes over the previous one, >= 1.
       b1: decay of the first moment.
       b2: decay of the second moment (during warm-up).
       eps: added to the square root of the bias-corrected second moment.
@@ -297,6 +452,8 @@ def qadam(
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
       Convergence Speed", ICML 2021.
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+      Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1
+      Adam", ICLR 2023.
     """
     where = "qadam"
     if not callable(learning_rate) and (
@@ -314,6 +471,8 @@ def qadam(
             b2,
             eps,
             warmup_steps=warmup_steps,
+            nu_refresh_interval=nu_refresh_interval,
+            nu_refresh_growth=nu_refresh_growth,
             node_axis=node_axis,
             local_axis=local_axis,
             hierarchical=hierarchical,

@@ -54,9 +54,16 @@ def documented_bound(per_device, n, local, hierarchical, block, bits=8):
 
 
 def flat_f32(tree):
-    """Per-device leaves laid out as in a bucket: concatenated in reverse tree order."""
+    """Per-device leaves as rows, concatenated in bucket order (reverse tree order)."""
     leaves = jax.tree.leaves(tree)[::-1]
     return np.concatenate([np.asarray(x, np.float32).reshape(x.shape[0], -1) for x in leaves], 1)
+
+
+def flat_result(tree):
+    """A replicated result, concatenated in the same bucket order as ``flat_f32``."""
+    return np.concatenate(
+        [np.asarray(x, np.float64).reshape(-1) for x in jax.tree.leaves(tree)[::-1]]
+    )
 
 
 @pytest.mark.parametrize("bits", [8, 4], ids=["8bit", "4bit"])
@@ -74,7 +81,7 @@ def test_within_quantization_bound_of_exact_mean(shape, hierarchical, bits):
     out = per_device_mean(
         mesh, grads, hierarchical=hierarchical, bits=bits, block_size=BLOCK, bucket_bytes=None
     )
-    result = np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in out[::-1]])
+    result = flat_result(out)
     exact, bound = documented_bound(flat_f32(grads), n, local, hierarchical, BLOCK, bits)
     err = np.abs(result - exact)
     assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"

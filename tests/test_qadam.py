@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
-from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, qadam, scale_by_qadam
+from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, qadam, refresh_steps, scale_by_qadam
 
 AXES = ("node", "local")
 NODES, LOCAL = 2, 4
@@ -200,15 +200,21 @@ def test_momentum_is_the_compressed_mean_of_local_momenta(mesh):
 # --- what crosses the network -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def compiled_step(mesh):
-    """The compiled ``data_parallel_step`` of qadam: both phases in one program."""
-    tx = qadam(1e-2, warmup_steps=5)
+def compile_step(mesh, tx):
     params = jax_bytegrad.replicate(init_params(), mesh)
     state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
     batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
     step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
     return step.lower(params, state, batch).compile()
+
+
+@pytest.fixture(scope="module", params=[None, 2], ids=["frozen-nu", "nu-refresh"])
+def compiled_step(mesh, request):
+    """The compiled ``data_parallel_step`` of qadam: both phases in one program.
+
+    With a refresh, a refresh step takes the warm-up branch: still one conditional.
+    """
+    return compile_step(mesh, qadam(1e-2, warmup_steps=5, nu_refresh_interval=request.param))
 
 
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -339,6 +345,26 @@ def test_communication_stats_show_uint8_between_nodes(compiled_step, mesh):
     assert any(r.kind == "all-reduce" and r.dtype == "f32" and "node" in r.axes for r in stats.rows)
 
 
+@pytest.mark.parametrize("growth", [1.0, 2.0], ids=["fixed", "doubling"])
+def test_refresh_adds_no_collective_to_the_step(mesh, growth):
+    """A refresh reuses the warm-up branch: the program's traffic rows are unchanged.
+
+    With the branch test above (the compressed branch holds no all-reduce and no float32
+    beyond block headers between nodes), the steps that do not refresh send no float32.
+    """
+    from jax_bytegrad.stats import communication_stats
+
+    frozen = communication_stats(compile_step(mesh, qadam(1e-2, warmup_steps=5)), mesh=mesh)
+    refresh = communication_stats(
+        compile_step(
+            mesh, qadam(1e-2, warmup_steps=5, nu_refresh_interval=3, nu_refresh_growth=growth)
+        ),
+        mesh=mesh,
+    )
+    assert refresh.rows == frozen.rows
+    assert refresh.bytes_on("node") == frozen.bytes_on("node") > 0
+
+
 # --- replicas, decay, schedule, no recompilation -----------------------------------------
 
 
@@ -368,6 +394,94 @@ def test_weight_decay_applies_in_both_phases_with_the_lr_schedule(mesh, schedule
     assert int(qadam_state(state).count) == steps > warmup
 
 
+# --- second-moment refresh --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("growth", [1.0, 2.0], ids=["fixed", "doubling"])
+def test_refresh_beyond_the_run_is_bit_identical_to_no_refresh(mesh, growth):
+    """Until the first refresh, the refresh machinery changes no bit of any step."""
+    batches = make_batches(10)
+    kwargs = dict(warmup_steps=3, weight_decay=0.01)
+    frozen = run(mesh, qadam(1e-2, **kwargs, nu_refresh_interval=None), batches)
+    default = run(mesh, qadam(1e-2, **kwargs), batches)
+    late = run(
+        mesh,
+        qadam(1e-2, **kwargs, nu_refresh_interval=100, nu_refresh_growth=growth),
+        batches,
+    )
+    assert_trees_all_equal(frozen[:2], default[:2])
+    assert_trees_all_equal(late[:2], frozen[:2])
+
+
+@pytest.mark.parametrize(
+    "interval, growth, expected",
+    [
+        (2, 2.0, [5, 9, 17]),  # W + 2, + 4, + 8
+        (3, 1.0, [6, 9, 12, 15, 18]),  # every 3 steps
+        (2, 1.5, [5, 8, 13, 19]),  # running sums 2, 5, 9.5, 16.25, rounded half up
+    ],
+    ids=["doubling", "fixed", "x1.5"],
+)
+def test_refresh_steps_land_on_the_schedule_without_recompiling(mesh, interval, growth, expected):
+    warmup, steps = 3, 20
+    assert refresh_steps(warmup, interval, growth, steps) == expected
+    tx = qadam(1e-2, warmup_steps=warmup, nu_refresh_interval=interval, nu_refresh_growth=growth)
+    params, state, step, hist = run(mesh, tx, make_batches(steps), trace=True)
+    nus = [qadam_state(tx.init(init_params())).nu] + [qadam_state(s).nu for _, s in hist]
+    # v moves on warm-up and refresh steps only, and stays bit-frozen on every other step.
+    moved = [
+        t
+        for t in range(1, steps + 1)
+        if not np.array_equal(np.asarray(nus[t]["w"]), np.asarray(nus[t - 1]["w"]))
+    ]
+    assert moved == [*range(1, warmup + 1), *expected]
+    assert compilations(step) == 1  # every refresh ran in the one compiled program
+    assert_replicas_identical((params, state))
+
+
+def test_refresh_step_is_an_adam_step_on_the_exact_mean_gradient(mesh):
+    """m and v take the float32 mean gradient; v's correction counts its W + r updates."""
+    warmup, interval, steps, lr, b1, b2, eps = 3, 2, 10, 1e-2, 0.9, 0.999, 1e-8
+    tx = qadam(lr, warmup_steps=warmup, b1=b1, b2=b2, eps=eps, nu_refresh_interval=interval)
+    batches = make_batches(steps)
+    _, _, _, hist = run(mesh, tx, batches, trace=True)
+    schedule = refresh_steps(warmup, interval, 2.0, steps)
+    assert schedule == [5, 9]
+    for r, t in enumerate(schedule, start=1):
+        prev_params, prev = hist[t - 2][0], qadam_state(hist[t - 2][1])
+        state = qadam_state(hist[t - 1][1])
+        grads = per_device_grads(prev_params, batches[t - 1])
+        mean = jax.tree.map(lambda g: np.asarray(g, np.float64).mean(0), jax.device_get(grads))
+        mu = jax.tree.map(lambda m, g: b1 * np.asarray(m, np.float64) + (1 - b1) * g, prev.mu, mean)
+        nu = jax.tree.map(
+            lambda v, g: b2 * np.asarray(v, np.float64) + (1 - b2) * g**2, prev.nu, mean
+        )
+        f32 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float32), tree)  # noqa: E731
+        # Not quantized: the float32 mean, to rounding (8-bit codes would be ~1e-2 off).
+        assert_trees_all_close(state.mu, f32(mu), rtol=2e-5, atol=1e-7)
+        assert_trees_all_close(state.nu, f32(nu), rtol=2e-5, atol=1e-9)
+        params = hist[t - 1][0]
+        ours = adam_step(prev_params, mu, nu, lr, 1 - b1**t, 1 - b2 ** (warmup + r), eps)
+        # The step is ~lr per element. float32 leaves ~1e-5 of it: 1 - b2^n cancels, and
+        # so may b1 m + (1 - b1) g.
+        assert_trees_all_close(params, f32(ours), rtol=1e-5, atol=5e-5 * lr)
+        # A correction of 1 - b2^t (Adam's, as if v had seen every step) differs visibly.
+        adam_t = adam_step(prev_params, mu, nu, lr, 1 - b1**t, 1 - b2**t, eps)
+        assert not np.allclose(params["w"], adam_t["w"], rtol=1e-5, atol=1e-7)
+        if t < steps:
+            # The compressed step after it keeps v, and v's correction, as the refresh left them.
+            after = qadam_state(hist[t][1])
+            assert_trees_all_equal(after.nu, state.nu)
+            ours = adam_step(
+                params, after.mu, after.nu, lr, 1 - b1 ** (t + 1), 1 - b2 ** (warmup + r), eps
+            )
+            assert_trees_all_close(hist[t][0], ours, rtol=1e-5, atol=5e-5 * lr)
+            stale = adam_step(
+                params, after.mu, after.nu, lr, 1 - b1 ** (t + 1), 1 - b2**warmup, eps
+            )
+            assert not np.allclose(hist[t][0]["w"], stale["w"], rtol=1e-5, atol=5e-5 * lr)
+
+
 # --- errors ----------------------------------------------------------------------------
 
 
@@ -386,6 +500,14 @@ def test_weight_decay_applies_in_both_phases_with_the_lr_schedule(mesh, schedule
         (dict(warmup_steps=10, bucket_bytes=0), "0"),
         (dict(warmup_steps=10, weight_decay=-1.0), "-1.0"),
         (dict(learning_rate="fast", warmup_steps=10), "'fast'"),
+        (dict(warmup_steps=10, nu_refresh_interval=-7), "got -7"),
+        (dict(warmup_steps=10, nu_refresh_interval=2.5), "got 2.5"),
+        (dict(warmup_steps=10, nu_refresh_interval=True), "got True"),
+        (dict(warmup_steps=10, nu_refresh_interval="10"), "got '10'"),
+        (dict(warmup_steps=10, nu_refresh_interval=5, nu_refresh_growth=0.5), "got 0.5"),
+        (dict(warmup_steps=10, nu_refresh_growth=float("nan")), "got nan"),
+        (dict(warmup_steps=10, nu_refresh_growth=float("inf")), "got inf"),
+        (dict(warmup_steps=10, nu_refresh_interval=1, nu_refresh_growth=1 + 1e-6), "1.000001"),
     ],
     ids=lambda v: None if isinstance(v, dict) else v,
 )
@@ -426,10 +548,23 @@ def test_outside_shard_map_raises():
 # --- checkpoints across the phase switch -----------------------------------------------
 
 
-def test_checkpoint_before_switch_restores_bit_exactly(mesh, tmp_path):
+@pytest.mark.parametrize(
+    "warmup, stop, steps, refresh",
+    [(4, 3, 9, None), (3, 7, 12, 2)],
+    ids=["before-switch", "mid-refresh-schedule"],
+)
+def test_checkpoint_restores_bit_exactly(mesh, tmp_path, warmup, stop, steps, refresh):
+    """Stops before the phase switch, or between two refreshes (steps 5 and 9 here)."""
     ocp = pytest.importorskip("orbax.checkpoint")
-    warmup, stop, steps = 4, 3, 9
-    tx = qadam(optax.linear_schedule(1e-2, 1e-3, steps), warmup_steps=warmup, weight_decay=0.01)
+    tx = qadam(
+        optax.linear_schedule(1e-2, 1e-3, steps),
+        warmup_steps=warmup,
+        weight_decay=0.01,
+        nu_refresh_interval=refresh,
+    )
+    if refresh is not None:
+        schedule = refresh_steps(warmup, refresh, 2.0, steps)
+        assert schedule[0] < stop < schedule[1]
     batches = make_batches(steps)
     straight_params, straight_state, step, _ = run(mesh, tx, batches)
 
@@ -442,7 +577,7 @@ def test_checkpoint_before_switch_restores_bit_exactly(mesh, tmp_path):
     del params, state
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path, abstract)
-    assert int(qadam_state(restored["opt_state"]).count) == stop < warmup
+    assert int(qadam_state(restored["opt_state"]).count) == stop
     params, state, _, _ = run(
         mesh,
         tx,
