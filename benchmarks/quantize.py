@@ -1,22 +1,27 @@
-"""Throughput of block-wise 8-bit quantize, dequantize and the fused average, per implementation.
+"""Throughput and error of block-wise 8- or 4-bit quantize, dequantize and the fused average.
 
 Prints one table: median time and GB/s for each op, size and available implementation
 (``xla`` always, ``pallas`` when a supported GPU is present), next to the device's measured
 copy bandwidth (one large elementwise pass, bytes read + written) and the ratio to it.
 
-Bytes counted per element of float32 input, with b = block_size:
-  quantize            4 B read + 1 B written + 8 / b B of header written
-  dequantize          1 B + 8 / b B read + 4 B written
-  average (n chunks)  n * (1 + 8 / b) B read + (1 + 8 / b) B written
+Bytes counted per element of float32 input, with b = block_size and c = bits / 8 the bytes
+of code per element:
+  quantize            4 B read + c B written + 8 / b B of header written
+  dequantize          c B + 8 / b B read + 4 B written
+  average (n chunks)  n * (c + 8 / b) B read + (c + 8 / b) B written
 
-``--block-sizes`` sweeps the block size (throughput and header overhead per block size) so
-the default block size can be chosen from data.
+``--block-sizes`` sweeps the block size so the default block size can be chosen from data:
+per block size, the header overhead (header bytes / code bytes), the throughput, and on the
+quantize rows the nearest-rounding error, as RMS(x_hat - x) / RMS(x), on two inputs:
+N(0, 1), and Student's t with 3 degrees of freedom, whose heavy tails are closer to real
+gradients (one large value widens its whole block's grid).
 
 Usage:
   python benchmarks/quantize.py                         # CPU-friendly: 1M, 4M, 16M elements
   python benchmarks/quantize.py --sizes 1M,16M,64M,256M  # 256M float32 needs ~1 GiB in, ~4 GiB
                                                          # in all for the n=4 average: use a GPU
   python benchmarks/quantize.py --block-sizes 256,512,1024,2048,4096 --sizes 16M
+  python benchmarks/quantize.py --bits 4 --block-sizes 256,512,1024,2048,4096 --sizes 16M
 """
 
 import argparse
@@ -61,45 +66,58 @@ def _copy_bandwidth(size: int, repeats: int) -> float:
     return 2 * 4 * size / _time(fn, x, repeats=repeats) / 1e9
 
 
-def _ops(impl: str, block_size: int):
+def _ops(impl: str, bits: int):
     if impl == "xla":
-        quantize = jax.jit(_reference.quantize_blocks)
-        dequantize = jax.jit(_reference.dequantize_blocks)
+        quantize = jax.jit(lambda x: _reference.quantize_blocks(x, bits=bits))
+        dequantize = jax.jit(lambda c, h: _reference.dequantize_blocks(c, h, bits=bits))
 
         def average(weight):
-            return jax.jit(lambda c, h: _reference.average_requantize(c, h, weight=weight))
+            return jax.jit(
+                lambda c, h: _reference.average_requantize(c, h, weight=weight, bits=bits)
+            )
 
     else:
 
         def quantize(x):
-            return _pallas.quantize_blocks(x)
+            return _pallas.quantize_blocks(x, bits=bits)
 
         def dequantize(c, h):
-            return _pallas.dequantize_blocks(c, h)
+            return _pallas.dequantize_blocks(c, h, bits=bits)
 
         def average(weight):
-            return lambda c, h: _pallas.average_requantize(c, h, weight=weight)
+            return lambda c, h: _pallas.average_requantize(c, h, weight=weight, bits=bits)
 
     return quantize, dequantize, average
 
 
-def _bench_size(size, block_size, impls, repeats, chunks):
+def _relative_error(x, quantize, dequantize) -> float:
+    """RMS(x_hat - x) / RMS(x) under nearest rounding, computed in float64 on the host."""
+    x_hat = np.asarray(dequantize(*quantize(x)), np.float64)
+    x = np.asarray(x, np.float64)
+    return float(np.sqrt(np.mean((x_hat - x) ** 2) / np.mean(x**2)))
+
+
+def _bench_size(size, block_size, bits, impls, repeats, chunks):
     num_blocks = size // block_size
     x = jax.random.normal(jax.random.key(0), (num_blocks, block_size), jnp.float32)
+    heavy = jax.random.t(jax.random.key(1), 3.0, (num_blocks, block_size), jnp.float32)
     hdr = HEADER_BYTES / block_size
+    code = bits / 8
     rows = []
     for impl in impls:
-        quantize, dequantize, average = _ops(impl, block_size)
+        quantize, dequantize, average = _ops(impl, bits)
         codes, header = jax.block_until_ready(quantize(x))
+        errors = tuple(_relative_error(v, quantize, dequantize) for v in (x, heavy))
         t = _time(quantize, x, repeats=repeats)
-        rows.append((impl, "quantize", size, block_size, t, size * (4 + 1 + hdr)))
+        rows.append((impl, "quantize", size, block_size, t, size * (4 + code + hdr), errors))
         t = _time(dequantize, codes, header, repeats=repeats)
-        rows.append((impl, "dequantize", size, block_size, t, size * (1 + hdr + 4)))
+        rows.append((impl, "dequantize", size, block_size, t, size * (code + hdr + 4), None))
         for n in chunks:
             many_codes = jnp.stack([codes] * n)
             many_header = jnp.stack([header] * n)
             t = _time(average(1.0 / n), many_codes, many_header, repeats=repeats)
-            rows.append((impl, f"average n={n}", size, block_size, t, size * (1 + hdr) * (n + 1)))
+            nbytes = size * (code + hdr) * (n + 1)
+            rows.append((impl, f"average n={n}", size, block_size, t, nbytes, None))
             del many_codes, many_header
         del codes, header
     return rows
@@ -108,6 +126,7 @@ def _bench_size(size, block_size, impls, repeats, chunks):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1M,4M,16M", help="elements, e.g. 1M,16M,256M")
+    parser.add_argument("--bits", type=int, choices=(8, 4), default=8)
     parser.add_argument("--block-size", type=int, default=1024)
     parser.add_argument(
         "--block-sizes", default="", help="sweep block sizes instead, e.g. 256,512,1024,2048,4096"
@@ -125,26 +144,30 @@ def main(argv=None):
 
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}")
-    print(f"implementations: {', '.join(impls)}")
+    print(f"implementations: {', '.join(impls)}; {args.bits}-bit codes")
     print("copy = one float32 elementwise pass of the same element count (read + write)")
+    print("err N / err t3 = RMS(x_hat - x) / RMS(x), nearest rounding, N(0,1) / Student t(3)")
     print()
     header = (
         f"| {'impl':6} | {'op':12} | {'elements':>8} | {'block':>5} | {'header %':>8} "
-        f"| {'median ms':>9} | {'GB/s':>7} | {'copy GB/s':>9} | {'/ copy':>6} |"
+        f"| {'median ms':>9} | {'GB/s':>7} | {'copy GB/s':>9} | {'/ copy':>6} "
+        f"| {'err N':>7} | {'err t3':>7} |"
     )
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for size in sizes:
         copy_gbs = _copy_bandwidth(size, args.repeats)
         for block_size in block_sizes:
-            for impl, op, n, b, t, nbytes in _bench_size(
-                size, block_size, impls, args.repeats, chunks
+            for impl, op, n, b, t, nbytes, errors in _bench_size(
+                size, block_size, args.bits, impls, args.repeats, chunks
             ):
                 gbs = nbytes / t / 1e9
-                overhead = 100.0 * HEADER_BYTES / b  # header bytes per code byte
+                overhead = 100.0 * HEADER_BYTES / (b * args.bits / 8)  # per code byte
+                err = "".join(f"| {e:>7.4f} " for e in errors) if errors else "|         " * 2
                 print(
                     f"| {impl:6} | {op:12} | {n >> 20:>7}M | {b:>5} | {overhead:>7.2f}% "
-                    f"| {t * 1e3:>9.2f} | {gbs:>7.2f} | {copy_gbs:>9.2f} | {gbs / copy_gbs:>6.2f} |"
+                    f"| {t * 1e3:>9.2f} | {gbs:>7.2f} | {copy_gbs:>9.2f} | {gbs / copy_gbs:>6.2f} "
+                    f"{err}|"
                 )
     return 0
 

@@ -1,4 +1,4 @@
-"""Pallas GPU kernels for block-wise 8-bit min-max quantization (backend: Mosaic GPU).
+"""Pallas GPU kernels for block-wise 8- and 4-bit min-max quantization (backend: Mosaic GPU).
 
 Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., "Bagua: Scaling up
 Distributed Learning with System Relaxations", VLDB 2022). ``_reference.py`` owns the
@@ -32,12 +32,16 @@ program owns ``rows`` consecutive blocks (``_Tiles``); it walks them one at a ti
 block once into registers, reduces min and max there, and writes codes plus the two header
 floats. The header leaves the kernel as a flat ``(2 * num_blocks,)`` float32 array (TMA needs
 16-byte rows; a ``(rows, 2)`` tile has 8) and is reshaped to ``(num_blocks, 2)`` for free.
-When no power of two >= 2 divides the block count, the inputs are padded by one block, and the
-padding is dropped from the outputs (a copy, for odd block counts only).
+At 4 bits a block's codes are packed into ``(block_size // 256, 128)`` bytes: row r of the
+first half of the block goes to the low nibbles of row r, row r of the second half to the high
+nibbles, which is ``_reference``'s packing (value j with value j + block_size // 2) spelled in
+whole rows. When no power of two >= 2 divides the block count, the inputs are padded by one
+block, and the padding is dropped from the outputs (a copy, for odd block counts only).
 
 Memory traffic per element: quantize reads 4 B (2 B for bfloat16/float16) and writes 1 B
 (plus 4 B of uniforms for stochastic rounding); dequantize reads 1 B and writes 4 B;
-average_requantize reads n B and writes 1 B; headers add 8 B per block each way.
+average_requantize reads n B and writes 1 B; headers add 8 B per block each way. At 4 bits
+every code byte above is half a byte.
 
 Float rounding: on CPU (interpret mode) codes and headers equal the *jitted* reference
 exactly; the tests check that. Under ``jax.jit`` XLA rewrites ``hi / 255`` into
@@ -132,8 +136,26 @@ def _isfinite(v):
 # --- Kernel bodies: the _reference formulas, one block (row) at a time. -----------------
 
 
-def _scale_and_zero(lo, hi, stochastic: bool):
-    levels = 254.0 if stochastic else 255.0
+def _max_code(bits: int) -> float:
+    return float(2**bits - 1)
+
+
+def _pack(codes, bits: int):
+    """(R, 128) codes -> (R * bits // 8, 128) bytes: first half of rows low, second high."""
+    if bits == 8:
+        return codes
+    half = codes.shape[0] // 2
+    return codes[:half] | (codes[half:] << 4)
+
+
+def _unpack(codes, bits: int):
+    if bits == 8:
+        return codes
+    return jnp.concatenate([codes & 15, codes >> 4], axis=0)
+
+
+def _scale_and_zero(lo, hi, stochastic: bool, bits: int):
+    levels = _max_code(bits) - 1.0 if stochastic else _max_code(bits)
     magnitude = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
     scale = jnp.maximum(hi / levels - lo / levels, magnitude * _SCALE_FLOOR)
     inv_scale = jnp.where(scale > 0, 1.0 / scale, 0.0)
@@ -149,11 +171,11 @@ def _scale_and_zero(lo, hi, stochastic: bool):
     return scale, zero, inv_scale
 
 
-def _encode_block(x, u, stochastic: bool):
-    """Quantizes one float32 block held in registers; returns (codes, scale, zero)."""
+def _encode_block(x, u, stochastic: bool, bits: int):
+    """Quantizes one float32 block held in registers; returns (packed codes, scale, zero)."""
     lo = jnp.min(x)
     hi = jnp.max(x)
-    scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic)
+    scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic, bits)
     y = x * inv_scale
     if stochastic:
         floor = _floor(y)
@@ -161,16 +183,16 @@ def _encode_block(x, u, stochastic: bool):
     else:
         y = jnp.round(y)
     y = jnp.where(jnp.isnan(y), 0.0, y)
-    codes = jnp.clip(y + zero, 0.0, 255.0).astype(jnp.uint8)
-    return codes, scale, zero
+    codes = jnp.clip(y + zero, 0.0, _max_code(bits)).astype(jnp.uint8)
+    return _pack(codes, bits), scale, zero
 
 
-def _decode_block(codes, scale, zero):
-    x = (codes.astype(jnp.float32) - zero) * scale
+def _decode_block(codes, scale, zero, bits: int):
+    x = (_unpack(codes, bits).astype(jnp.float32) - zero) * scale
     return jnp.clip(x, -_F32_MAX, _F32_MAX)
 
 
-def _quantize_kernel(*refs, stochastic: bool):
+def _quantize_kernel(*refs, stochastic: bool, bits: int):
     if stochastic:
         x_ref, u_ref, codes_ref, header_ref = refs
     else:
@@ -179,7 +201,7 @@ def _quantize_kernel(*refs, stochastic: bool):
     def body(i, carry):
         x = x_ref[i].astype(jnp.float32)
         u = u_ref[i] if stochastic else None
-        codes, scale, zero = _encode_block(x, u, stochastic)
+        codes, scale, zero = _encode_block(x, u, stochastic, bits)
         codes_ref[i] = codes
         header_ref[2 * i] = scale
         header_ref[2 * i + 1] = zero
@@ -188,15 +210,15 @@ def _quantize_kernel(*refs, stochastic: bool):
     lax.fori_loop(0, x_ref.shape[0], body, 0)
 
 
-def _dequantize_kernel(codes_ref, header_ref, out_ref):
+def _dequantize_kernel(codes_ref, header_ref, out_ref, *, bits: int):
     def body(i, carry):
-        out_ref[i] = _decode_block(codes_ref[i], header_ref[2 * i], header_ref[2 * i + 1])
+        out_ref[i] = _decode_block(codes_ref[i], header_ref[2 * i], header_ref[2 * i + 1], bits)
         return carry
 
     lax.fori_loop(0, codes_ref.shape[0], body, 0)
 
 
-def _average_requantize_kernel(*refs, weight: float, stochastic: bool):
+def _average_requantize_kernel(*refs, weight: float, stochastic: bool, bits: int):
     if stochastic:
         codes_ref, header_ref, u_ref, out_codes_ref, out_header_ref = refs
     else:
@@ -210,10 +232,10 @@ def _average_requantize_kernel(*refs, weight: float, stochastic: bool):
         total = None
         for c in range(n):
             scale = header_ref[c, 2 * i] * weight
-            part = _decode_block(codes_ref[c, i], scale, header_ref[c, 2 * i + 1])
+            part = _decode_block(codes_ref[c, i], scale, header_ref[c, 2 * i + 1], bits)
             total = part if total is None else total + part
         u = u_ref[i] if stochastic else None
-        codes, scale, zero = _encode_block(total, u, stochastic)
+        codes, scale, zero = _encode_block(total, u, stochastic, bits)
         out_codes_ref[i] = codes
         out_header_ref[2 * i] = scale
         out_header_ref[2 * i + 1] = zero
@@ -291,35 +313,35 @@ def _as_lanes(a: jax.Array) -> jax.Array:
     return a.reshape(*a.shape[:-1], a.shape[-1] // _LANES, _LANES)
 
 
-def _encode_launch(kernel, inputs, in_specs, *, rows, padded, num_blocks, interpret):
+def _encode_launch(kernel, inputs, in_specs, *, code_width, rows, padded, num_blocks, interpret):
     """Launches a kernel that writes codes and headers; drops the padding blocks."""
-    block_size = inputs[0].shape[-2] * _LANES
     codes, header = _launch(
         kernel,
         grid=padded // rows,
         in_specs=in_specs,
-        out_specs=[_tile_spec(rows, block_size), _header_spec(rows)],
+        out_specs=[_tile_spec(rows, code_width), _header_spec(rows)],
         out_shape=[
-            jax.ShapeDtypeStruct((padded, block_size // _LANES, _LANES), jnp.uint8),
+            jax.ShapeDtypeStruct((padded, code_width // _LANES, _LANES), jnp.uint8),
             jax.ShapeDtypeStruct((2 * padded,), jnp.float32),
         ],
         interpret=interpret,
     )(*inputs)
-    codes = codes.reshape(padded, block_size)[:num_blocks]
+    codes = codes.reshape(padded, code_width)[:num_blocks]
     return codes, header.reshape(padded, 2)[:num_blocks]
 
 
-@functools.partial(jax.jit, static_argnames=("stochastic", "interpret", "tiles"))
-def _quantize(x, u, *, stochastic, interpret, tiles):
+@functools.partial(jax.jit, static_argnames=("stochastic", "bits", "interpret", "tiles"))
+def _quantize(x, u, *, stochastic, bits, interpret, tiles):
     num_blocks, block_size = x.shape
     rows, padded = _plan(num_blocks, block_size, tiles)
     inputs = [_as_lanes(_pad_blocks(x, padded, 0))]
     if stochastic:
         inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
     return _encode_launch(
-        functools.partial(_quantize_kernel, stochastic=stochastic),
+        functools.partial(_quantize_kernel, stochastic=stochastic, bits=bits),
         inputs,
         [_tile_spec(rows, block_size)] * len(inputs),
+        code_width=block_size * bits // 8,
         rows=rows,
         padded=padded,
         num_blocks=num_blocks,
@@ -327,14 +349,15 @@ def _quantize(x, u, *, stochastic, interpret, tiles):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def _dequantize(codes, header, *, interpret, tiles):
-    num_blocks, block_size = codes.shape
+@functools.partial(jax.jit, static_argnames=("bits", "interpret", "tiles"))
+def _dequantize(codes, header, *, bits, interpret, tiles):
+    num_blocks, code_width = codes.shape
+    block_size = code_width * 8 // bits
     rows, padded = _plan(num_blocks, block_size, tiles)
     out = _launch(
-        _dequantize_kernel,
+        functools.partial(_dequantize_kernel, bits=bits),
         grid=padded // rows,
-        in_specs=[_tile_spec(rows, block_size), _header_spec(rows)],
+        in_specs=[_tile_spec(rows, code_width), _header_spec(rows)],
         out_specs=[_tile_spec(rows, block_size)],
         out_shape=[jax.ShapeDtypeStruct((padded, block_size // _LANES, _LANES), jnp.float32)],
         interpret=interpret,
@@ -342,22 +365,26 @@ def _dequantize(codes, header, *, interpret, tiles):
     return out.reshape(padded, block_size)[:num_blocks]
 
 
-@functools.partial(jax.jit, static_argnames=("weight", "stochastic", "interpret", "tiles"))
-def _average_requantize(codes, header, u, *, weight, stochastic, interpret, tiles):
-    n, num_blocks, block_size = codes.shape
+@functools.partial(jax.jit, static_argnames=("weight", "stochastic", "bits", "interpret", "tiles"))
+def _average_requantize(codes, header, u, *, weight, stochastic, bits, interpret, tiles):
+    n, num_blocks, code_width = codes.shape
+    block_size = code_width * 8 // bits
     rows, padded = _plan(num_blocks, block_size, tiles)
     inputs = [
         _as_lanes(_pad_blocks(codes, padded, 1)),
         _pad_blocks(header, padded, 1).reshape(n, 2 * padded),
     ]
-    in_specs = [_tile_spec(rows, block_size, lead=n), _header_spec(rows, lead=n)]
+    in_specs = [_tile_spec(rows, code_width, lead=n), _header_spec(rows, lead=n)]
     if stochastic:
         inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
         in_specs.append(_tile_spec(rows, block_size))
     return _encode_launch(
-        functools.partial(_average_requantize_kernel, weight=weight, stochastic=stochastic),
+        functools.partial(
+            _average_requantize_kernel, weight=weight, stochastic=stochastic, bits=bits
+        ),
         inputs,
         in_specs,
+        code_width=code_width,
         rows=rows,
         padded=padded,
         num_blocks=num_blocks,
@@ -375,6 +402,7 @@ def quantize_blocks(
     *,
     stochastic: bool = False,
     key: jax.Array | None = None,
+    bits: int = 8,
     interpret: bool = False,
     tiles: _Tiles = _DEFAULT_TILES,
 ) -> tuple[jax.Array, jax.Array]:
@@ -382,24 +410,25 @@ def quantize_blocks(
     num_blocks, block_size = x.shape
     if num_blocks == 0:
         return (
-            jnp.zeros((0, block_size), jnp.uint8),
+            jnp.zeros((0, block_size * bits // 8), jnp.uint8),
             jnp.zeros((0, 2), jnp.float32),
         )
     u = _uniforms(key, x.shape) if stochastic else None
-    return _quantize(x, u, stochastic=stochastic, interpret=interpret, tiles=tiles)
+    return _quantize(x, u, stochastic=stochastic, bits=bits, interpret=interpret, tiles=tiles)
 
 
 def dequantize_blocks(
     codes: jax.Array,
     header: jax.Array,
     *,
+    bits: int = 8,
     interpret: bool = False,
     tiles: _Tiles = _DEFAULT_TILES,
 ) -> jax.Array:
-    """Decodes (num_blocks, block_size) codes to float32; see ``_reference.dequantize_blocks``."""
+    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see ``_reference``."""
     if codes.shape[0] == 0:
-        return jnp.zeros(codes.shape, jnp.float32)
-    return _dequantize(codes, header, interpret=interpret, tiles=tiles)
+        return jnp.zeros((0, codes.shape[1] * 8 // bits), jnp.float32)
+    return _dequantize(codes, header, bits=bits, interpret=interpret, tiles=tiles)
 
 
 def average_requantize(
@@ -409,27 +438,29 @@ def average_requantize(
     weight: float,
     stochastic: bool = False,
     key: jax.Array | None = None,
+    bits: int = 8,
     interpret: bool = False,
     tiles: _Tiles = _DEFAULT_TILES,
 ) -> tuple[jax.Array, jax.Array]:
     """One fused pass: decode n chunks, weighted float32 sum, re-encode.
 
-    See ``_reference.average_requantize``; ``codes`` is (n, num_blocks, block_size) and
-    ``header`` (n, num_blocks, 2).
+    See ``_reference.average_requantize``; ``codes`` is (n, num_blocks, block_size * bits // 8)
+    and ``header`` (n, num_blocks, 2).
     """
-    _, num_blocks, block_size = codes.shape
+    _, num_blocks, code_width = codes.shape
     if num_blocks == 0:
         return (
-            jnp.zeros((0, block_size), jnp.uint8),
+            jnp.zeros((0, code_width), jnp.uint8),
             jnp.zeros((0, 2), jnp.float32),
         )
-    u = _uniforms(key, (num_blocks, block_size)) if stochastic else None
+    u = _uniforms(key, (num_blocks, code_width * 8 // bits)) if stochastic else None
     return _average_requantize(
         codes,
         header,
         u,
         weight=float(weight),
         stochastic=stochastic,
+        bits=bits,
         interpret=interpret,
         tiles=tiles,
     )

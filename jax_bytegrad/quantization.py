@@ -1,6 +1,7 @@
-"""Block-wise 8-bit min-max quantization: ``QuantizedArray``, ``quantize`` and ``dequantize``.
+"""Block-wise 8- and 4-bit min-max quantization: ``QuantizedArray``, ``quantize``, ``dequantize``.
 
-Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., VLDB 2022). The numeric
+Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., VLDB 2022), and adds a
+4-bit grid packed two codes per byte, as ZeRO++'s qgZ sends gradients. The numeric
 semantics live in ``_reference.py``; this module validates arguments, lays arrays out as
 blocks, and dispatches to the XLA reference or the Pallas GPU kernels in ``_pallas.py``.
 """
@@ -18,11 +19,15 @@ from jax_bytegrad import _pallas, _reference
 
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 Rounding = Literal["nearest", "stochastic"]
+Bits = Literal[8, 4]
 
 # Chosen from benchmarks/quantize.py (see benchmarks/RESULTS.md): large enough that the
 # 8-byte header costs < 1% of the codes, small enough that one outlier spoils few values.
 DEFAULT_BLOCK_SIZE = 1024
-# Kernels tile a block as whole rows of 128 lanes, and Pallas block shapes are powers of two.
+# 4 bits: see "4-bit block size" in benchmarks/RESULTS.md.
+DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 512}
+# Kernels tile a block's (packed) codes as whole rows of 128 lanes, and Pallas block shapes
+# are powers of two: 128 values at 8 bits, 256 at 4 bits.
 MIN_BLOCK_SIZE = 128
 HEADER_WIDTH = 2
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -34,20 +39,23 @@ class QuantizedArray:
     """An array quantized block by block to uint8 codes between each block's min and max.
 
     Attributes:
-      codes: uint8 array of shape (num_blocks, block_size).
+      codes: uint8 array of shape (num_blocks, block_size * bits // 8): one code per byte
+        at 8 bits, two per byte at 4 bits.
       header: float32 array of shape (num_blocks, 2): each block's [scale, zero point].
       shape: the original shape (static).
       dtype: the original dtype (static).
+      bits: bits per code, 8 or 4 (static).
     """
 
     codes: jax.Array
     header: jax.Array
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(default=8, metadata=dict(static=True))
 
     @property
     def block_size(self) -> int:
-        return self.codes.shape[-1]
+        return self.codes.shape[-1] * 8 // self.bits
 
     @property
     def num_blocks(self) -> int:
@@ -59,15 +67,26 @@ class QuantizedArray:
         return self.codes.size * 1 + self.header.size * 4
 
 
-def check_block_size(block_size: int, where: str) -> None:
+def check_bits(bits: int, where: str) -> None:
+    if bits not in _reference.BITS or isinstance(bits, bool):
+        raise ValueError(f"{where}: bits must be 8 or 4, got {bits!r}")
+
+
+def check_block_size(block_size: int | None, where: str, bits: int = 8) -> int:
+    """Validates ``block_size`` for ``bits``; returns it, or the default for None."""
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZES[bits]
+    smallest = MIN_BLOCK_SIZE * 8 // bits
     if (
         not isinstance(block_size, int | np.integer)
-        or block_size < MIN_BLOCK_SIZE
+        or block_size < smallest
         or block_size & (block_size - 1)
     ):
+        packing = "" if bits == 8 else f" for {bits}-bit codes (two per byte, 128 bytes)"
         raise ValueError(
-            f"{where}: block_size must be a power of two >= {MIN_BLOCK_SIZE}, got {block_size!r}"
+            f"{where}: block_size must be a power of two >= {smallest}, got {block_size!r}{packing}"
         )
+    return int(block_size)
 
 
 def check_rounding(rounding: str, where: str) -> bool:
@@ -95,23 +114,26 @@ def _pallas_compiles() -> bool:
     Mosaic GPU lowers, so a failure here picks XLA and says so in a warning. An explicit
     ``implementation="pallas"`` never takes this path: it raises the compiler's error.
     """
-    x = jax.ShapeDtypeStruct((4, MIN_BLOCK_SIZE), jnp.float32)
-    codes = jax.ShapeDtypeStruct((4, MIN_BLOCK_SIZE), jnp.uint8)
+    block = 2 * MIN_BLOCK_SIZE  # the smallest block both widths accept
+    x = jax.ShapeDtypeStruct((4, block), jnp.float32)
     header = jax.ShapeDtypeStruct((4, HEADER_WIDTH), jnp.float32)
-    chunks = jax.ShapeDtypeStruct((2, 4, MIN_BLOCK_SIZE), jnp.uint8)
     headers = jax.ShapeDtypeStruct((2, 4, HEADER_WIDTH), jnp.float32)
     try:
-        jax.jit(
-            functools.partial(_pallas.quantize_blocks, stochastic=False, key=None, interpret=False)
-        ).lower(x).compile()
-        jax.jit(functools.partial(_pallas.dequantize_blocks, interpret=False)).lower(
-            codes, header
-        ).compile()
-        jax.jit(
-            functools.partial(
-                _pallas.average_requantize, weight=0.5, stochastic=False, key=None, interpret=False
-            )
-        ).lower(chunks, headers).compile()
+        for bits in _reference.BITS:
+            codes = jax.ShapeDtypeStruct((4, block * bits // 8), jnp.uint8)
+            chunks = jax.ShapeDtypeStruct((2, 4, block * bits // 8), jnp.uint8)
+            common = dict(interpret=False, bits=bits)
+            jax.jit(
+                functools.partial(_pallas.quantize_blocks, stochastic=False, key=None, **common)
+            ).lower(x).compile()
+            jax.jit(functools.partial(_pallas.dequantize_blocks, **common)).lower(
+                codes, header
+            ).compile()
+            jax.jit(
+                functools.partial(
+                    _pallas.average_requantize, weight=0.5, stochastic=False, key=None, **common
+                )
+            ).lower(chunks, headers).compile()
     except Exception as error:  # noqa: BLE001 - any compiler failure means "not available"
         warnings.warn(
             "jax_bytegrad: the Pallas quantization kernels failed to compile here "
@@ -147,23 +169,30 @@ def quantize_blocks(
     *,
     stochastic: bool = False,
     key: jax.Array | None = None,
+    bits: int = 8,
     implementation: Implementation = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Quantizes rows of a (num_blocks, block_size) array; see ``_reference``."""
     if implementation == "xla":
-        return _reference.quantize_blocks(x, stochastic=stochastic, key=key)
+        return _reference.quantize_blocks(x, stochastic=stochastic, key=key, bits=bits)
     return _pallas.quantize_blocks(
-        x, stochastic=stochastic, key=key, interpret=implementation == "pallas_interpret"
+        x,
+        stochastic=stochastic,
+        key=key,
+        bits=bits,
+        interpret=implementation == "pallas_interpret",
     )
 
 
 def dequantize_blocks(
-    codes: jax.Array, header: jax.Array, *, implementation: Implementation = "xla"
+    codes: jax.Array, header: jax.Array, *, bits: int = 8, implementation: Implementation = "xla"
 ) -> jax.Array:
-    """Decodes (num_blocks, block_size) codes to float32; see ``_reference``."""
+    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see ``_reference``."""
     if implementation == "xla":
-        return _reference.dequantize_blocks(codes, header)
-    return _pallas.dequantize_blocks(codes, header, interpret=implementation == "pallas_interpret")
+        return _reference.dequantize_blocks(codes, header, bits=bits)
+    return _pallas.dequantize_blocks(
+        codes, header, bits=bits, interpret=implementation == "pallas_interpret"
+    )
 
 
 def average_requantize(
@@ -173,12 +202,13 @@ def average_requantize(
     weight: float,
     stochastic: bool = False,
     key: jax.Array | None = None,
+    bits: int = 8,
     implementation: Implementation = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Fused decode of n chunks, weighted sum in float32, and re-encode; see ``_reference``."""
     if implementation == "xla":
         return _reference.average_requantize(
-            codes, header, weight=weight, stochastic=stochastic, key=key
+            codes, header, weight=weight, stochastic=stochastic, key=key, bits=bits
         )
     return _pallas.average_requantize(
         codes,
@@ -186,27 +216,80 @@ def average_requantize(
         weight=weight,
         stochastic=stochastic,
         key=key,
+        bits=bits,
         interpret=implementation == "pallas_interpret",
     )
+
+
+def average_blocks(
+    codes: jax.Array,
+    header: jax.Array,
+    *,
+    weight: float,
+    bits: int = 8,
+    implementation: Implementation = "xla",
+) -> jax.Array:
+    """Decodes n chunks and sums them times ``weight`` in float32: the fused op's first half.
+
+    The weight is folded into each chunk's scale and the chunks are added in order, as in
+    ``average_requantize``, so a mean of values near finfo.max does not overflow.
+    """
+    fold = jnp.asarray([[weight, 1.0]], jnp.float32)
+    total = None
+    for i in range(codes.shape[0]):
+        part = dequantize_blocks(
+            codes[i], header[i] * fold, bits=bits, implementation=implementation
+        )
+        total = part if total is None else total + part
+    return total
+
+
+def quantize_with_feedback(
+    x: jax.Array,
+    residual: jax.Array,
+    *,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+    bits: int = 8,
+    implementation: Implementation = "xla",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantizes rows of ``x + residual``; returns codes, header and the new residual.
+
+    Error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD",
+    ICML 2019): what the codes fail to carry this time, ``x + residual - decoded``, is
+    carried into the next call, so compression errors cancel over steps instead of piling
+    up. ``decoded + new_residual == x + residual`` holds exactly in float32 wherever
+    ``x + residual - decoded`` is representable, else to within an ulp. A non-finite block
+    makes its residual NaN, as it makes the decoded values NaN.
+    """
+    target = x + residual
+    codes, header = quantize_blocks(
+        target, stochastic=stochastic, key=key, bits=bits, implementation=implementation
+    )
+    decoded = dequantize_blocks(codes, header, bits=bits, implementation=implementation)
+    return codes, header, target - decoded
 
 
 def quantize(
     x: jax.typing.ArrayLike,
     *,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    bits: Bits = 8,
+    block_size: int | None = None,
     rounding: Rounding = "nearest",
     key: jax.Array | None = None,
     implementation: Implementation | None = None,
 ) -> QuantizedArray:
-    """Quantizes an array block by block to 8-bit codes between each block's min and max.
+    """Quantizes an array block by block to 8- or 4-bit codes between each block's min and max.
 
     The array is flattened and cut into blocks of ``block_size`` elements; the tail block is
     padded with copies of its last element, which changes neither its min nor its max, and
-    the padding never reaches the output of ``dequantize``. Each block's 256 levels span its
-    [min, max], with zero kept exactly on the grid whenever min <= 0 <= max.
+    the padding never reaches the output of ``dequantize``. Each block's 2**bits levels span
+    its [min, max], with zero kept exactly on the grid whenever min <= 0 <= max. 4-bit codes
+    are packed two per byte.
 
-    Guarantees (``dequantize(quantize(x))`` as x_hat, per block with lo = min, hi = max):
-      * nearest rounding: |x_hat - x| <= (hi - lo) / 510, plus float rounding;
+    Guarantees (``dequantize(quantize(x))`` as x_hat, per block with lo = min, hi = max,
+    M = 2**bits - 1):
+      * nearest rounding: |x_hat - x| <= (hi - lo) / (2 M), plus float rounding;
       * stochastic rounding: E[x_hat] = x over keys;
       * a constant block (all-zero included) decodes exactly; 0 decodes to exactly 0
         whenever lo <= 0 <= hi;
@@ -215,7 +298,9 @@ def quantize(
 
     Args:
       x: a float32, bfloat16 or float16 array of any shape, size 0 included.
-      block_size: elements per block; a power of two >= 128.
+      bits: bits per code, 8 or 4.
+      block_size: elements per block; a power of two >= 128 (>= 256 for 4 bits), or None
+        for ``DEFAULT_BLOCK_SIZES[bits]``.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; needs ``key``).
       key: a PRNG key, for stochastic rounding only.
       implementation: ``"xla"``, ``"pallas"`` (compiled GPU kernel), ``"pallas_interpret"``
@@ -223,11 +308,11 @@ def quantize(
         available: Pallas on a supported GPU, XLA elsewhere.
 
     Returns:
-      A ``QuantizedArray`` holding uint8 codes (num_blocks, block_size), the float32 header
-      (num_blocks, 2), and the original shape and dtype as static data.
+      A ``QuantizedArray`` holding uint8 codes (num_blocks, block_size * bits // 8), the
+      float32 header (num_blocks, 2), and the original shape, dtype and bits as static data.
 
     Raises:
-      ValueError: for a non-float dtype, a bad ``block_size`` or ``rounding``, or a
+      ValueError: for a non-float dtype, a bad ``bits``, ``block_size`` or ``rounding``, or a
         missing or superfluous ``key``.
       NotImplementedError: for ``implementation="pallas"`` where no supported GPU is.
 
@@ -239,6 +324,8 @@ def quantize(
       >>> x_hat = jax_bytegrad.dequantize(q)
       >>> bool(jnp.max(jnp.abs(x_hat - jnp.linspace(-1.0, 1.0, 1000))) <= 2.0 / 510)
       True
+      >>> jax_bytegrad.quantize(jnp.ones(1000), bits=4, block_size=256).codes.shape
+      (4, 128)
 
     References:
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
@@ -249,7 +336,8 @@ def quantize(
             f"quantize: dtype must be float32, bfloat16 or float16, got {x.dtype}; "
             "cast the array first"
         )
-    check_block_size(block_size, "quantize")
+    check_bits(bits, "quantize")
+    block_size = check_block_size(block_size, "quantize", bits)
     stochastic = check_rounding(rounding, "quantize")
     check_key(stochastic, key, "quantize")
     implementation = resolve_implementation(implementation)
@@ -260,9 +348,11 @@ def quantize(
         flat = jnp.pad(flat, (0, pad), mode="edge")
     blocks = flat.reshape(num_blocks, block_size)
     codes, header = quantize_blocks(
-        blocks, stochastic=stochastic, key=key, implementation=implementation
+        blocks, stochastic=stochastic, key=key, bits=bits, implementation=implementation
     )
-    return QuantizedArray(codes=codes, header=header, shape=tuple(x.shape), dtype=x.dtype)
+    return QuantizedArray(
+        codes=codes, header=header, shape=tuple(x.shape), dtype=x.dtype, bits=bits
+    )
 
 
 def dequantize(q: QuantizedArray, *, implementation: Implementation | None = None) -> jax.Array:
@@ -294,7 +384,7 @@ def dequantize(q: QuantizedArray, *, implementation: Implementation | None = Non
     if not isinstance(q, QuantizedArray):
         raise ValueError(f"dequantize: expected a QuantizedArray, got {type(q).__name__}")
     implementation = resolve_implementation(implementation)
-    values = dequantize_blocks(q.codes, q.header, implementation=implementation)
+    values = dequantize_blocks(q.codes, q.header, bits=q.bits, implementation=implementation)
     size = int(np.prod(q.shape, dtype=np.int64))
     values = values.reshape(-1)[:size]
     finite_max = float(jnp.finfo(q.dtype).max)

@@ -34,8 +34,9 @@ def block_ranges(flat, block):
     return np.repeat(ranges, block)[: flat.size]
 
 
-def documented_bound(per_device, n, local, hierarchical, block):
+def documented_bound(per_device, n, local, hierarchical, block, bits=8):
     """Per-element bound: the first encode's errors, weighted, plus the re-encode's."""
+    levels = 2 * (2**bits - 1)
     devices = n * local
     per_device = per_device.astype(np.float64)
     exact = per_device.mean(axis=0)
@@ -47,8 +48,8 @@ def documented_bound(per_device, n, local, hierarchical, block):
     slop = 1e-6 * np.abs(per_device).sum(axis=0) / devices + 1e-30
     if group == 1:
         return exact, slop
-    first = sum(block_ranges(s, block) for s in senders) / (510 * devices)
-    second = (block_ranges(exact, block) + 2 * first) / 510
+    first = sum(block_ranges(s, block) for s in senders) / (levels * devices)
+    second = (block_ranges(exact, block) + 2 * first) / levels
     return exact, first + second + slop
 
 
@@ -65,9 +66,10 @@ def flat_result(tree):
     )
 
 
+@pytest.mark.parametrize("bits", [8, 4], ids=["8bit", "4bit"])
 @pytest.mark.parametrize("hierarchical", [True, False], ids=["hier", "flat"])
 @pytest.mark.parametrize("shape", MESHES, ids=MESH_IDS)
-def test_within_quantization_bound_of_exact_mean(shape, hierarchical):
+def test_within_quantization_bound_of_exact_mean(shape, hierarchical, bits):
     n, local = shape
     devices = n * local
     mesh = jax_bytegrad.make_mesh(n, local)
@@ -77,10 +79,10 @@ def test_within_quantization_bound_of_exact_mean(shape, hierarchical):
         jnp.asarray(rng.standard_normal((devices, 40, 25)) * 10.0, jnp.float32),
     ]
     out = per_device_mean(
-        mesh, grads, hierarchical=hierarchical, block_size=BLOCK, bucket_bytes=None
+        mesh, grads, hierarchical=hierarchical, bits=bits, block_size=BLOCK, bucket_bytes=None
     )
     result = flat_result(out)
-    exact, bound = documented_bound(flat_f32(grads), n, local, hierarchical, BLOCK)
+    exact, bound = documented_bound(flat_f32(grads), n, local, hierarchical, BLOCK, bits)
     err = np.abs(result - exact)
     assert np.all(err <= bound), f"worst excess {np.max(err - bound)}"
     if hierarchical and n == 1:
@@ -183,13 +185,17 @@ def test_missing_axis_name_raises_clear_error():
     "kwargs,match",
     [
         (dict(block_size=100), "block_size must be a power of two"),
+        (dict(bits=2), "bits must be 8 or 4, got 2"),
+        (dict(bits=4, block_size=128), "power of two >= 256, got 128"),
+        (dict(error_feedback=True), "error_feedback=True keeps residuals per device"),
+        (dict(error_feedback=1, mesh=None), "error_feedback must be True or False"),
         (dict(rounding="floor"), "rounding must be"),
         (dict(bucket_bytes=0), "bucket_bytes must be a positive int or None, got 0"),
         (dict(hierarchical="yes"), "hierarchical must be True or False"),
         (dict(node_axis="x", local_axis="x"), "must differ"),
         (dict(implementation="cuda"), "implementation must be"),
     ],
-    ids=["block", "rounding", "bucket", "flag", "axes", "impl"],
+    ids=["block", "bits", "4bit128", "nomesh", "ef", "rounding", "bucket", "flag", "axes", "impl"],
 )
 def test_bytegrad_validates_at_build_time(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -91,6 +91,7 @@ EXPECTED = {
     "qadam": "rounding",
     "bytegrad_128": "rounding",
     "bytegrad_128_split": "rounding",
+    "bytegrad4_ef_flat": "bit-identical",
 }
 
 

@@ -35,10 +35,18 @@ LAYOUTS = [
     (1, 512, _pallas._Tiles()),
 ]
 LAYOUT_IDS = ["even", "halved", "odd", "single"]
+BITS = [pytest.param(8, id="8bit"), pytest.param(4, id="4bit")]
 
-_ref_quantize = jax.jit(_reference.quantize_blocks, static_argnames="stochastic")
-_ref_dequantize = jax.jit(_reference.dequantize_blocks)
-_ref_average = jax.jit(_reference.average_requantize, static_argnames=("weight", "stochastic"))
+_ref_quantize = jax.jit(_reference.quantize_blocks, static_argnames=("stochastic", "bits"))
+_ref_dequantize = jax.jit(_reference.dequantize_blocks, static_argnames="bits")
+_ref_average = jax.jit(
+    _reference.average_requantize, static_argnames=("weight", "stochastic", "bits")
+)
+
+
+def _widen(block_size, bits):
+    """A layout's block size at ``bits``: 4-bit blocks hold two rows of 128 packed bytes."""
+    return block_size * 8 // bits
 
 
 def _blocks(num_blocks, block_size, dtype, seed):
@@ -52,31 +60,39 @@ def _blocks(num_blocks, block_size, dtype, seed):
 
 
 @pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), LAYOUTS, ids=LAYOUT_IDS)
 def test_quantize_and_dequantize_match_reference(
-    num_blocks, block_size, tiles, dtype, stochastic, interpret
+    num_blocks, block_size, tiles, dtype, stochastic, bits, interpret
 ):
+    block_size = _widen(block_size, bits)
     x = _blocks(num_blocks, block_size, dtype, seed=num_blocks)
     key = jax.random.key(7) if stochastic else None
     got = _pallas.quantize_blocks(
-        x, stochastic=stochastic, key=key, interpret=interpret, tiles=tiles
+        x, stochastic=stochastic, key=key, bits=bits, interpret=interpret, tiles=tiles
     )
-    want = _ref_quantize(x, stochastic=stochastic, key=key)
+    want = _ref_quantize(x, stochastic=stochastic, key=key, bits=bits)
+    assert want[0].shape == (num_blocks, block_size * bits // 8)
     assert_trees_all_equal(got, want)
-    decoded = _pallas.dequantize_blocks(*want, interpret=interpret, tiles=tiles)
-    assert_trees_all_equal(decoded, _ref_dequantize(*want))
+    decoded = _pallas.dequantize_blocks(*want, bits=bits, interpret=interpret, tiles=tiles)
+    assert_trees_all_equal(decoded, _ref_dequantize(*want, bits=bits))
 
 
 @pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), LAYOUTS[:3], ids=LAYOUT_IDS[:3])
 def test_average_requantize_matches_reference(
-    num_blocks, block_size, tiles, n, stochastic, interpret
+    num_blocks, block_size, tiles, n, stochastic, bits, interpret
 ):
-    chunks = [_ref_quantize(_blocks(num_blocks, block_size, jnp.float32, seed=s)) for s in range(n)]
+    block_size = _widen(block_size, bits)
+    chunks = [
+        _ref_quantize(_blocks(num_blocks, block_size, jnp.float32, seed=s), bits=bits)
+        for s in range(n)
+    ]
     codes = jnp.stack([c for c, _ in chunks])
     header = jnp.stack([h for _, h in chunks])
     key = jax.random.key(3) if stochastic else None
@@ -86,40 +102,47 @@ def test_average_requantize_matches_reference(
         weight=1.0 / n,
         stochastic=stochastic,
         key=key,
+        bits=bits,
         interpret=interpret,
         tiles=tiles,
     )
-    want = _ref_average(codes, header, weight=1.0 / n, stochastic=stochastic, key=key)
+    want = _ref_average(codes, header, weight=1.0 / n, stochastic=stochastic, key=key, bits=bits)
     assert_trees_all_equal(got, want)
 
 
 @pytest.mark.parametrize("interpret", MODES)
-def test_non_finite_blocks_decode_to_nan(interpret):
-    x = _blocks(4, 128, jnp.float32, seed=1)
+@pytest.mark.parametrize("bits", BITS)
+def test_non_finite_blocks_decode_to_nan(bits, interpret):
+    x = _blocks(4, _widen(128, bits), jnp.float32, seed=1)
     x = x.at[0, 5].set(jnp.nan).at[2, 0].set(jnp.inf).at[3, 7].set(-jnp.inf)
-    codes, header = _pallas.quantize_blocks(x, interpret=interpret)
-    assert_trees_all_equal((codes, header), _ref_quantize(x))
-    decoded = np.asarray(_pallas.dequantize_blocks(codes, header, interpret=interpret))
+    codes, header = _pallas.quantize_blocks(x, bits=bits, interpret=interpret)
+    assert_trees_all_equal((codes, header), _ref_quantize(x, bits=bits))
+    decoded = np.asarray(_pallas.dequantize_blocks(codes, header, bits=bits, interpret=interpret))
     assert np.isnan(decoded[[0, 2, 3]]).all()
     assert np.isfinite(decoded[1]).all()
 
 
 @pytest.mark.parametrize("interpret", MODES)
-def test_extreme_magnitudes_stay_finite(interpret):
+@pytest.mark.parametrize("bits", BITS)
+def test_extreme_magnitudes_stay_finite(bits, interpret):
     big = float(np.finfo(np.float32).max)
-    x = jnp.asarray(np.linspace(-big, big, 256, dtype=np.float32).reshape(2, 128))
-    codes, header = _pallas.quantize_blocks(x, interpret=interpret)
-    assert_trees_all_equal((codes, header), _ref_quantize(x))
+    block_size = _widen(128, bits)
+    x = jnp.asarray(np.linspace(-big, big, 2 * block_size, dtype=np.float32).reshape(2, -1))
+    codes, header = _pallas.quantize_blocks(x, bits=bits, interpret=interpret)
+    assert_trees_all_equal((codes, header), _ref_quantize(x, bits=bits))
     assert np.isfinite(
-        np.asarray(_pallas.dequantize_blocks(codes, header, interpret=interpret))
+        np.asarray(_pallas.dequantize_blocks(codes, header, bits=bits, interpret=interpret))
     ).all()
 
 
-def test_empty_input():
-    codes, header = _pallas.quantize_blocks(jnp.zeros((0, 128)), interpret=True)
+@pytest.mark.parametrize("bits", BITS)
+def test_empty_input(bits):
+    block_size = _widen(128, bits)
+    codes, header = _pallas.quantize_blocks(jnp.zeros((0, block_size)), bits=bits, interpret=True)
     assert codes.shape == (0, 128) and codes.dtype == jnp.uint8
     assert header.shape == (0, 2) and header.dtype == jnp.float32
-    assert _pallas.dequantize_blocks(codes, header, interpret=True).shape == (0, 128)
+    decoded = _pallas.dequantize_blocks(codes, header, bits=bits, interpret=True)
+    assert decoded.shape == (0, block_size)
 
 
 @pytest.mark.parametrize(

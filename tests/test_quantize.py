@@ -28,7 +28,13 @@ IMPLEMENTATIONS = [
 ]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
+BITS = [pytest.param(8, id="8bit"), pytest.param(4, id="4bit")]
 F32_MAX = float(np.finfo(np.float32).max)
+
+
+def smallest_block(bits):
+    """The smallest block a width accepts: 128 bytes of codes."""
+    return 128 * 8 // bits
 
 
 def roundtrip(x, impl, **kwargs):
@@ -56,7 +62,8 @@ def half_ulp(values, dtype):
     return 0.5 * 2.0 ** (exponent - info.nmant)
 
 
-def assert_within_bound(x, x_hat, block_size, levels=510.0):
+def assert_within_bound(x, x_hat, block_size, bits=8):
+    levels = 2.0 * (2**bits - 1)
     flat = np.asarray(x, np.float64).reshape(-1)
     out = np.asarray(x_hat, np.float64).reshape(-1)
     lo, hi = block_ranges(x, block_size)
@@ -80,6 +87,7 @@ def random_input(shape, dtype, seed=0, scale=1.0):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize(
     "shape,block_size",
@@ -93,43 +101,49 @@ def random_input(shape, dtype, seed=0, scale=1.0):
     ],
     ids=["1", "7", "128", "1000", "3x1367", "5x2x129"],
 )
-def test_nearest_error_bound(impl, dtype, shape, block_size):
+def test_nearest_error_bound(impl, dtype, shape, block_size, bits):
+    block_size = max(block_size, smallest_block(bits))
     x = random_input(shape, dtype, seed=sum(shape), scale=3.0)
-    q, x_hat = roundtrip(x, impl, block_size=block_size)
+    q, x_hat = roundtrip(x, impl, block_size=block_size, bits=bits)
     num_blocks = -(-x.size // block_size)
-    assert q.codes.shape == (num_blocks, block_size) and q.codes.dtype == jnp.uint8
+    assert q.codes.shape == (num_blocks, block_size * bits // 8) and q.codes.dtype == jnp.uint8
     assert q.header.shape == (num_blocks, 2) and q.header.dtype == jnp.float32
+    assert q.bits == bits and q.block_size == block_size
     assert x_hat.shape == x.shape and x_hat.dtype == x.dtype
-    assert_within_bound(x, x_hat, block_size)
+    assert_within_bound(x, x_hat, block_size, bits)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("shape", [(0,), (3, 0)], ids=["0", "3x0"])
-def test_size_zero(impl, dtype, shape):
+def test_size_zero(impl, dtype, shape, bits):
     x = jnp.zeros(shape, dtype)
-    q, x_hat = roundtrip(x, impl, block_size=128)
-    assert q.codes.shape == (0, 128) and q.header.shape == (0, 2)
+    q, x_hat = roundtrip(x, impl, block_size=256, bits=bits)
+    assert q.codes.shape == (0, 256 * bits // 8) and q.header.shape == (0, 2)
     assert x_hat.shape == shape and x_hat.dtype == dtype
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_constant_blocks_are_exact(impl, dtype, rounding):
+def test_constant_blocks_are_exact(impl, dtype, rounding, bits):
     # One block each: all-zero, positive, negative, huge, tiny, and an odd-sized tail.
     big = 1e38 if dtype != jnp.float16 else 6e4
     values = [0.0, 1.5, -2.75, big, -big, 3e-3, 0.1]
-    x = jnp.asarray(np.repeat(values, 128)[: 128 * len(values) - 5], dtype)
+    block = smallest_block(bits)
+    x = jnp.asarray(np.repeat(values, block)[: block * len(values) - 5], dtype)
     key = jax.random.key(1) if rounding == "stochastic" else None
-    _, x_hat = roundtrip(x, impl, block_size=128, rounding=rounding, key=key)
+    _, x_hat = roundtrip(x, impl, block_size=block, rounding=rounding, key=key, bits=bits)
     np.testing.assert_array_equal(np.asarray(x_hat), np.asarray(x))
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_zero_stays_exactly_zero(impl, dtype, rounding):
+def test_zero_stays_exactly_zero(impl, dtype, rounding, bits):
     rng = np.random.default_rng(3)
     values = rng.standard_normal(4096) * rng.choice([1e-3, 1.0, 1e3], 4096)
     # Blocks that are all-positive apart from zeros, all-negative apart from zeros, mixed.
@@ -138,7 +152,7 @@ def test_zero_stays_exactly_zero(impl, dtype, rounding):
     values[rng.random(4096) < 0.4] = 0.0
     x = jnp.asarray(values, dtype)
     key = jax.random.key(2) if rounding == "stochastic" else None
-    _, x_hat = roundtrip(x, impl, block_size=256, rounding=rounding, key=key)
+    _, x_hat = roundtrip(x, impl, block_size=256, rounding=rounding, key=key, bits=bits)
     zeros = np.asarray(x) == 0
     assert zeros.sum() > 1000
     assert np.all(np.asarray(x_hat)[zeros] == 0)
@@ -157,33 +171,39 @@ def extreme_cases(dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_extremes_stay_finite(impl, dtype):
+def test_extremes_stay_finite(impl, dtype, bits):
+    block = smallest_block(bits)
     for name, values in extreme_cases(dtype).items():
         x = jnp.asarray(values, dtype)
-        _, x_hat = roundtrip(x, impl, block_size=128)
+        _, x_hat = roundtrip(x, impl, block_size=block, bits=bits)
         assert np.all(np.isfinite(np.asarray(x_hat, np.float64))), (name, x_hat)
-        assert_within_bound(x, x_hat, 128)
+        assert_within_bound(x, x_hat, block, bits)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
-def test_non_finite_block_decodes_to_nan(impl, dtype, bad):
-    x = np.array(random_input((3 * 128,), jnp.float32, seed=5))
-    x[128 + 17] = bad  # poisons the middle block only
+def test_non_finite_block_decodes_to_nan(impl, dtype, bad, bits):
+    b = smallest_block(bits)
+    x = np.array(random_input((3 * b,), jnp.float32, seed=5))
+    x[b + 17] = bad  # poisons the middle block only
     x = jnp.asarray(x, dtype)
-    _, x_hat = roundtrip(x, impl, block_size=128)
+    _, x_hat = roundtrip(x, impl, block_size=b, bits=bits)
     out = np.asarray(x_hat, np.float64)
-    assert np.all(np.isnan(out[128:256]))
-    assert np.all(np.isfinite(out[:128])) and np.all(np.isfinite(out[256:]))
-    assert_within_bound(x[:128], x_hat[:128], 128)
+    assert np.all(np.isnan(out[b : 2 * b]))
+    assert np.all(np.isfinite(out[:b])) and np.all(np.isfinite(out[2 * b :]))
+    assert_within_bound(x[:b], x_hat[:b], b, bits)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_stochastic_rounding_is_unbiased_and_bounded(impl, dtype):
+def test_stochastic_rounding_is_unbiased_and_bounded(impl, dtype, bits):
     num_keys = 512
+    block = smallest_block(bits)
     x = random_input((200,), dtype, seed=7)
     keys = jax.random.split(jax.random.key(0), num_keys)
 
@@ -191,7 +211,12 @@ def test_stochastic_rounding_is_unbiased_and_bounded(impl, dtype):
     def decode_all(keys):
         def one(key):
             q = jax_bytegrad.quantize(
-                x, block_size=128, rounding="stochastic", key=key, implementation=impl
+                x,
+                bits=bits,
+                block_size=block,
+                rounding="stochastic",
+                key=key,
+                implementation=impl,
             )
             return jax_bytegrad.dequantize(q, implementation=impl).astype(jnp.float32)
 
@@ -199,8 +224,8 @@ def test_stochastic_rounding_is_unbiased_and_bounded(impl, dtype):
 
     samples = np.asarray(decode_all(keys), np.float64)
     xs = np.asarray(x, np.float64)
-    lo, hi = block_ranges(x, 128)
-    step = (hi - lo) / 254
+    lo, hi = block_ranges(x, block)
+    step = (hi - lo) / (2**bits - 2)
     # Each draw lands on a grid point next to x (plus the cast back to the dtype).
     slack = half_ulp(samples, dtype) + 1e-7 * step
     assert np.all(np.abs(samples - xs) <= step + slack)
@@ -213,40 +238,64 @@ def test_stochastic_rounding_is_unbiased_and_bounded(impl, dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("weight", [0.5, 1.0], ids=["mean", "sum"])
-def test_average_requantize_matches_exact_average(impl, weight):
+def test_average_requantize_matches_exact_average(impl, weight, bits):
     n, num_blocks, block_size = 4, 3, 256
     rng = np.random.default_rng(11)
     chunks = rng.standard_normal((n, num_blocks, block_size)).astype(np.float32)
     chunks[:, 1] *= 1e4  # blocks of very different ranges
     chunks[2, 2, :] = 0.0
-    encoded = [quantize_blocks(jnp.asarray(c), implementation="xla") for c in chunks]
+    encoded = [quantize_blocks(jnp.asarray(c), bits=bits, implementation="xla") for c in chunks]
     codes = jnp.stack([c for c, _ in encoded])
     header = jnp.stack([h for _, h in encoded])
-    decoded = np.stack([np.asarray(dequantize_blocks(c, h), np.float64) for c, h in encoded])
-    out_codes, out_header = average_requantize(codes, header, weight=weight, implementation=impl)
-    assert out_codes.shape == (num_blocks, block_size) and out_codes.dtype == jnp.uint8
-    assert out_header.shape == (num_blocks, 2)
-    result = np.asarray(dequantize_blocks(out_codes, out_header), np.float64)
+    decoded = np.stack(
+        [np.asarray(dequantize_blocks(c, h, bits=bits), np.float64) for c, h in encoded]
+    )
+    out_codes, out_header = average_requantize(
+        codes, header, weight=weight, bits=bits, implementation=impl
+    )
+    assert out_codes.shape == (num_blocks, block_size * bits // 8)
+    assert out_codes.dtype == jnp.uint8 and out_header.shape == (num_blocks, 2)
+    result = np.asarray(dequantize_blocks(out_codes, out_header, bits=bits), np.float64)
     expected = decoded.sum(axis=0) * weight
     spread = expected.max(axis=1, keepdims=True) - expected.min(axis=1, keepdims=True)
-    bound = spread / 510 * (1 + 1e-5) + 1e-6 * np.abs(expected) + 1e-30
+    bound = spread / (2 * (2**bits - 1)) * (1 + 1e-5) + 1e-6 * np.abs(expected) + 1e-30
     assert np.all(np.abs(result - expected) <= bound)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_average_requantize_propagates_nan(impl):
-    chunk = jnp.asarray(random_input((2, 128), jnp.float32, seed=3))
-    codes, header = quantize_blocks(chunk, implementation="xla")
-    bad_codes, bad_header = quantize_blocks(chunk.at[0, 5].set(jnp.nan), implementation="xla")
+@pytest.mark.parametrize("bits", BITS)
+def test_average_requantize_propagates_nan(impl, bits):
+    chunk = jnp.asarray(random_input((2, smallest_block(bits)), jnp.float32, seed=3))
+    codes, header = quantize_blocks(chunk, bits=bits, implementation="xla")
+    bad_codes, bad_header = quantize_blocks(
+        chunk.at[0, 5].set(jnp.nan), bits=bits, implementation="xla"
+    )
     out_codes, out_header = average_requantize(
         jnp.stack([codes, bad_codes]),
         jnp.stack([header, bad_header]),
         weight=0.5,
+        bits=bits,
         implementation=impl,
     )
-    out = np.asarray(dequantize_blocks(out_codes, out_header))
+    out = np.asarray(dequantize_blocks(out_codes, out_header, bits=bits))
     assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1]))
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_four_bit_codes_pack_two_per_byte_as_documented(impl):
+    # Values 0..15 span one 4-bit block exactly (scale 1, zero 0), so code == value.
+    values = np.arange(512) * 7 % 16
+    q = jax_bytegrad.quantize(
+        jnp.asarray(values, jnp.float32), bits=4, block_size=256, implementation=impl
+    )
+    np.testing.assert_array_equal(np.asarray(q.header), [[1.0, 0.0], [1.0, 0.0]])
+    blocks = values.reshape(2, 256)
+    packed = blocks[:, :128] | (blocks[:, 128:] << 4)
+    np.testing.assert_array_equal(np.asarray(q.codes), packed)
+    assert q.nbytes == 2 * 128 + 2 * 2 * 4
+    np.testing.assert_array_equal(np.asarray(jax_bytegrad.dequantize(q)), values)
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
@@ -309,6 +358,9 @@ def test_explicit_pallas_without_gpu_raises():
         (dict(rounding="stochastic"), "needs a PRNG key"),
         (dict(key=jax.random.key(0)), "ignores it"),
         (dict(implementation="cuda"), "implementation must be"),
+        (dict(bits=3), "bits must be 8 or 4, got 3"),
+        (dict(bits=True), "bits must be 8 or 4, got True"),
+        (dict(bits=4, block_size=128), "power of two >= 256, got 128 for 4-bit codes"),
     ],
     ids=[
         "int",
@@ -324,6 +376,9 @@ def test_explicit_pallas_without_gpu_raises():
         "nokey",
         "key",
         "impl",
+        "bits3",
+        "bitsbool",
+        "4bit128",
     ],
 )
 def test_bad_arguments_raise(kwargs, match):

@@ -20,13 +20,15 @@ GLOBAL_BATCH = 64
 # name -> steps. "bytegrad_flat" is ByteGrad with hierarchical=False: no float32 sum between
 # devices at all, only codes exchanged and averaged in a fixed order. "bytegrad_128" and
 # "bytegrad_128_split" differ only in the message size between nodes (one per peer, or one
-# 128-value block per message), which must not change a bit.
+# 128-value block per message), which must not change a bit. "bytegrad4_ef_flat" is the flat
+# one with 4-bit codes and error feedback, whose residuals are per-device state.
 ALGORITHMS = {
     "bytegrad": 4,
     "bytegrad_flat": 4,
     "qadam": 5,
     "bytegrad_128": 4,
     "bytegrad_128_split": 4,
+    "bytegrad4_ef_flat": 4,
 }
 QADAM_WARMUP = 2  # shorter than the run, so both phases run
 
@@ -58,7 +60,7 @@ def loss_fn(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def optimizer(name: str):
+def optimizer(name: str, mesh):
     import optax
 
     import jax_bytegrad
@@ -68,6 +70,11 @@ def optimizer(name: str):
         return optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1, momentum=0.9))
     if name == "bytegrad_flat":
         return optax.chain(jax_bytegrad.bytegrad(hierarchical=False), optax.sgd(0.1, momentum=0.9))
+    if name == "bytegrad4_ef_flat":
+        sync = jax_bytegrad.bytegrad(
+            bits=4, error_feedback=True, mesh=mesh, hierarchical=False, block_size=256
+        )
+        return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
     if name == "qadam":
         return qadam(1e-2, warmup_steps=QADAM_WARMUP)
     if name in ("bytegrad_128", "bytegrad_128_split"):
@@ -75,6 +82,31 @@ def optimizer(name: str):
         sync = jax_bytegrad.bytegrad(block_size=128, message_bytes=message_bytes)
         return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
     raise ValueError(f"train_worker: unknown algorithm {name!r}; use one of {sorted(ALGORITHMS)}")
+
+
+def _error_feedback_step(tx, mesh, params):
+    """A step whose optimizer state holds per-device residuals (see transforms.state_specs)."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from jax_bytegrad.transforms import shard_state, state_specs
+
+    axes = ("node", "local")
+    state = shard_state(tx.init(params), mesh)
+    specs = state_specs(state)
+
+    def per_device(params, state, batch):
+        grads = jax.grad(loss_fn)(jax.lax.pcast(params, axes, to="varying"), batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, 0.0
+
+    step = jax.jit(
+        jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), specs, P(axes)), out_specs=(P(), specs, P())
+        )
+    )
+    return step, state
 
 
 def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarray]:
@@ -86,11 +118,14 @@ def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarra
 
     import jax_bytegrad
 
-    tx = optimizer(name)
+    tx = optimizer(name, mesh)
     params = init_params()
-    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
     p = jax_bytegrad.replicate(params, mesh)
-    s = jax_bytegrad.replicate(tx.init(params), mesh)
+    if name.endswith("_ef_flat"):
+        step, s = _error_feedback_step(tx, mesh, params)
+    else:
+        step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
+        s = jax_bytegrad.replicate(tx.init(params), mesh)
     rows = GLOBAL_BATCH // nproc
     for t in range(ALGORITHMS[name]):
         x, y = global_batch(t)

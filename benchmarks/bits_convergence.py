@@ -1,0 +1,177 @@
+"""Test accuracy of the digits CNN with 8- and 4-bit ByteGrad, with and without error feedback.
+
+Trains the examples' CNN (``examples/models.py``) on scikit-learn's digits from the same
+initialisation and the same batches once per variant, on a 2 x 4 mesh of ("node", "local")
+CPU devices, with Adam after the gradient sync. Prints one markdown table: final test
+accuracy and loss, and the bytes each device sends between nodes per step, read by
+``communication_stats`` from the compiled step, with their ratio to gradient_allreduce's.
+The variants (``VARIANTS``) are gradient_allreduce (float32, hierarchical: the strongest
+baseline) and ByteGrad at 8 and 4 bits, each with and without error feedback.
+
+    python benchmarks/bits_convergence.py --steps 300 --seeds 0,1
+
+With one process and no ``XLA_FLAGS``, this script asks XLA for 8 host devices before JAX
+starts.
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import data as datasets  # noqa: E402
+import models  # noqa: E402
+
+import jax_bytegrad  # noqa: E402
+from jax_bytegrad.distributed import ensure_cpu_threads  # noqa: E402
+from jax_bytegrad.transforms import shard_state, state_specs  # noqa: E402
+
+AXES = ("node", "local")
+NODES, DEVICES_PER_NODE = 2, 4
+BATCH_SIZE, LEARNING_RATE = 128, 1e-3  # the examples' CNN defaults
+
+
+def _bytegrad(bits: int, error_feedback: bool):
+    def build(mesh):
+        sync = jax_bytegrad.bytegrad(bits=bits, error_feedback=error_feedback, mesh=mesh)
+        return optax.chain(sync, optax.adam(LEARNING_RATE))
+
+    return build
+
+
+# name -> optimizer builder(mesh).
+VARIANTS = {
+    "gradient_allreduce": lambda mesh: optax.chain(
+        jax_bytegrad.gradient_allreduce(hierarchical=True), optax.adam(LEARNING_RATE)
+    ),
+    "bytegrad 8-bit": _bytegrad(8, False),
+    "bytegrad 8-bit + EF": _bytegrad(8, True),
+    "bytegrad 4-bit": _bytegrad(4, False),
+    "bytegrad 4-bit + EF": _bytegrad(4, True),
+}
+
+
+def make_step(loss_fn, tx, mesh, state):
+    """A jitted data-parallel step whose optimizer state may hold per-device residuals."""
+    specs = state_specs(state)
+
+    def per_device(params, state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(jax.lax.pcast(params, AXES, to="varying"), batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, AXES)
+
+    return jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(), specs, P(AXES)),
+            out_specs=(P(), specs, P()),
+        )
+    )
+
+
+def train(name: str, *, steps: int, seed: int, mesh) -> tuple[float, float, float, float]:
+    """Trains one variant.
+
+    Returns:
+      (test accuracy, test loss, mean train loss of the last 20 steps, inter-node bytes per
+      device per step).
+    """
+    data = datasets.load_digits()
+    model = models.CNN(data.num_classes, rngs=nnx.Rngs(seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_fn(params, batch):
+        inputs, targets = batch
+        logits = nnx.merge(graphdef, params, rest)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    tx = VARIANTS[name](mesh)
+    state = shard_state(tx.init(params), mesh)
+    params = jax_bytegrad.replicate(params, mesh)
+    step = make_step(loss_fn, tx, mesh, state)
+    rng = np.random.default_rng(seed)
+    rows = np.arange(BATCH_SIZE)
+    example = jax_bytegrad.shard_batch((data.train_inputs[rows], data.train_targets[rows]), mesh)
+    stats = jax_bytegrad.communication_stats(step, params, state, example, mesh=mesh)
+    losses = []
+    for _ in range(steps):
+        rows = rng.choice(len(data.train_targets), BATCH_SIZE, replace=False)
+        batch = jax_bytegrad.shard_batch((data.train_inputs[rows], data.train_targets[rows]), mesh)
+        params, state, loss = step(params, state, batch)
+        losses.append(float(loss))  # one step in flight: see docs/qadam.md
+
+    @jax.jit
+    def metrics(params, inputs, targets):
+        logits = nnx.merge(graphdef, params, rest)(inputs)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        return jnp.mean((jnp.argmax(logits, -1) == targets).astype(jnp.float32)), loss
+
+    params = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params)
+    accuracy, loss = metrics(params, data.test_inputs, data.test_targets)
+    return float(accuracy), float(loss), float(np.mean(losses[-20:])), stats.bytes_on("node")
+
+
+def report(results: dict[str, list[tuple[float, float, float, float]]], steps: int) -> str:
+    """One markdown row per variant: means over seeds, accuracies per seed in brackets."""
+    baseline = results["gradient_allreduce"][0][3] if "gradient_allreduce" in results else None
+    lines = [
+        f"| variant ({steps} steps) | test accuracy (per seed) | test loss "
+        "| train loss (last 20) | node bytes / step | vs gradient_allreduce |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, runs in results.items():
+        acc, loss, train_loss, node_bytes = (np.mean(c) for c in zip(*runs, strict=True))
+        per_seed = ", ".join(f"{100 * r[0]:.2f}" for r in runs)
+        ratio = f"{node_bytes / baseline:.3f}x" if baseline else "-"
+        lines.append(
+            f"| {name} | {100 * acc:.2f}% ({per_seed}) | {loss:.4f} | {train_loss:.4f} "
+            f"| {node_bytes / 1e3:.1f} kB | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
+    args = parser.parse_args(argv)
+    ensure_cpu_threads(NODES * DEVICES_PER_NODE)
+    mesh = jax_bytegrad.make_mesh(NODES, DEVICES_PER_NODE)
+    names = [n.strip() for n in args.variants.split(",")]
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"bits_convergence: unknown variants {unknown}; use {list(VARIANTS)}")
+    results = {}
+    for name in names:
+        results[name] = []
+        for seed in (int(s) for s in args.seeds.split(",")):
+            start = time.perf_counter()
+            results[name].append(train(name, steps=args.steps, seed=seed, mesh=mesh))
+            acc = results[name][-1][0]
+            print(f"{name} seed {seed}: {100 * acc:.2f}% in {time.perf_counter() - start:.0f} s")
+    print()
+    print(report(results, args.steps))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
