@@ -35,6 +35,7 @@ import numpy as np
 
 from jax_bytegrad import buckets as bucketing
 from jax_bytegrad.quantization import (
+    HEADER_WIDTH,
     Bits,
     Implementation,
     Rounding,
@@ -116,13 +117,26 @@ def split_ppermute(tree, axis, perm, message_bytes: int | None):
     return jax.tree.map(send, tree)
 
 
+def _pack(codes: jax.Array, header: jax.Array) -> jax.Array:
+    """Each block's codes and header bytes in one uint8 row, so that both go in one message."""
+    header_bytes = jax.lax.bitcast_convert_type(header, jnp.uint8)
+    return jnp.concatenate([codes, header_bytes.reshape(*header.shape[:-1], -1)], axis=-1)
+
+
+def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``_pack``: the codes and the float32 header of each row."""
+    header_bytes = message[..., code_bytes:].reshape(*message.shape[:-1], HEADER_WIDTH, 4)
+    return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
+
+
 def _compressed_piece(x, residual, *, group, gather_group, weight, stochastic, key, bits, impl):
     """The compressed all-reduce of one message's worth of blocks.
 
     ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j over ``group``,
     which owns those blocks of the mean. The averaged codes come back over ``gather_group``
     (the same devices, possibly named by more axes, which it marks the result replicated
-    over). Returns the decoded mean of all of ``x``, same shape, and the new residuals: None
+    over). Each block's codes travel with its header, one message per peer and direction.
+    Returns the decoded mean of all of ``x``, same shape, and the new residuals: None
     without error feedback, else, for ``residual`` = (send, mean) of shapes ``x.shape`` and
     ``x.shape[1:]``, what each compression left unsent.
     """
@@ -135,16 +149,17 @@ def _compressed_piece(x, residual, *, group, gather_group, weight, stochastic, k
     else:
         send, mean = residual
         codes, header, send = quantize_with_feedback(x, send.reshape(x.shape), key=keys[0], **codec)
-    codes = jax.lax.all_to_all(codes.reshape(peers, blocks, -1), group, 0, 0, tiled=True)
-    header = jax.lax.all_to_all(header.reshape(peers, blocks, -1), group, 0, 0, tiled=True)
+    code_bytes = codes.shape[-1]
+    message = _pack(codes, header).reshape(peers, blocks, -1)
+    codes, header = _unpack(jax.lax.all_to_all(message, group, 0, 0, tiled=True), code_bytes)
     if residual is None:
         codes, header = average_requantize(codes, header, weight=weight, key=keys[1], **codec)
     else:
         total = average_blocks(codes, header, weight=weight, bits=bits, implementation=impl)
         codes, header, mean = quantize_with_feedback(total, mean, key=keys[1], **codec)
         residual = (send.reshape(peers, blocks, block_size), mean)
-    codes = jax.lax.all_gather(codes, gather_group, axis=0, to="invarying")
-    header = jax.lax.all_gather(header, gather_group, axis=0, to="invarying")
+    message = jax.lax.all_gather(_pack(codes, header), gather_group, axis=0, to="invarying")
+    codes, header = _unpack(message, code_bytes)
     decoded = dequantize_blocks(
         codes.reshape(peers * blocks, -1),
         header.reshape(peers * blocks, -1),
