@@ -236,12 +236,14 @@ class AsyncModelAverage:
 
     # Public API ------------------------------------------------------------------------
 
-    def init(self, params, opt_state=None):
+    def init(self, params, opt_state=None, *, start: bool = False):
         """Places ``params`` (the same on every process) and the optimizer state for ``step``.
 
         Args:
           params: the initial parameters, identical on every process.
           opt_state: optional optimizer state; by default ``optimizer.init(params)``.
+          start: start the background averaging now (every process must), rather than at
+            the first step after warm-up. Ignored during warm-up.
 
         Returns:
           ``(params, opt_state)``, replicated over the whole mesh during warm-up and over
@@ -253,7 +255,11 @@ class AsyncModelAverage:
             sharding = NamedSharding(self.mesh, P())
             place = lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
             return jax.tree.map(place, (params, opt_state))
-        return self._to_local((params, opt_state))
+        placed = self._to_local((params, opt_state))
+        if start and self.sync_interval_ms > 0 and self._thread is None:
+            self._publish(placed[0])
+            self._start_thread()
+        return placed
 
     def pull(self, params):
         """Adds the finished averaging rounds' ``mean(s) - s`` to ``params``.
@@ -287,16 +293,27 @@ class AsyncModelAverage:
         if self.step_id == self.warmup_steps:
             params, opt_state = self._to_local((params, opt_state))
         params = self.pull(params)
-        local_batch = jax.tree.map(
-            lambda x: jax.device_put(np.asarray(x), NamedSharding(self.local_mesh, P(self._axes))),
-            batch,
-        )
-        out = self._local_step(params, opt_state, local_batch)
+        out = self._local_step(params, opt_state, self._local_batch(batch))
         self._publish(out[0])
-        if self.step_id == self.warmup_steps and self.sync_interval_ms > 0:
+        if self.step_id == self.warmup_steps and self.sync_interval_ms > 0 and not self._thread:
             self._start_thread()
         self.step_id += 1
         return out
+
+    def _local_batch(self, batch):
+        sharding = NamedSharding(self.local_mesh, P(self._axes))
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), batch)
+
+    def lower(self, params, opt_state, batch):
+        """Lowers the program the next ``step`` runs, for ``communication_stats``.
+
+        The background averaging runs outside it: a float32 all-reduce of the whole model
+        over processes per round.
+        """
+        if self.step_id < self.warmup_steps:
+            return self._global_step.lower(params, opt_state, shard_batch(batch, self.mesh))
+        params, opt_state = self._to_local((params, opt_state))
+        return self._local_step.lower(params, opt_state, self._local_batch(batch))
 
     def abort(self, timeout: float | None = 300.0) -> None:
         """Stops the background averaging; a collective call, made by every process.
