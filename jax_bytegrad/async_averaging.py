@@ -124,21 +124,22 @@ class AsyncModelAverage:
             node_axis=node_axis, local_axis=local_axis,
         )  # fmt: skip
         # One device per process does the averaging: a float32 all-reduce of the whole model.
+        # Its axis carries the node axis's name: each process is one node.
         firsts = [_first_local_device(mesh, p) for p in range(self._nproc)]
-        self._avg_mesh = Mesh(np.array(firsts, dtype=object), ("process",))
+        self._avg_mesh = Mesh(np.array(firsts, dtype=object), (node_axis,))
         self._my_device = firsts[self._rank]
-        self._row_sharding = NamedSharding(self._avg_mesh, P("process"))
+        self._row_sharding = NamedSharding(self._avg_mesh, P(node_axis))
 
         def body(flat, flag):
-            mean = jax.lax.pmean(flat, "process")
-            return mean - flat, jax.lax.pmax(flag, "process")
+            mean = jax.lax.pmean(flat, node_axis)
+            return mean - flat, jax.lax.pmax(flag, node_axis)
 
         self._avg_program = jax.jit(
             jax.shard_map(
                 body,
                 mesh=self._avg_mesh,
-                in_specs=(P("process"), P("process")),
-                out_specs=(P("process"), P()),
+                in_specs=(P(node_axis), P(node_axis)),
+                out_specs=(P(node_axis), P()),
             )
         )
         self._lock = threading.Lock()
@@ -351,6 +352,16 @@ class AsyncModelAverage:
         self._publish(params)
         self._round(False)
         return self.pull(params)
+
+    def lower_averaging(self):
+        """Lowers one averaging round's program (for ``communication_stats``); runs nothing.
+
+        It runs on one device per process, along a mesh axis named after ``node_axis``.
+        """
+        n = self._snapshot.size if self._snapshot is not None else 1
+        row = jax.ShapeDtypeStruct((self._nproc, n), jnp.float32, sharding=self._row_sharding)
+        flag = jax.ShapeDtypeStruct((self._nproc,), jnp.int32, sharding=self._row_sharding)
+        return self._avg_program.lower(row, flag)
 
     @property
     def round_stats(self) -> AsyncModelAverageState:

@@ -236,10 +236,18 @@ class TrainStep:
           gets ``{"warmup": ..., "compressed": ...}``: the float32 all-reduce of its warm-up
           steps and the 8-bit momentum exchange after it, each measured on its own program
           (a float32 gradient mean, and ByteGrad's exchange with QAdam's settings). Async
-          reports its local step; its background averaging is a float32 all-reduce of the
-          model per round, outside the step.
+          gets ``{"step": ..., "averaging": ...}``: its local step, and one round of the
+          background averaging (a float32 all-reduce of the model between processes).
+          ``phase_counts`` says how often each has run.
         """
         return {"step": stats.communication_stats(self.lower(state, batch), mesh=self.mesh)}
+
+    def phase_counts(self, state: TrainState) -> dict[str, int]:
+        """How many times each phase of ``communication_stats`` has run up to ``state``.
+
+        Multiplying each phase's bytes by its count gives the traffic of the run so far.
+        """
+        return {"step": int(state.step)}
 
     def close(self) -> None:
         """Releases what the step holds (async: stops the background averaging, on every
@@ -256,8 +264,9 @@ class TrainStep:
 class _ReplicatedStep(TrainStep):
     """gradient_allreduce, bytegrad and qadam: ``data_parallel_step`` around one optimizer."""
 
-    def __init__(self, algorithm, mesh, has_aux, loss_fn, tx, step_kwargs, phases):
+    def __init__(self, algorithm, mesh, has_aux, loss_fn, tx, step_kwargs, phases, warmup_steps):
         super().__init__(algorithm, mesh, has_aux)
+        self._warmup_steps = warmup_steps
         self._tx = tx
         self._loss_fn = loss_fn
         self._step_kwargs = step_kwargs
@@ -281,6 +290,13 @@ class _ReplicatedStep(TrainStep):
     def lower(self, state, batch):
         batch = _global_batch(batch, self.mesh, self._axes)
         return self._dp.lower(state.params, state.opt_state, batch)
+
+    def phase_counts(self, state):
+        if self._phases is None:
+            return super().phase_counts(state)
+        steps = int(state.step)
+        warm = min(steps, self._warmup_steps)
+        return {"warmup": warm, "compressed": steps - warm}
 
     def communication_stats(self, state, batch):
         if self._phases is None:
@@ -373,6 +389,14 @@ class _AsyncStep(TrainStep):
 
     def lower(self, state, batch):
         return self._avg.lower(state.params, state.opt_state, batch)
+
+    def communication_stats(self, state, batch):
+        out = super().communication_stats(state, batch)
+        out["averaging"] = stats.communication_stats(self._avg.lower_averaging())
+        return out
+
+    def phase_counts(self, state):
+        return {"step": int(state.step), "averaging": self._avg.round_stats.rounds}
 
     def close(self):
         if not self._closed:
@@ -488,8 +512,9 @@ class Strategy:
         if self._sync is not None:
             step_kwargs = _bind(builders[1], self.kwargs)
             tx = self._sync if name == "qadam" else optax.chain(self._sync, optimizer)
+            warmup = self.kwargs.get("warmup_steps", 0) if name == "qadam" else 0
             return _ReplicatedStep(
-                name, self.mesh, has_aux, loss_fn, tx, step_kwargs, self._qadam_phases()
+                name, self.mesh, has_aux, loss_fn, tx, step_kwargs, self._qadam_phases(), warmup
             )
         kwargs = _bind(builders[0], self.kwargs)
         built = builders[0](loss_fn, optimizer, self.mesh, has_aux=has_aux, **kwargs)

@@ -204,6 +204,9 @@ def test_qadam_traffic_per_phase():
     metric_means = 2 * 7 / 8 * (2 * 4)
     total = phases["warmup"].bytes_on("node") + phases["compressed"].bytes_on("node")
     assert total - metric_means == whole.bytes_on("node")
+    for batch in _batches(3):
+        state, _ = step(state, batch)
+    assert step.phase_counts(state) == {"warmup": 2, "compressed": 1}
 
 
 def test_async_averages_from_init_until_close():
@@ -212,12 +215,16 @@ def test_async_averages_from_init_until_close():
     state = step.init(_params())
     assert averager.round_stats.running  # started by init, before any step
     state, _ = step(state, _batches(1)[0])
+    phases = step.communication_stats(state, _batches(1)[0])
+    assert set(phases) == {"step", "averaging"}
+    assert [r.kind for r in phases["averaging"].rows if r.dtype == "f32"] == ["all-reduce"]
     with pytest.raises(RuntimeError, match="close"):
         step.params(state)
     with step:
         pass
     assert not averager.round_stats.running
     assert averager.round_stats.rounds >= 1
+    assert step.phase_counts(state) == {"step": 1, "averaging": averager.round_stats.rounds}
     step.close()  # again: nothing to do
     model = step.params(state)
     assert model["w1"].sharding.mesh.shape == step.mesh.shape
