@@ -391,9 +391,12 @@ class _AsyncStep(TrainStep):
         return self._avg.lower(state.params, state.opt_state, batch)
 
     def communication_stats(self, state, batch):
-        out = super().communication_stats(state, batch)
-        out["averaging"] = stats.communication_stats(self._avg.lower_averaging())
-        return out
+        # Each program is laid out over a mesh of its own (this process's devices; one device
+        # per process), read from its shardings.
+        return {
+            "step": stats.communication_stats(self.lower(state, batch)),
+            "averaging": stats.communication_stats(self._avg.lower_averaging()),
+        }
 
     def phase_counts(self, state):
         return {"step": int(state.step), "averaging": self._avg.round_stats.rounds}
