@@ -13,8 +13,10 @@ Three ways to run the same ``optax.adam`` step, each jitted with its inputs dona
 
 - ``per_leaf``: the update on the parameter pytree, as ``data_parallel_step`` runs it;
 - ``flat``: params, gradients and state kept as one float32 buffer (Bagua's layout);
-- ``flatten_each_step``: a pytree in and out, flattened and split inside the step (what a
-  ``flatten=True`` option would cost a user whose model stays a pytree).
+- ``flat_params``: params and state kept flat, the gradient arriving as a pytree and
+  concatenated in the step (``Strategy(..., flatten=True)``: the loss function sees the
+  params unflattened, so its gradient comes back flat through that concatenation);
+- ``flatten_each_step``: a pytree in and out, flattened and split inside the step.
 
 It prints the median time of each and the ratios to ``per_leaf``.
 """
@@ -71,7 +73,24 @@ def _flatten_each_step(params, tx):
     return jax.jit(step, donate_argnums=(0, 2)), (params, grads, tx.init(flat))
 
 
-CASES = {"per_leaf": _per_leaf, "flat": _flat, "flatten_each_step": _flatten_each_step}
+def _flat_params(params, tx):
+    flat, _ = ravel_pytree(params)
+
+    def step(params, grads, state):
+        g = ravel_pytree(grads)[0]
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), grads, state
+
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 1e-3), params)
+    return jax.jit(step, donate_argnums=(0, 2)), (flat, grads, tx.init(flat))
+
+
+CASES = {
+    "per_leaf": _per_leaf,
+    "flat": _flat,
+    "flat_params": _flat_params,
+    "flatten_each_step": _flatten_each_step,
+}
 
 
 def measure(build, params, *, reps: int, warmup: int = 3) -> float:

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_all_equal
+from conftest import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
 from jax_bytegrad import transforms
@@ -258,3 +258,26 @@ def test_orbax_round_trip_continues_bit_exactly(name, tmp_path):
         state, _ = step(state, batch)
         restored, _ = step(restored, batch)
     assert_trees_all_equal(_bits(restored), _bits(state))
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "decentralized"])
+def test_flatten_trains_the_same_model_on_one_vector(name):
+    # Bagua's fused layout: the optimizer sees one vector, the loss function the pytree.
+    batches = _batches(4)
+    runs = {}
+    for flatten in (False, True):
+        strategy = jax_bytegrad.Strategy(name, mesh=jax_bytegrad.make_mesh(2, 4), flatten=flatten)
+        step = strategy.train_step(_loss, optax.adam(1e-2), has_aux=True)
+        state = step.init(_params())
+        for batch in batches:
+            state, _ = step(state, batch)
+        runs[flatten] = (state, step.params(state))
+    flat_state, flat_params = runs[True]
+    assert len(jax.tree.leaves(flat_state.params)) == 1
+    # Float32 sums of the same numbers in another order: equal up to rounding.
+    assert_trees_all_close(flat_params, runs[False][1], rtol=1e-5, atol=1e-6)
+
+
+def test_flatten_must_be_a_bool():
+    with pytest.raises(ValueError, match="flatten must be True or False"):
+        jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), flatten="yes")
