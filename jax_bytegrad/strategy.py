@@ -128,9 +128,9 @@ class _Flat:
     """Bagua's flattened layout: the params (so the gradient and optimizer state) as one vector.
 
     The loss function still sees the pytree: ``wrap`` unflattens inside it, and the gradient
-    of those slices comes back as one vector. XLA:CPU runs one kernel per leaf per optimizer
-    op; on one vector an optax Adam step of 400 small leaves ran about 4x faster
-    (benchmarks/RESULTS.md, "Flattened optimizer").
+    of those slices comes back as one vector. XLA:CPU runs the optimizer's update as one
+    kernel per leaf; on one vector an optax Adam step of 400 small leaves ran 3x faster
+    (3-6x across runs; benchmarks/RESULTS.md, "Flattened optimizer").
     """
 
     def __init__(self):
@@ -450,7 +450,7 @@ class Strategy:
       mesh: from ``make_mesh``; by default ``make_mesh()`` (one node per process).
       flatten: keep the params, gradient and optimizer state as one float32 vector (Bagua's
         fused optimizer; Lightning's ``BaguaStrategy(flatten=True)``); the loss function
-        still gets the pytree. It made an Adam step over 400 small leaves about 4x faster
+        still gets the pytree. It made an Adam step over 400 small leaves about 3x faster
         on CPU. ByteGrad then sends the model as one bucket (one message per collective),
         and mixed-dtype params are held in their common dtype.
       **algorithm_kwargs: the algorithm's options, passed on by name to the function that
