@@ -102,13 +102,7 @@ def shard_batch(tree, mesh: Mesh, *, node_axis: str = "node", local_axis: str = 
         devices of the mesh.
     """
     mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % mine:
-            raise ValueError(
-                f"shard_batch: batch leaf {jax.tree_util.keystr(path)} has shape "
-                f"{jnp.shape(leaf)}; its leading dimension must be a multiple of this "
-                f"process's {mine} devices of the mesh; drop or pad the last rows"
-            )
+    check_batch(tree, mine, "shard_batch", owner="this process in the mesh")
     sharding = NamedSharding(mesh, P((node_axis, local_axis)))
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
@@ -243,14 +237,16 @@ def data_parallel_step(
     return _PlacedStep(step, mesh, shardings, devices, donate)
 
 
-def check_batch(batch, devices: int, where: str = "data_parallel_step") -> None:
+def check_batch(
+    batch, devices: int, where: str = "data_parallel_step", *, owner: str = "the mesh"
+) -> None:
     """Raises unless every batch leaf's leading dimension splits over ``devices``."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
         if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
             raise ValueError(
                 f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape "
                 f"{jnp.shape(leaf)}; its leading dimension must be a multiple of the "
-                f"{devices} devices of the mesh"
+                f"{devices} devices of {owner}; drop or pad the last rows"
             )
 
 
