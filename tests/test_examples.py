@@ -45,12 +45,15 @@ def _check(results, *, min_accuracy: float, max_test_loss: float, names=ONE_PROC
 
 @pytest.fixture(scope="module")
 def cnn_results():
-    config = train.Config(model="cnn", steps=40, nodes=2, devices_per_node=4, progress=False)
+    # 50 steps, not 40: at 40, QAdam's 8-step float32 warm-up leaves its frozen second moment
+    # unsettled, and its accuracy swings between 35% and 65% with float rounding (XLA:CPU's
+    # fusion emitters on or off); from 50 steps (10 warm-up) it reaches ~96%.
+    config = train.Config(model="cnn", steps=50, nodes=2, devices_per_node=4, progress=False)
     return train.compare(config)
 
 
 def test_cnn_digits_every_algorithm(cnn_results):
-    # Chance is 10%; 40 steps of batch 128 reach ~85%.
+    # Chance is 10%; 50 steps of batch 128 go well past the bar (QAdam: 96%).
     _check(cnn_results, min_accuracy=0.5, max_test_loss=1.5)
 
 
