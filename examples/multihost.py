@@ -4,7 +4,8 @@
     python examples/multihost.py --algorithm bytegrad
 
     # Two processes on one machine, 4 CPU devices each: a 2 x 4 mesh whose "node" hop
-    # crosses processes (Gloo over TCP).
+    # crosses processes (Gloo over TCP). Without --algorithm: all six, async included.
+    python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 examples/multihost.py
     python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 \\
         examples/multihost.py --algorithm bytegrad
 
@@ -12,9 +13,9 @@
     srun python examples/multihost.py --algorithm bytegrad
 
 ``jax_bytegrad.initialize()`` runs first, before anything touches a device. ``make_mesh()``
-then makes each process a node, every process draws the same global batch and feeds only
-its own rows (``jax_bytegrad.shard_batch``), the parameters start identical everywhere
-(``jax_bytegrad.replicate``), and only process 0 prints.
+then makes each process a node, every process draws the same global batch and hands the
+``Strategy``'s step only its own rows, the parameters start identical everywhere, and only
+process 0 prints.
 """
 
 import os

@@ -30,6 +30,11 @@ from jax_bytegrad.quantization import dequantize as dequantize
 from jax_bytegrad.quantization import quantize as quantize
 from jax_bytegrad.stats import CommunicationStats as CommunicationStats
 from jax_bytegrad.stats import communication_stats as communication_stats
+from jax_bytegrad.strategy import ALGORITHMS as ALGORITHMS
+from jax_bytegrad.strategy import Strategy as Strategy
+from jax_bytegrad.strategy import TrainState as TrainState
+from jax_bytegrad.strategy import TrainStep as TrainStep
+from jax_bytegrad.strategy import valid_kwargs as valid_kwargs
 from jax_bytegrad.transforms import ByteGradState as ByteGradState
 from jax_bytegrad.transforms import bytegrad as bytegrad
 from jax_bytegrad.transforms import gradient_allreduce as gradient_allreduce
@@ -37,6 +42,7 @@ from jax_bytegrad.transforms import gradient_allreduce as gradient_allreduce
 __version__ = "0.1.0"
 
 __all__ = [
+    "ALGORITHMS",
     "async_model_average",
     "AsyncModelAverage",
     "bytegrad",
@@ -66,4 +72,8 @@ __all__ = [
     "ScaleByQAdamState",
     "shard_batch",
     "shift_one_schedule",
+    "Strategy",
+    "TrainState",
+    "TrainStep",
+    "valid_kwargs",
 ]

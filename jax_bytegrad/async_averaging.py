@@ -124,21 +124,22 @@ class AsyncModelAverage:
             node_axis=node_axis, local_axis=local_axis,
         )  # fmt: skip
         # One device per process does the averaging: a float32 all-reduce of the whole model.
+        # Its axis carries the node axis's name: each process is one node.
         firsts = [_first_local_device(mesh, p) for p in range(self._nproc)]
-        self._avg_mesh = Mesh(np.array(firsts, dtype=object), ("process",))
+        self._avg_mesh = Mesh(np.array(firsts, dtype=object), (node_axis,))
         self._my_device = firsts[self._rank]
-        self._row_sharding = NamedSharding(self._avg_mesh, P("process"))
+        self._row_sharding = NamedSharding(self._avg_mesh, P(node_axis))
 
         def body(flat, flag):
-            mean = jax.lax.pmean(flat, "process")
-            return mean - flat, jax.lax.pmax(flag, "process")
+            mean = jax.lax.pmean(flat, node_axis)
+            return mean - flat, jax.lax.pmax(flag, node_axis)
 
         self._avg_program = jax.jit(
             jax.shard_map(
                 body,
                 mesh=self._avg_mesh,
-                in_specs=(P("process"), P("process")),
-                out_specs=(P("process"), P()),
+                in_specs=(P(node_axis), P(node_axis)),
+                out_specs=(P(node_axis), P()),
             )
         )
         self._lock = threading.Lock()
@@ -236,12 +237,14 @@ class AsyncModelAverage:
 
     # Public API ------------------------------------------------------------------------
 
-    def init(self, params, opt_state=None):
+    def init(self, params, opt_state=None, *, start: bool = False):
         """Places ``params`` (the same on every process) and the optimizer state for ``step``.
 
         Args:
           params: the initial parameters, identical on every process.
           opt_state: optional optimizer state; by default ``optimizer.init(params)``.
+          start: start the background averaging now (every process must), rather than at
+            the first step after warm-up. Ignored during warm-up.
 
         Returns:
           ``(params, opt_state)``, replicated over the whole mesh during warm-up and over
@@ -253,7 +256,11 @@ class AsyncModelAverage:
             sharding = NamedSharding(self.mesh, P())
             place = lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
             return jax.tree.map(place, (params, opt_state))
-        return self._to_local((params, opt_state))
+        placed = self._to_local((params, opt_state))
+        if start and self.sync_interval_ms > 0 and self._thread is None:
+            self._publish(placed[0])
+            self._start_thread()
+        return placed
 
     def pull(self, params):
         """Adds the finished averaging rounds' ``mean(s) - s`` to ``params``.
@@ -287,16 +294,27 @@ class AsyncModelAverage:
         if self.step_id == self.warmup_steps:
             params, opt_state = self._to_local((params, opt_state))
         params = self.pull(params)
-        local_batch = jax.tree.map(
-            lambda x: jax.device_put(np.asarray(x), NamedSharding(self.local_mesh, P(self._axes))),
-            batch,
-        )
-        out = self._local_step(params, opt_state, local_batch)
+        out = self._local_step(params, opt_state, self._local_batch(batch))
         self._publish(out[0])
-        if self.step_id == self.warmup_steps and self.sync_interval_ms > 0:
+        if self.step_id == self.warmup_steps and self.sync_interval_ms > 0 and not self._thread:
             self._start_thread()
         self.step_id += 1
         return out
+
+    def _local_batch(self, batch):
+        sharding = NamedSharding(self.local_mesh, P(self._axes))
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), batch)
+
+    def lower(self, params, opt_state, batch):
+        """Lowers the program the next ``step`` runs, for ``communication_stats``.
+
+        The background averaging runs outside it: a float32 all-reduce of the whole model
+        over processes per round.
+        """
+        if self.step_id < self.warmup_steps:
+            return self._global_step.lower(params, opt_state, shard_batch(batch, self.mesh))
+        params, opt_state = self._to_local((params, opt_state))
+        return self._local_step.lower(params, opt_state, self._local_batch(batch))
 
     def abort(self, timeout: float | None = 300.0) -> None:
         """Stops the background averaging; a collective call, made by every process.
@@ -334,6 +352,16 @@ class AsyncModelAverage:
         self._publish(params)
         self._round(False)
         return self.pull(params)
+
+    def lower_averaging(self):
+        """Lowers one averaging round's program (for ``communication_stats``); runs nothing.
+
+        It runs on one device per process, along a mesh axis named after ``node_axis``.
+        """
+        n = self._snapshot.size if self._snapshot is not None else 1
+        row = jax.ShapeDtypeStruct((self._nproc, n), jnp.float32, sharding=self._row_sharding)
+        flag = jax.ShapeDtypeStruct((self._nproc,), jnp.int32, sharding=self._row_sharding)
+        return self._avg_program.lower(row, flag)
 
     @property
     def round_stats(self) -> AsyncModelAverageState:

@@ -34,7 +34,14 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
 from jax_bytegrad.collectives import DEFAULT_MESSAGE_BYTES, check_size_bytes, split_ppermute
-from jax_bytegrad.parallel import _varying_axes, check_batch, check_mesh, compiler_options
+from jax_bytegrad.parallel import (
+    StepsInFlight,
+    _varying_axes,
+    check_batch,
+    check_mesh,
+    check_not_deleted,
+    compiler_options,
+)
 from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
@@ -181,9 +188,15 @@ def _host_selected_step(per_device, mesh, axes, state_specs, choose, *, has_aux,
         out = fn(state._replace(step=None), batch)
         return (out[0]._replace(step=count + 1), *out[1:])
 
+    in_flight = StepsInFlight(mesh)
+
     def step(state, batch):
         check_batch(batch, devices, where)
-        return run(state, batch, None)
+        check_not_deleted(state, where)
+        in_flight.wait()
+        out = run(state, batch, None)
+        in_flight.track(out)
+        return out
 
     step.lower = lambda state, batch: run(state, batch, "lower")
     return step

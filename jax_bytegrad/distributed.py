@@ -151,6 +151,27 @@ def _install_fail_fast() -> None:
     sys.excepthook = hook
 
 
+def _quiet_native_stdout() -> None:
+    """Drops what native code prints to stdout in this process; Python's own prints still show.
+
+    Gloo prints a line per connection on every process ("[Gloo] Rank 1 is connected to 3
+    peer ranks"), straight to file descriptor 1, so under the launcher every rank's lines
+    interleave. Python's ``sys.stdout`` moves to a copy of the descriptor, and descriptor 1
+    itself to /dev/null. stderr (errors, tracebacks) is left alone.
+    """
+    try:
+        sys.stdout.flush()
+        if sys.stdout.fileno() != 1:
+            return  # already redirected (a test harness, a notebook): leave it be
+    except (AttributeError, OSError, ValueError):
+        return
+    keep = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+    sys.stdout = os.fdopen(keep, "w", buffering=1)
+
+
 # State --------------------------------------------------------------------------------------------
 
 
@@ -188,6 +209,7 @@ def initialize(
     cpu_devices: int | None = None,
     initialization_timeout: int = 300,
     fail_fast: bool = True,
+    quiet: bool = True,
 ) -> DistributedInfo:
     """Joins this process to a multi-process JAX run, or does nothing for a single process.
 
@@ -219,6 +241,9 @@ def initialize(
         the process with status 1 at once. Otherwise the process hangs at exit in
         `jax.distributed`'s shutdown barrier while the others wait for it in a collective, and no
         launcher or scheduler learns of the failure.
+      quiet: In a multi-process run, on every process but 0, drop what native libraries
+        print to stdout (Gloo's connection lines, one per peer and collective group), so
+        only process 0's show. Python's own ``print`` and everything on stderr still show.
 
     Returns:
       A `DistributedInfo`: this process's id, the process count, the coordinator and the source.
@@ -318,6 +343,7 @@ def initialize(
     _configure_cpu(ncpu)
     if fail_fast:
         _install_fail_fast()
+
     if missing:  # JAX's detector fills the gaps from the SLURM / Open MPI variables
         method, source = cluster[0], cluster[0]
     else:
@@ -338,5 +364,7 @@ def initialize(
         global_state.coordinator_address,
         source,
     )
+    if quiet and info.process_id != 0:
+        _quiet_native_stdout()  # Gloo connects at the first collective, after this
     _STATE, _STATE_KEY = info, key
     return info

@@ -23,9 +23,13 @@ COMPRESSED = ("bytegrad", "qadam", "low_precision_decentralized")
 MAX_RATIO = 0.26
 
 
-def _check(results, *, min_accuracy: float, max_test_loss: float) -> None:
+# One process runs every algorithm but async (which averages across processes).
+ONE_PROCESS = set(train.ALGORITHMS) - {"async"}
+
+
+def _check(results, *, min_accuracy: float, max_test_loss: float, names=ONE_PROCESS) -> None:
     by_name = {r.algorithm: r for r in results}
-    assert set(by_name) == set(train.ALGORITHMS)
+    assert set(by_name) == set(names)
     for r in results:
         head, tail = np.mean(r.losses[:3]), np.mean(r.losses[-3:])
         assert tail < head, f"{r.algorithm}: loss went {head:.4f} -> {tail:.4f}"
@@ -41,12 +45,15 @@ def _check(results, *, min_accuracy: float, max_test_loss: float) -> None:
 
 @pytest.fixture(scope="module")
 def cnn_results():
-    config = train.Config(model="cnn", steps=40, nodes=2, devices_per_node=4, progress=False)
+    # 50 steps, not 40: at 40, QAdam's 8-step float32 warm-up leaves its frozen second moment
+    # unsettled, and its accuracy swings between 35% and 65% with float rounding (XLA:CPU's
+    # fusion emitters on or off); from 50 steps (10 warm-up) it reaches ~96%.
+    config = train.Config(model="cnn", steps=50, nodes=2, devices_per_node=4, progress=False)
     return train.compare(config)
 
 
 def test_cnn_digits_every_algorithm(cnn_results):
-    # Chance is 10%; 40 steps of batch 128 reach ~85%.
+    # Chance is 10%; 50 steps of batch 128 go well past the bar (QAdam: 96%).
     _check(cnn_results, min_accuracy=0.5, max_test_loss=1.5)
 
 
@@ -98,22 +105,31 @@ def test_multihost_two_processes(tmp_path):
         pytest.skip(f"two processes cannot reach each other over Gloo here: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "mesh {'node': 2, 'local': 2} on 2 process(es)" in proc.stdout
-    # Only process 0 prints the table.
+    # Only process 0 prints the table, and only its Gloo connection lines show.
     assert proc.stdout.count("| bytegrad |") == 1
+    assert "[rank 1] [Gloo]" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
-def test_async_model_averaging_across_two_processes(tmp_path):
+def test_all_six_algorithms_in_one_command_across_two_processes(tmp_path):
+    # The one entry point, one loop: every algorithm, async included, in one launch.
     script = os.path.join(EXAMPLES, "multihost.py")
     args = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2"]
-    args += ["--timeout", "240", script, "--algorithm", "async", "--steps", "150"]
-    proc = _run([*args, "--no-progress", "--batch-size", "32"], tmp_path)
+    args += ["--timeout", "540", script, "--steps", "150", "--out-dir", str(tmp_path)]
+    proc = _run([*args, "--no-progress", "--batch-size", "32"], tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    row = next(line for line in proc.stdout.splitlines() if "| async |" in line)
-    accuracy = float(row.split("|")[2].strip().rstrip("%"))
-    assert accuracy > 80.0, row  # chance is 10%
-    rounds = int(proc.stdout.split("async: ")[1].split(" background")[0])
-    assert rounds >= 1  # the background thread really averaged
+    rows = {
+        line.split("|")[1].strip(): line.split("|")
+        for line in proc.stdout.splitlines()
+        if line.startswith("[rank 0] | ") and "%" in line
+    }
+    assert set(rows) == set(train.ALGORITHMS), proc.stdout[-3000:]
+    for name, row in rows.items():
+        accuracy = float(row[2].strip().rstrip("%"))
+        assert accuracy > 80.0, (name, row)  # chance is 10%
+    # Async's inter-node bytes are its background rounds': above zero only if they ran.
+    assert float(rows["async"][5].split()[0].replace(",", "")) > 0, rows["async"]
+    assert (tmp_path / "cnn_loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_async_needs_several_processes():

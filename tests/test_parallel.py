@@ -1,6 +1,10 @@
 """data_parallel_step and make_mesh: replicas, compilation, HLO traffic, Flax NNX, convergence."""
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -237,7 +241,13 @@ def test_make_mesh_shapes(args, shape):
 
 @pytest.mark.parametrize(
     "args,match",
-    [((3, 4), "needs 12 devices, but only 8"), ((0, 2), "positive int"), ((3,), "do not split")],
+    [
+        ((3, 4), "needs 12 devices, but only 8"),
+        ((3, 4), r'jax.config.update\("jax_num_cpu_devices", 12\)'),
+        ((0, 2), "positive int"),
+        ((3,), "do not split"),
+    ],
+    ids=["count", "how-to-get-cpu-devices", "positive", "split"],
 )
 def test_make_mesh_errors(args, match):
     with pytest.raises(ValueError, match=match):
@@ -269,3 +279,74 @@ def test_batch_splits_over_node_and_local_only_on_a_mesh_with_another_axis():
     assert float(loss) == 3.0
     with pytest.raises(ValueError, match="multiple of the 4 devices"):
         step(w, tx.init(w), jnp.ones((6, 3)))
+
+
+def test_shard_batch_that_does_not_split_raises_clear_error():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    with pytest.raises(ValueError, match=r"shard_batch: batch leaf \['x'\] has shape \(12, 3\)"):
+        jax_bytegrad.shard_batch({"x": np.ones((12, 3), np.float32)}, mesh)
+
+
+def test_reusing_donated_params_names_donation():
+    # Comparing two optimizers from the same initial params: the first step consumed them.
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
+    step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh)
+    params = jax_bytegrad.replicate(np.ones(3, np.float32), mesh)
+    step(params, tx.init(params), jnp.ones((8, 3)))
+    with pytest.raises(ValueError, match=r"was deleted: the step donates.*donate=False"):
+        step(params, tx.init(jnp.ones(3)), jnp.ones((8, 3)))
+    keep = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh, donate=False)
+    params = jax_bytegrad.replicate(np.ones(3, np.float32), mesh)
+    keep(params, tx.init(params), jnp.ones((8, 3)))
+    assert not params.is_deleted()
+
+
+# A user's script: 8 CPU devices asked for in code, no environment set up, and a loop that
+# never blocks. Before steps waited for their predecessor on CPU, this aborted the process on
+# a 2-core host ("Termination timeout for all reduce ... 40 seconds").
+_UNBLOCKED_LOOP = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp, numpy as np, optax
+import jax_bytegrad
+
+mesh = jax_bytegrad.make_mesh(2, 4)
+k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+params = {"w1": jax.random.normal(k1, (784, 1024)) * 0.03, "b1": jnp.zeros(1024),
+          "w2": jax.random.normal(k2, (1024, 10)) * 0.03}
+
+def loss_fn(p, batch):
+    x, y = batch
+    logits = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-3))
+step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh)
+opt_state = tx.init(params)
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 784)).astype(np.float32)
+y = rng.integers(0, 10, 256).astype(np.int32)
+first = None
+for i in range(200):
+    params, opt_state, loss = step(params, opt_state, (x, y))
+    first = loss if first is None else first
+print("losses", float(first), float(loss))
+"""
+
+
+@pytest.mark.slow
+def test_200_unblocked_steps_on_8_cpu_devices_finish(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_UNBLOCKED_LOOP)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, last = map(float, proc.stdout.split("losses")[1].split())
+    assert last < first  # the 200 steps really trained

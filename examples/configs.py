@@ -1,0 +1,107 @@
+"""What the examples train, and the registry of algorithms: each one's Strategy arguments.
+
+An algorithm is one entry of ``ALGORITHMS``, keyed by Bagua's name (``jax_bytegrad.ALGORITHMS``):
+the keyword arguments ``jax_bytegrad.Strategy(name, ...)`` gets for a ``Config``, whether it
+takes the run's optimizer, and how many processes it needs. Everything else is the same for
+every algorithm.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax_bytegrad
+
+# Simulated layout on CPU: the smallest one where both the "node" and the "local" hop exist.
+CPU_NODES, CPU_DEVICES_PER_NODE = 2, 4
+
+MODEL_DEFAULTS = {
+    "cnn": {"dataset": "digits", "steps": 300, "batch_size": 128, "learning_rate": 1e-3},
+    "transformer": {"dataset": "pysource", "steps": 300, "batch_size": 64, "learning_rate": 2e-3},
+}
+
+# What the inter-node traffic of every algorithm is compared with.
+BASELINE = "gradient_allreduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What to train, how, and on which mesh.
+
+    Attributes:
+      algorithm: a key of ``ALGORITHMS``.
+      model: ``"cnn"`` (digits) or ``"transformer"`` (character LM on Python source).
+      steps: training steps; None for the model's default.
+      batch_size: global batch, a multiple of the device count; None for the default.
+      learning_rate: Adam's learning rate; None for the model's default.
+      seq_len: characters per transformer example.
+      nodes: mesh rows ("node" axis); None: processes, or 2 simulated nodes on CPU.
+      devices_per_node: mesh columns ("local" axis); None: devices per process, or 4 on CPU.
+      qadam_warmup_fraction: share of the steps QAdam runs as float32 Adam.
+      qadam_eps: QAdam's eps (see ``ALGORITHMS["qadam"]``).
+      async_interval_ms: milliseconds between async's background averaging rounds.
+      seed: seeds the parameters and the batches.
+      progress: draw a progress bar (process 0 only).
+    """
+
+    algorithm: str = "bytegrad"
+    model: str = "cnn"
+    steps: int | None = None
+    batch_size: int | None = None
+    learning_rate: float | None = None
+    seq_len: int = 64
+    nodes: int | None = None
+    devices_per_node: int | None = None
+    qadam_warmup_fraction: float = 0.2
+    qadam_eps: float = 1e-5
+    async_interval_ms: int = 200
+    seed: int = 0
+    progress: bool = True
+
+    def get(self, name: str):
+        """The field, or the model's default where it is None."""
+        value = getattr(self, name, None)
+        return MODEL_DEFAULTS[self.model][name] if value is None else value
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """One entry of the registry.
+
+    Attributes:
+      kwargs: ``config -> Strategy keyword arguments``.
+      takes_optimizer: False for an algorithm that is the optimizer itself (QAdam).
+      min_processes: processes it needs to mean anything, and why.
+    """
+
+    kwargs: Callable[[Config], dict[str, Any]] = lambda config: {}
+    takes_optimizer: bool = True
+    min_processes: tuple[int, str] = (1, "")
+
+
+def _qadam(config: Config) -> dict[str, Any]:
+    # eps 1e-5, not Adam's 1e-8: after warm-up the second moment is frozen, and weights that
+    # got almost no gradient in the 60 warm-up steps keep it near zero; their first real
+    # gradient is then divided by about eps (the CNN diverges with 1e-8 or 1e-6, even on one
+    # device where nothing is quantized).
+    return {
+        "learning_rate": config.get("learning_rate"),
+        "warmup_steps": max(1, int(config.qadam_warmup_fraction * config.get("steps"))),
+        "eps": config.qadam_eps,
+    }
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    # Hierarchical: each device sends 1/L of the gradient between nodes, the strongest
+    # float32 baseline. Bagua's default (False) would count 4x more inter-node bytes here.
+    "gradient_allreduce": Algorithm(lambda config: {"hierarchical": True}),
+    "bytegrad": Algorithm(),
+    "qadam": Algorithm(_qadam, takes_optimizer=False),
+    "decentralized": Algorithm(),
+    "low_precision_decentralized": Algorithm(),
+    "async": Algorithm(
+        lambda config: {"sync_interval_ms": config.async_interval_ms},
+        min_processes=(2, "async model averaging averages the model across processes"),
+    ),
+}
+assert tuple(ALGORITHMS) == jax_bytegrad.ALGORITHMS, "one registry entry per library algorithm"

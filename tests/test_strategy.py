@@ -1,0 +1,283 @@
+"""Tests for the one entry point (jax_bytegrad/strategy.py)."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from conftest import assert_trees_all_close, assert_trees_all_equal
+
+import jax_bytegrad
+from jax_bytegrad import transforms
+from jax_bytegrad.decentralized import decentralized_step
+
+BATCH = 32
+
+
+def _params():
+    key = jax.random.PRNGKey(0)
+    k1, k2 = jax.random.split(key)
+    return {
+        "w1": jax.random.normal(k1, (16, 32)) * 0.3,
+        "b1": jnp.zeros(32),
+        "w2": jax.random.normal(k2, (32, 4)) * 0.3,
+    }
+
+
+def _loss(params, batch):
+    x, y = batch
+    logits = jnp.tanh(x @ params["w1"] + params["b1"][None]) @ params["w2"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, {"accuracy": jnp.mean((jnp.argmax(logits, -1) == y).astype(jnp.float32))}
+
+
+def _batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    teacher = rng.normal(size=(16, 4)).astype(np.float32)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=(BATCH, 16)).astype(np.float32)
+        out.append((x, np.argmax(x @ teacher, -1).astype(np.int32)))
+    return out
+
+
+# Per algorithm: its arguments, and the mesh it runs on in one process (async needs one
+# node per process, so a single process is a 1 x 8 mesh).
+CASES = {
+    "gradient_allreduce": ({}, (2, 4)),
+    "bytegrad": ({}, (2, 4)),
+    "qadam": ({"learning_rate": 3e-2, "warmup_steps": 4, "eps": 1e-5}, (2, 4)),
+    "decentralized": ({"peer_selection_mode": "shift_one"}, (2, 4)),
+    "low_precision_decentralized": ({}, (2, 4)),
+    "async": ({"sync_interval_ms": 5}, (1, 8)),
+}
+
+
+def _strategy(name, **extra):
+    kwargs, shape = CASES[name]
+    return jax_bytegrad.Strategy(name, mesh=jax_bytegrad.make_mesh(*shape), **kwargs, **extra)
+
+
+def _optimizer(name):
+    return None if name == "qadam" else optax.adam(3e-2)
+
+
+def test_the_six_bagua_names():
+    assert set(jax_bytegrad.ALGORITHMS) == set(CASES)
+
+
+@pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
+def test_every_algorithm_trains_through_the_same_calls(name):
+    params = _params()
+    batches = _batches(12)
+    with _strategy(name).train_step(_loss, _optimizer(name), has_aux=True) as step:
+        state = step.init(params)
+        assert int(state.step) == 0
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            assert metrics["loss"].shape == ()  # one number for every algorithm
+            assert set(metrics) == {"loss", "aux"}
+            losses.append(float(metrics["loss"]))
+    assert int(state.step) == len(batches)
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3]), losses
+    model = step.params(state)
+    assert jax.tree.map(jnp.shape, model) == jax.tree.map(jnp.shape, params)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(model))
+    with pytest.raises(RuntimeError, match="closed"):
+        step(state, batches[0])
+
+
+def test_init_leaves_the_callers_params_alive():
+    # The step donates its state; init must copy, so comparing two strategies from the same
+    # initial params (the natural experiment) works.
+    params = _params()
+    for name in ("bytegrad", "gradient_allreduce"):
+        step = _strategy(name).train_step(_loss, optax.adam(1e-2), has_aux=True)
+        state = step.init(params)
+        step(step(state, _batches(1)[0])[0], _batches(1)[0])
+    assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+
+
+def test_same_result_as_the_builders_it_wraps():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    batches = _batches(3)
+    step = jax_bytegrad.Strategy("bytegrad", mesh=mesh).train_step(
+        _loss, optax.adam(1e-2), has_aux=True
+    )
+    state = step.init(_params())
+    tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-2))
+    dp = jax_bytegrad.data_parallel_step(_loss, tx, mesh, has_aux=True, donate=False)
+    params = jax_bytegrad.replicate(_params(), mesh)
+    opt_state = tx.init(params)
+    for batch in batches:
+        state, _ = step(state, batch)
+        params, opt_state, _, _ = dp(params, opt_state, jax_bytegrad.shard_batch(batch, mesh))
+    assert_trees_all_equal(step.params(state), params)
+
+    dec = jax_bytegrad.Strategy("decentralized", mesh=mesh, hierarchical=False)
+    dstep = dec.train_step(_loss, optax.sgd(0.1), has_aux=True)
+    dstate = dstep.init(_params())
+    train = decentralized_step(_loss, optax.sgd(0.1), mesh, hierarchical=False, has_aux=True)
+    raw = train.init(_params())
+    for batch in batches:
+        dstate, _ = dstep(dstate, batch)
+        raw = train.step(raw, jax_bytegrad.shard_batch(batch, mesh))[0]
+    assert_trees_all_equal(dstate.params, raw.params)
+
+
+def test_unknown_algorithm_lists_the_names():
+    with pytest.raises(ValueError, match="'bagua'.*gradient_allreduce, bytegrad, qadam"):
+        jax_bytegrad.Strategy("bagua")
+
+
+@pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
+def test_unknown_kwarg_lists_the_valid_ones(name):
+    with pytest.raises(ValueError, match="unknown keyword argument.*no_such_option") as info:
+        jax_bytegrad.Strategy(name, no_such_option=1)
+    for valid in jax_bytegrad.valid_kwargs(name):
+        assert valid in str(info.value)
+
+
+def test_valid_kwargs_come_from_the_builders_signatures():
+    bytegrad = set(inspect.signature(jax_bytegrad.bytegrad).parameters)
+    step = set(inspect.signature(jax_bytegrad.data_parallel_step).parameters)
+    step -= {"loss_fn", "optimizer", "mesh", "has_aux"}
+    assert set(jax_bytegrad.valid_kwargs("bytegrad")) == bytegrad | step
+    assert "sync_interval_ms" in jax_bytegrad.valid_kwargs("async")
+    assert "communication_interval" in jax_bytegrad.valid_kwargs("low_precision_decentralized")
+    assert "sync_interval_ms" not in jax_bytegrad.valid_kwargs("bytegrad")
+
+
+def test_a_new_builder_argument_flows_through(monkeypatch):
+    # A keyword argument added to bytegrad() later reaches it with no change to strategy.py.
+    seen = {}
+    original = transforms.bytegrad
+
+    def bytegrad_with_option(*, message_bytes=None, **kwargs):
+        seen["message_bytes"] = message_bytes
+        return original(**kwargs)
+
+    bytegrad_with_option.__signature__ = inspect.signature(original).replace(
+        parameters=[
+            *inspect.signature(original).parameters.values(),
+            inspect.Parameter("message_bytes", inspect.Parameter.KEYWORD_ONLY, default=None),
+        ]
+    )
+    monkeypatch.setattr(transforms, "bytegrad", bytegrad_with_option)
+    jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), message_bytes=2**20)
+    assert seen == {"message_bytes": 2**20}
+
+
+def test_bad_values_are_rejected_at_construction():
+    with pytest.raises(ValueError, match="block_size"):
+        jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), block_size=100)
+
+
+def test_qadam_takes_its_settings_not_an_optimizer():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    with pytest.raises(ValueError, match="missing keyword argument.*warmup_steps"):
+        jax_bytegrad.Strategy("qadam", mesh=mesh, learning_rate=1e-3)
+    strategy = jax_bytegrad.Strategy("qadam", mesh=mesh, learning_rate=1e-3, warmup_steps=2)
+    with pytest.raises(ValueError, match="optimizer=None"):
+        strategy.train_step(_loss, optax.adam(1e-3), has_aux=True)
+    with pytest.raises(ValueError, match="optimizer must be an optax"):
+        jax_bytegrad.Strategy("bytegrad", mesh=mesh).train_step(_loss, has_aux=True)
+
+
+def test_qadam_traffic_per_phase():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    step = jax_bytegrad.Strategy("qadam", mesh=mesh, learning_rate=1e-3, warmup_steps=2).train_step(
+        _loss, has_aux=True
+    )
+    state, batch = step.init(_params()), _batches(1)[0]
+    phases = step.communication_stats(state, batch)
+    assert set(phases) == {"warmup", "compressed"}
+    assert {r.dtype for r in phases["warmup"].rows if r.axes == "node"} == {"f32"}
+    assert "u8" in {r.dtype for r in phases["compressed"].rows if r.axes == "node"}
+    whole = jax_bytegrad.communication_stats(step.lower(state, batch), mesh=mesh)
+    # The phases add up to the one program, but for the means of the loss and the accuracy
+    # (two float32 scalars all-reduced over the 8 devices), which both stand-ins carry too.
+    metric_means = 2 * 7 / 8 * (2 * 4)
+    total = phases["warmup"].bytes_on("node") + phases["compressed"].bytes_on("node")
+    assert total - metric_means == whole.bytes_on("node")
+    for batch in _batches(3):
+        state, _ = step(state, batch)
+    assert step.phase_counts(state) == {"warmup": 2, "compressed": 1}
+
+
+def test_async_averages_from_init_until_close():
+    step = _strategy("async").train_step(_loss, optax.adam(1e-2), has_aux=True)
+    averager = step._avg
+    state = step.init(_params())
+    assert averager.round_stats.running  # started by init, before any step
+    state, _ = step(state, _batches(1)[0])
+    phases = step.communication_stats(state, _batches(1)[0])
+    assert set(phases) == {"step", "averaging"}
+    assert [r.kind for r in phases["averaging"].rows if r.dtype == "f32"] == ["all-reduce"]
+    with pytest.raises(RuntimeError, match="close"):
+        step.params(state)
+    with step:
+        pass
+    assert not averager.round_stats.running
+    assert averager.round_stats.rounds >= 1
+    assert step.phase_counts(state) == {"step": 1, "averaging": averager.round_stats.rounds}
+    step.close()  # again: nothing to do
+    model = step.params(state)
+    assert model["w1"].sharding.mesh.shape == step.mesh.shape
+
+
+def _bits(tree):
+    """The tree with typed PRNG keys (ByteGrad's rounding key) as their raw key data."""
+
+    def raw(x):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.key_data(x)
+        return x
+
+    return jax.tree.map(raw, tree)
+
+
+@pytest.mark.parametrize("name", ["bytegrad", "qadam", "low_precision_decentralized"])
+def test_orbax_round_trip_continues_bit_exactly(name, tmp_path):
+    batches = _batches(6)
+    step = _strategy(name).train_step(_loss, _optimizer(name), has_aux=True)
+    state = step.init(_params())
+    for batch in batches[:3]:
+        state, _ = step(state, batch)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "ckpt", step.init(_params()))
+    assert int(restored.step) == 3
+    assert_trees_all_equal(_bits(restored), _bits(state))
+    for batch in batches[3:]:
+        state, _ = step(state, batch)
+        restored, _ = step(restored, batch)
+    assert_trees_all_equal(_bits(restored), _bits(state))
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "decentralized"])
+def test_flatten_trains_the_same_model_on_one_vector(name):
+    # Bagua's fused layout: the optimizer sees one vector, the loss function the pytree.
+    batches = _batches(4)
+    runs = {}
+    for flatten in (False, True):
+        strategy = jax_bytegrad.Strategy(name, mesh=jax_bytegrad.make_mesh(2, 4), flatten=flatten)
+        step = strategy.train_step(_loss, optax.adam(1e-2), has_aux=True)
+        state = step.init(_params())
+        for batch in batches:
+            state, _ = step(state, batch)
+        runs[flatten] = (state, step.params(state))
+    flat_state, flat_params = runs[True]
+    assert len(jax.tree.leaves(flat_state.params)) == 1
+    # Float32 sums of the same numbers in another order: equal up to rounding.
+    assert_trees_all_close(flat_params, runs[False][1], rtol=1e-5, atol=1e-6)
+
+
+def test_flatten_must_be_a_bool():
+    with pytest.raises(ValueError, match="flatten must be True or False"):
+        jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), flatten="yes")
