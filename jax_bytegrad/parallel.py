@@ -203,14 +203,28 @@ def data_parallel_step(
     devices = nodes * per_node
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
+    def state_specs(opt_state):
+        # Error feedback's residuals are each device's own; everything else is replicated.
+        # (transforms imports this module, hence the late import.)
+        from jax_bytegrad.transforms import state_specs
+
+        return state_specs(opt_state, node_axis=node_axis, local_axis=local_axis)
+
     def per_device(params, opt_state, batch):
         out, grads = grad_fn(jax.lax.pcast(params, axes, to="varying"), batch)
         loss, aux = out if has_aux else (out, None)
         updates, opt_state = optimizer.update(grads, opt_state, params)
+        replicated = jax.tree.leaves(
+            jax.tree.map(lambda spec: spec == P(), state_specs(opt_state)),
+        )
         unsynced = [
             jax.tree_util.keystr(path)
-            for path, leaf in jax.tree_util.tree_leaves_with_path((updates, opt_state))
-            if _varying_axes(leaf) & set(axes)
+            for (path, leaf), shared in zip(
+                jax.tree_util.tree_leaves_with_path((updates, opt_state)),
+                [True] * len(jax.tree.leaves(updates)) + replicated,
+                strict=True,
+            )
+            if shared and _varying_axes(leaf) & set(axes)
         ]
         if unsynced:
             raise ValueError(
@@ -224,16 +238,19 @@ def data_parallel_step(
             return params, opt_state, loss, jax.lax.pmean(aux, axes)
         return params, opt_state, loss
 
-    out_specs = (P(), P(), P(), P()) if has_aux else (P(), P(), P())
-    sharded = jax.shard_map(
-        per_device, mesh=mesh, in_specs=(P(), P(), P(axes)), out_specs=out_specs
-    )
-
     def step(params, opt_state, batch):
         check_batch(batch, devices)
+        state = state_specs(opt_state)
+        out_specs = (P(), state, P(), P()) if has_aux else (P(), state, P())
+        sharded = jax.shard_map(
+            per_device, mesh=mesh, in_specs=(P(), state, P(axes)), out_specs=out_specs
+        )
         return sharded(params, opt_state, batch)
 
-    shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P()), NamedSharding(mesh, P(axes)))
+    def shardings(opt_state):
+        state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(opt_state))
+        return (NamedSharding(mesh, P()), state, NamedSharding(mesh, P(axes)))
+
     return _PlacedStep(step, mesh, shardings, devices, donate)
 
 
@@ -299,31 +316,46 @@ class _PlacedStep:
 
     Placing them makes the first call (host arrays) and the later ones (this step's own
     committed outputs) hit the same compiled program; jit alone compiles once for
-    uncommitted and once for committed arguments. Inside a caller's jit the step is
-    inlined, and the caller's program chooses the compiler options (XLA accepts them on a
-    top-level jit only). ``lower`` works as in jit, for ``communication_stats``.
+    uncommitted and once for committed arguments. The optimizer state's placement depends
+    on its structure (``shardings(opt_state)``), so there is one jitted step per structure.
+    Inside a caller's jit the step is inlined, and the caller's program chooses the
+    compiler options (XLA accepts them on a top-level jit only). ``lower`` works as in
+    jit, for ``communication_stats``.
     """
 
     def __init__(self, step, mesh, shardings, devices, donate):
-        kwargs = dict(
-            in_shardings=shardings,
-            out_shardings=shardings[0],
-            donate_argnums=(0, 1) if donate else (),
-        )
-        self.jitted = jax.jit(step, compiler_options=compiler_options(mesh), **kwargs)
-        self._nested = jax.jit(step, **kwargs)
+        self._step = step
+        self._mesh = mesh
+        self._donate = donate
+        self._jitted = {}
         self.shardings = shardings
         self.devices = devices
-        self.lower = self.jitted.lower
         self.in_flight = StepsInFlight(mesh)
+
+    def _jit(self, opt_state, nested: bool = False):
+        shardings = self.shardings(opt_state)
+        key = (nested, jax.tree.structure(shardings), tuple(jax.tree.leaves(shardings)))
+        if key not in self._jitted:
+            options = {} if nested else {"compiler_options": compiler_options(self._mesh)}
+            self._jitted[key] = jax.jit(
+                self._step,
+                in_shardings=shardings,  # the outputs keep the shard_map's out_specs
+                donate_argnums=(0, 1) if self._donate else (),
+                **options,
+            )
+        return self._jitted[key], shardings
+
+    def lower(self, params, opt_state, batch):
+        return self._jit(opt_state)[0].lower(params, opt_state, batch)
 
     def __call__(self, params, opt_state, batch):
         check_batch(batch, self.devices)
         args = (params, opt_state, batch)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-            return self._nested(*args)
+            return self._jit(opt_state, nested=True)[0](*args)
         check_not_deleted((params, opt_state), "data_parallel_step")
+        jitted, shardings = self._jit(opt_state)
         self.in_flight.wait()
-        out = self.jitted(*jax.device_put(args, self.shardings))
+        out = jitted(*jax.device_put(args, shardings))
         self.in_flight.track(out)
         return out

@@ -511,7 +511,12 @@ class Strategy:
         self.kwargs = dict(algorithm_kwargs)
         self.flatten = flatten
         # The transforms validate their arguments now, at construction, not at the first step.
-        self._sync = builders[0](**_bind(builders[0], self.kwargs)) if len(builders) > 1 else None
+        self._sync = None
+        if len(builders) > 1:
+            sync_kwargs = _bind(builders[0], self.kwargs)
+            if "mesh" in inspect.signature(builders[0]).parameters:
+                sync_kwargs["mesh"] = self.mesh  # bytegrad's error feedback sizes state by it
+            self._sync = builders[0](**sync_kwargs)
 
     def __repr__(self) -> str:
         args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())

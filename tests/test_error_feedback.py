@@ -229,3 +229,28 @@ def test_inter_node_bytes_against_gradient_allreduce(mesh, bits, limit):
         sync = jax_bytegrad.bytegrad(bits=bits, error_feedback=error_feedback, mesh=mesh)
         ratio = node_bytes(sync) / baseline
         assert bits / 32 < ratio <= limit, (error_feedback, ratio)
+
+
+def test_data_parallel_step_and_strategy_carry_the_residuals(mesh):
+    """The library's own steps keep each device's residual and match a hand-written step."""
+    tx = optax.chain(
+        jax_bytegrad.bytegrad(bits=4, error_feedback=True, mesh=mesh, block_size=256),
+        optax.sgd(0.1, momentum=0.9),
+    )
+    *_, (want_params, want_state) = run(tx, mesh, 6)
+
+    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    params, state = init_params(), tx.init(init_params())
+    for t in range(6):
+        params, state, _ = step(params, state, jax_bytegrad.shard_batch(batch(t), mesh))
+    assert_same_on_every_device(params, device_copies(want_params))
+    assert_same_on_every_device(state, device_copies(want_state))
+
+    strategy = jax_bytegrad.Strategy(
+        "bytegrad", mesh=mesh, bits=4, error_feedback=True, block_size=256
+    )
+    train = strategy.train_step(loss_fn, optax.sgd(0.1, momentum=0.9))
+    train_state = train.init(init_params())
+    for t in range(6):
+        train_state, _ = train(train_state, batch(t))
+    assert_same_on_every_device(train.params(train_state), device_copies(want_params))
