@@ -145,10 +145,10 @@ def test_a_stopped_worker_is_detected_by_the_progress_timeout(reference, tmp_pat
     assert f"[launch] no progress for {progress_timeout} s from " in out
     assert "rank 1 (after step 3)" in out
     assert "restart 1 of 1" in out
-    assert (
-        "[rank 0] bytegrad: starts at step 2" in out
-        and "[rank 1] bytegrad: starts at step 2" in out
-    )
+    starts = [line for line in out.splitlines() if "bytegrad: starts at step" in line]
+    assert sorted(starts) == sorted(
+        f"[rank {r}] bytegrad: starts at step {s}" for r in (0, 1) for s in (0, 2)
+    ), out
     want = _final_params(reference, "bytegrad")
     for got in _final_params(tmp_path, "bytegrad"):
         assert_trees_all_equal(got, want[0])
@@ -170,7 +170,6 @@ def test_a_stopped_worker_is_detected_by_the_progress_timeout(reference, tmp_pat
 ROUNDING_ATOL = 2e-6  # as in tests/test_multiprocess.py; measured 3e-8 here
 QUANTIZATION_ATOL = 5e-2  # measured 1e-3 (ByteGrad) and 1e-2 (QAdam) after 4 steps
 EXPECTED = {
-    ("gradient_allreduce", (2, 4)): "rounding",
     ("bytegrad", (2, 4)): "rounding",
     ("bytegrad_flat", (2, 4)): "bit-identical",
     ("qadam", (2, 4)): "rounding",

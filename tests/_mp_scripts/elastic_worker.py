@@ -9,7 +9,8 @@ first device to ``OUT_DIR/<algorithm>_rank<k>.npz``.
 
 On the first attempt (`jax_bytegrad.distributed.restart_count` 0) rank ``--fail-rank`` kills
 itself with SIGKILL right after step ``--kill-step`` (and after starting that step's save, if
-it has one), or stops itself with SIGSTOP after step ``--stop-step``. With ``--kill-always`` it
+it has one), or stops itself with SIGSTOP after step ``--stop-step`` (once the last save is
+finalized). With ``--kill-always`` it
 kills itself on every attempt. Each extra argument lands on the command line, where the test
 finds the processes of its run by ``--marker``.
 
@@ -57,7 +58,7 @@ def init_state(name: str):
 def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
     """Resumes `name` from `ckpt_dir` (or starts), trains to STEPS; returns (start step, params).
 
-    `on_step(step)` runs after each step and its save.
+    `on_step(step, checkpointer)` runs after each step and its save.
     """
     import jax
 
@@ -83,7 +84,7 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
             print(f"{name}: step {step} loss {float(loss):.6f}", flush=True)
             ckpt.save(step, state)
             if on_step is not None:
-                on_step(step)
+                on_step(step, ckpt)
     params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state["params"].items()}
     jax.block_until_ready(state)
     return start, params
@@ -111,13 +112,14 @@ def main(argv) -> int:
     attempt = restart_count()
     first = attempt == 0 or args.kill_always
 
-    def on_step(step):
+    def on_step(step, ckpt):
         if info.process_id != args.fail_rank or not first:
             return
         if step == args.kill_step:
             print(f"killing myself after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         if step == args.stop_step:
+            ckpt.wait()  # so that what a hang loses is the steps since the last checkpoint
             print(f"stopping myself after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
 
