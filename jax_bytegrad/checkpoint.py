@@ -114,15 +114,20 @@ class Checkpointer:
       ValueError: `every` or `keep` is not a whole number >= 1.
 
     Examples:
-      >>>       >>> from jax_bytegrad.checkpoint import Checkpointer
-      >>> ckpt = Checkpointer("/tmp/jax_bytegrad_doc_ckpt", every=2)  # doctest: +SKIP
-      >>> mesh = jax_bytegrad.make_mesh()  # doctest: +SKIP
-      >>> step, state = ckpt.restore_or_init(lambda: {"w": jnp.zeros(3)}, mesh)  # doctest: +SKIP
-      >>> while step < 10:  # doctest: +SKIP
-      ...     state = train_step(state, batch(step))
-      ...     step += 1
-      ...     ckpt.save(step, state)
-      >>> ckpt.close()  # doctest: +SKIP
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> import jax_bytegrad
+      >>> from jax_bytegrad.checkpoint import Checkpointer
+      >>> mesh = jax_bytegrad.make_mesh(1, 1)
+      >>> with Checkpointer(tempfile.mkdtemp(), every=2) as ckpt:
+      ...     step, state = ckpt.restore_or_init(lambda: {"w": jnp.zeros(3)}, mesh)
+      ...     while step < 5:
+      ...         state = {"w": state["w"] + 1.0}  # a train step
+      ...         step += 1
+      ...         _ = ckpt.save(step, state)
+      ...     ckpt.wait()
+      ...     print(ckpt.steps)
+      [2, 4]
     """
 
     def __init__(

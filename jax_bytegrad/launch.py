@@ -188,6 +188,7 @@ def _start(run: _Run, attempt: int, progress_dir: Path):
         proc_env[PROCESS_ID_ENV] = str(rank)
         proc_env[RESTART_ENV] = str(attempt)
         proc_env[PROGRESS_FILE_ENV] = str(progress_dir / f"rank{rank}")
+        (progress_dir / f"rank{rank}").unlink(missing_ok=True)  # the last attempt's
         p = subprocess.Popen(
             list(run.command(rank) if callable(run.command) else run.command),
             env=proc_env,

@@ -20,6 +20,7 @@ import pytest
 from conftest import assert_trees_all_equal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_launch import _processes_with, requires_gloo
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer, average_replicas, replicated_shardings
@@ -31,37 +32,6 @@ sys.path.insert(0, str(SCRIPTS))
 import elastic_worker as worker  # noqa: E402
 
 sys.path.remove(str(SCRIPTS))
-
-
-def _gloo_available() -> bool:
-    try:
-        from jax._src.lib import _jax
-
-        return hasattr(_jax, "make_gloo_tcp_collectives")
-    except ImportError:
-        return False
-
-
-requires_gloo = pytest.mark.skipif(
-    not _gloo_available(),
-    reason="this jaxlib has no Gloo CPU collectives (make_gloo_tcp_collectives)",
-)
-
-
-def _processes_with(marker: str) -> list[int]:
-    """Ids of the live processes whose command line contains `marker` (read from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # it exited while we looked
-            continue
-        if marker.encode() in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def _launch(out_dir: Path, *launcher_args: str, worker_args=(), timeout: float = 170.0):
