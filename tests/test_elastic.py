@@ -124,6 +124,26 @@ def test_a_stopped_worker_is_detected_by_the_progress_timeout(reference, tmp_pat
         assert_trees_all_equal(got, want[0])
 
 
+@pytest.mark.slow
+@requires_gloo
+def test_out_of_restarts_exits_non_zero_and_leaves_no_process(tmp_path):
+    # Rank 1 dies after step 1 on every attempt; rank 0 is then blocked in a Gloo collective,
+    # which ignores SIGTERM, and must still be gone (_launch scans /proc for the run's marker).
+    code, out = _launch(
+        tmp_path,
+        "--max-restarts",
+        "1",
+        worker_args=["--algorithms", "bytegrad", "--kill-step", "1", "--kill-always"],
+    )
+    assert code == 128 + 9, out
+    assert out.count("[rank 1] killing myself after step 1") == 2, out
+    assert (
+        "[launch] out of restarts: rank 1 was killed by signal 9; 1 of 1 restart(s) used; "
+        "exiting with 137" in out
+    )
+    assert "[rank 0] OK" not in out and "[rank 1] OK" not in out
+
+
 # Resuming the 2 x 4 checkpoints in one process ----------------------------------------------------
 
 # How the run resumed at step 2 on a mesh of one process compares with the 2-process run that
