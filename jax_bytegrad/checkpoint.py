@@ -23,9 +23,10 @@ A different number of processes on restart: replicated state (everything of
 ``gradient_allreduce``, ``bytegrad`` and ``qadam``) restores exactly onto any mesh, given that
 mesh's replicated sharding (`replicated_shardings`). Per-device state has no meaning for
 another device count; the rule is `average_replicas`: per-device copies (decentralized SGD's
-weights, the low-precision variant's ring copies) are replaced by their mean, the consensus
-model, on every new device, and error-feedback residuals are zeroed, which drops at most one
-step's quantization error per device (see docs/elastic.md).
+params and optimizer state) are replaced by their mean, the consensus model, on every new
+device; the low-precision variant's ring copies are rebuilt from that mean; error-feedback
+residuals are zeroed, which drops at most one step's quantization error per device (see
+docs/elastic.md).
 
 References:
   - Orbax checkpointing: https://orbax.readthedocs.io/en/latest/guides/checkpoint/api_refactor.html
@@ -44,6 +45,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad.decentralized import consensus_params
 
 # Private helpers ----------------------------------------------------------------------------------
 
@@ -271,15 +274,19 @@ def average_replicas(per_device, num_devices: int):
     """The rule for per-device state on a different device count: every device gets the mean.
 
     Per-device state (leaves whose leading axis has one entry per device, like decentralized
-    SGD's weights or the low-precision variant's ring copies) cannot be mapped onto another
-    number of devices one to one. Their mean is the consensus model that decentralized SGD
-    converges to, so each of the `num_devices` new devices starts from it. The mean is taken in
-    float32 in a fixed order, so every process computes the same bits.
+    SGD's params and optimizer state) cannot be mapped onto another number of devices one to
+    one. Their mean (`jax_bytegrad.consensus_params`) is the consensus model that decentralized
+    SGD converges to, so each of the `num_devices` new devices starts from it. Restore such
+    leaves with a replicated sharding (their saved shape, every old device's row), average
+    them here, and place the result as the new run's per-device state.
 
-    Error-feedback residuals are not averaged but zeroed (``jnp.zeros_like``): a residual is the
-    part of one device's own gradient that its last quantization dropped, and it means nothing
-    on another device. Zeroing loses at most that one step's quantization error per device, the
-    same as a step without error feedback.
+    The low-precision variant's ring copies (``weight``, ``left_peer_weight``,
+    ``right_peer_weight``) are not averaged but rebuilt: after averaging, every device and both
+    of its neighbours hold the same parameters, which is what the step's ``init`` sets the
+    copies to, so call ``init`` on the averaged parameters. Error-feedback residuals are zeroed:
+    a residual is the part of one device's own gradient that its last quantization dropped,
+    and means nothing on another device; zeroing loses at most that one step's quantization
+    error per device, the same as a step without error feedback.
 
     Args:
       per_device: A pytree of arrays (on the host or on devices) with a leading axis of one
@@ -287,7 +294,8 @@ def average_replicas(per_device, num_devices: int):
       num_devices: The new device count.
 
     Returns:
-      A pytree of numpy arrays with a leading axis of `num_devices`, all equal to the mean.
+      A pytree of arrays with a leading axis of `num_devices`, every row the mean, in the
+      leaves' own dtypes.
 
     Raises:
       ValueError: `num_devices` < 1, or a leaf has no leading axis.
@@ -299,15 +307,13 @@ def average_replicas(per_device, num_devices: int):
       [2.0, 2.0, 2.0, 2.0]
     """
     _check_positive_int(num_devices, "num_devices", "average_replicas")
-
-    def average(x):
-        x = np.asarray(x)
-        if x.ndim == 0:
+    for leaf in jax.tree.leaves(per_device):
+        if np.ndim(leaf) == 0:
             raise ValueError(
                 "average_replicas: a scalar leaf has no per-device axis; pass per-device leaves "
                 "of shape (devices, ...) only, and restore replicated state as it is"
             )
-        mean = np.add.reduce(x.astype(np.float32), axis=0) / np.float32(x.shape[0])
-        return np.broadcast_to(mean.astype(x.dtype), (num_devices, *x.shape[1:])).copy()
-
-    return jax.tree.map(average, per_device)
+    mean = consensus_params(jax.tree.map(np.asarray, per_device))
+    return jax.tree.map(
+        lambda m: np.broadcast_to(np.asarray(m), (num_devices, *np.shape(m))).copy(), mean
+    )

@@ -372,7 +372,10 @@ def test_shardings_that_do_not_match_the_state_are_a_value_error(tmp_path, mesh)
 
 
 def test_average_replicas_gives_every_new_device_the_mean():
-    per_device = {"w": np.arange(8 * 3, dtype=np.float32).reshape(8, 3), "n": np.ones((8, 2))}
+    per_device = {
+        "w": np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
+        "n": np.ones((8, 2), np.float32),
+    }
     out = average_replicas(per_device, 4)
     assert out["w"].shape == (4, 3) and out["w"].dtype == np.float32
     np.testing.assert_array_equal(out["w"], np.broadcast_to(per_device["w"].mean(0), (4, 3)))
