@@ -102,8 +102,8 @@ class Checkpointer:
     The state is any pytree of `jax.Array` (NamedTuples, dicts, optax states, typed PRNG keys
     included), the same on every process: call every method on every process, in the same
     order. Saves run in the background (orbax's async checkpointing): `save` returns once the
-    arrays are copied off the devices, and the next `save`, `wait` or `close` waits for the
-    previous one to finish.
+    arrays are copied off the devices (so the next step may donate them), and the next `save`,
+    `wait` or `close` waits for the previous one to finish.
 
     Args:
       directory: Where the checkpoints go, one subdirectory per step; created if missing. All
