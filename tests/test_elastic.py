@@ -385,6 +385,45 @@ def test_shardings_that_do_not_match_the_state_are_a_value_error(tmp_path, mesh)
             ckpt.restore_or_init(lambda: _tiny_state(0), {"params": NamedSharding(mesh, P())})
 
 
+def test_decentralized_state_resumes_on_fewer_devices_by_the_averaging_rule(tmp_path):
+    import optax
+
+    from jax_bytegrad.decentralized import consensus_params, decentralized_step
+
+    def loss_fn(w, batch):
+        return ((batch @ w) ** 2).mean()
+
+    tx = optax.sgd(0.05, momentum=0.9)
+    batches = np.random.default_rng(0).standard_normal((3, 16, 4)).astype(np.float32)
+    mesh8 = jax_bytegrad.make_mesh(2, 4)
+    train8 = decentralized_step(loss_fn, tx, mesh8, peer_selection_mode="shift_one", donate=False)
+    state = train8.init(np.ones((4, 2), np.float32))
+    for batch in batches[:2]:
+        state, _ = train8.step(state, batch)
+    stacked = np.asarray(state.params)
+    assert not np.array_equal(stacked[0], stacked[1])  # the devices' params differ
+    with Checkpointer(tmp_path, every=1) as ckpt:
+        assert ckpt.save(2, state)
+
+    # Resume on 1 x 4: per-device leaves come back replicated, one row per old device.
+    mesh4 = jax_bytegrad.make_mesh(1, 4)
+    train4 = decentralized_step(loss_fn, tx, mesh4, peer_selection_mode="shift_one", donate=False)
+    with Checkpointer(tmp_path, every=1) as ckpt:
+        old = ckpt.restore(2, lambda: state, mesh4)
+    params = average_replicas(old.params, 4)
+    per_device = NamedSharding(mesh4, P(("node", "local")))
+    resumed = train4.init(consensus_params(old.params))._replace(
+        params=jax.device_put(params, per_device),
+        opt_state=jax.device_put(average_replicas(old.opt_state, 4), per_device),
+        step=old.step,
+    )
+    mean = np.asarray(consensus_params(stacked))
+    for row in np.asarray(resumed.params):
+        np.testing.assert_array_equal(row, mean)
+    resumed, loss = train4.step(resumed, batches[2])
+    assert np.isfinite(np.asarray(loss)).all() and loss.shape == (4,)
+
+
 def test_average_replicas_gives_every_new_device_the_mean():
     per_device = {
         "w": np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
