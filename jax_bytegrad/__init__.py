@@ -2,6 +2,7 @@
 
 from jax_bytegrad.async_averaging import AsyncModelAverage as AsyncModelAverage
 from jax_bytegrad.async_averaging import async_model_average as async_model_average
+from jax_bytegrad.checkpoint import Checkpointer as Checkpointer
 from jax_bytegrad.collectives import compressed_mean as compressed_mean
 from jax_bytegrad.collectives import full_precision_mean as full_precision_mean
 from jax_bytegrad.decentralized import DecentralizedState as DecentralizedState
@@ -76,4 +77,5 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "valid_kwargs",
+    "Checkpointer",
 ]

@@ -12,6 +12,10 @@ order of precedence:
    - ``JAX_BYTEGRAD_NUM_PROCESSES``: number of processes in the run;
    - ``JAX_BYTEGRAD_PROCESS_ID``: this process's id, ``0 .. num_processes - 1``;
    - ``JAX_BYTEGRAD_CPU_DEVICES``: number of CPU devices this process exposes (CPU runs);
+   - ``JAX_BYTEGRAD_RESTART``: how many times the launcher has restarted the run
+     (`restart_count`);
+   - ``JAX_BYTEGRAD_PROGRESS_FILE``: the file `report_progress` touches for the launcher's
+     ``--progress-timeout``;
 
 3. a SLURM (``srun``) or Open MPI (``mpirun``) job, through JAX's own cluster auto-detection.
 
@@ -36,6 +40,8 @@ COORDINATOR_ENV = "JAX_BYTEGRAD_COORDINATOR"
 NUM_PROCESSES_ENV = "JAX_BYTEGRAD_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_BYTEGRAD_PROCESS_ID"
 CPU_DEVICES_ENV = "JAX_BYTEGRAD_CPU_DEVICES"
+RESTART_ENV = "JAX_BYTEGRAD_RESTART"
+PROGRESS_FILE_ENV = "JAX_BYTEGRAD_PROGRESS_FILE"
 
 # The variables JAX's SLURM and Open MPI detectors need (jax/_src/clusters/*_cluster.py). Only
 # their presence is tested here; JAX derives the coordinator, the count and the id from them.
@@ -368,3 +374,50 @@ def initialize(
         _quiet_native_stdout()  # Gloo connects at the first collective, after this
     _STATE, _STATE_KEY = info, key
     return info
+
+
+def restart_count() -> int:
+    """How many times ``python -m jax_bytegrad.launch --max-restarts`` has restarted this run.
+
+    0 on the first attempt, and outside the launcher. A script resumes from its checkpoint
+    either way (`jax_bytegrad.checkpoint.Checkpointer.restore_or_init`); this is for its logs,
+    or for a test that fails on purpose only on the first attempt.
+
+    Returns:
+      The value of ``JAX_BYTEGRAD_RESTART``, or 0 if it is unset.
+
+    Raises:
+      ValueError: ``JAX_BYTEGRAD_RESTART`` is set but not a whole number >= 0.
+
+    Examples:
+      >>> from jax_bytegrad.distributed import restart_count
+      >>> restart_count()  # doctest: +SKIP
+      0
+    """
+    value = _env_int(RESTART_ENV)
+    if value is not None and value < 0:
+        raise ValueError(f"restart_count: {RESTART_ENV}={value} must be >= 0; unset it")
+    return value or 0
+
+
+def report_progress(step: int) -> None:
+    """Tells the launcher that this process finished `step`, so it is not hung.
+
+    Under ``python -m jax_bytegrad.launch --progress-timeout S`` a process that goes S seconds
+    without this call counts as hung and the run is stopped (and restarted, with
+    ``--max-restarts``). Call it once per step, after something that waits for the step (a
+    loss read back to the host), not just after dispatching it. It writes the step number to
+    ``JAX_BYTEGRAD_PROGRESS_FILE`` (a few bytes, local disk); outside the launcher it does
+    nothing.
+
+    Args:
+      step: The step just finished; shown in the launcher's message if the run hangs.
+
+    Examples:
+      >>> from jax_bytegrad.distributed import report_progress
+      >>> report_progress(0)  # a no-op outside the launcher
+    """
+    path = _env_str(PROGRESS_FILE_ENV)
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(f"{int(step)}\n")

@@ -9,7 +9,7 @@ free port, the process count, its id and its CPU device count), so the script on
 Usage::
 
     python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 [--port P] [--timeout S] \\
-        [--no-hugepages] script.py [args ...]
+        [--no-hugepages] [--max-restarts N] [--progress-timeout S] script.py [args ...]
 
 The processes run with glibc's large allocations on transparent huge pages
 (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, glibc >= 2.35): XLA:CPU allocates fresh buffers of
@@ -21,6 +21,20 @@ killed by a signal), the launcher stops the others (SIGTERM to each process grou
 ``--grace`` seconds) and exits non-zero; likewise on Ctrl-C, SIGTERM or ``--timeout``. It exits 0
 only if every process exits 0.
 
+Restarts (``--max-restarts N``, after torchrun's ``--max-restarts``): when a process fails, or
+stops making progress, all processes are stopped and all started again, up to N times, each
+time with ``JAX_BYTEGRAD_RESTART`` one higher (`jax_bytegrad.distributed.restart_count`); the
+script resumes from its last checkpoint (`jax_bytegrad.checkpoint`). Ctrl-C, SIGTERM and
+``--timeout`` are never restarted. ``[launch]`` lines say why each attempt ended and how many
+restarts were used.
+
+A hang is a process that goes ``--progress-timeout`` seconds without calling
+`jax_bytegrad.distributed.report_progress` (which touches a file the launcher watches); the
+first call must come within that time of the start, compilation included. This, rather than
+`jax.distributed`'s heartbeat, is the test of a hang: the heartbeat runs on its own thread and
+says the process is alive, not that it is training, so it misses a process deadlocked in a
+collective, and on its own timeout it ends the whole job instead of letting it restart.
+
 References:
   - ``torchrun``, whose fail-fast behaviour this follows:
     https://pytorch.org/docs/stable/elastic/run.html
@@ -29,24 +43,31 @@ References:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
 
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
     NUM_PROCESSES_ENV,
     PROCESS_ID_ENV,
+    PROGRESS_FILE_ENV,
+    RESTART_ENV,
 )
 
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
+EXIT_HUNG = 125
 
 _PREFIX = "[launch] "
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
@@ -115,6 +136,148 @@ def _describe(code: int) -> str:
     return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
 
 
+def _last_progress(path: Path, since: float) -> tuple[float, str | None]:
+    """(wall time of the last progress report, or `since` if none since then; the step it named)."""
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return since, None
+    if mtime < since:  # left by an earlier attempt
+        return since, None
+    try:
+        step = path.read_text().strip() or None
+    except OSError:  # pragma: no cover - removed between stat and read
+        step = None
+    return mtime, step
+
+
+@dataclasses.dataclass
+class _Run:
+    """What every attempt of one launch shares."""
+
+    command: Sequence[str] | Callable[[int], Sequence[str]]
+    nproc: int
+    env: dict[str, str]
+    coordinator_host: str
+    port: int | None
+    grace: float
+    progress_timeout: float | None
+    deadline: float | None
+    timeout: float | None
+    out: object
+    lock: threading.Lock
+    received: list[int]
+
+
+class _Outcome(NamedTuple):
+    """How one attempt ended: the exit code, why, and whether a restart may help."""
+
+    code: int
+    reason: str
+    restartable: bool
+
+
+def _start(run: _Run, attempt: int, progress_dir: Path):
+    """Starts the `run.nproc` processes of one attempt; returns them and their output pumps."""
+    port = run.port if run.port is not None else _free_port()
+    procs, pumps = [], []
+    for rank in range(run.nproc):
+        proc_env = dict(run.env)
+        proc_env[COORDINATOR_ENV] = f"{run.coordinator_host}:{port}"
+        proc_env[NUM_PROCESSES_ENV] = str(run.nproc)
+        proc_env[PROCESS_ID_ENV] = str(rank)
+        proc_env[RESTART_ENV] = str(attempt)
+        proc_env[PROGRESS_FILE_ENV] = str(progress_dir / f"rank{rank}")
+        (progress_dir / f"rank{rank}").unlink(missing_ok=True)  # the last attempt's
+        p = subprocess.Popen(
+            list(run.command(rank) if callable(run.command) else run.command),
+            env=proc_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            # Its own process group: Ctrl-C reaches only the launcher, which then stops the
+            # whole group, the script's own children included.
+            start_new_session=True,
+        )
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(rank, p.stdout, run.out, run.lock), daemon=True)
+        t.start()
+        pumps.append(t)
+    return procs, pumps
+
+
+def _watch(run: _Run, procs: Sequence[subprocess.Popen], progress_dir: Path) -> _Outcome:
+    """Waits until the attempt ends: all exited 0, one failed or hung, a signal, or the timeout."""
+    started = time.time()  # wall clock: progress files carry wall-clock mtimes
+    while True:
+        if run.received:
+            sig = run.received[0]
+            code = EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + sig
+            return _Outcome(code, f"got {signal.Signals(sig).name}", False)
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, c = failed[0]
+            return _Outcome(128 - c if c < 0 else c, f"rank {rank} {_describe(c)}", True)
+        if all(c == 0 for c in codes):
+            return _Outcome(0, f"all {run.nproc} processes exited 0", False)
+        if run.deadline is not None and time.monotonic() > run.deadline:
+            return _Outcome(EXIT_TIMEOUT, f"timed out after {run.timeout:g} s", False)
+        if run.progress_timeout is not None:
+            now = time.time()
+            stalled = []
+            for rank, c in enumerate(codes):
+                last, step = _last_progress(progress_dir / f"rank{rank}", started)
+                if c is None and now - last > run.progress_timeout:
+                    at = f"after step {step}" if step is not None else "before its first step"
+                    stalled.append(f"rank {rank} ({at})")
+            if stalled:
+                reason = f"no progress for {run.progress_timeout:g} s from " + ", ".join(stalled)
+                return _Outcome(EXIT_HUNG, reason, True)
+        time.sleep(0.05)
+
+
+def _run_attempt(run: _Run, attempt: int, progress_dir: Path) -> _Outcome:
+    """Runs one attempt to its end and leaves no process of it running."""
+    procs, pumps = [], []
+    try:
+        procs, pumps = _start(run, attempt, progress_dir)
+        return _watch(run, procs, progress_dir)
+    finally:
+        _stop_all(procs, run.grace)
+        for t in pumps:
+            t.join(timeout=5)
+
+
+def _restart_loop(run: _Run, max_restarts: int, progress_dir: Path) -> int:
+    """Runs attempts until one ends for good or `max_restarts` restarts are used."""
+    attempt = 0
+    while True:
+        outcome = _run_attempt(run, attempt, progress_dir)
+        used = f"{attempt} of {max_restarts} restart(s) used"
+        if outcome.code == 0:
+            if max_restarts:
+                _say(run.out, run.lock, f"{outcome.reason}; {used}")
+            return 0
+        if not outcome.restartable:
+            _say(run.out, run.lock, f"{outcome.reason}; stopped all {run.nproc} processes; {used}")
+            return outcome.code
+        if attempt == max_restarts:
+            if max_restarts:
+                message = f"out of restarts: {outcome.reason}; {used}; exiting with {outcome.code}"
+            else:
+                message = f"{outcome.reason}; stopped all {run.nproc} processes"
+            _say(run.out, run.lock, message)
+            return outcome.code
+        attempt += 1
+        _say(
+            run.out,
+            run.lock,
+            f"{outcome.reason}; stopped all {run.nproc} processes; "
+            f"restart {attempt} of {max_restarts}",
+        )
+
+
 # Public API ---------------------------------------------------------------------------------------
 
 
@@ -142,9 +305,16 @@ def launch(
     grace: float = 5.0,
     env: Mapping[str, str] | None = None,
     hugepages: bool = True,
+    max_restarts: int = 0,
+    progress_timeout: float | None = None,
     out=None,
 ) -> int:
     """Runs `command` as `nproc` cooperating local processes and returns the launcher's exit code.
+
+    If a process fails, or (with `progress_timeout`) some process stops reporting progress, every
+    process of the attempt is stopped; with restarts left, all `nproc` are started again, with
+    ``JAX_BYTEGRAD_RESTART`` one higher (`jax_bytegrad.distributed.restart_count`), and the
+    script resumes from its own last checkpoint (`jax_bytegrad.checkpoint`).
 
     Args:
       command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``, or a
@@ -153,21 +323,28 @@ def launch(
       nproc: Number of processes, at least 1.
       devices_per_proc: CPU devices each process exposes (``JAX_BYTEGRAD_CPU_DEVICES``).
       coordinator_host: Address of rank 0 that every rank can reach.
-      port: Coordinator port; None picks one that is free on this machine.
-      timeout: Seconds after which every process is stopped and 124 returned; None for no limit.
+      port: Coordinator port; None picks one that is free on this machine (a new one for each
+        attempt).
+      timeout: Seconds, over all attempts, after which every process is stopped and 124
+        returned; None for no limit.
       grace: Seconds between SIGTERM and SIGKILL when stopping processes.
       env: Base environment for the processes; None uses this process's.
       hugepages: run the processes with glibc's large allocations on transparent huge pages
         (see `with_hugepages`); a ``glibc.malloc.hugetlb`` setting already in ``env`` wins.
+      max_restarts: How many times to restart all processes after a failure or a hang.
+      progress_timeout: Seconds a process may go without calling
+        `jax_bytegrad.distributed.report_progress` (counted from the start of the attempt until
+        its first call) before the attempt counts as hung; None never declares a hang.
       out: Binary stream for the rank-prefixed output; None uses ``sys.stdout.buffer``.
 
     Returns:
-      0 if every process exited 0; else the first failing process's exit code (128 + signal if
-      it was killed); 124 on timeout; 130 on Ctrl-C and 143 on SIGTERM.
+      0 if every process of an attempt exited 0; else the exit code of the last attempt: the
+      first failing process's code (128 + signal if it was killed), 125 if it hung; 124 on
+      timeout; 130 on Ctrl-C and 143 on SIGTERM (neither is restarted).
 
     Raises:
-      ValueError: `nproc`, `devices_per_proc`, `timeout` or `port` is out of range, or
-        `command` is empty.
+      ValueError: `nproc`, `devices_per_proc`, `timeout`, `port`, `max_restarts` or
+        `progress_timeout` is out of range, or `command` is empty.
 
     Examples:
       >>> import sys
@@ -191,84 +368,49 @@ def launch(
         raise ValueError(
             f"launch: port={port} is not a TCP port; pass 1..65535 or leave it out for a free one"
         )
-    out = out if out is not None else sys.stdout.buffer
-    port = port if port is not None else _free_port()
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(
+            f"launch: max_restarts={max_restarts!r} must be a whole number >= 0 (0: no restart)"
+        )
+    if progress_timeout is not None and progress_timeout <= 0:
+        raise ValueError(
+            f"launch: progress_timeout={progress_timeout} must be positive seconds, or None to "
+            "never declare a hang"
+        )
     base_env = dict(os.environ if env is None else env)
     if hugepages:
         base_env = with_hugepages(base_env)
     base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"  # so lines arrive as they are printed, not at exit
-
-    lock = threading.Lock()
-    procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
-    received: list[int] = []
+    base_env[CPU_DEVICES_ENV] = str(devices_per_proc)
+    run = _Run(
+        command=command,
+        nproc=nproc,
+        env=base_env,
+        coordinator_host=coordinator_host,
+        port=port,
+        grace=grace,
+        progress_timeout=progress_timeout,
+        deadline=None if timeout is None else time.monotonic() + timeout,
+        timeout=timeout,
+        out=out if out is not None else sys.stdout.buffer,
+        lock=threading.Lock(),
+        received=[],
+    )
 
     def on_signal(signum, _frame):
-        received.append(signum)
+        run.received.append(signum)
 
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, on_signal)
-
-    code = 0
     try:
-        for rank in range(nproc):
-            proc_env = dict(base_env)
-            proc_env[COORDINATOR_ENV] = f"{coordinator_host}:{port}"
-            proc_env[NUM_PROCESSES_ENV] = str(nproc)
-            proc_env[PROCESS_ID_ENV] = str(rank)
-            proc_env[CPU_DEVICES_ENV] = str(devices_per_proc)
-            p = subprocess.Popen(
-                list(command(rank) if callable(command) else command),
-                env=proc_env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                # Its own process group: Ctrl-C reaches only the launcher, which then stops the
-                # whole group, the script's own children included.
-                start_new_session=True,
-            )
-            procs.append(p)
-            t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
-            t.start()
-            pumps.append(t)
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if received:
-                sig = received[0]
-                _say(out, lock, f"got {signal.Signals(sig).name}; stopping all {nproc} processes")
-                code = EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + sig
-                break
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, c = failed[0]
-                alive = sum(c is None for c in codes)
-                _say(
-                    out,
-                    lock,
-                    f"rank {rank} {_describe(c)}; stopping the {alive} other running process(es)",
-                )
-                code = 128 - c if c < 0 else c
-                break
-            if all(c == 0 for c in codes):
-                code = 0
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                _say(out, lock, f"timed out after {timeout:g} s; stopping all processes")
-                code = EXIT_TIMEOUT
-                break
-            time.sleep(0.05)
+        with tempfile.TemporaryDirectory(prefix="jax_bytegrad_progress_") as progress_dir:
+            return _restart_loop(run, max_restarts, Path(progress_dir))
     finally:
-        _stop_all(procs, grace)
-        for t in pumps:
-            t.join(timeout=5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,6 +438,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_false",
         help="leave glibc's malloc on 4 KiB pages (default: GLIBC_TUNABLES=glibc.malloc.hugetlb=1)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all processes up to this many times after a failure or hang (default 0)",
+    )
+    parser.add_argument(
+        "--progress-timeout",
+        type=float,
+        default=None,
+        help="restart (or stop) when a process goes this many seconds without "
+        "jax_bytegrad.distributed.report_progress() (default: never)",
+    )
     parser.add_argument("script", help="Python script to run in each process")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     ns = parser.parse_args(argv)
@@ -308,6 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=ns.timeout,
             grace=ns.grace,
             hugepages=ns.hugepages,
+            max_restarts=ns.max_restarts,
+            progress_timeout=ns.progress_timeout,
         )
     except ValueError as e:
         parser.error(str(e))

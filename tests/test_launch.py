@@ -226,6 +226,159 @@ def test_launch_timeout(tmp_path):
     assert code == 124
 
 
+# Restarts and hangs (no JAX in the children) ------------------------------------------------------
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Ids of the live processes whose command line contains `marker` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # it exited while we looked
+            continue
+        if marker.encode() in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_restart_count_and_report_progress(monkeypatch, tmp_path):
+    monkeypatch.delenv(distributed.RESTART_ENV, raising=False)
+    monkeypatch.delenv(distributed.PROGRESS_FILE_ENV, raising=False)
+    assert distributed.restart_count() == 0
+    distributed.report_progress(3)  # no launcher: nothing to do, nothing written
+    monkeypatch.setenv(distributed.RESTART_ENV, "2")
+    assert distributed.restart_count() == 2
+    monkeypatch.setenv(distributed.RESTART_ENV, "-1")
+    with pytest.raises(ValueError, match="JAX_BYTEGRAD_RESTART=-1"):
+        distributed.restart_count()
+    monkeypatch.setenv(distributed.PROGRESS_FILE_ENV, str(tmp_path / "rank0"))
+    distributed.report_progress(7)
+    assert (tmp_path / "rank0").read_text() == "7\n"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_restarts": -1}, "max_restarts=-1"),
+        ({"max_restarts": 1.5}, "max_restarts=1.5"),
+        ({"progress_timeout": 0}, "progress_timeout=0"),
+    ],
+    ids=["negative-restarts", "fractional-restarts", "zero-progress-timeout"],
+)
+def test_launch_rejects_bad_restart_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch(_py("pass"), nproc=1, **kwargs)
+
+
+def test_launcher_restarts_all_after_a_failure_and_tells_the_attempt(tmp_path):
+    # Rank 1 fails on the first attempt only; rank 0 would run on forever if not stopped.
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            from jax_bytegrad.distributed import restart_count
+            rank = os.environ["JAX_BYTEGRAD_PROCESS_ID"]
+            print("attempt", restart_count(), flush=True)
+            if restart_count() == 0:
+                if rank == "1":
+                    raise SystemExit(3)
+                time.sleep(600)
+            """
+        )
+    )
+    code, output, _ = _run_launcher("--nproc", "2", "--max-restarts", "2", str(script))
+    assert code == 0, output
+    # Rank 0 may be stopped before it prints on the first attempt; rank 1 prints, then fails.
+    assert "[rank 1] attempt 0" in output
+    for rank in (0, 1):
+        assert f"[rank {rank}] attempt 1" in output
+        assert f"[rank {rank}] attempt 2" not in output
+    assert "[launch] rank 1 exited with code 3; stopped all 2 processes; restart 1 of 2" in output
+    assert "[launch] all 2 processes exited 0; 1 of 2 restart(s) used" in output
+
+
+def test_out_of_restarts_exits_non_zero_and_leaves_no_process(tmp_path):
+    marker = f"marker-{os.getpid()}-{time.monotonic_ns()}"
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(
+            _py(
+                """
+                import os, signal, sys, time
+                if os.environ["JAX_BYTEGRAD_PROCESS_ID"] == "1":
+                    time.sleep(0.3)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)  # must still go, by SIGKILL
+                time.sleep(600)
+                """
+            )
+            + [marker],
+            nproc=2,
+            grace=0.5,
+            max_restarts=1,
+            out=out,
+        )
+    text = out_file.read_text()
+    assert code == 128 + 9, text
+    assert text.count("rank 1 was killed by signal 9") == 2, text
+    assert "restart 1 of 1" in text
+    assert (
+        "[launch] out of restarts: rank 1 was killed by signal 9; 1 of 1 restart(s) used; "
+        "exiting with 137" in text
+    )
+    assert _processes_with(marker) == []
+
+
+def test_a_process_without_progress_is_restarted(tmp_path):
+    # Both ranks report steps 0..3; on the first attempt rank 1 then stops reporting (a hang).
+    # The timeout leaves room for importing JAX on a loaded machine before the first report.
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(
+            _py(
+                """
+                import os, time
+                from jax_bytegrad.distributed import report_progress, restart_count
+                for step in range(4):
+                    report_progress(step)
+                    time.sleep(0.05)
+                if restart_count() == 0 and os.environ["JAX_BYTEGRAD_PROCESS_ID"] == "1":
+                    time.sleep(600)
+                print("done", restart_count(), flush=True)
+                """
+            ),
+            nproc=2,
+            grace=0.5,
+            max_restarts=1,
+            progress_timeout=10.0,
+            out=out,
+        )
+    text = out_file.read_text()
+    assert code == 0, text
+    assert "[launch] no progress for 10 s from rank 1 (after step 3); stopped all 2" in text
+    assert "[rank 0] done 0" in text  # rank 0 had finished; the attempt still counts as failed
+    assert "[rank 1] done 1" in text and "[rank 1] done 0" not in text
+
+
+def test_a_hang_without_restarts_exits_125(tmp_path):
+    with (tmp_path / "out").open("wb") as out:
+        code = launch(
+            _py("import time; time.sleep(600)"),
+            nproc=1,
+            grace=0.5,
+            progress_timeout=0.5,
+            out=out,
+        )
+    assert code == 125
+    text = (tmp_path / "out").read_text()
+    assert "no progress for 0.5 s from rank 0 (before its first step)" in text
+
+
 # Real multi-process runs over Gloo ----------------------------------------------------------------
 
 

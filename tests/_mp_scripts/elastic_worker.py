@@ -1,0 +1,143 @@
+"""Worker for tests/test_elastic.py: training that checkpoints, dies on purpose, and resumes.
+
+Run it under ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 [--max-restarts N]
+elastic_worker.py OUT_DIR --algorithms bytegrad [--kill-step S | --stop-step S]``. For each
+algorithm it resumes from ``OUT_DIR/<algorithm>/`` (`Checkpointer.restore_or_init`), trains the
+small MLP of train_worker.py to ``STEPS`` steps on the deterministic global batches of
+train_worker.py, saving every ``EVERY`` steps, and writes the final parameters as seen on its
+first device to ``OUT_DIR/<algorithm>_rank<k>.npz``.
+
+On the first attempt (`jax_bytegrad.distributed.restart_count` 0) rank ``--fail-rank`` kills
+itself with SIGKILL right after step ``--kill-step`` (and after starting that step's save, if
+it has one), or stops itself with SIGSTOP after step ``--stop-step`` (once the last save is
+finalized). With ``--kill-always`` it
+kills itself on every attempt. Each extra argument lands on the command line, where the test
+finds the processes of its run by ``--marker``.
+
+`train` is also imported by the test, which resumes the saved state in one process.
+"""
+
+import argparse
+import importlib.util
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+
+_spec = importlib.util.spec_from_file_location(
+    "train_worker", Path(__file__).with_name("train_worker.py")
+)
+train_worker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_worker)
+
+STEPS = 6
+EVERY = 2
+QADAM_WARMUP = 3  # the switch to compressed momenta comes after the checkpoint of step 2
+ALGORITHMS = ("gradient_allreduce", "bytegrad", "bytegrad_flat", "qadam")
+
+
+def optimizer(name: str):
+    import optax
+
+    import jax_bytegrad
+
+    if name == "gradient_allreduce":
+        return optax.chain(jax_bytegrad.gradient_allreduce(), optax.sgd(0.1, momentum=0.9))
+    if name == "qadam":
+        return jax_bytegrad.qadam(1e-2, warmup_steps=QADAM_WARMUP)
+    return train_worker.optimizer(name)
+
+
+def init_state(name: str):
+    params = train_worker.init_params()
+    return {"params": params, "opt_state": optimizer(name).init(params)}
+
+
+def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
+    """Resumes `name` from `ckpt_dir` (or starts), trains to STEPS; returns (start step, params).
+
+    `on_step(step, checkpointer)` runs after each step and its save.
+    """
+    import jax
+
+    import jax_bytegrad
+    from jax_bytegrad.checkpoint import Checkpointer
+
+    tx = optimizer(name)
+    step_fn = jax_bytegrad.data_parallel_step(train_worker.loss_fn, tx, mesh, donate=False)
+    rows = train_worker.GLOBAL_BATCH // nproc
+    with Checkpointer(ckpt_dir, every=EVERY, keep=keep) as ckpt:
+        start, state = ckpt.restore_or_init(lambda: init_state(name), mesh)
+        print(f"{name}: starts at step {start}", flush=True)
+        step = start
+        while step < STEPS:
+            x, y = train_worker.global_batch(step)  # the data position is the step
+            mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
+            p, s, loss = step_fn(
+                state["params"], state["opt_state"], jax_bytegrad.shard_batch(mine, mesh)
+            )
+            state = {"params": p, "opt_state": s}
+            step += 1
+            jax_bytegrad.distributed.report_progress(step)
+            print(f"{name}: step {step} loss {float(loss):.6f}", flush=True)
+            ckpt.save(step, state)
+            if on_step is not None:
+                on_step(step, ckpt)
+    params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state["params"].items()}
+    jax.block_until_ready(state)
+    return start, params
+
+
+def main(argv) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_dir")
+    parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
+    parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--kill-always", action="store_true")
+    parser.add_argument("--stop-step", type=int, default=None)
+    parser.add_argument("--marker", default="")
+    args = parser.parse_args(argv)
+
+    from jax_bytegrad.distributed import initialize, restart_count
+
+    info = initialize()  # before any JAX computation
+    import jax
+
+    import jax_bytegrad
+
+    mesh = jax_bytegrad.make_mesh()
+    attempt = restart_count()
+    first = attempt == 0 or args.kill_always
+
+    def on_step(step, ckpt):
+        if info.process_id != args.fail_rank or not first:
+            return
+        if step == args.kill_step:
+            print(f"killing myself after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.stop_step:
+            ckpt.wait()  # so that what a hang loses is the steps since the last checkpoint
+            print(f"stopping myself after step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    out = Path(args.out_dir)
+    for name in args.algorithms.split(","):
+        _, params = train(
+            name,
+            mesh,
+            out / name,
+            rank=info.process_id,
+            nproc=info.num_processes,
+            on_step=on_step,
+        )
+        np.savez(out / f"{name}_rank{info.process_id}.npz", **params)
+    jax.distributed.shutdown()
+    print("OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
