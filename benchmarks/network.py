@@ -186,6 +186,19 @@ def _bytegrad_sync(mesh, num_params):
     )
 
 
+@register("bytegrad4_sync", wire_bytes_per_param=0.5 + 8 / 512)
+def _bytegrad4_sync(mesh, num_params):
+    """`bytegrad_sync` with 4-bit codes (two per byte, 512-value blocks by default)."""
+    from jax_bytegrad.collectives import compressed_mean
+
+    sizes = _sizes()
+    return _per_device_builder(
+        mesh,
+        lambda g: compressed_mean(g, bits=4, **sizes),
+        local_gradient(mesh, num_params, np.float32),
+    )
+
+
 @register("bytegrad_wire", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _bytegrad_wire(mesh, num_params):
     """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor."""

@@ -55,10 +55,11 @@ from jax_bytegrad.quantization import (
 # model gets a few buckets whose communication XLA can overlap with the next one's quantize.
 DEFAULT_BUCKET_BYTES = 32 * 2**20
 
-# Bytes per message of the exchanges between nodes. Through XLA's Gloo collectives, one large
-# message per peer moves at about half the link rate, while messages of about 1 MiB move near
-# line rate (benchmarks/RESULTS.md, "Message size"). None sends one message per peer.
-DEFAULT_MESSAGE_BYTES = 2**20
+# Bytes per message of the exchanges between nodes (codes, per peer). Through XLA's Gloo
+# collectives one large message per peer moves at about half the link rate; smaller ones move
+# faster, and let each message's quantize and decode run while another is on the wire. 256 KiB
+# gave the fastest sync at 2 hosts (benchmarks/RESULTS.md, "Line rate"). None: one per peer.
+DEFAULT_MESSAGE_BYTES = 256 * 2**10
 
 
 def _mesh_axis_names() -> tuple[str, ...]:
