@@ -112,13 +112,27 @@ class SqliteStore:
             conn = sqlite3.connect(
                 self.path, timeout=self.timeout_s, isolation_level=None, check_same_thread=False
             )
-            conn.execute("PRAGMA journal_mode=WAL")
+            self._enable_wal(conn)
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(_SCHEMA)
             self._local.conn = conn
             with self._lock:
                 self._conns.append(conn)
         return conn
+
+    def _enable_wal(self, conn: sqlite3.Connection) -> None:
+        # Switching a new file to WAL takes an exclusive lock and, when another process is
+        # doing the same, fails with "database is locked" without waiting on the busy
+        # timeout: retry until the timeout instead.
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
     def __getstate__(self):
         return {
