@@ -42,6 +42,10 @@ class Config:
       async_interval_ms: milliseconds between async's background averaging rounds.
       seed: seeds the parameters and the batches.
       progress: draw a progress bar (process 0 only).
+      checkpoint_dir: save the training state under ``<dir>/<algorithm>`` every
+        ``checkpoint_every`` steps, and resume from the newest checkpoint there (with
+        ``python -m jax_bytegrad.launch --max-restarts N``, a run survives a dead worker).
+      checkpoint_every: steps between checkpoints.
     """
 
     algorithm: str = "bytegrad"
@@ -57,6 +61,8 @@ class Config:
     async_interval_ms: int = 200
     seed: int = 0
     progress: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 50
 
     def get(self, name: str):
         """The field, or the model's default where it is None."""

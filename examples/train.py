@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 
 import jax_bytegrad
-from jax_bytegrad.distributed import ensure_cpu_threads
+from jax_bytegrad.distributed import ensure_cpu_threads, report_progress
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import data as datasets  # noqa: E402
@@ -134,15 +134,20 @@ def baseline_node_bytes(config: Config, loss_fn, mesh, params, batch) -> float:
         return step.communication_stats(step.init(params), batch)["step"].bytes_on("node")
 
 
-def _train_loop(step, state, batch, next_batch, *, steps: int, name: str, progress: bool):
-    """Runs ``steps`` steps from ``batch``; returns the state, the losses, seconds after step 1."""
+def _train_loop(step, state, batch, next_batch, *, first: int, steps: int, name: str, progress,
+                checkpointer=None):  # fmt: skip
+    """Runs steps ``first .. steps - 1`` from ``batch``; returns the state, the losses, and the
+    seconds after the first of them (which compiles)."""
     bar = Progress(steps, name, progress)
     losses, start = [], None
-    for i in range(steps):
+    for i in range(first, steps):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-        if i == 0:
-            start = time.perf_counter()  # time from the second step: the first compiles
+        report_progress(i + 1)  # for the launcher's --progress-timeout
+        if checkpointer is not None:
+            checkpointer.save(i + 1, state)  # every --checkpoint-every steps, in the background
+        if i == first:
+            start = time.perf_counter()
         if (i + 1) % 10 == 0 or i == steps - 1:
             bar.update(i + 1, losses[-1])
         if i < steps - 1:
@@ -150,6 +155,23 @@ def _train_loop(step, state, batch, next_batch, *, steps: int, name: str, progre
     elapsed = time.perf_counter() - start
     bar.close()
     return state, losses, elapsed
+
+
+def _resume(config: Config, state, mesh):
+    """``(steps done, state)`` from ``config.checkpoint_dir``, or ``(0, state)``."""
+    if config.checkpoint_dir is None:
+        return 0, state, None
+    if config.algorithm not in ("gradient_allreduce", "bytegrad", "qadam"):
+        raise ValueError(
+            f"train: --checkpoint-dir saves replicated state; {config.algorithm!r} keeps a model "
+            "per device or process (see docs/elastic.md for its rule)"
+        )
+    directory = os.path.join(config.checkpoint_dir, config.algorithm)
+    checkpointer = jax_bytegrad.Checkpointer(directory, every=config.checkpoint_every)
+    done, state = checkpointer.restore_or_init(lambda: state, mesh)
+    if done:
+        log(f"{config.algorithm}: resumed from the checkpoint of step {done} in {directory}")
+    return done, state, checkpointer
 
 
 def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Result:
@@ -209,15 +231,23 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
     with build_step(config, config.algorithm, loss_fn, mesh) as step:
         state = step.init(params)
         phases = step.communication_stats(state, first)  # compiles; runs nothing
+        done, state, checkpointer = _resume(config, state, mesh)
+        batch = first
+        for _ in range(done):  # the data position: the same batches as a run that never stopped
+            batch = next_batch()
         state, losses, elapsed = _train_loop(
             step,
             state,
-            first,
+            batch,
             next_batch,
+            first=done,
             steps=steps,
             name=config.algorithm,
             progress=config.progress,
+            checkpointer=checkpointer,
         )
+        if checkpointer is not None:
+            checkpointer.close()  # waits for the last save
         counts = step.phase_counts(state)
     model_params = step.params(state)  # after close: async averages the processes' models once
     test_inputs, test_targets = datasets.test_set(data, config.seq_len)
@@ -296,6 +326,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="runs", help="where --compare writes (default runs/)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="save the training state here and resume from it (with launch --max-restarts)",
+    )
+    parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -310,6 +346,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         devices_per_node=args.devices_per_node,
         seed=args.seed,
         progress=not args.no_progress,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
     )
 
 
