@@ -202,9 +202,9 @@ def test_resume_with_one_process(reference, tmp_path, name, shape):
     # The resumed run is the run that did not stop, on this mesh: continuing the restored
     # state without any checkpoint gives the same bits.
     with Checkpointer(ckpt_dir, every=worker.EVERY) as ckpt:
-        state = ckpt.restore(2, lambda: worker.init_state(name), mesh)
+        state = ckpt.restore(2, lambda: worker.init_state(name, mesh), mesh)
     step_fn = jax_bytegrad.data_parallel_step(
-        worker.train_worker.loss_fn, worker.optimizer(name), mesh, donate=False
+        worker.train_worker.loss_fn, worker.optimizer(name, mesh), mesh, donate=False
     )
     p, s = state["params"], state["opt_state"]
     for t in range(2, worker.STEPS):
@@ -221,7 +221,7 @@ def test_replicated_state_restores_exactly_on_another_mesh(reference, shape):
     mesh = jax_bytegrad.make_mesh(*shape)
     with Checkpointer(reference / "qadam", every=worker.EVERY) as ckpt:
         assert ckpt.steps == [2, 4, 6]
-        state = ckpt.restore(6, lambda: worker.init_state("qadam"), mesh)
+        state = ckpt.restore(6, lambda: worker.init_state("qadam", mesh), mesh)
     for leaf in jax.tree.leaves(state):
         assert leaf.sharding == NamedSharding(mesh, P())
         assert len(leaf.addressable_shards) == shape[0] * shape[1]

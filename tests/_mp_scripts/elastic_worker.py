@@ -38,7 +38,7 @@ QADAM_WARMUP = 3  # the switch to compressed momenta comes after the checkpoint 
 ALGORITHMS = ("gradient_allreduce", "bytegrad", "bytegrad_flat", "qadam")
 
 
-def optimizer(name: str):
+def optimizer(name: str, mesh):
     import optax
 
     import jax_bytegrad
@@ -47,12 +47,12 @@ def optimizer(name: str):
         return optax.chain(jax_bytegrad.gradient_allreduce(), optax.sgd(0.1, momentum=0.9))
     if name == "qadam":
         return jax_bytegrad.qadam(1e-2, warmup_steps=QADAM_WARMUP)
-    return train_worker.optimizer(name)
+    return train_worker.optimizer(name, mesh)
 
 
-def init_state(name: str):
+def init_state(name: str, mesh):
     params = train_worker.init_params()
-    return {"params": params, "opt_state": optimizer(name).init(params)}
+    return {"params": params, "opt_state": optimizer(name, mesh).init(params)}
 
 
 def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
@@ -65,11 +65,11 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
     import jax_bytegrad
     from jax_bytegrad.checkpoint import Checkpointer
 
-    tx = optimizer(name)
+    tx = optimizer(name, mesh)
     step_fn = jax_bytegrad.data_parallel_step(train_worker.loss_fn, tx, mesh, donate=False)
     rows = train_worker.GLOBAL_BATCH // nproc
     with Checkpointer(ckpt_dir, every=EVERY, keep=keep) as ckpt:
-        start, state = ckpt.restore_or_init(lambda: init_state(name), mesh)
+        start, state = ckpt.restore_or_init(lambda: init_state(name, mesh), mesh)
         print(f"{name}: starts at step {start}", flush=True)
         step = start
         while step < STEPS:
