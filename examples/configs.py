@@ -46,6 +46,11 @@ class Config:
         ``checkpoint_every`` steps, and resume from the newest checkpoint there (with
         ``python -m jax_bytegrad.launch --max-restarts N``, a run survives a dead worker).
       checkpoint_every: steps between checkpoints.
+      cache: transformer only: train on the functions of Python's standard library (variable
+        lengths, cut at ``seq_len``), tokenized once through ``jax_bytegrad.data``'s cache:
+        ``"none"``, ``"embedded"`` (SQLite) or ``"redis"``; None: fixed-length windows.
+      load_balance: with ``cache``: Bagua's load-balanced sampler (one replica per row, so a
+        step's rows have similar lengths and pad little); otherwise a random shard.
     """
 
     algorithm: str = "bytegrad"
@@ -63,6 +68,8 @@ class Config:
     progress: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int = 50
+    cache: str | None = None
+    load_balance: bool = False
 
     def get(self, name: str):
         """The field, or the model's default where it is None."""

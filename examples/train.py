@@ -16,6 +16,7 @@ the table and draws the loss plot.
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -32,6 +33,7 @@ import jax_bytegrad
 from jax_bytegrad.distributed import ensure_cpu_threads, report_progress
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cached_data  # noqa: E402
 import data as datasets  # noqa: E402
 import models  # noqa: E402
 from configs import (  # noqa: E402
@@ -63,16 +65,40 @@ def resolve_mesh(config: Config) -> jax.sharding.Mesh:
 
 
 def make_loss_fn(graphdef, rest) -> LossFn:
-    """``loss_fn(params, (inputs, targets)) -> (loss, {"accuracy": ...})`` for either model."""
+    """``loss_fn(params, (inputs, targets[, mask])) -> (loss, {"accuracy": ...})``.
+
+    Batches of variable-length sequences (``--cache``) carry a mask of the real tokens.
+    """
 
     def loss_fn(params, batch):
-        inputs, targets = batch
+        inputs, targets, *mask = batch
         logits = nnx.merge(graphdef, params, rest)(inputs)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-        accuracy = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32).mean()
-        return loss, {"accuracy": accuracy}
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        hits = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+        if not mask:
+            return losses.mean(), {"accuracy": hits.mean()}
+        weight = mask[0] / jnp.maximum(mask[0].sum(), 1.0)
+        return (losses * weight).sum(), {"accuracy": (hits * weight).sum()}
 
     return loss_fn
+
+
+def cached_batches(config: Config, mesh, batch_size: int) -> Callable[[], tuple]:
+    """``next_batch`` over the standard library's functions, through ``config.cache``."""
+    sources = cached_data.function_sources(config.seq_len)
+    lengths = np.array([len(s) for s in sources])
+    dataset = cached_data.open_dataset(config.cache, sources)
+
+    def rows():  # this process's rows of each step's global batch, epoch after epoch
+        for epoch in itertools.count():
+            yield from cached_data.step_batches(
+                dataset, lengths, mesh, batch_size=batch_size // mesh.size,
+                load_balance=config.load_balance, seed=config.seed, epoch=epoch,
+                max_len=config.seq_len,
+            )  # fmt: skip
+
+    stream = rows()
+    return lambda: next(stream)
 
 
 def _process_rows(array: np.ndarray) -> np.ndarray:
@@ -225,6 +251,11 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
         batch = datasets.train_batch(data, rng, batch_size, config.seq_len)
         return tuple(_process_rows(x) for x in batch)
 
+    if config.cache is not None:
+        if config.model != "transformer":
+            raise ValueError("train: --cache trains the transformer; pass --model transformer")
+        next_batch = cached_batches(config, mesh, batch_size)  # noqa: F811
+
     first = next_batch()
     if baseline is None:
         baseline = baseline_node_bytes(config, loss_fn, mesh, params, first)
@@ -332,6 +363,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="save the training state here and resume from it (with launch --max-restarts)",
     )
     parser.add_argument("--checkpoint-every", type=int, default=50, help="steps between saves")
+    parser.add_argument(
+        "--cache",
+        choices=["none", "embedded", "redis"],
+        default=None,
+        help="transformer: train on the stdlib's functions (variable lengths) through this cache",
+    )
+    parser.add_argument(
+        "--load-balance",
+        action="store_true",
+        help="with --cache: Bagua's load-balanced sampler instead of a random shard",
+    )
+    parser.add_argument("--seq-len", type=int, default=64, help="transformer: tokens per row")
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -348,6 +391,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         progress=not args.no_progress,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        cache=args.cache,
+        load_balance=args.load_balance,
+        seq_len=args.seq_len,
     )
 
 
