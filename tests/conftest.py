@@ -20,6 +20,23 @@ ensure_cpu_threads(8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+def _gloo_available() -> bool:
+    try:
+        from jax._src.lib import _jax
+
+        return hasattr(_jax, "make_gloo_tcp_collectives")
+    except ImportError:
+        return False
+
+
+# For tests that start several processes talking over Gloo: they skip only where the jaxlib
+# truly lacks it; a Gloo failure at run time fails the test.
+requires_gloo = pytest.mark.skipif(
+    not _gloo_available(),
+    reason="this jaxlib has no Gloo CPU collectives (make_gloo_tcp_collectives)",
+)
+
+
 @pytest.fixture
 def strict_dtypes():
     """Strict dtype promotion for tests of this library's own numerics.

@@ -54,8 +54,6 @@ def test_single_process_thread_starts_stops_and_resumes():
 
 @pytest.mark.slow
 def test_two_processes_average_converge_and_stop_cleanly():
-    if not (ROOT / "jax_bytegrad" / "launch.py").exists():
-        pytest.skip("needs the jax_bytegrad.launch launcher")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # each process gets its device count from the launcher
     proc = subprocess.run(

@@ -101,8 +101,6 @@ def test_multihost_two_processes(tmp_path):
     args = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2"]
     args += ["--timeout", "240", script, "--algorithm", "bytegrad", "--steps", "5"]
     proc = _run([*args, "--no-progress", "--batch-size", "32"], tmp_path)
-    if proc.returncode != 0 and "gloo" in proc.stderr.lower() and "address" in proc.stderr.lower():
-        pytest.skip(f"two processes cannot reach each other over Gloo here: {proc.stderr[-500:]}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "mesh {'node': 2, 'local': 2} on 2 process(es)" in proc.stdout
     # Only process 0 prints the table, and only its Gloo connection lines show.

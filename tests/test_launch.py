@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from conftest import requires_gloo
 
 from jax_bytegrad import distributed
 from jax_bytegrad.launch import launch
@@ -19,20 +20,6 @@ from jax_bytegrad.launch import launch
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
 REPO = Path(__file__).parent.parent
 
-
-def _gloo_available() -> bool:
-    try:
-        from jax._src.lib import _jax
-
-        return hasattr(_jax, "make_gloo_tcp_collectives")
-    except ImportError:
-        return False
-
-
-requires_gloo = pytest.mark.skipif(
-    not _gloo_available(),
-    reason="this jaxlib has no Gloo CPU collectives (make_gloo_tcp_collectives)",
-)
 
 _LAYOUT_VARS = (
     distributed.COORDINATOR_ENV,

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import requires_gloo
 
 import jax_bytegrad
 
@@ -24,22 +25,7 @@ REPO = Path(__file__).parent.parent
 WORKER = SCRIPTS / "train_worker.py"
 
 
-def _gloo_available() -> bool:
-    try:
-        from jax._src.lib import _jax
-
-        return hasattr(_jax, "make_gloo_tcp_collectives")
-    except ImportError:
-        return False
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not _gloo_available(),
-        reason="this jaxlib has no Gloo CPU collectives (make_gloo_tcp_collectives)",
-    ),
-]
+pytestmark = [pytest.mark.slow, requires_gloo]
 
 
 def _load_worker():

@@ -13,14 +13,14 @@ from conftest import assert_trees_all_equal
 
 from jax_bytegrad import _pallas, _reference
 
-ON_GPU = _pallas.is_supported()
+SM90_GPU = _pallas.is_supported()  # where the compiled Mosaic GPU kernels can run
 MODES = [
     pytest.param(True, id="interpret"),
     pytest.param(
         False,
         id="compiled",
         marks=pytest.mark.skipif(
-            not ON_GPU, reason="compiled Mosaic GPU kernels need an NVIDIA GPU of sm_90 or newer"
+            not SM90_GPU, reason="compiled Mosaic GPU kernels need an NVIDIA GPU of sm_90 or newer"
         ),
     ),
 ]
