@@ -5,12 +5,9 @@ VLDB 2020): many small leaves become a few large flat buffers, so each collectiv
 enough to run at link speed, and several buckets let XLA overlap one bucket's communication
 with the next bucket's compute.
 
-Float leaves (float32, bfloat16, float16) are cast to float32 and concatenated, whole
-leaves per bucket, in reverse tree order; each bucket is zero-padded to a multiple of
-``granularity`` (devices x block size), so it splits evenly into per-device shards of whole
-blocks. Reverse order, as in DDP and Bagua: a model's leaves mostly follow its layers, the
-backward pass yields the last layers' gradients first, and XLA runs collectives in program
-order, so the first bucket can be on the wire while the backward pass goes on.
+Float leaves (float32, bfloat16, float16) are cast to float32 and concatenated in tree
+order, whole leaves per bucket; each bucket is zero-padded to a multiple of ``granularity``
+(devices x block size), so it splits evenly into per-device shards of whole blocks.
 Integer and bool leaves are not bucketed: ``from_buckets`` hands them back untouched.
 """
 
@@ -32,7 +29,7 @@ class Layout:
       shapes: shape of every leaf, in tree order.
       dtypes: dtype of every leaf.
       bucketed: whether each leaf is a float leaf that goes into the buckets.
-      buckets: for each bucket, the indices of the whole leaves it holds, in bucket order.
+      buckets: for each bucket, the indices of the whole leaves it holds, in order.
       padded_sizes: elements in each bucket after padding to ``granularity``.
     """
 
@@ -56,8 +53,8 @@ def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout
     bucketed = tuple(dtype in _FLOAT_DTYPES for dtype in dtypes)
     limit = None if bucket_bytes is None else bucket_bytes // 4
     buckets, current, size = [], [], 0
-    for i in reversed(range(len(leaves))):
-        n, is_float = math.prod(shapes[i]), bucketed[i]
+    for i, (shape, is_float) in enumerate(zip(shapes, bucketed, strict=True)):
+        n = math.prod(shape)
         if not is_float or n == 0:
             continue
         if current and limit is not None and size + n > limit:

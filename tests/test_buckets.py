@@ -15,24 +15,23 @@ def leaves_of(shapes, dtypes=None):
 
 
 def test_buckets_hold_whole_leaves_and_close_before_overflowing():
-    leaves = leaves_of([(7,), (400,), (50,), (30, 10), (100,)])
+    leaves = leaves_of([(100,), (30, 10), (50,), (400,), (7,)])
     layout = buckets.make_layout(leaves, bucket_bytes=4 * 450, granularity=64)
-    # In reverse tree order: 100 + 300 + 50 fill 450 exactly; 400 would overflow, so it
-    # opens the next bucket.
-    assert layout.buckets == ((4, 3, 2), (1, 0))
+    # 100 + 300 + 50 fill 450 exactly; 400 would overflow, so it opens the next bucket.
+    assert layout.buckets == ((0, 1, 2), (3, 4))
     assert layout.padded_sizes == (512, 448)
 
 
 def test_a_leaf_larger_than_a_bucket_gets_its_own():
     leaves = leaves_of([(10,), (1000,), (10,)])
     layout = buckets.make_layout(leaves, bucket_bytes=4 * 100, granularity=8)
-    assert layout.buckets == ((2,), (1,), (0,))
+    assert layout.buckets == ((0,), (1,), (2,))
 
 
 def test_one_bucket_when_bucket_bytes_is_none():
     leaves = leaves_of([(10,), (1000,), (10,)])
     layout = buckets.make_layout(leaves, bucket_bytes=None, granularity=8)
-    assert layout.buckets == ((2, 1, 0),) and layout.padded_sizes == (1024,)
+    assert layout.buckets == ((0, 1, 2),) and layout.padded_sizes == (1024,)
 
 
 @pytest.mark.parametrize("bucket_bytes", [None, 4 * 64, 4 * 5000], ids=["one", "small", "big"])

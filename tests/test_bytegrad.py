@@ -54,16 +54,14 @@ def documented_bound(per_device, n, local, hierarchical, block, bits=8):
 
 
 def flat_f32(tree):
-    """Per-device leaves as rows, concatenated in bucket order (reverse tree order)."""
-    leaves = jax.tree.leaves(tree)[::-1]
+    """Per-device leaves as rows, concatenated in bucket order (tree order)."""
+    leaves = jax.tree.leaves(tree)
     return np.concatenate([np.asarray(x, np.float32).reshape(x.shape[0], -1) for x in leaves], 1)
 
 
 def flat_result(tree):
     """A replicated result, concatenated in the same bucket order as ``flat_f32``."""
-    return np.concatenate(
-        [np.asarray(x, np.float64).reshape(-1) for x in jax.tree.leaves(tree)[::-1]]
-    )
+    return np.concatenate([np.asarray(x, np.float64).reshape(-1) for x in jax.tree.leaves(tree)])
 
 
 @pytest.mark.parametrize("bits", [8, 4], ids=["8bit", "4bit"])
