@@ -345,6 +345,10 @@ class _PlacedStep:
             )
         return self._jitted[key], shardings
 
+    def _cache_size(self) -> int:
+        """Programs compiled so far, over every state structure (for no-recompile tests)."""
+        return sum(jitted._cache_size() for jitted in self._jitted.values())
+
     def lower(self, params, opt_state, batch):
         return self._jit(opt_state)[0].lower(params, opt_state, batch)
 
