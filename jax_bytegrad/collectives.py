@@ -195,8 +195,9 @@ def _compressed_sum_flat(
     ``n`` and ``local`` are the sizes of ``node_axis`` and ``local_axis``. Between nodes the
     bucket goes as independent pieces of ``message_bytes`` of codes per peer. XLA runs the
     collectives one at a time, in program order, but a piece's quantize, average and decode
-    only wait for their own data, so they run while other pieces are on the wire. Blocks are
-    coded independently, so with nearest rounding the result does not depend on the split.
+    only wait for their own data, so they can run while other pieces are on the wire, as far
+    as free cores allow (docs/performance.md). Blocks are coded independently, so with
+    nearest rounding the result does not depend on the split.
     """
     if hierarchical:
         group, group_size = node_axis, n
