@@ -149,29 +149,21 @@ def _per_device_builder(mesh, body, grads, *extra):
 _SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
 
 
-def _bucket_bytes() -> int | None:
-    """`compressed_mean`'s bucket size: the library default, or --bucket-mb (0: one bucket)."""
-    from jax_bytegrad.collectives import DEFAULT_BUCKET_BYTES
-
-    mb = _SIZES["bucket_mb"]
-    if mb is None:
-        return DEFAULT_BUCKET_BYTES
-    return None if mb == 0 else int(mb * 2**20)
-
-
-def _message_bytes() -> int | None:
-    """Bytes per message between nodes: the library default, or --message-kb (0: one each)."""
-    from jax_bytegrad.collectives import DEFAULT_MESSAGE_BYTES
-
-    kb = _SIZES["message_kb"]
-    if kb is None:
-        return DEFAULT_MESSAGE_BYTES
-    return None if kb == 0 else int(kb * 2**10)
-
-
 def _sizes() -> dict:
-    """The bucket and message sizes of this run, as keyword arguments of the library."""
-    return {"bucket_bytes": _bucket_bytes(), "message_bytes": _message_bytes()}
+    """The bucket and message sizes of this run, as keyword arguments of the library.
+
+    Each flag gives the library's default when unset, and None (one bucket, one message per
+    peer) when 0.
+    """
+    from jax_bytegrad.collectives import DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
+
+    def size(value, default, unit):
+        return default if value is None else None if value == 0 else int(value * unit)
+
+    return {
+        "bucket_bytes": size(_SIZES["bucket_mb"], DEFAULT_BUCKET_BYTES, 2**20),
+        "message_bytes": size(_SIZES["message_kb"], DEFAULT_MESSAGE_BYTES, 2**10),
+    }
 
 
 @register("bytegrad_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
@@ -212,7 +204,7 @@ def _bytegrad_wire(mesh, num_params):
     own = blocks // n
     codes = np.full((n, own, 1024), 7, np.uint8)
     header = np.ones((n, own, 2), np.float32)
-    pieces = message_slices(own, 1024, _message_bytes())
+    pieces = message_slices(own, 1024, _sizes()["message_bytes"])
 
     def body(g, codes, header):
         del g

@@ -83,6 +83,18 @@ def make_loss_fn(graphdef, rest) -> LossFn:
     return loss_fn
 
 
+def window_batches(config: Config, data, batch_size: int) -> Callable[[], tuple]:
+    """``next_batch``: this process's rows of the next global batch of the model's dataset
+    (every process draws the same one)."""
+    rng = np.random.default_rng(config.seed)
+
+    def next_batch():
+        batch = datasets.train_batch(data, rng, batch_size, config.seq_len)
+        return tuple(_process_rows(x) for x in batch)
+
+    return next_batch
+
+
 def cached_batches(config: Config, mesh, batch_size: int) -> Callable[[], tuple]:
     """``next_batch`` over the standard library's functions, through ``config.cache``."""
     sources = cached_data.function_sources(config.seq_len)
@@ -184,7 +196,8 @@ def _train_loop(step, state, batch, next_batch, *, first: int, steps: int, name:
 
 
 def _resume(config: Config, state, mesh):
-    """``(steps done, state)`` from ``config.checkpoint_dir``, or ``(0, state)``."""
+    """``(steps done, state, checkpointer)`` from ``config.checkpoint_dir``, or
+    ``(0, state, None)`` without one."""
     if config.checkpoint_dir is None:
         return 0, state, None
     if config.algorithm not in ("gradient_allreduce", "bytegrad", "qadam"):
@@ -244,18 +257,12 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = jax.device_get(params)
     loss_fn = make_loss_fn(graphdef, rest)
-    rng = np.random.default_rng(config.seed)
-
-    def next_batch():
-        """This process's rows of the next global batch (every process draws the same one)."""
-        batch = datasets.train_batch(data, rng, batch_size, config.seq_len)
-        return tuple(_process_rows(x) for x in batch)
-
-    if config.cache is not None:
-        if config.model != "transformer":
-            raise ValueError("train: --cache trains the transformer; pass --model transformer")
-        next_batch = cached_batches(config, mesh, batch_size)  # noqa: F811
-
+    if config.cache is None:
+        next_batch = window_batches(config, data, batch_size)
+    elif config.model == "transformer":
+        next_batch = cached_batches(config, mesh, batch_size)
+    else:
+        raise ValueError("train: --cache trains the transformer; pass --model transformer")
     first = next_batch()
     if baseline is None:
         baseline = baseline_node_bytes(config, loss_fn, mesh, params, first)
