@@ -2,6 +2,8 @@
 
 from jax_bytegrad.async_averaging import AsyncModelAverage as AsyncModelAverage
 from jax_bytegrad.async_averaging import async_model_average as async_model_average
+from jax_bytegrad.autotuning import AutotuneResult as AutotuneResult
+from jax_bytegrad.autotuning import autotune as autotune
 from jax_bytegrad.checkpoint import Checkpointer as Checkpointer
 from jax_bytegrad.collectives import compressed_mean as compressed_mean
 from jax_bytegrad.collectives import full_precision_mean as full_precision_mean
@@ -45,6 +47,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS",
     "async_model_average",
+    "autotune",
+    "AutotuneResult",
     "AsyncModelAverage",
     "bytegrad",
     "ByteGradState",

@@ -522,6 +522,42 @@ class Strategy:
         args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
         return f"Strategy({self.algorithm!r}, mesh={dict(self.mesh.shape)}{args})"
 
+    def replace(self, **algorithm_kwargs: Any) -> "Strategy":
+        """A strategy like this one with some algorithm keyword arguments changed or added.
+
+        Examples:
+          >>> import jax_bytegrad
+          >>> s = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(1, 1), bits=4)
+          >>> s.replace(message_bytes=2**20).kwargs
+          {'bits': 4, 'message_bytes': 1048576}
+        """
+        kwargs = {**self.kwargs, **algorithm_kwargs}
+        return Strategy(self.algorithm, mesh=self.mesh, flatten=self.flatten, **kwargs)
+
+    def setting(self, name: str) -> Any:
+        """The value the algorithm runs with for keyword ``name``: the one given, else the
+        default of the function that takes it.
+
+        Raises:
+          ValueError: for a name the algorithm does not take.
+
+        Examples:
+          >>> import jax_bytegrad
+          >>> s = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(1, 1))
+          >>> s.setting("bits"), s.setting("message_bytes")
+          (8, 262144)
+        """
+        if name in self.kwargs:
+            return self.kwargs[name]
+        for builder in _builders(self.algorithm):
+            parameter = _parameters(builder).get(name)
+            if parameter is not None and parameter.default is not parameter.empty:
+                return parameter.default
+        raise ValueError(
+            f"Strategy({self.algorithm!r}): no setting {name!r}; "
+            f"{self.algorithm} takes {', '.join(valid_kwargs(self.algorithm))}"
+        )
+
     def train_step(
         self,
         loss_fn: Callable[..., Any],

@@ -1,0 +1,296 @@
+"""autotune: the search, skipped failures, the cache, unchanged math, and agreement across
+processes (2 processes over Gloo)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_all_equal, requires_gloo
+
+import jax_bytegrad
+from jax_bytegrad import autotuning as autotune_module
+
+REPO = Path(__file__).parent.parent
+WORKER = Path(__file__).parent / "_mp_scripts" / "autotune_worker.py"
+KIB, MIB = 2**10, 2**20
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.standard_normal((24, 64)) / 5).astype(np.float32),
+        "b1": np.zeros(64, np.float32),
+        "w2": (rng.standard_normal((64, 8)) / 8).astype(np.float32),
+        "b2": np.zeros(8, np.float32),
+    }
+
+
+def _loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["w1"] + params["b1"][None])
+    return jnp.mean((h @ params["w2"] + params["b2"][None] - y) ** 2)
+
+
+def _batches(n, rows=32):
+    rng = np.random.default_rng(1)
+    return [
+        (rng.standard_normal((rows, 24), np.float32), rng.standard_normal((rows, 8), np.float32))
+        for _ in range(n)
+    ]
+
+
+def _strategy(name="bytegrad", **kwargs):
+    return jax_bytegrad.Strategy(name, mesh=jax_bytegrad.make_mesh(2, 4), **kwargs)
+
+
+def _tune(strategy, **kwargs):
+    kwargs = {"steps_per_trial": 2, "warmup_steps": 0, "verbose": False, **kwargs}
+    return jax_bytegrad.autotune(strategy, _loss, optax.sgd(0.1), _params(), _batches(3), **kwargs)
+
+
+# The search, on scores set by hand -----------------------------------------------------------
+
+
+def _drive(search, score):
+    """Runs a search with a made-up score per configuration; returns the configs tried."""
+    tried = []
+    while (index := search.next_index()) >= 0:
+        tried.append(search.candidates[index])
+        search.scores[index] = score(search.candidates[index])
+    return tried
+
+
+def test_a_small_space_is_swept_whole_from_the_start():
+    space = {"a": (1, 2, 3), "b": (True, False)}
+    search = autotune_module._Search(space, {"a": 2, "b": False}, max_trials=6)
+    assert search.exhaustive
+    tried = _drive(search, lambda c: c["a"] + (0 if c["b"] else 10))
+    assert tried[0] == {"a": 2, "b": False}
+    assert sorted(map(str, tried)) == sorted(map(str, search.candidates))
+    assert search.best() == {"a": 1, "b": True}
+
+
+def test_a_large_space_is_searched_one_setting_at_a_time():
+    space = {"a": (1, 2, 3, 4, 5), "b": (10, 20, 30, 40), "c": (True, False)}
+    search = autotune_module._Search(space, {"a": 3, "b": 20, "c": True}, max_trials=16)
+    assert not search.exhaustive
+    # Separable costs, best at a=5, b=10, c=False: found in 1 + 4 + 3 + 1 trials, not 40.
+    tried = _drive(search, lambda c: abs(c["a"] - 5) + abs(c["b"] - 10) / 10 + c["c"])
+    assert len(tried) == 9
+    assert len({str(c) for c in tried}) == 9  # no configuration twice
+    assert search.best() == {"a": 5, "b": 10, "c": False}
+    # Each setting is searched around the best of the ones before it.
+    assert all(c["a"] == 5 for c in tried[5:])
+    assert tried[-1] == {"a": 5, "b": 10, "c": False}
+
+
+def test_failed_trials_are_never_best():
+    search = autotune_module._Search({"a": (1, 2)}, {"a": 1}, max_trials=4)
+    _drive(search, lambda c: float("nan") if c["a"] == 2 else 3.0)
+    assert search.best() == {"a": 1}
+    search = autotune_module._Search({"a": (1, 2)}, {"a": 1}, max_trials=4)
+    _drive(search, lambda c: float("nan"))
+    assert search.best() is None
+
+
+# Real trials on 8 CPU devices -----------------------------------------------------------------
+
+
+def test_tunes_real_steps_and_returns_a_ready_strategy(capsys):
+    space = {"message_bytes": [KIB, None], "bucket_bytes": [MIB, None]}
+    result = _tune(_strategy(bits=4), space=space, verbose=True)
+    # The start (256 KiB messages, 32 MiB buckets) is added to the space and measured first.
+    assert result.start == {"message_bytes": 256 * KIB, "bucket_bytes": 32 * MIB}
+    assert result.trials[0].config == result.start
+    assert len(result.trials) == 9 and not result.from_cache
+    for trial in result.trials:
+        assert trial.error is None
+        assert trial.step_s > 0 and trial.compile_s >= 0
+    best = min(result.trials, key=lambda t: t.step_s)
+    assert result.config == best.config
+    # The chosen strategy keeps the user's own settings, and trains.
+    assert result.strategy.kwargs == {"bits": 4, **result.config}
+    with result.strategy.train_step(_loss, optax.sgd(0.1)) as step:
+        state, metrics = step(step.init(_params()), _batches(1)[0])
+    assert np.isfinite(float(metrics["loss"]))
+    out = capsys.readouterr().out
+    assert out.count("autotune ") == 9 and "chose" in out
+    table = result.table()
+    assert table.count("\n") == 2 + 8 and "chosen" in table and "start" in table
+
+
+def test_default_space_per_algorithm_and_mesh():
+    bytegrad = autotune_module._default_space(_strategy())
+    assert set(bytegrad) == {"message_bytes", "bucket_bytes", "hierarchical"}
+    one_per_node = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(8, 1))
+    assert "hierarchical" not in autotune_module._default_space(one_per_node)
+    chosen = autotune_module._default_space(_strategy(message_bytes=None))
+    assert "message_bytes" not in chosen  # the user's own setting is kept
+    assert set(autotune_module._default_space(_strategy("decentralized"))) == {"message_bytes"}
+
+
+def test_nothing_to_tune_returns_the_start_without_trials():
+    result = _tune(_strategy("gradient_allreduce", hierarchical=True))
+    assert result.trials == [] and result.config == {}
+    assert result.strategy.kwargs == {"hierarchical": True}
+
+
+def test_a_configuration_that_fails_is_skipped_with_a_warning():
+    space = {"message_bytes": [-5, None]}  # -5 is rejected when the step is built
+    with pytest.warns(UserWarning, match="skipped message_bytes=-5"):
+        result = _tune(_strategy(), space=space)
+    failed = [t for t in result.trials if t.error]
+    assert [t.config for t in failed] == [{"message_bytes": -5}]
+    assert "message_bytes" in failed[0].error and np.isnan(failed[0].step_s)
+    assert result.config["message_bytes"] in (256 * KIB, None)
+
+
+def test_a_configuration_that_fails_to_compile_is_skipped(monkeypatch):
+    from jax_bytegrad import collectives
+
+    slices = collectives.message_slices
+
+    def out_of_memory_at_1kib(blocks, block_bytes, message_bytes):
+        if message_bytes == KIB:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+        return slices(blocks, block_bytes, message_bytes)
+
+    monkeypatch.setattr(collectives, "message_slices", out_of_memory_at_1kib)
+    with pytest.warns(UserWarning, match="RESOURCE_EXHAUSTED"):
+        result = _tune(_strategy(), space={"message_bytes": [KIB, None]})
+    assert [t.config["message_bytes"] for t in result.trials if t.error] == [KIB]
+    assert result.config["message_bytes"] != KIB
+
+
+def test_the_strategys_own_configuration_failing_is_the_users_error():
+    def broken(params, batch):
+        raise RuntimeError("a bug in the loss")
+
+    with pytest.raises(RuntimeError, match="a bug in the loss"):
+        jax_bytegrad.autotune(
+            _strategy(), broken, optax.sgd(0.1), _params(), _batches(4), steps_per_trial=2
+        )
+
+
+def test_cache_round_trip(tmp_path):
+    cache = tmp_path / "tune" / "autotune.json"
+    space = {"message_bytes": [KIB, None]}
+    first = _tune(_strategy(), space=space, cache=cache)
+    entries = json.loads(cache.read_text())
+    key = autotune_module.cache_key(_strategy(), _params())
+    assert list(entries) == [key]
+    assert entries[key]["config"] == first.config and entries[key]["trials"] == 3
+    assert "bytegrad" in key and "node=2,local=4" in key and "params=2120" in key
+
+    again = _tune(_strategy(), space=space, cache=cache)
+    assert again.from_cache and again.trials == [] and again.config == first.config
+
+    # Another algorithm setting is another key; a cached choice outside the space retunes.
+    other = _tune(_strategy(bits=4), space=space, cache=cache)
+    assert not other.from_cache and len(json.loads(cache.read_text())) == 2
+    narrowed = _tune(_strategy(), space={"message_bytes": [2 * KIB]}, cache=cache)
+    if first.config["message_bytes"] != 256 * KIB:
+        assert not narrowed.from_cache
+
+
+def test_an_unreadable_cache_is_ignored_with_a_warning(tmp_path):
+    cache = tmp_path / "autotune.json"
+    cache.write_text("{not json")
+    with pytest.warns(UserWarning, match="unreadable cache"):
+        result = _tune(_strategy(), space={"message_bytes": [None]}, cache=cache)
+    assert not result.from_cache
+    assert json.loads(cache.read_text())  # rewritten whole
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="async has no setting"):
+        _tune(_strategy("async"))
+    with pytest.raises(ValueError, match="takes no setting 'sync_interval_ms'"):
+        _tune(_strategy(), space={"sync_interval_ms": [10]})
+    with pytest.raises(ValueError, match="space\\['message_bytes'\\] is empty"):
+        _tune(_strategy(), space={"message_bytes": []})
+    with pytest.raises(ValueError, match="max_trials must be an int >= 1"):
+        _tune(_strategy(), max_trials=0)
+    with pytest.raises(ValueError, match="needs 5 batches"):
+        jax_bytegrad.autotune(
+            _strategy(), _loss, optax.sgd(0.1), _params(), _batches(3), steps_per_trial=3
+        )
+
+
+def test_a_spent_time_budget_runs_no_trial():
+    result = _tune(_strategy(), space={"message_bytes": [KIB, None]}, time_budget_s=0.0)
+    assert len(result.trials) == 0 and result.config == result.start
+
+
+# The math does not depend on the tuned settings ------------------------------------------------
+
+
+def _one_step(strategy):
+    with strategy.train_step(_loss, optax.sgd(1.0)) as step:
+        state, _ = step(step.init(_params()), _batches(1)[0])
+        return jax.device_get(step.params(state)), state.params
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_every_tunable_setting_keeps_the_average_within_the_quantization_bound(bits):
+    exact, _ = _one_step(_strategy("gradient_allreduce"))
+    # Codes span each block's range, at most twice the largest gradient of any one device.
+    x, y = _batches(1)[0]
+    per_device = [jax.grad(_loss)(_params(), (x[i : i + 4], y[i : i + 4])) for i in range(0, 32, 4)]
+    grad_scale = {k: max(float(np.abs(g[k]).max()) for g in per_device) for k in exact}
+    levels = 2**bits - 1
+    default, _ = _one_step(_strategy(bits=bits))
+    space = autotune_module._default_space(_strategy(bits=bits))
+    for name, values in space.items():
+        for value in values:
+            got, placed = _one_step(_strategy(bits=bits, **{name: value}))
+            for k in got:  # two roundings (node sum, then average), each half a level
+                bound = 2 * grad_scale[k] / levels + 1e-6
+                err = np.abs(got[k] - exact[k]).max()
+                assert err <= bound, (name, value, k, err, bound)
+            # Replicas stay bit-identical on all 8 devices.
+            for leaf in jax.tree.leaves(placed):
+                shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+                for s in shards[1:]:
+                    np.testing.assert_array_equal(s, shards[0])
+            if name == "message_bytes":  # splitting messages changes no bit
+                assert_trees_all_equal(got, default)
+
+
+# Agreement across processes -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@requires_gloo
+def test_processes_agree_on_every_trial_and_the_choice(tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2",
+         "--timeout", "200", str(WORKER), str(tmp_path)],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, timeout=220, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    worker_space = [2**10, 256 * 2**10, None]
+    # Process 1's budget of 0 s did not stop it: process 0 picks every trial.
+    assert ranks[0]["trials"] == ranks[1]["trials"]
+    tried = [t[0]["message_bytes"] for t in ranks[0]["trials"]]
+    assert tried[0] == 256 * 2**10 and sorted(map(str, tried)) == sorted(map(str, worker_space))
+    assert ranks[0]["config"] == ranks[1]["config"]
+    assert ranks[0]["config"]["message_bytes"] in worker_space
+    # Each score is the slower process's: the start, slowed on process 1 only, is never chosen.
+    by_config = {str(t[0]["message_bytes"]): t[1] for t in ranks[0]["trials"]}
+    assert by_config[str(256 * 2**10)] >= 5.0
+    assert ranks[0]["config"] != {"message_bytes": 256 * 2**10}
+    # Process 0 wrote the cache.
+    assert json.loads((tmp_path / "cache.json").read_text())
