@@ -51,6 +51,9 @@ class Config:
         ``"none"``, ``"embedded"`` (SQLite) or ``"redis"``; None: fixed-length windows.
       load_balance: with ``cache``: Bagua's load-balanced sampler (one replica per row, so a
         step's rows have similar lengths and pad little); otherwise a random shard.
+      autotune: time the algorithm's step under its system settings first
+        (``jax_bytegrad.autotune``) and train with the fastest; cached in ``out_dir``.
+      out_dir: where tables, plots and the autotune cache are written.
     """
 
     algorithm: str = "bytegrad"
@@ -70,6 +73,8 @@ class Config:
     checkpoint_every: int = 50
     cache: str | None = None
     load_balance: bool = False
+    autotune: bool = False
+    out_dir: str = "runs"
 
     def get(self, name: str):
         """The field, or the model's default where it is None."""

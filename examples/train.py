@@ -146,12 +146,44 @@ def evaluate(graphdef, rest, params, inputs, targets, mesh) -> tuple[float, floa
     return float(loss), float(accuracy)
 
 
-def build_step(config: Config, name: str, loss_fn, mesh) -> jax_bytegrad.TrainStep:
-    """The train step of algorithm ``name``: the one entry point, with the registry's arguments."""
+def make_strategy(config: Config, name: str, mesh) -> tuple[jax_bytegrad.Strategy, Any]:
+    """The strategy of algorithm ``name`` with the registry's arguments, and its optimizer."""
     entry = ALGORITHMS[name]
     strategy = jax_bytegrad.Strategy(name, mesh=mesh, **entry.kwargs(config))
     optimizer = optax.adam(config.get("learning_rate")) if entry.takes_optimizer else None
-    return strategy.train_step(loss_fn, optimizer, has_aux=True)
+    return strategy, optimizer
+
+
+def build_step(config: Config, name: str, loss_fn, mesh, strategy=None) -> jax_bytegrad.TrainStep:
+    """The train step of algorithm ``name`` (of ``strategy``, if given: a tuned one)."""
+    default, optimizer = make_strategy(config, name, mesh)
+    return (strategy or default).train_step(loss_fn, optimizer, has_aux=True)
+
+
+def tune(config: Config, loss_fn, mesh, params, batches) -> jax_bytegrad.AutotuneResult | None:
+    """The algorithm's strategy tuned on ``batches`` (or read from the cache in
+    ``config.out_dir``), its trials written there; None for async, which has nothing to tune."""
+    if config.algorithm == "async":
+        return None
+    strategy, optimizer = make_strategy(config, config.algorithm, mesh)
+    result = jax_bytegrad.autotune(
+        strategy,
+        loss_fn,
+        optimizer,
+        params,
+        batches,
+        has_aux=True,
+        cache=os.path.join(config.out_dir, "autotune.json"),
+        verbose=config.progress,
+    )
+    if result.trials and is_main_process():
+        os.makedirs(config.out_dir, exist_ok=True)
+        path = os.path.join(config.out_dir, f"autotune_{config.model}_{config.algorithm}.md")
+        with open(path, "w") as f:
+            f.write(f"{result.strategy!r}\n\n{result.table()}\n")
+        log(f"{config.algorithm}: autotune trials in {path}")
+    log(f"{config.algorithm}: autotune took {result.tuning_s:.1f} s; {result.strategy!r}")
+    return result
 
 
 def node_bytes(phases: dict, counts: dict[str, int]) -> tuple[float, float]:
@@ -257,16 +289,22 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     params = jax.device_get(params)
     loss_fn = make_loss_fn(graphdef, rest)
-    if config.cache is None:
-        next_batch = window_batches(config, data, batch_size)
-    elif config.model == "transformer":
-        next_batch = cached_batches(config, mesh, batch_size)
-    else:
+    if config.cache is not None and config.model != "transformer":
         raise ValueError("train: --cache trains the transformer; pass --model transformer")
+
+    def batch_source():
+        if config.cache is None:
+            return window_batches(config, data, batch_size)
+        return cached_batches(config, mesh, batch_size)
+
+    next_batch = batch_source()
     first = next_batch()
     if baseline is None:
         baseline = baseline_node_bytes(config, loss_fn, mesh, params, first)
-    with build_step(config, config.algorithm, loss_fn, mesh) as step:
+    started, tuned = time.perf_counter(), None
+    if config.autotune:  # from a batch stream of its own: training sees the same data either way
+        tuned = tune(config, loss_fn, mesh, params, iter(batch_source(), None))
+    with build_step(config, config.algorithm, loss_fn, mesh, tuned and tuned.strategy) as step:
         state = step.init(params)
         phases = step.communication_stats(state, first)  # compiles; runs nothing
         done, state, checkpointer = _resume(config, state, mesh)
@@ -287,6 +325,9 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
         if checkpointer is not None:
             checkpointer.close()  # waits for the last save
         counts = step.phase_counts(state)
+    if tuned is not None:
+        share = tuned.tuning_s / (time.perf_counter() - started)
+        log(f"{config.algorithm}: autotune was {share:.0%} of this run's wall time")
     model_params = step.params(state)  # after close: async averages the processes' models once
     test_inputs, test_targets = datasets.test_set(data, config.seq_len)
     test_loss, test_accuracy = evaluate(
@@ -362,7 +403,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"mesh columns (default: devices per process, or {CPU_DEVICES_PER_NODE} on CPU)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="runs", help="where --compare writes (default runs/)")
+    parser.add_argument(
+        "--out-dir", default="runs", help="where --compare and --autotune write (default runs/)"
+    )
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument(
         "--checkpoint-dir",
@@ -382,6 +425,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --cache: Bagua's load-balanced sampler instead of a random shard",
     )
     parser.add_argument("--seq-len", type=int, default=64, help="transformer: tokens per row")
+    parser.add_argument(
+        "--autotune",
+        action="store_true",
+        help="time each algorithm's step under its message/bucket sizes and hierarchy first "
+        "(cached in --out-dir/autotune.json)",
+    )
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -401,6 +450,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cache=args.cache,
         load_balance=args.load_balance,
         seq_len=args.seq_len,
+        autotune=args.autotune,
+        out_dir=args.out_dir,
     )
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
+from jax_bytegrad import buckets
 from jax_bytegrad import strategy as strategy_lib
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
@@ -99,6 +100,24 @@ def _with_start(strat, space: Mapping[str, tuple]) -> tuple[dict[str, tuple], di
     start = {name: strat.setting(name) for name in space}
     space = {n: v if start[n] in v else (start[n], *v) for n, v in space.items()}
     return space, start
+
+
+def _distinct_buckets(strat, params, space, start):
+    """``space`` without bucket sizes that group ``params`` as another candidate does: the
+    same buckets compile to the same program, and timing twins only measures noise."""
+    if "bucket_bytes" not in space:
+        return space
+    leaves = jax.tree.leaves(params)
+    if strat.flatten:  # the strategy trains one vector
+        leaves = [jax.ShapeDtypeStruct((_param_count(params),), np.float32)]
+    kept, seen = [], {}
+    for value in sorted(space["bucket_bytes"], key=lambda v: v != start["bucket_bytes"]):
+        grouping = buckets.make_layout(leaves, bucket_bytes=value, granularity=1).buckets
+        if grouping not in seen:
+            seen[grouping] = value
+            kept.append(value)
+    values = tuple(v for v in space["bucket_bytes"] if v in kept)
+    return {**space, "bucket_bytes": values}
 
 
 def _agree(value: int) -> int:
@@ -377,6 +396,7 @@ def autotune(
             raise ValueError(f"autotune: {name} must be an int >= {least}, got {value!r}")
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
+    space = _distinct_buckets(strategy, params, space, start)
     needed = 1 + warmup_steps + steps_per_trial
     batches = list(itertools.islice(iter(batches), needed))
     if len(batches) < needed:

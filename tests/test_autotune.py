@@ -104,12 +104,14 @@ def test_failed_trials_are_never_best():
 
 
 def test_tunes_real_steps_and_returns_a_ready_strategy(capsys):
-    space = {"message_bytes": [KIB, None], "bucket_bytes": [MIB, None]}
+    space = {"message_bytes": [KIB, None], "bucket_bytes": [2 * KIB, None]}
     result = _tune(_strategy(bits=4), space=space, verbose=True)
     # The start (256 KiB messages, 32 MiB buckets) is added to the space and measured first.
     assert result.start == {"message_bytes": 256 * KIB, "bucket_bytes": 32 * MIB}
     assert result.trials[0].config == result.start
-    assert len(result.trials) == 9 and not result.from_cache
+    # None buckets the model as the start does (one bucket), so it is not timed twice.
+    assert len(result.trials) == 3 * 2 and not result.from_cache
+    assert {t.config["bucket_bytes"] for t in result.trials} == {32 * MIB, 2 * KIB}
     for trial in result.trials:
         assert trial.error is None
         assert trial.step_s > 0 and trial.compile_s >= 0
@@ -121,9 +123,9 @@ def test_tunes_real_steps_and_returns_a_ready_strategy(capsys):
         state, metrics = step(step.init(_params()), _batches(1)[0])
     assert np.isfinite(float(metrics["loss"]))
     out = capsys.readouterr().out
-    assert out.count("autotune ") == 9 and "chose" in out
+    assert out.count("autotune ") == 6 and "chose" in out
     table = result.table()
-    assert table.count("\n") == 2 + 8 and "chosen" in table and "start" in table
+    assert table.count("\n") == 2 + 5 and "chosen" in table and "start" in table
 
 
 def test_default_space_per_algorithm_and_mesh():
@@ -134,6 +136,17 @@ def test_default_space_per_algorithm_and_mesh():
     chosen = autotune_module._default_space(_strategy(message_bytes=None))
     assert "message_bytes" not in chosen  # the user's own setting is kept
     assert set(autotune_module._default_space(_strategy("decentralized"))) == {"message_bytes"}
+
+
+def test_bucket_sizes_that_group_the_model_alike_are_timed_once():
+    space = {"bucket_bytes": (4 * KIB, 16 * KIB, 32 * MIB, None)}
+    start = {"bucket_bytes": 32 * MIB}
+    # 2,120 floats: 4 KiB splits them (w1 alone), 16 KiB and up hold all of them in one bucket.
+    kept = autotune_module._distinct_buckets(_strategy(), _params(), space, start)
+    assert kept == {"bucket_bytes": (4 * KIB, 32 * MIB)}
+    flat = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), flatten=True)
+    kept = autotune_module._distinct_buckets(flat, _params(), space, start)
+    assert kept == {"bucket_bytes": (32 * MIB,)}  # one vector is one bucket at any size
 
 
 def test_nothing_to_tune_returns_the_start_without_trials():
