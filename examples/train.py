@@ -166,6 +166,7 @@ def tune(config: Config, loss_fn, mesh, params, batches) -> jax_bytegrad.Autotun
     if config.algorithm == "async":
         return None
     strategy, optimizer = make_strategy(config, config.algorithm, mesh)
+    cache = os.path.join(config.out_dir, "autotune.json")
     result = jax_bytegrad.autotune(
         strategy,
         loss_fn,
@@ -173,7 +174,7 @@ def tune(config: Config, loss_fn, mesh, params, batches) -> jax_bytegrad.Autotun
         params,
         batches,
         has_aux=True,
-        cache=os.path.join(config.out_dir, "autotune.json"),
+        cache=cache,
         verbose=config.progress,
     )
     if result.trials and is_main_process():
@@ -182,7 +183,8 @@ def tune(config: Config, loss_fn, mesh, params, batches) -> jax_bytegrad.Autotun
         with open(path, "w") as f:
             f.write(f"{result.strategy!r}\n\n{result.table()}\n")
         log(f"{config.algorithm}: autotune trials in {path}")
-    log(f"{config.algorithm}: autotune took {result.tuning_s:.1f} s; {result.strategy!r}")
+    how = f"read {cache}" if result.from_cache else f"took {result.tuning_s:.1f} s"
+    log(f"{config.algorithm}: autotune {how}; {result.strategy!r}")
     return result
 
 

@@ -109,6 +109,27 @@ def test_multihost_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_autotune_across_two_processes_then_from_the_cache(tmp_path):
+    script = os.path.join(EXAMPLES, "multihost.py")
+    args = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    args += ["--timeout", "240", script, "--algorithm", "bytegrad", "--steps", "5", "--autotune"]
+    args += ["--no-progress", "--batch-size", "32", "--out-dir", str(tmp_path)]
+    proc = _run(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # One device per node: message size is what there is to tune (7 sizes).
+    trials = (tmp_path / "autotune_cnn_bytegrad.md").read_text()
+    assert trials.count("| message_bytes=") == 7 and "chosen" in trials
+    assert proc.stdout.count("autotune was") == 1  # process 0 reports tuning's share
+    cache = (tmp_path / "autotune.json").read_text()
+    assert "bytegrad mesh=node=2,local=1 processes=2" in cache
+
+    again = _run(args, tmp_path)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]
+    assert f"autotune read {tmp_path / 'autotune.json'}" in again.stdout
+    assert "| message_bytes=" not in again.stdout  # no trial ran
+
+
+@pytest.mark.slow
 def test_all_six_algorithms_in_one_command_across_two_processes(tmp_path):
     # The one entry point, one loop: every algorithm, async included, in one launch.
     script = os.path.join(EXAMPLES, "multihost.py")
