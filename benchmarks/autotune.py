@@ -1,0 +1,220 @@
+"""Benchmark: ``jax_bytegrad.autotune`` against an exhaustive sweep, on shaped links.
+
+Builds K namespace hosts on one bridge (`_netns`) with every link at ``--rate``, runs one JAX
+process per host (one CPU device each, mesh (K, 1), Gloo between them) and, on the network
+benchmark's 25.2M-parameter MLP (`network.py`), with ByteGrad + Adam:
+
+1. sweeps the whole space (every message size x every distinct bucket grouping): the
+   exhaustive best;
+2. runs ``autotune`` with its default trial budget, which searches this space one setting
+   at a time;
+3. times the train step with the library's defaults, the autotuned configuration and the
+   exhaustive best, taking turns step by step, and reports the medians.
+
+Usage (root; without root it says so and exits 0)::
+
+    python benchmarks/autotune.py --hosts 2,4 --rate 1gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from network import _MLP_IN, _MLP_OUT, _mlp_init, _mlp_loss, _parse_rate  # noqa: E402
+
+STEPS_PER_TRIAL, WARMUP = 5, 1
+ROWS_PER_HOST = 16
+
+
+# Worker: one per host --------------------------------------------------------------------------
+
+
+def _batches(n: int, rank: int):
+    rng = np.random.default_rng(1 + rank)
+    return [
+        (
+            rng.standard_normal((ROWS_PER_HOST, _MLP_IN), np.float32),
+            rng.standard_normal((ROWS_PER_HOST, _MLP_OUT), np.float32),
+        )
+        for _ in range(n)
+    ]
+
+
+def _time_in_turns(strategies: dict, params, batches, steps: int) -> dict[str, list[float]]:
+    """Each strategy's step times (slowest process), the strategies taking turns step by step."""
+    import jax
+    import optax
+    from jax.experimental import multihost_utils
+
+    built = {}
+    for name, strategy in strategies.items():
+        step = strategy.train_step(_mlp_loss, optax.adam(1e-4))
+        state = step.init(params)
+        for batch in batches[:2]:  # compile, warm up
+            state, _ = step(state, batch)
+        jax.block_until_ready(state)
+        built[name] = [step, state]
+    times = {name: [] for name in strategies}
+    for i in range(steps):
+        for name, cell in built.items():
+            multihost_utils.sync_global_devices(f"{name}-{i}")
+            t0 = time.perf_counter()
+            cell[1], _ = cell[0](cell[1], batches[i % len(batches)])
+            jax.block_until_ready(cell[1])
+            times[name].append(time.perf_counter() - t0)
+    for step, _ in built.values():
+        step.close()
+    return {
+        name: np.asarray(multihost_utils.process_allgather(np.asarray(t))).max(axis=0).tolist()
+        for name, t in times.items()
+    }
+
+
+def _worker(args) -> int:
+    import jax_bytegrad
+
+    info = jax_bytegrad.initialize()
+    import jax
+    import optax
+
+    params = _mlp_init(args.num_params)
+    batches = _batches(1 + WARMUP + STEPS_PER_TRIAL, info.process_id)
+    strategy = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh())
+    tune = dict(steps_per_trial=STEPS_PER_TRIAL, warmup_steps=WARMUP, verbose=True)
+    swept = jax_bytegrad.autotune(
+        strategy, _mlp_loss, optax.adam(1e-4), params, batches, max_trials=1000, **tune
+    )
+    tuned = jax_bytegrad.autotune(strategy, _mlp_loss, optax.adam(1e-4), params, batches, **tune)
+    final = _time_in_turns(
+        {"default": strategy, "autotuned": tuned.strategy, "exhaustive best": swept.strategy},
+        params,
+        batches,
+        args.steps,
+    )
+    if info.process_id == 0:
+        result = {
+            "final": final,
+            "configs": {
+                "default": swept.start,
+                "autotuned": tuned.config,
+                "exhaustive best": swept.config,
+            },
+            "tuning_s": {"autotuned": tuned.tuning_s, "exhaustive": swept.tuning_s},
+            "trials": {"autotuned": len(tuned.trials), "exhaustive": len(swept.trials)},
+            "sweep_table": swept.table(),
+            "tuned_table": tuned.table(),
+        }
+        Path(args.out).write_text(json.dumps(result))
+    jax.distributed.shutdown()
+    return 0
+
+
+# Driver ----------------------------------------------------------------------------------------
+
+
+def _run(cluster, args, out: Path) -> dict:
+    from jax_bytegrad.launch import launch
+
+    worker = [
+        sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
+        "--num-params", str(args.num_params), "--steps", str(args.steps),
+    ]  # fmt: skip
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    code = launch(
+        lambda rank: cluster.command(rank, worker),
+        nproc=len(cluster.hosts),
+        coordinator_host=cluster.hosts[0].address,
+        timeout=args.timeout,
+        env=env,
+    )
+    if code != 0:
+        raise SystemExit(code)
+    return json.loads(out.read_text())
+
+
+def _report(hosts: int, rate: str, result: dict) -> str:
+    def label(config):
+        return " ".join(f"{k}={v}" for k, v in config.items())
+
+    lines = [
+        f"### {hosts} hosts, {rate}",
+        "",
+        "| configuration | settings | step ms (median) | vs default |",
+        "|---|---|---:|---:|",
+    ]
+    base = statistics.median(result["final"]["default"])
+    for name, times in result["final"].items():
+        med = statistics.median(times)
+        lines.append(
+            f"| {name} | {label(result['configs'][name])} | {1e3 * med:.1f} | {med / base:.3f}x |"
+        )
+    lines += [
+        "",
+        f"Tuning: autotune {result['trials']['autotuned']} trials in "
+        f"{result['tuning_s']['autotuned']:.0f} s; exhaustive sweep "
+        f"{result['trials']['exhaustive']} trials in {result['tuning_s']['exhaustive']:.0f} s.",
+        "",
+        "Exhaustive sweep:",
+        "",
+        result["sweep_table"],
+        "",
+        "Autotune's trials:",
+        "",
+        result["tuned_table"],
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hosts", default="2,4", help="comma-separated host counts")
+    parser.add_argument("--rate", default="1gbit", help="link rate of every host")
+    parser.add_argument("--num-params", type=int, default=25_200_000)
+    parser.add_argument("--steps", type=int, default=7, help="final timed steps per config")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per host count")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+
+    import _netns
+
+    if not _netns.have_root():
+        print("autotune benchmark: needs root (and ip, tc, unshare) for namespace hosts; skipped")
+        return 0
+    reports, results = [], {}
+    try:
+        for k in [int(h) for h in args.hosts.split(",") if h]:
+            with _netns.Cluster(k) as cluster, tempfile.TemporaryDirectory() as tmp:
+                cluster.shape(_parse_rate(args.rate), None)
+                print(f"== {k} hosts, {args.rate}", flush=True)
+                results[k] = _run(cluster, args, Path(tmp) / "result.json")
+                reports.append(_report(k, args.rate, results[k]))
+                print(reports[-1], flush=True)
+    finally:
+        _netns.cleanup()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print("\n\n".join(reports))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
