@@ -132,8 +132,7 @@ def _worst(values: Sequence[float]) -> np.ndarray:
     local = np.asarray(values, np.float64)
     if jax.process_count() == 1:
         return local
-    gathered = np.asarray(multihost_utils.process_allgather(local))
-    return np.where(np.isnan(gathered).any(axis=0), np.nan, gathered.max(axis=0))
+    return np.asarray(multihost_utils.process_allgather(local)).max(axis=0)  # NaN propagates
 
 
 def _label(config: Mapping[str, Any]) -> str:
