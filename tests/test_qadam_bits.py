@@ -8,6 +8,7 @@ import pytest
 from test_error_feedback import assert_same_on_every_device, device_copies
 
 import jax_bytegrad
+from jax_bytegrad.checkpoint import Checkpointer
 from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, qadam, scale_by_qadam
 from jax_bytegrad.transforms import state_specs
 
@@ -196,23 +197,24 @@ def test_strategy_matches_data_parallel_step(mesh):
 
 
 def test_checkpoint_restores_the_residuals_and_continues_bit_exactly(mesh, tmp_path):
-    ocp = pytest.importorskip("orbax.checkpoint")
+    pytest.importorskip("orbax.checkpoint")
     tx = make_tx(mesh)
     batches = make_batches(8)
     *_, straight = run(mesh, tx, batches)
     *_, (params, state) = run(mesh, tx, batches[:5])
     assert np.any(np.asarray(qadam_state(state).residuals[0][0]) != 0)
-    path = tmp_path / "ckpt"
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(path, {"params": params, "opt_state": state})
-        ckptr.wait_until_finished()
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": state})
-    saved = device_copies(state)
-    del params, state
-    with ocp.StandardCheckpointer() as ckptr:
-        restored = ckptr.restore(path, abstract)
+    saved = {"params": params, "opt_state": state}
+    shardings = jax.tree.map(lambda x: x.sharding, saved)  # the step's: residuals per device
+    copies = device_copies(saved)
+    with Checkpointer(tmp_path, every=5) as checkpointer:
+        assert checkpointer.save(5, saved)
+        checkpointer.wait()
+        del params, state, saved
+        restored = checkpointer.restore(
+            5, lambda: {"params": init_params(), "opt_state": tx.init(init_params())}, shardings
+        )
     # Every device gets its own residuals back, not another device's.
-    assert_same_on_every_device(restored["opt_state"], saved)
+    assert_same_on_every_device(restored, copies)
     *_, resumed = run(mesh, tx, batches[5:], params=restored["params"], state=restored["opt_state"])
     assert_same_on_every_device(resumed, device_copies(straight))
 
