@@ -13,7 +13,7 @@ settings: 20% float32 warm-up, eps 1e-5) at 8 bits, 4 bits and 4 bits with error
 QAdam's bytes are those of a step after warm-up.
 
     python benchmarks/bits_convergence.py --steps 300 --seeds 0,1
-    python benchmarks/bits_convergence.py --model transformer --steps 200
+    python benchmarks/bits_convergence.py --model transformer --steps 600
 
 With one process and no ``XLA_FLAGS``, this script asks XLA for 8 host devices before JAX
 starts.
