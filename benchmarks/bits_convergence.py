@@ -1,14 +1,19 @@
-"""Test accuracy of the digits CNN with 8- and 4-bit ByteGrad, with and without error feedback.
+"""Test accuracy and loss with 8- and 4-bit ByteGrad and QAdam, with and without error feedback.
 
-Trains the examples' CNN (``examples/models.py``) on scikit-learn's digits from the same
-initialisation and the same batches once per variant, on a 2 x 4 mesh of ("node", "local")
-CPU devices, with Adam after the gradient sync. Prints one markdown table: final test
-accuracy and loss, and the bytes each device sends between nodes per step, read by
-``communication_stats`` from the compiled step, with their ratio to gradient_allreduce's.
-The variants (``VARIANTS``) are gradient_allreduce (float32, hierarchical: the strongest
-baseline) and ByteGrad at 8 and 4 bits, each with and without error feedback.
+Trains one of the examples' models (``examples/models.py``: ``--model cnn`` on
+scikit-learn's digits, ``--model transformer``, the character transformer on Python source)
+from the same initialisation and the same batches once per variant, on a 2 x 4 mesh of
+("node", "local") CPU devices, with each model's default batch size and learning rate
+(``examples/configs.py``). Prints one markdown table: final test accuracy and loss, and the
+bytes each device sends between nodes per step, read by ``communication_stats`` from the
+compiled step, with their ratio to gradient_allreduce's. The variants (``VARIANTS``) are
+gradient_allreduce (float32, hierarchical: the strongest baseline) and ByteGrad at 8 and 4
+bits, each with and without error feedback, all followed by Adam; and QAdam (the examples'
+settings: 20% float32 warm-up, eps 1e-5) at 8 bits, 4 bits and 4 bits with error feedback.
+QAdam's bytes are those of a step after warm-up.
 
     python benchmarks/bits_convergence.py --steps 300 --seeds 0,1
+    python benchmarks/bits_convergence.py --model transformer --steps 600
 
 With one process and no ``XLA_FLAGS``, this script asks XLA for 8 host devices before JAX
 starts.
@@ -38,33 +43,48 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import data as datasets  # noqa: E402
 import models  # noqa: E402
+from configs import ALGORITHMS, CPU_DEVICES_PER_NODE, CPU_NODES, Config  # noqa: E402
 
 import jax_bytegrad  # noqa: E402
 from jax_bytegrad.distributed import ensure_cpu_threads  # noqa: E402
+from jax_bytegrad.qadam_optimizer import qadam  # noqa: E402
 from jax_bytegrad.transforms import shard_state, state_specs  # noqa: E402
 
 AXES = ("node", "local")
-NODES, DEVICES_PER_NODE = 2, 4
-BATCH_SIZE, LEARNING_RATE = 128, 1e-3  # the examples' CNN defaults
+MODELS = ("cnn", "transformer")
+
+
+def _allreduce(mesh, config: Config):
+    sync = jax_bytegrad.gradient_allreduce(hierarchical=True)
+    return optax.chain(sync, optax.adam(config.get("learning_rate")))
 
 
 def _bytegrad(bits: int, error_feedback: bool):
-    def build(mesh):
+    def build(mesh, config: Config):
         sync = jax_bytegrad.bytegrad(bits=bits, error_feedback=error_feedback, mesh=mesh)
-        return optax.chain(sync, optax.adam(LEARNING_RATE))
+        return optax.chain(sync, optax.adam(config.get("learning_rate")))
 
     return build
 
 
-# name -> optimizer builder(mesh).
+def _qadam(bits: int, error_feedback: bool):
+    def build(mesh, config: Config):
+        kwargs = ALGORITHMS["qadam"].kwargs(config)  # the examples' QAdam settings
+        return qadam(**kwargs, bits=bits, error_feedback=error_feedback, mesh=mesh)
+
+    return build
+
+
+# name -> optimizer builder(mesh, config).
 VARIANTS = {
-    "gradient_allreduce": lambda mesh: optax.chain(
-        jax_bytegrad.gradient_allreduce(hierarchical=True), optax.adam(LEARNING_RATE)
-    ),
+    "gradient_allreduce": _allreduce,
     "bytegrad 8-bit": _bytegrad(8, False),
     "bytegrad 8-bit + EF": _bytegrad(8, True),
     "bytegrad 4-bit": _bytegrad(4, False),
     "bytegrad 4-bit + EF": _bytegrad(4, True),
+    "qadam 8-bit": _qadam(8, False),
+    "qadam 4-bit": _qadam(4, False),
+    "qadam 4-bit + EF": _qadam(4, True),
 }
 
 
@@ -87,34 +107,65 @@ def make_step(loss_fn, tx, mesh, state):
     )
 
 
-def train(name: str, *, steps: int, seed: int, mesh) -> tuple[float, float, float, float]:
+def batches(config: Config, data):
+    """``next_batch() -> (inputs, targets)``: the global batches of a run, drawn from its seed."""
+    rng = np.random.default_rng(config.seed)
+    size = config.get("batch_size")
+    if config.model == "cnn":
+        # Images without replacement within a batch (the digits rows of RESULTS.md as measured).
+        def next_batch():
+            rows = rng.choice(len(data.train_targets), size, replace=False)
+            return data.train_inputs[rows], data.train_targets[rows]
+
+        return next_batch
+    return lambda: datasets.train_batch(data, rng, size, config.seq_len)
+
+
+def node_bytes_per_step(stats, *, after_warmup: bool) -> float:
+    """Inter-node bytes per device of a step; with ``after_warmup``, of QAdam's after warm-up.
+
+    QAdam's program holds both phases; its warm-up is the one float32 all-reduce over the
+    node axis alone (the loss mean spans both axes), left out with ``after_warmup``.
+    """
+    warmup = sum(
+        row.bytes_sent
+        for row in stats.rows
+        if after_warmup and row.kind == "all-reduce" and row.axes == "node" and row.dtype == "f32"
+    )
+    return stats.bytes_on("node") - warmup
+
+
+def train(
+    name: str, *, model: str, steps: int, seed: int, mesh
+) -> tuple[float, float, float, float]:
     """Trains one variant.
 
     Returns:
       (test accuracy, test loss, mean train loss of the last 20 steps, inter-node bytes per
-      device per step).
+      device per step; for gradient_allreduce its float32 all-reduce, for QAdam a step
+      after warm-up).
     """
-    data = datasets.load_digits()
-    model = models.CNN(data.num_classes, rngs=nnx.Rngs(seed))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    config = Config(model=model, steps=steps, seed=seed)
+    data = datasets.load(config.get("dataset"))
+    net = models.create(model, num_classes=data.num_classes, seq_len=config.seq_len, seed=seed)
+    graphdef, params, rest = nnx.split(net, nnx.Param, ...)
 
     def loss_fn(params, batch):
         inputs, targets = batch
         logits = nnx.merge(graphdef, params, rest)(inputs)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    tx = VARIANTS[name](mesh)
+    tx = VARIANTS[name](mesh, config)
     state = shard_state(tx.init(params), mesh)
     params = jax_bytegrad.replicate(params, mesh)
     step = make_step(loss_fn, tx, mesh, state)
-    rng = np.random.default_rng(seed)
-    rows = np.arange(BATCH_SIZE)
-    example = jax_bytegrad.shard_batch((data.train_inputs[rows], data.train_targets[rows]), mesh)
-    stats = jax_bytegrad.communication_stats(step, params, state, example, mesh=mesh)
+    next_batch = batches(config, data)
+    batch = jax_bytegrad.shard_batch(next_batch(), mesh)
+    stats = jax_bytegrad.communication_stats(step, params, state, batch, mesh=mesh)
     losses = []
-    for _ in range(steps):
-        rows = rng.choice(len(data.train_targets), BATCH_SIZE, replace=False)
-        batch = jax_bytegrad.shard_batch((data.train_inputs[rows], data.train_targets[rows]), mesh)
+    for t in range(steps):
+        if t:
+            batch = jax_bytegrad.shard_batch(next_batch(), mesh)
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))  # one step in flight: see docs/qadam.md
 
@@ -125,8 +176,13 @@ def train(name: str, *, steps: int, seed: int, mesh) -> tuple[float, float, floa
         return jnp.mean((jnp.argmax(logits, -1) == targets).astype(jnp.float32)), loss
 
     params = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), params)
-    accuracy, loss = metrics(params, data.test_inputs, data.test_targets)
-    return float(accuracy), float(loss), float(np.mean(losses[-20:])), stats.bytes_on("node")
+    accuracy, loss = metrics(params, *datasets.test_set(data, config.seq_len))
+    return (
+        float(accuracy),
+        float(loss),
+        float(np.mean(losses[-20:])),
+        node_bytes_per_step(stats, after_warmup=name.startswith("qadam")),
+    )
 
 
 def report(results: dict[str, list[tuple[float, float, float, float]]], steps: int) -> str:
@@ -150,12 +206,13 @@ def report(results: dict[str, list[tuple[float, float, float, float]]], steps: i
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="cnn")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
     args = parser.parse_args(argv)
-    ensure_cpu_threads(NODES * DEVICES_PER_NODE)
-    mesh = jax_bytegrad.make_mesh(NODES, DEVICES_PER_NODE)
+    ensure_cpu_threads(CPU_NODES * CPU_DEVICES_PER_NODE)
+    mesh = jax_bytegrad.make_mesh(CPU_NODES, CPU_DEVICES_PER_NODE)
     names = [n.strip() for n in args.variants.split(",")]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
@@ -165,7 +222,8 @@ def main(argv=None) -> int:
         results[name] = []
         for seed in (int(s) for s in args.seeds.split(",")):
             start = time.perf_counter()
-            results[name].append(train(name, steps=args.steps, seed=seed, mesh=mesh))
+            run = train(name, model=args.model, steps=args.steps, seed=seed, mesh=mesh)
+            results[name].append(run)
             acc = results[name][-1][0]
             print(f"{name} seed {seed}: {100 * acc:.2f}% in {time.perf_counter() - start:.0f} s")
     print()

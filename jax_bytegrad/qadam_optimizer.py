@@ -1,4 +1,4 @@
-"""QAdam: Adam with a frozen second moment and 8-bit compressed momentum.
+"""QAdam: Adam with a frozen second moment and 8- or 4-bit compressed momentum.
 
 Follows Bagua's QAdam (Gan et al., "Bagua: Scaling up Distributed Learning with System
 Relaxations", VLDB 2022), which builds on 1-bit Adam (Tang et al., "1-bit Adam:
@@ -12,7 +12,7 @@ Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
         m = b1 m + (1 - b1) g,    v = b2 v + (1 - b2) g^2
         update = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 
-    compression (t > warmup_steps), only the momentum is communicated, 8-bit:
+    compression (t > warmup_steps), only the momentum is communicated, 8-bit (or 4-bit):
         m = compressed_mean(b1 m + (1 - b1) g_local)
         v and its bias correction stay as they were at t = warmup_steps
         update = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^warmup_steps)) + eps)
@@ -21,6 +21,12 @@ Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
     t = warmup_steps + k (1 + g + ... + g^j), j = 0, 1, ...: the warm-up step again,
         float32 mean gradient into m and v, and v's correction is 1 - b2^(number of
         updates v has had): warmup_steps plus the refreshes so far, this one included.
+
+Beyond Bagua, ``bits=4`` sends 4-bit codes and ``error_feedback=True`` keeps, per device,
+what the momentum's two compressions left unsent and adds it back at the next compressed
+step (1-bit Adam's worker and server errors), exactly as ``bytegrad`` does for gradients:
+the same ``collectives.compressed_mean`` with residuals in the state. Warm-up and refresh
+steps send float32 and carry the residuals over untouched.
 
 Both phases live in one compiled program (``lax.cond`` on the step count: a refresh is a
 step that takes the warm-up branch), so neither the switch nor a refresh recompiles or
@@ -37,14 +43,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
 from jax_bytegrad import collectives
 from jax_bytegrad.parallel import _varying_axes
-from jax_bytegrad.quantization import (
-    DEFAULT_BLOCK_SIZE,
-    Implementation,
-)
-from jax_bytegrad.transforms import check_sync_args
+from jax_bytegrad.quantization import Bits, Implementation, check_block_size
+from jax_bytegrad.transforms import check_error_feedback, check_sync_args, mesh_residuals
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Longest refresh schedule compiled into a step: growth 1.001 from k = 1 needs ~15,000.
@@ -187,15 +191,21 @@ class ScaleByQAdamState(NamedTuple):
     Attributes:
       count: int32 scalar, the number of steps taken; step ``t = count + 1`` is a warm-up
         step while ``t <= warmup_steps``.
-      mu: first moment, like the params; after warm-up the 8-bit compressed mean of the
+      mu: first moment, like the params; after warm-up the compressed mean of the
         devices' local momenta (the float32 one on a refresh step).
       nu: second moment, like the params; frozen from step ``warmup_steps`` on, except on
         refresh steps. How many updates it has had follows from ``count``.
+      residuals: error feedback's residuals of the momentum exchange, as in
+        ``ByteGradState``: one (send, mean) pair of float32 vectors per bucket, every
+        device's own in mesh order (sharded over ("node", "local"); see
+        ``transforms.state_specs``); empty without error feedback. Unlike the rest of the
+        state they differ between devices.
     """
 
     count: jax.Array
     mu: optax.Updates
     nu: optax.Updates
+    residuals: tuple = ()
 
 
 def refresh_steps(
@@ -245,7 +255,10 @@ def scale_by_qadam(
     node_axis: str = "node",
     local_axis: str = "local",
     hierarchical: bool = True,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    bits: Bits = 8,
+    error_feedback: bool = False,
+    mesh: Mesh | None = None,
+    block_size: int | None = None,
     bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
     message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
     implementation: Implementation | None = None,
@@ -256,11 +269,13 @@ def scale_by_qadam(
     second moment and its bias correction are frozen, and only the momentum crosses the
     network: each device updates the momentum with its own gradient, and the momenta are
     averaged with ``compressed_mean`` (8-bit between nodes, about 4x fewer bytes than a
-    float32 all-reduce). With ``nu_refresh_interval``, a few later steps (ever further
-    apart, see ``refresh_steps``) are warm-up steps again: float32 mean gradient, and the
-    second moment updated as Adam would. Every replica ends the step with bit-identical
-    state. It must receive per-device gradients inside ``jax.shard_map``: put it first in
-    the chain, with no ``bytegrad()`` or ``gradient_allreduce()`` before it.
+    float32 all-reduce; 4-bit with ``bits=4``, about 8x fewer). With
+    ``nu_refresh_interval``, a few later steps (ever further apart, see ``refresh_steps``)
+    are warm-up steps again: float32 mean gradient, and the second moment updated as Adam
+    would. Every replica ends the step with bit-identical updates and state (but for the
+    error-feedback residuals, which are each device's own). It must receive per-device
+    gradients inside ``jax.shard_map``: put it first in the chain, with no ``bytegrad()``
+    or ``gradient_allreduce()`` before it.
 
     Args:
       b1: decay of the first moment.
@@ -278,7 +293,15 @@ def scale_by_qadam(
       hierarchical: reduce within each node before the inter-node hop (default), for the
         float32 warm-up mean and the compressed momentum alike; False reduces over both
         axes as one group.
-      block_size: elements per quantization block, a power of two >= 128.
+      bits: bits per code of the momentum between nodes, 8 or 4 (packed two per byte:
+        half the bytes; see docs/qadam.md for what it costs in accuracy).
+      error_feedback: keep each device's compression errors of the momentum and add them
+        back at the next compressed step, as ``bytegrad(error_feedback=True)`` does. Costs
+        (1 + 1/n) N/L float32 values per device (N parameters, n nodes of L devices,
+        hierarchical). Needs ``mesh``.
+      mesh: the mesh the step runs on; error feedback sizes the residuals by it.
+      block_size: elements per quantization block, a power of two >= 128 (>= 256 for 4
+        bits); None for ``DEFAULT_BLOCK_SIZES[bits]``.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
@@ -288,8 +311,9 @@ def scale_by_qadam(
       An ``optax.GradientTransformation`` whose state is a ``ScaleByQAdamState``.
 
     Raises:
-      ValueError: for bad arguments (here); at trace time, outside ``shard_map``, for an
-        axis the mesh lacks, or for gradients that are already averaged across devices.
+      ValueError: for bad arguments (here), error feedback without ``mesh``; at trace
+        time, outside ``shard_map``, for an axis the mesh lacks, or for gradients that are
+        already averaged across devices.
 
     Examples:
       >>> import optax, jax_bytegrad.qadam_optimizer as qadam_lib
@@ -317,6 +341,13 @@ def scale_by_qadam(
         bucket_bytes=bucket_bytes,
         message_bytes=message_bytes,
         implementation=implementation,
+        bits=bits,
+    )
+    block_size = check_block_size(block_size, where, bits)
+    mesh_shape = check_error_feedback(error_feedback, mesh, node_axis, local_axis, where)
+    # What the momentum exchange is sized and run with; the residuals must match it.
+    layout = dict(
+        hierarchical=hierarchical, bits=bits, block_size=block_size, bucket_bytes=bucket_bytes
     )
 
     def init_fn(params):
@@ -324,6 +355,7 @@ def scale_by_qadam(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params),
             nu=optax.tree.zeros_like(params),
+            residuals=mesh_residuals(params, mesh_shape, **layout) if error_feedback else (),
         )
 
     refresh = (
@@ -332,27 +364,28 @@ def scale_by_qadam(
         else _refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
     )
 
-    def full_precision(updates, mu, nu):
+    def full_precision(updates, mu, nu, residuals):
         grads = collectives.full_precision_mean(
             updates, node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical
         )
         mu = optax.tree.update_moment(grads, mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
-        return mu, nu
+        return mu, nu, residuals
 
-    def compressed(updates, mu, nu):
+    def compressed(updates, mu, nu, residuals):
         local_mu = optax.tree.update_moment(updates, mu, b1, 1)
         mu = collectives.compressed_mean(
             local_mu,
             node_axis=node_axis,
             local_axis=local_axis,
-            hierarchical=hierarchical,
-            block_size=block_size,
-            bucket_bytes=bucket_bytes,
             message_bytes=message_bytes,
             implementation=implementation,
+            residuals=residuals if error_feedback else None,
+            **layout,
         )
-        return mu, nu
+        if error_feedback:
+            mu, residuals = mu
+        return mu, nu, residuals
 
     def update_fn(updates, state, params=None):
         del params
@@ -369,12 +402,14 @@ def scale_by_qadam(
             is_refresh, refreshes = refresh(count_inc)
             full = full | is_refresh
             nu_updates = nu_updates + refreshes
-        mu, nu = jax.lax.cond(full, full_precision, compressed, updates, state.mu, state.nu)
+        mu, nu, residuals = jax.lax.cond(
+            full, full_precision, compressed, updates, state.mu, state.nu, state.residuals
+        )
         mu_hat = _bias_correction(mu, b1, count_inc)
         nu_hat = _bias_correction(nu, b2, nu_updates)
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         nu = optax.tree.cast_like(nu, state.nu)
-        return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu)
+        return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu, residuals=residuals)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -393,12 +428,15 @@ def qadam(
     node_axis: str = "node",
     local_axis: str = "local",
     hierarchical: bool = True,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    bits: Bits = 8,
+    error_feedback: bool = False,
+    mesh: Mesh | None = None,
+    block_size: int | None = None,
     bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
     message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
     implementation: Implementation | None = None,
 ) -> optax.GradientTransformation:
-    """QAdam: Adam whose momentum crosses the network 8-bit after a float32 warm-up.
+    """QAdam: Adam whose momentum crosses the network 8-bit (or 4-bit) after a float32 warm-up.
 
     ``chain(scale_by_qadam, add_decayed_weights, scale_by_learning_rate)``. It averages
     the gradients itself, so hand it per-device gradients:
@@ -421,7 +459,12 @@ def qadam(
       node_axis: mesh axis between nodes (slow links): the compressed hop.
       local_axis: mesh axis within a node (fast links): float32.
       hierarchical: reduce within each node before the inter-node hop (default).
-      block_size: elements per quantization block, a power of two >= 128.
+      bits: bits per code of the momentum between nodes, 8 or 4.
+      error_feedback: keep and re-add each device's compression errors of the momentum
+        (see ``scale_by_qadam``); needs ``mesh``.
+      mesh: the mesh the step runs on; error feedback sizes the residuals by it.
+      block_size: elements per quantization block, a power of two >= 128 (>= 256 for 4
+        bits); None for the default of ``bits``.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
@@ -432,8 +475,9 @@ def qadam(
       ``ScaleByQAdamState``.
 
     Raises:
-      ValueError: for bad arguments (here); at trace time, outside ``shard_map``, for an
-        axis the mesh lacks, or for gradients that are already averaged across devices.
+      ValueError: for bad arguments (here), error feedback without ``mesh``; at trace
+        time, outside ``shard_map``, for an axis the mesh lacks, or for gradients that are
+        already averaged across devices.
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad
@@ -476,6 +520,9 @@ def qadam(
             node_axis=node_axis,
             local_axis=local_axis,
             hierarchical=hierarchical,
+            bits=bits,
+            error_feedback=error_feedback,
+            mesh=mesh,
             block_size=block_size,
             bucket_bytes=bucket_bytes,
             message_bytes=message_bytes,

@@ -629,5 +629,6 @@ class Strategy:
         full.setdefault("hierarchical", _parameters(qadam_optimizer.qadam)["hierarchical"].default)
         return {
             "warmup": optax.chain(transforms.gradient_allreduce(**full), optax.adam(0.0)),
-            "compressed": optax.chain(transforms.bytegrad(**sync), optax.adam(0.0)),
+            # mesh: with error feedback the stand-in sizes its residuals as QAdam does.
+            "compressed": optax.chain(transforms.bytegrad(mesh=self.mesh, **sync), optax.adam(0.0)),
         }

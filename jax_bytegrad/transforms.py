@@ -85,6 +85,43 @@ def check_sync_args(
         resolve_implementation(implementation)
 
 
+def check_error_feedback(
+    error_feedback, mesh, node_axis: str, local_axis: str, where: str
+) -> tuple[int, int] | None:
+    """Validates ``error_feedback`` and ``mesh``; returns (nodes, devices per node) or None."""
+    _check_flag(error_feedback, "error_feedback", where)
+    if error_feedback and mesh is None:
+        raise ValueError(
+            f"{where}: error_feedback=True keeps residuals per device, sized by the mesh; "
+            "pass mesh=... (the mesh the step runs on)"
+        )
+    return None if mesh is None else check_mesh(mesh, node_axis, local_axis, where)
+
+
+def mesh_residuals(params, mesh_shape: tuple[int, int], **settings) -> tuple:
+    """Zero error-feedback residuals of every device, for an optimizer state.
+
+    Args:
+      params: the gradient pytree, as one device has it.
+      mesh_shape: (nodes, devices per node).
+      **settings: ``hierarchical``, ``bits``, ``block_size``, ``bucket_bytes``, as given to
+        ``collectives.compressed_mean``.
+
+    Returns:
+      One (send, mean) pair per bucket, each the concatenation of every device's own zero
+      residual in mesh order (``state_specs`` shards it over both axes).
+    """
+    nodes, per_node = mesh_shape
+    sizes = collectives.residual_sizes(
+        params, num_nodes=nodes, devices_per_node=per_node, **settings
+    )
+    devices = nodes * per_node
+    return tuple(
+        (jnp.zeros(devices * send, jnp.float32), jnp.zeros(devices * mean, jnp.float32))
+        for send, mean in sizes
+    )
+
+
 def bytegrad(
     *,
     node_axis: str = "node",
@@ -169,34 +206,20 @@ def bytegrad(
         bits=bits,
     )
     _check_flag(average, "average", where)
-    _check_flag(error_feedback, "error_feedback", where)
     stochastic = check_rounding(rounding, where)
     block_size = check_block_size(block_size, where, bits)
-    if error_feedback and mesh is None:
-        raise ValueError(
-            f"{where}: error_feedback=True keeps residuals per device, sized by the mesh; "
-            "pass mesh=... (the mesh the step runs on)"
-        )
-    if mesh is not None:
-        nodes, per_node = check_mesh(mesh, node_axis, local_axis, where)
+    mesh_shape = check_error_feedback(error_feedback, mesh, node_axis, local_axis, where)
 
     def init_fn(params):
         residuals = ()
         if error_feedback:
-            # Every device starts from zero; the vector holds all devices' in mesh order.
-            sizes = collectives.residual_sizes(
+            residuals = mesh_residuals(
                 params,
-                num_nodes=nodes,
-                devices_per_node=per_node,
+                mesh_shape,
                 hierarchical=hierarchical,
                 bits=bits,
                 block_size=block_size,
                 bucket_bytes=bucket_bytes,
-            )
-            devices = nodes * per_node
-            residuals = tuple(
-                (jnp.zeros(devices * send, jnp.float32), jnp.zeros(devices * mean, jnp.float32))
-                for send, mean in sizes
             )
         return ByteGradState(key=jax.random.key(seed), residuals=residuals)
 
@@ -236,7 +259,8 @@ def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"
 
     Returns:
       A pytree like ``opt_state`` of ``PartitionSpec``: ``P((node_axis, local_axis))`` for
-      the error-feedback residuals of every ``ByteGradState``, ``P()`` elsewhere.
+      the error-feedback residuals of every ``ByteGradState`` and ``ScaleByQAdamState``,
+      ``P()`` elsewhere.
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad
@@ -246,15 +270,20 @@ def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"
       >>> state_specs(tx.init({"w": jnp.ones(3)})).residuals
       ((P(('node', 'local'),), P(('node', 'local'),)),)
     """
+    # QAdam's state keeps residuals too (qadam_optimizer imports this module, hence late).
+    from jax_bytegrad.qadam_optimizer import ScaleByQAdamState
+
+    holders = (ByteGradState, ScaleByQAdamState)
     per_device = P((node_axis, local_axis))
 
     def specs(node):
-        if isinstance(node, ByteGradState):
+        if isinstance(node, holders):
+            replicated = jax.tree.map(lambda _: P(), node._replace(residuals=()))
             residuals = jax.tree.map(lambda _: per_device, node.residuals)
-            return ByteGradState(key=P(), residuals=residuals)
+            return replicated._replace(residuals=residuals)
         return P()
 
-    return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, ByteGradState))
+    return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, holders))
 
 
 def shard_state(opt_state, mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local"):

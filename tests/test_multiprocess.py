@@ -47,13 +47,13 @@ def two_process_run(tmp_path_factory):
     env.pop("XLA_FLAGS", None)  # the device count comes from --devices-per-proc
     proc = subprocess.run(
         [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "4",
-         "--timeout", "240", str(WORKER), str(out_dir)],
+         "--timeout", "440", str(WORKER), str(out_dir)],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        timeout=250,
+        timeout=450,
         text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout
@@ -71,6 +71,9 @@ def two_process_run(tmp_path_factory):
 # in a fixed order, and must match bit for bit; the others must agree to float32 rounding.
 # A lost or doubled gradient would move these parameters by ~1e-3, far past that tolerance.
 ROUNDING_ATOL = 2e-6  # ~16 ulp at |x| = 1; measured: 3e-8 (bytegrad), 5e-7 (qadam)
+# 20 steps of QAdam: those ulps compound, magnified where Adam divides by a small frozen
+# second moment. Measured 2.6e-6 (qadam4_ef), where the parameters moved by up to 2.6.
+DRIFT_ATOL = 2e-5
 EXPECTED = {
     "bytegrad": "rounding",
     "bytegrad_flat": "bit-identical",
@@ -78,6 +81,8 @@ EXPECTED = {
     "bytegrad_128": "rounding",
     "bytegrad_128_split": "rounding",
     "bytegrad4_ef_flat": "bit-identical",
+    "bytegrad4_ef": "rounding",  # measured: 6e-8
+    "qadam4_ef": "drift",
 }
 
 
@@ -98,8 +103,9 @@ def test_two_processes_match_one_process(two_process_run, name):
         if EXPECTED[name] == "bit-identical":
             np.testing.assert_array_equal(ranks[0][key], value, err_msg=f"{name} {key}")
         else:
+            atol = DRIFT_ATOL if EXPECTED[name] == "drift" else ROUNDING_ATOL
             np.testing.assert_allclose(
-                ranks[0][key], value, rtol=0, atol=ROUNDING_ATOL, err_msg=f"{name} {key}"
+                ranks[0][key], value, rtol=0, atol=atol, err_msg=f"{name} {key}"
             )
 
 

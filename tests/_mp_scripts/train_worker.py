@@ -21,7 +21,9 @@ GLOBAL_BATCH = 64
 # devices at all, only codes exchanged and averaged in a fixed order. "bytegrad_128" and
 # "bytegrad_128_split" differ only in the message size between nodes (one per peer, or one
 # 128-value block per message), which must not change a bit. "bytegrad4_ef_flat" is the flat
-# one with 4-bit codes and error feedback, whose residuals are per-device state.
+# one with 4-bit codes and error feedback, whose residuals are per-device state;
+# "bytegrad4_ef" and "qadam4_ef" are hierarchical ByteGrad and QAdam with 4-bit codes and
+# error feedback, over 20 steps.
 ALGORITHMS = {
     "bytegrad": 4,
     "bytegrad_flat": 4,
@@ -29,6 +31,8 @@ ALGORITHMS = {
     "bytegrad_128": 4,
     "bytegrad_128_split": 4,
     "bytegrad4_ef_flat": 4,
+    "bytegrad4_ef": 20,
+    "qadam4_ef": 20,
 }
 QADAM_WARMUP = 2  # shorter than the run, so both phases run
 
@@ -75,8 +79,15 @@ def optimizer(name: str, mesh):
             bits=4, error_feedback=True, mesh=mesh, hierarchical=False, block_size=256
         )
         return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
+    if name == "bytegrad4_ef":
+        sync = jax_bytegrad.bytegrad(bits=4, error_feedback=True, mesh=mesh, block_size=256)
+        return optax.chain(sync, optax.sgd(0.1, momentum=0.9))
     if name == "qadam":
         return qadam(1e-2, warmup_steps=QADAM_WARMUP)
+    if name == "qadam4_ef":
+        return qadam(
+            1e-2, warmup_steps=QADAM_WARMUP, bits=4, error_feedback=True, mesh=mesh, block_size=256
+        )
     if name in ("bytegrad_128", "bytegrad_128_split"):
         message_bytes = 128 if name.endswith("split") else None
         sync = jax_bytegrad.bytegrad(block_size=128, message_bytes=message_bytes)
@@ -112,7 +123,7 @@ def _error_feedback_step(tx, mesh, params):
 def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarray]:
     """Runs the steps of `name` on `mesh`; returns the params on this process's first device.
 
-    Also checks that every device of this process holds the same parameters.
+    Also checks, after every step, that every device of this process holds the same parameters.
     """
     import jax
 
@@ -121,7 +132,7 @@ def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarra
     tx = optimizer(name, mesh)
     params = init_params()
     p = jax_bytegrad.replicate(params, mesh)
-    if name.endswith("_ef_flat"):
+    if "_ef" in name:
         step, s = _error_feedback_step(tx, mesh, params)
     else:
         step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
@@ -131,13 +142,13 @@ def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarra
         x, y = global_batch(t)
         mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
         p, s, _ = step(p, s, jax_bytegrad.shard_batch(mine, mesh))
-    out = {}
-    for k, leaf in p.items():
-        shards = [np.asarray(sh.data) for sh in leaf.addressable_shards]
-        for other in shards[1:]:
-            np.testing.assert_array_equal(other, shards[0])
-        out[k] = shards[0]
-    if name == "qadam":
+        out = {}
+        for k, leaf in p.items():
+            shards = [np.asarray(sh.data) for sh in leaf.addressable_shards]
+            for other in shards[1:]:
+                np.testing.assert_array_equal(other, shards[0], err_msg=f"{name} step {t} {k}")
+            out[k] = shards[0]
+    if name.startswith("qadam"):
         count = int(np.asarray(s[0].count.addressable_shards[0].data))
         assert count == ALGORITHMS[name] > QADAM_WARMUP, count
     jax.block_until_ready(p)
