@@ -619,7 +619,8 @@ def _plot(rows: list[dict], path: str) -> None:
 
 
 def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
-    from jax_bytegrad.launch import _free_port, launch
+    from jax_bytegrad import _checks
+    from jax_bytegrad.launch import launch
 
     cluster.shape(mbit, args.delay)
     with tempfile.TemporaryDirectory(prefix="bgn-") as tmp:
@@ -639,7 +640,7 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
             lambda rank: cluster.command(rank, worker),
             nproc=len(cluster.hosts),
             coordinator_host=cluster.hosts[0].address,
-            port=_free_port(),
+            port=_checks.free_port(),
             timeout=args.timeout,
             env=env,
             hugepages=args.hugepages,

@@ -36,8 +36,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad import _checks
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
-from jax_bytegrad.parallel import check_mesh, data_parallel_step, shard_batch
+from jax_bytegrad.parallel import data_parallel_step, shard_batch
 from jax_bytegrad.transforms import gradient_allreduce
 
 # Private helpers -------------------------------------------------------------------------
@@ -428,10 +429,9 @@ def async_model_average(
     where = "async_model_average"
     if peer_selection_mode != "all":
         raise ValueError(f"{where}: peer_selection_mode must be 'all', got {peer_selection_mode!r}")
-    for name, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-            raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
-    check_mesh(mesh, node_axis, local_axis, where)
+    _checks.non_negative_int(sync_interval_ms, "sync_interval_ms", where)
+    _checks.non_negative_int(warmup_steps, "warmup_steps", where)
+    _checks.mesh_axes(mesh, node_axis, local_axis, where)
     grid = np.asarray(mesh.devices)
     if mesh.axis_names.index(node_axis) != 0:
         grid = grid.T

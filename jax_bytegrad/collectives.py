@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_bytegrad import _checks
 from jax_bytegrad import buckets as bucketing
 from jax_bytegrad.quantization import (
     HEADER_WIDTH,
@@ -379,8 +380,8 @@ def compressed_mean(
     block_size = check_block_size(block_size, "compressed_mean", bits)
     stochastic = check_rounding(rounding, "compressed_mean")
     check_key(stochastic, key, "compressed_mean")
-    check_size_bytes(bucket_bytes, "bucket_bytes", "compressed_mean")
-    check_size_bytes(message_bytes, "message_bytes", "compressed_mean")
+    _checks.positive_int(bucket_bytes, "bucket_bytes", "compressed_mean", or_none=True)
+    _checks.positive_int(message_bytes, "message_bytes", "compressed_mean", or_none=True)
     impl = resolve_implementation(implementation)
     n, local = axis_sizes(node_axis, local_axis, "compressed_mean")
     leaves, treedef = jax.tree.flatten(tree)
@@ -458,7 +459,7 @@ def full_precision_mean(
     devices = n * local
 
     def reduce(x):
-        if jnp.dtype(x.dtype) not in bucketing._FLOAT_DTYPES:
+        if jnp.dtype(x.dtype) not in _checks.FLOAT_DTYPES:
             return x
         if hierarchical and local > 1 and x.size:
             flat = x.reshape(-1)
@@ -473,9 +474,3 @@ def full_precision_mean(
         return total / np.asarray(devices, x.dtype) if average else total
 
     return jax.tree.map(reduce, tree)
-
-
-def check_size_bytes(value, name: str, where: str) -> None:
-    """A byte count (``bucket_bytes``, ``message_bytes``) must be a positive int or None."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{where}: {name} must be a positive int or None, got {value!r}")

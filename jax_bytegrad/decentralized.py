@@ -32,16 +32,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad import _checks
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
-from jax_bytegrad.collectives import DEFAULT_MESSAGE_BYTES, check_size_bytes, split_ppermute
-from jax_bytegrad.parallel import (
-    StepsInFlight,
-    _varying_axes,
-    check_batch,
-    check_mesh,
-    check_not_deleted,
-    compiler_options,
-)
+from jax_bytegrad.collectives import DEFAULT_MESSAGE_BYTES, split_ppermute
+from jax_bytegrad.parallel import StepsInFlight, compiler_options
 from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
@@ -57,17 +51,18 @@ PeerSelectionMode = Literal["all", "shift_one"]
 # Private helpers -------------------------------------------------------------------------
 
 
-def _check_bool(value, name: str, where: str) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
-
-
-def _check_interval(value, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(
-            f"{where}: communication_interval must be a positive int (communicate every k "
-            f"steps), got {value!r}"
-        )
+def _check_step_args(
+    where, mesh, node_axis, local_axis, hierarchical, has_aux, communication_interval, message_bytes
+) -> tuple[int, int]:
+    """Validates the arguments both decentralized steps take; returns (nodes, per node)."""
+    n, local = _checks.mesh_axes(mesh, node_axis, local_axis, where)
+    _checks.boolean(hierarchical, "hierarchical", where)
+    _checks.boolean(has_aux, "has_aux", where)
+    _checks.positive_int(
+        communication_interval, "communication_interval", where, why=" (communicate every k steps)"
+    )
+    _checks.positive_int(message_bytes, "message_bytes", where, or_none=True)
+    return n, local
 
 
 def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
@@ -93,8 +88,7 @@ def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
       >>> shift_one_schedule(4)
       [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
     """
-    if isinstance(num_peers, bool) or not isinstance(num_peers, int | np.integer) or num_peers < 1:
-        raise ValueError(f"shift_one_schedule: num_peers must be a positive int, got {num_peers!r}")
+    _checks.positive_int(num_peers, "num_peers", "shift_one_schedule")
     n = int(num_peers)
     if n == 1:
         return [[]]
@@ -112,7 +106,7 @@ def _missing_varying(tree, axes):
     """Casts each leaf to varying over whichever of ``axes`` it is not yet varying over."""
 
     def cast(x):
-        vma = _varying_axes(x)
+        vma = _checks.varying_axes(x)
         missing = tuple(a for a in axes if a not in vma)
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -191,8 +185,8 @@ def _host_selected_step(per_device, mesh, axes, state_specs, choose, *, has_aux,
     in_flight = StepsInFlight(mesh)
 
     def step(state, batch):
-        check_batch(batch, devices, where)
-        check_not_deleted(state, where)
+        _checks.batch_splits(batch, devices, where)
+        _checks.not_deleted(state, where)
         in_flight.wait()
         out = run(state, batch, None)
         in_flight.track(out)
@@ -320,11 +314,16 @@ def decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "decentralized_step"
-    n, local = check_mesh(mesh, node_axis, local_axis, where)
-    _check_bool(hierarchical, "hierarchical", where)
-    _check_bool(has_aux, "has_aux", where)
-    _check_interval(communication_interval, where)
-    check_size_bytes(message_bytes, "message_bytes", where)
+    n, local = _check_step_args(
+        where,
+        mesh,
+        node_axis,
+        local_axis,
+        hierarchical,
+        has_aux,
+        communication_interval,
+        message_bytes,
+    )
     if peer_selection_mode not in ("all", "shift_one"):
         raise ValueError(
             f"{where}: peer_selection_mode must be 'all' or 'shift_one', got "
@@ -495,11 +494,16 @@ def low_precision_decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "low_precision_decentralized_step"
-    n, local = check_mesh(mesh, node_axis, local_axis, where)
-    _check_bool(hierarchical, "hierarchical", where)
-    _check_bool(has_aux, "has_aux", where)
-    _check_interval(communication_interval, where)
-    check_size_bytes(message_bytes, "message_bytes", where)
+    n, local = _check_step_args(
+        where,
+        mesh,
+        node_axis,
+        local_axis,
+        hierarchical,
+        has_aux,
+        communication_interval,
+        message_bytes,
+    )
     check_block_size(block_size, where)
     impl = resolve_implementation(implementation)
     axes = (node_axis, local_axis)

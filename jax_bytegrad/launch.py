@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from jax_bytegrad import _checks
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
@@ -74,12 +74,6 @@ HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 # Private helpers ----------------------------------------------------------------------------------
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
@@ -179,7 +173,7 @@ class _Outcome(NamedTuple):
 
 def _start(run: _Run, attempt: int, progress_dir: Path):
     """Starts the `run.nproc` processes of one attempt; returns them and their output pumps."""
-    port = run.port if run.port is not None else _free_port()
+    port = run.port if run.port is not None else _checks.free_port()
     procs, pumps = [], []
     for rank in range(run.nproc):
         proc_env = dict(run.env)
@@ -368,7 +362,7 @@ def launch(
         raise ValueError(
             f"launch: port={port} is not a TCP port; pass 1..65535 or leave it out for a free one"
         )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+    if not _checks.is_int(max_restarts) or max_restarts < 0:
         raise ValueError(
             f"launch: max_restarts={max_restarts!r} must be a whole number >= 0 (0: no restart)"
         )

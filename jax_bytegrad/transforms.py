@@ -22,8 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import collectives
-from jax_bytegrad.parallel import check_mesh
+from jax_bytegrad import _checks, collectives
 from jax_bytegrad.quantization import (
     Bits,
     Implementation,
@@ -49,19 +48,6 @@ class ByteGradState(NamedTuple):
     residuals: tuple = ()
 
 
-def _check_flag(value, name: str, where: str) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
-
-
-def _check_axes(node_axis, local_axis, where: str) -> None:
-    for name, value in (("node_axis", node_axis), ("local_axis", local_axis)):
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{where}: {name} must be a mesh axis name, got {value!r}")
-    if node_axis == local_axis:
-        raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
-
-
 def check_sync_args(
     where: str,
     *,
@@ -75,12 +61,12 @@ def check_sync_args(
     bits=8,
 ) -> None:
     """Validates, at build time, the arguments every compressed-sync transform takes."""
-    _check_axes(node_axis, local_axis, where)
-    _check_flag(hierarchical, "hierarchical", where)
+    _checks.axis_names(node_axis, local_axis, where)
+    _checks.boolean(hierarchical, "hierarchical", where)
     check_bits(bits, where)
     check_block_size(block_size, where, bits)
-    collectives.check_size_bytes(bucket_bytes, "bucket_bytes", where)
-    collectives.check_size_bytes(message_bytes, "message_bytes", where)
+    _checks.positive_int(bucket_bytes, "bucket_bytes", where, or_none=True)
+    _checks.positive_int(message_bytes, "message_bytes", where, or_none=True)
     if implementation is not None:
         resolve_implementation(implementation)
 
@@ -168,8 +154,8 @@ def bytegrad(
         implementation=implementation,
         bits=bits,
     )
-    _check_flag(average, "average", where)
-    _check_flag(error_feedback, "error_feedback", where)
+    _checks.boolean(average, "average", where)
+    _checks.boolean(error_feedback, "error_feedback", where)
     stochastic = check_rounding(rounding, where)
     block_size = check_block_size(block_size, where, bits)
     if error_feedback and mesh is None:
@@ -178,7 +164,7 @@ def bytegrad(
             "pass mesh=... (the mesh the step runs on)"
         )
     if mesh is not None:
-        nodes, per_node = check_mesh(mesh, node_axis, local_axis, where)
+        nodes, per_node = _checks.mesh_axes(mesh, node_axis, local_axis, where)
 
     def init_fn(params):
         residuals = ()
@@ -318,9 +304,9 @@ def gradient_allreduce(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "gradient_allreduce"
-    _check_axes(node_axis, local_axis, where)
-    _check_flag(hierarchical, "hierarchical", where)
-    _check_flag(average, "average", where)
+    _checks.axis_names(node_axis, local_axis, where)
+    _checks.boolean(hierarchical, "hierarchical", where)
+    _checks.boolean(average, "average", where)
 
     def init_fn(params):
         del params
