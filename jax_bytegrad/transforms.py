@@ -165,19 +165,17 @@ def bytegrad(
         )
     if mesh is not None:
         nodes, per_node = _checks.mesh_axes(mesh, node_axis, local_axis, where)
+    # What sets the buckets, and so the residuals' sizes: the same for both.
+    layout = dict(
+        hierarchical=hierarchical, bits=bits, block_size=block_size, bucket_bytes=bucket_bytes
+    )
 
     def init_fn(params):
         residuals = ()
         if error_feedback:
             # Every device starts from zero; the vector holds all devices' in mesh order.
             sizes = collectives.residual_sizes(
-                params,
-                num_nodes=nodes,
-                devices_per_node=per_node,
-                hierarchical=hierarchical,
-                bits=bits,
-                block_size=block_size,
-                bucket_bytes=bucket_bytes,
+                params, num_nodes=nodes, devices_per_node=per_node, **layout
             )
             devices = nodes * per_node
             residuals = tuple(
@@ -193,16 +191,13 @@ def bytegrad(
             updates,
             node_axis=node_axis,
             local_axis=local_axis,
-            hierarchical=hierarchical,
             average=average,
-            bits=bits,
-            block_size=block_size,
-            bucket_bytes=bucket_bytes,
             message_bytes=message_bytes,
             rounding=rounding,
             key=step_key if stochastic else None,
             implementation=implementation,
             residuals=state.residuals if error_feedback else None,
+            **layout,
         )
         residuals = ()
         if error_feedback:
