@@ -33,7 +33,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from network import _MLP_IN, _MLP_OUT, _mlp_init, _mlp_loss, _parse_rate  # noqa: E402
+from _network_ops import _MLP_IN, _MLP_OUT, _mlp_init, _mlp_loss  # noqa: E402
+from _network_report import parse_rate  # noqa: E402
 
 STEPS_PER_TRIAL, WARMUP = 5, 1
 ROWS_PER_HOST = 16
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
     try:
         for k in [int(h) for h in args.hosts.split(",") if h]:
             with _netns.Cluster(k) as cluster, tempfile.TemporaryDirectory() as tmp:
-                cluster.shape(_parse_rate(args.rate), None)
+                cluster.shape(parse_rate(args.rate), None)
                 print(f"== {k} hosts, {args.rate}", flush=True)
                 results[k] = _run(cluster, args, Path(tmp) / "result.json")
                 reports.append(_report(k, args.rate, results[k]))

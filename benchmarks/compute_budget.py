@@ -51,7 +51,6 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import argparse  # noqa: E402
-import re  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -69,6 +68,7 @@ from jax_bytegrad.quantization import (  # noqa: E402
     dequantize_blocks,
     quantize_blocks,
 )
+from jax_bytegrad.stats import array_shapes, hlo_instructions  # noqa: E402
 
 BUDGET_S = 0.1
 HEADER_BYTES = 8
@@ -117,18 +117,13 @@ def _pipeline(quantize, average, dequantize, n: int, block: int):
 
 def _passes(hlo: str, big_elements: int) -> str:
     """Fusions of the entry computation whose operands or result hold >= big_elements values."""
-    entry = hlo[hlo.index("\nENTRY") :]
     kinds = []
-    for line in entry.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*?) (fusion|copy|while|custom-call)\(", line)
-        if not m:
+    for op in hlo_instructions(hlo):
+        if not op.entry or op.opcode not in ("fusion", "copy", "while", "custom-call"):
             continue
-        dims = [
-            int(np.prod([int(d) for d in s.split(",") if d]))
-            for s in re.findall(r"\[([\d,]*)\]", line.split(", metadata")[0])
-        ]
-        if max(dims, default=0) >= big_elements:
-            kinds.append(m.group(1) if m.group(3) != "while" else "while(loop over tiles)")
+        shapes = array_shapes(f"{op.shape} {op.args.split(', metadata')[0]}")
+        if max((int(np.prod(dims)) for _, dims in shapes), default=0) >= big_elements:
+            kinds.append(op.name if op.opcode != "while" else "while(loop over tiles)")
     return ", ".join(kinds)
 
 

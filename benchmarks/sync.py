@@ -9,8 +9,7 @@ Compares, for each gradient size, inside one ``jax.shard_map`` over a ("node", "
 Inputs are per-device random gradients, sharded P(("node", "local")) along a leading device
 axis. Each row gives the median wall time of a synchronous step, its ratio to fp32 measured
 in the same run, and the bytes each device sends per step between nodes and within nodes,
-read from the compiled HLO (``jax_bytegrad.stats.communication_stats`` when present, else a
-small parser here).
+read from the compiled HLO by ``jax_bytegrad.stats.communication_stats``.
 
 On one CPU host the 8 "devices" share its memory and cores: the "network" is memcpy, so these
 timings show compute overhead (quantize, average, dequantize) against memory-speed
@@ -27,7 +26,6 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import argparse  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -35,18 +33,13 @@ from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax_bytegrad  # noqa: E402
-
-try:
-    from jax_bytegrad.stats import communication_stats
-except ImportError:  # stats.py not there yet: parse the HLO here
-    communication_stats = None
+from jax_bytegrad.stats import communication_stats  # noqa: E402
 
 AXES = ("node", "local")
 
@@ -61,48 +54,9 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _fallback_bytes(compiled, mesh) -> dict[str, float]:
-    """Bytes sent per device, by axis, from the compiled HLO (ring/pairwise bandwidth terms)."""
-    coords = np.stack(np.unravel_index(np.arange(mesh.size), mesh.devices.shape), -1)
-    out = {"node": 0.0, "local": 0.0}
-    kinds = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all")
-    for line in compiled.as_text().splitlines():
-        m = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) ([a-z\-]+?)(?:-start)?\((.*)", line)
-        if not m or m.group(2) not in kinds:
-            continue
-        kind, rest = m.group(2), m.group(3)
-        shape = rest.split(")")[0] if kind != "all-gather" else m.group(1)
-        nbytes = 0
-        for dtype, dims in re.findall(r"\b([a-z]+\d+)\[([\d,]*)\]", shape):
-            bits = int(re.search(r"\d+", dtype).group())
-            nbytes += int(np.prod([int(d) for d in dims.split(",") if d])) * bits // 8
-        groups_text = re.search(r"replica_groups=(\{[\{\}\d,]*\}|\[[^ ]*)", rest)
-        if groups_text and groups_text.group(1).startswith("{{"):
-            groups = [
-                [int(v) for v in g.split(",")]
-                for g in re.findall(r"\{([\d,]+)\}", groups_text.group(1))
-            ]
-        else:
-            raise ValueError(f"sync.py: unparsed replica groups in {line.strip()[:160]}")
-        g = len(groups[0])
-        sent = {
-            "all-reduce": 2 * (g - 1) / g * nbytes,
-            "reduce-scatter": (g - 1) / g * nbytes,
-            "all-to-all": (g - 1) / g * nbytes,
-            "all-gather": (g - 1) / g * nbytes,  # nbytes of the output here
-        }[kind]
-        varies = (coords[groups[0]] != coords[groups[0][:1]]).any(0)
-        for name, v in zip(AXES, varies, strict=True):
-            if v:
-                out[name] += sent
-    return out
-
-
 def _bytes(fn, arg, mesh) -> dict[str, float]:
-    if communication_stats is not None:
-        stats = communication_stats(fn, arg, mesh=mesh)
-        return {"node": stats.bytes_on("node"), "local": stats.bytes_on("local")}
-    return _fallback_bytes(fn.lower(arg).compile(), mesh)
+    stats = communication_stats(fn, arg, mesh=mesh)
+    return {"node": stats.bytes_on("node"), "local": stats.bytes_on("local")}
 
 
 def _methods(mesh):
@@ -146,11 +100,10 @@ def main(argv=None):
     mesh = jax_bytegrad.make_mesh(n, local)
     methods = _methods(mesh)
     sharding = NamedSharding(mesh, P(AXES))
-    source = "jax_bytegrad.stats.communication_stats" if communication_stats else "HLO parse"
     print(
         f"jax {jax.__version__}, {len(jax.devices())} CPU devices on {os.cpu_count()} cores, "
         f"mesh node={n} x local={local}; median of {args.repeats} steps after 2 warm-ups; "
-        f"bytes sent per device per step from {source}"
+        f"bytes sent per device per step from jax_bytegrad.stats.communication_stats"
     )
     print()
     head = (

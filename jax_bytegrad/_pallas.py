@@ -192,6 +192,15 @@ def _decode_block(codes, scale, zero, bits: int):
     return jnp.clip(x, -_F32_MAX, _F32_MAX)
 
 
+def _encode_row(i, x, u_ref, codes_ref, header_ref, stochastic: bool, bits: int) -> None:
+    """Encodes block ``x`` into row ``i``: its codes, then its scale and zero in the header."""
+    u = u_ref[i] if stochastic else None
+    codes, scale, zero = _encode_block(x, u, stochastic, bits)
+    codes_ref[i] = codes
+    header_ref[2 * i] = scale
+    header_ref[2 * i + 1] = zero
+
+
 def _quantize_kernel(*refs, stochastic: bool, bits: int):
     if stochastic:
         x_ref, u_ref, codes_ref, header_ref = refs
@@ -200,11 +209,7 @@ def _quantize_kernel(*refs, stochastic: bool, bits: int):
 
     def body(i, carry):
         x = x_ref[i].astype(jnp.float32)
-        u = u_ref[i] if stochastic else None
-        codes, scale, zero = _encode_block(x, u, stochastic, bits)
-        codes_ref[i] = codes
-        header_ref[2 * i] = scale
-        header_ref[2 * i + 1] = zero
+        _encode_row(i, x, u_ref, codes_ref, header_ref, stochastic, bits)
         return carry
 
     lax.fori_loop(0, x_ref.shape[0], body, 0)
@@ -234,11 +239,7 @@ def _average_requantize_kernel(*refs, weight: float, stochastic: bool, bits: int
             scale = header_ref[c, 2 * i] * weight
             part = _decode_block(codes_ref[c, i], scale, header_ref[c, 2 * i + 1], bits)
             total = part if total is None else total + part
-        u = u_ref[i] if stochastic else None
-        codes, scale, zero = _encode_block(total, u, stochastic, bits)
-        out_codes_ref[i] = codes
-        out_header_ref[2 * i] = scale
-        out_header_ref[2 * i + 1] = zero
+        _encode_row(i, total, u_ref, out_codes_ref, out_header_ref, stochastic, bits)
         return carry
 
     lax.fori_loop(0, out_codes_ref.shape[0], body, 0)

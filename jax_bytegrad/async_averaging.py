@@ -36,8 +36,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad import _checks
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
-from jax_bytegrad.parallel import check_mesh, data_parallel_step, shard_batch
+from jax_bytegrad.parallel import data_parallel_step, shard_batch
 from jax_bytegrad.transforms import gradient_allreduce
 
 # Private helpers -------------------------------------------------------------------------
@@ -50,7 +51,17 @@ def _first_local_device(mesh: Mesh, process: int):
 def _stop_at_exit(ref) -> None:
     averager = ref()
     if averager is not None:
-        averager._stop_thread(timeout=averager._exit_timeout)
+        averager.stop(timeout=averager.exit_timeout)
+
+
+def _local_mesh(mesh: Mesh, axes: tuple[str, str]) -> Mesh:
+    """This process's row of ``mesh``, as a 1 x L mesh with the same axis names."""
+    row = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    return Mesh(
+        np.array(row, dtype=object).reshape(1, len(row)),
+        axes,
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
 
 
 class AsyncModelAverageState(NamedTuple):
@@ -65,6 +76,138 @@ class AsyncModelAverageState(NamedTuple):
     rounds: int
     last_round_ms: float
     running: bool
+
+
+class _Averager:
+    """The averaging between processes: a snapshot of the model, a thread, pending deltas.
+
+    A round averages the latest published snapshot ``s`` over processes on one device per
+    process and adds ``mean(s) - s`` to the pending delta, which ``take`` hands to the next
+    train step. Only this object issues cross-process collectives.
+    """
+
+    def __init__(self, mesh: Mesh, node_axis: str, sync_interval_ms: int, exit_timeout: float):
+        self.sync_interval_ms = sync_interval_ms
+        self.exit_timeout = exit_timeout
+        self._nproc = jax.process_count()
+        # One device per process does the averaging: a float32 all-reduce of the whole model.
+        # Its axis carries the node axis's name: each process is one node.
+        firsts = [_first_local_device(mesh, p) for p in range(self._nproc)]
+        avg_mesh = Mesh(np.array(firsts, dtype=object), (node_axis,))
+        self._my_device = firsts[jax.process_index()]
+        self._row_sharding = NamedSharding(avg_mesh, P(node_axis))
+
+        def body(flat, flag):
+            mean = jax.lax.pmean(flat, node_axis)
+            return mean - flat, jax.lax.pmax(flag, node_axis)
+
+        self._program = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=avg_mesh,
+                in_specs=(P(node_axis), P(node_axis)),
+                out_specs=(P(node_axis), P()),
+            )
+        )
+        self._lock = threading.Lock()
+        self._snapshot = None  # flat float32 params as of the latest step, on _my_device
+        self._pending = None  # mean(s) - s not yet added to the params
+        self._stop_requested = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._rounds = 0
+        self._last_ms = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def publish(self, params) -> None:
+        """Makes ``params`` the snapshot the next round averages."""
+        flat = jax.device_put(flatten_float32(params), self._my_device)
+        with self._lock:
+            self._snapshot = flat
+
+    def take(self):
+        """The finished rounds' flat ``mean(s) - s`` (None if none), now owed to the params."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                # The params now hold it: a round starting before the next publish must
+                # average them as they are, not the stale snapshot (that would count it twice).
+                self._snapshot = self._snapshot + pending
+        return pending
+
+    def round(self, stop: bool) -> bool:
+        """One collective round over all processes; returns whether any process asked to stop."""
+        with self._lock:
+            snapshot, pending = self._snapshot, self._pending
+        if pending is not None:
+            # Not yet pulled into the params: average what the params will be once it is.
+            snapshot = snapshot + pending
+        start = time.perf_counter()
+        row = jax.device_put(snapshot[None], self._my_device)
+        flag = jax.device_put(jnp.full((1,), int(stop), jnp.int32), self._my_device)
+        delta, any_stop = self._program(
+            jax.make_array_from_single_device_arrays(
+                (self._nproc, snapshot.size), self._row_sharding, [row]
+            ),
+            jax.make_array_from_single_device_arrays((self._nproc,), self._row_sharding, [flag]),
+        )
+        delta = delta.addressable_shards[0].data[0]
+        any_stop = bool(np.asarray(any_stop.addressable_shards[0].data))
+        with self._lock:
+            self._pending = delta if self._pending is None else self._pending + delta
+            self._rounds += 1
+            self._last_ms = (time.perf_counter() - start) * 1e3
+        return any_stop
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                # A local abort only shortens the wait: leaving must be agreed in a round.
+                self._stop_requested.wait(self.sync_interval_ms / 1e3)
+                if self.round(self._stop_requested.is_set()):
+                    return
+        except BaseException as e:  # noqa: BLE001 - surfaced by the next step() or abort()
+            self._error = e
+
+    def start(self) -> None:
+        self._stop_requested.clear()
+        self._thread = threading.Thread(target=self._loop, name="async_model_average", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None) -> None:
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop_requested.set()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise RuntimeError(
+                f"async_model_average: the averaging thread did not stop within {timeout} s; "
+                "every process must call abort() (a process that died or never calls it "
+                "leaves the others waiting in the averaging collective)"
+            )
+        self._thread = None
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(
+                f"async_model_average: the averaging thread failed: {error!r}"
+            ) from error
+
+    def lower(self):
+        n = self._snapshot.size if self._snapshot is not None else 1
+        row = jax.ShapeDtypeStruct((self._nproc, n), jnp.float32, sharding=self._row_sharding)
+        flag = jax.ShapeDtypeStruct((self._nproc,), jnp.int32, sharding=self._row_sharding)
+        return self._program.lower(row, flag)
+
+    def stats(self) -> AsyncModelAverageState:
+        with self._lock:
+            return AsyncModelAverageState(self._rounds, self._last_ms, self._thread is not None)
 
 
 class AsyncModelAverage:
@@ -100,121 +243,16 @@ class AsyncModelAverage:
         self.sync_interval_ms = sync_interval_ms
         self.warmup_steps = warmup_steps
         self.step_id = 0
-        self._has_aux = has_aux
-        self._exit_timeout = exit_timeout
         self._axes = (node_axis, local_axis)
-        self._rank = jax.process_index()
-        self._nproc = jax.process_count()
-        row = [d for d in mesh.devices.flat if d.process_index == self._rank]
-        self.local_mesh = Mesh(
-            np.array(row, dtype=object).reshape(1, len(row)),
-            self._axes,
-            axis_types=(jax.sharding.AxisType.Auto,) * 2,
+        self.local_mesh = _local_mesh(mesh, self._axes)
+        self._sync_tx = optax.chain(
+            gradient_allreduce(node_axis=node_axis, local_axis=local_axis), optimizer
         )
-        sync_tx = optax.chain(gradient_allreduce(node_axis=node_axis, local_axis=local_axis),
-                              optimizer)  # fmt: skip
-        self._optimizer = optimizer
-        self._sync_tx = sync_tx
-        self._global_step = data_parallel_step(
-            loss_fn, sync_tx, mesh, has_aux=has_aux, donate=False,
-            node_axis=node_axis, local_axis=local_axis,
-        )  # fmt: skip
-        self._local_step = data_parallel_step(
-            loss_fn, sync_tx, self.local_mesh, has_aux=has_aux, donate=False,
-            node_axis=node_axis, local_axis=local_axis,
-        )  # fmt: skip
-        # One device per process does the averaging: a float32 all-reduce of the whole model.
-        # Its axis carries the node axis's name: each process is one node.
-        firsts = [_first_local_device(mesh, p) for p in range(self._nproc)]
-        self._avg_mesh = Mesh(np.array(firsts, dtype=object), (node_axis,))
-        self._my_device = firsts[self._rank]
-        self._row_sharding = NamedSharding(self._avg_mesh, P(node_axis))
-
-        def body(flat, flag):
-            mean = jax.lax.pmean(flat, node_axis)
-            return mean - flat, jax.lax.pmax(flag, node_axis)
-
-        self._avg_program = jax.jit(
-            jax.shard_map(
-                body,
-                mesh=self._avg_mesh,
-                in_specs=(P(node_axis), P(node_axis)),
-                out_specs=(P(node_axis), P()),
-            )
-        )
-        self._lock = threading.Lock()
-        self._snapshot = None  # flat float32 params as of the latest step, on _my_device
-        self._like = None  # a params pytree, for unflattening
-        self._pending = None  # mean(s) - s not yet added to the params
-        self._stop_requested = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._rounds = 0
-        self._last_ms = 0.0
-        atexit.register(_stop_at_exit, weakref.ref(self))
-
-    # The averaging round and its thread ------------------------------------------------
-
-    def _round(self, stop: bool) -> bool:
-        """One collective round over all processes; returns whether any process asked to stop."""
-        with self._lock:
-            snapshot, pending = self._snapshot, self._pending
-        if pending is not None:
-            # Not yet pulled into the params: average what the params will be once it is.
-            snapshot = snapshot + pending
-        start = time.perf_counter()
-        row = jax.device_put(snapshot[None], self._my_device)
-        flag = jax.device_put(jnp.full((1,), int(stop), jnp.int32), self._my_device)
-        delta, any_stop = self._avg_program(
-            jax.make_array_from_single_device_arrays(
-                (self._nproc, snapshot.size), self._row_sharding, [row]
-            ),
-            jax.make_array_from_single_device_arrays((self._nproc,), self._row_sharding, [flag]),
-        )
-        delta = delta.addressable_shards[0].data[0]
-        any_stop = bool(np.asarray(any_stop.addressable_shards[0].data))
-        with self._lock:
-            self._pending = delta if self._pending is None else self._pending + delta
-            self._rounds += 1
-            self._last_ms = (time.perf_counter() - start) * 1e3
-        return any_stop
-
-    def _loop(self) -> None:
-        try:
-            while True:
-                # A local abort only shortens the wait: leaving must be agreed in a round.
-                self._stop_requested.wait(self.sync_interval_ms / 1e3)
-                if self._round(self._stop_requested.is_set()):
-                    return
-        except BaseException as e:  # noqa: BLE001 - surfaced by the next step() or abort()
-            self._error = e
-
-    def _start_thread(self) -> None:
-        self._stop_requested.clear()
-        self._thread = threading.Thread(target=self._loop, name="async_model_average", daemon=True)
-        self._thread.start()
-
-    def _stop_thread(self, timeout: float | None) -> None:
-        thread = self._thread
-        if thread is None:
-            return
-        self._stop_requested.set()
-        thread.join(timeout)
-        if thread.is_alive():
-            raise RuntimeError(
-                f"async_model_average: the averaging thread did not stop within {timeout} s; "
-                "every process must call abort() (a process that died or never calls it "
-                "leaves the others waiting in the averaging collective)"
-            )
-        self._thread = None
-        self._raise_thread_error()
-
-    def _raise_thread_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(
-                f"async_model_average: the averaging thread failed: {error!r}"
-            ) from error
+        kwargs = dict(has_aux=has_aux, donate=False, node_axis=node_axis, local_axis=local_axis)
+        self._global_step = data_parallel_step(loss_fn, self._sync_tx, mesh, **kwargs)
+        self._local_step = data_parallel_step(loss_fn, self._sync_tx, self.local_mesh, **kwargs)
+        self._averager = _Averager(mesh, node_axis, sync_interval_ms, exit_timeout)
+        atexit.register(_stop_at_exit, weakref.ref(self._averager))
 
     # Params placement ------------------------------------------------------------------
 
@@ -229,11 +267,13 @@ class AsyncModelAverage:
 
         return jax.tree.map(move, tree)
 
-    def _publish(self, params) -> None:
-        flat = jax.device_put(flatten_float32(params), self._my_device)
-        with self._lock:
-            self._snapshot = flat
-            self._like = params
+    def _local_batch(self, batch):
+        sharding = NamedSharding(self.local_mesh, P(self._axes))
+        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), batch)
+
+    def _start_averaging(self) -> None:
+        if self.sync_interval_ms > 0 and not self._averager.running:
+            self._averager.start()
 
     # Public API ------------------------------------------------------------------------
 
@@ -257,9 +297,9 @@ class AsyncModelAverage:
             place = lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
             return jax.tree.map(place, (params, opt_state))
         placed = self._to_local((params, opt_state))
-        if start and self.sync_interval_ms > 0 and self._thread is None:
-            self._publish(placed[0])
-            self._start_thread()
+        if start and self.sync_interval_ms > 0 and not self._averager.running:
+            self._averager.publish(placed[0])
+            self._averager.start()
         return placed
 
     def pull(self, params):
@@ -267,16 +307,10 @@ class AsyncModelAverage:
 
         ``step`` calls it; call it yourself after ``abort()`` to take in the last round.
         """
-        with self._lock:
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                # The params now hold it: a round starting before the next publish must
-                # average them as they are, not the stale snapshot (that would count it twice).
-                self._snapshot = self._snapshot + pending
+        pending = self._averager.take()
         if pending is None:
             return params
-        delta = unflatten_like(pending, params)
-        delta = self._to_local(delta)
+        delta = self._to_local(unflatten_like(pending, params))
         return jax.tree.map(lambda x, d: x + d, params, delta)
 
     def step(self, params, opt_state, batch):
@@ -286,7 +320,7 @@ class AsyncModelAverage:
           ``(params, opt_state, loss[, aux])``: ``loss`` is the mean over all devices during
           warm-up and over this process's devices afterwards.
         """
-        self._raise_thread_error()
+        self._averager.raise_error()
         if self.step_id < self.warmup_steps:
             out = self._global_step(params, opt_state, shard_batch(batch, self.mesh))
             self.step_id += 1
@@ -295,15 +329,11 @@ class AsyncModelAverage:
             params, opt_state = self._to_local((params, opt_state))
         params = self.pull(params)
         out = self._local_step(params, opt_state, self._local_batch(batch))
-        self._publish(out[0])
-        if self.step_id == self.warmup_steps and self.sync_interval_ms > 0 and not self._thread:
-            self._start_thread()
+        self._averager.publish(out[0])
+        if self.step_id == self.warmup_steps:
+            self._start_averaging()
         self.step_id += 1
         return out
-
-    def _local_batch(self, batch):
-        sharding = NamedSharding(self.local_mesh, P(self._axes))
-        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), batch)
 
     def lower(self, params, opt_state, batch):
         """Lowers the program the next ``step`` runs, for ``communication_stats``.
@@ -327,12 +357,12 @@ class AsyncModelAverage:
           RuntimeError: if the thread does not stop within ``timeout`` seconds (a process
             died or never called ``abort``), or if it had failed.
         """
-        self._stop_thread(timeout)
+        self._averager.stop(timeout)
 
     def resume(self) -> None:
         """Restarts the background averaging after ``abort``; every process must call it."""
-        if self._thread is None and self.step_id > self.warmup_steps:
-            self._start_thread()
+        if not self._averager.running and self.step_id > self.warmup_steps:
+            self._averager.start()
 
     def average_now(self, params):
         """One synchronous, exact average over processes: call it after ``abort`` on every process.
@@ -343,14 +373,14 @@ class AsyncModelAverage:
         Raises:
           RuntimeError: while the background thread runs (call ``abort()`` first).
         """
-        if self._thread is not None:
+        if self._averager.running:
             raise RuntimeError(
                 "async_model_average: average_now() while the averaging thread runs would "
                 "interleave two collectives; call abort() first"
             )
         params = self.pull(params)
-        self._publish(params)
-        self._round(False)
+        self._averager.publish(params)
+        self._averager.round(False)
         return self.pull(params)
 
     def lower_averaging(self):
@@ -358,16 +388,12 @@ class AsyncModelAverage:
 
         It runs on one device per process, along a mesh axis named after ``node_axis``.
         """
-        n = self._snapshot.size if self._snapshot is not None else 1
-        row = jax.ShapeDtypeStruct((self._nproc, n), jnp.float32, sharding=self._row_sharding)
-        flag = jax.ShapeDtypeStruct((self._nproc,), jnp.int32, sharding=self._row_sharding)
-        return self._avg_program.lower(row, flag)
+        return self._averager.lower()
 
     @property
     def round_stats(self) -> AsyncModelAverageState:
         """Rounds done, the latest round's time and whether the thread runs."""
-        with self._lock:
-            return AsyncModelAverageState(self._rounds, self._last_ms, self._thread is not None)
+        return self._averager.stats()
 
 
 def async_model_average(
@@ -428,10 +454,9 @@ def async_model_average(
     where = "async_model_average"
     if peer_selection_mode != "all":
         raise ValueError(f"{where}: peer_selection_mode must be 'all', got {peer_selection_mode!r}")
-    for name, value in (("sync_interval_ms", sync_interval_ms), ("warmup_steps", warmup_steps)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-            raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
-    check_mesh(mesh, node_axis, local_axis, where)
+    _checks.non_negative_int(sync_interval_ms, "sync_interval_ms", where)
+    _checks.non_negative_int(warmup_steps, "warmup_steps", where)
+    _checks.mesh_axes(mesh, node_axis, local_axis, where)
     grid = np.asarray(mesh.devices)
     if mesh.axis_names.index(node_axis) != 0:
         grid = grid.T

@@ -46,6 +46,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad import _checks
 from jax_bytegrad.decentralized import consensus_params
 
 # Private helpers ----------------------------------------------------------------------------------
@@ -60,11 +61,6 @@ def _ocp():
             "(or jax_bytegrad[test])"
         ) from None
     return ocp
-
-
-def _check_positive_int(value, name: str, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {name}={value!r} must be a whole number >= 1")
 
 
 def _target_shardings(abstract, shardings):
@@ -136,8 +132,8 @@ class Checkpointer:
     def __init__(
         self, directory: str | Path, *, every: int, keep: int = 3, async_save: bool = True
     ):
-        _check_positive_int(every, "every", "Checkpointer")
-        _check_positive_int(keep, "keep", "Checkpointer")
+        _checks.positive_int(every, "every", "Checkpointer")
+        _checks.positive_int(keep, "keep", "Checkpointer")
         ocp = _ocp()
         self.directory = Path(directory).absolute()
         self.every = every
@@ -306,7 +302,7 @@ def average_replicas(per_device, num_devices: int):
       >>> average_replicas({"w": np.array([[1.0], [3.0]], np.float32)}, 4)["w"].ravel().tolist()
       [2.0, 2.0, 2.0, 2.0]
     """
-    _check_positive_int(num_devices, "num_devices", "average_replicas")
+    _checks.positive_int(num_devices, "num_devices", "average_replicas")
     for leaf in jax.tree.leaves(per_device):
         if np.ndim(leaf) == 0:
             raise ValueError(

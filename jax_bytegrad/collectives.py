@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_bytegrad import _checks
 from jax_bytegrad import buckets as bucketing
 from jax_bytegrad.quantization import (
     HEADER_WIDTH,
@@ -94,6 +95,23 @@ def gather_invariant(x: jax.Array, axis) -> jax.Array:
     return jax.lax.all_gather(x, axis, axis=0, tiled=True, to="invarying")
 
 
+def scatter_flat(flat: jax.Array, axis, parts: int) -> jax.Array:
+    """Sums a flat vector over ``axis``, each device keeping its 1/``parts`` (zero-padded)."""
+    flat = jnp.pad(flat, (0, -flat.size % parts))
+    return jax.lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
+
+
+def gather_flat(part: jax.Array, axis, size: int, *, invariant: bool = True) -> jax.Array:
+    """Undoes ``scatter_flat``'s split: the ``parts`` gathered over ``axis``, padding dropped.
+
+    With ``invariant`` the result is typed as one value over ``axis``; otherwise it stays
+    varying, as per-device state must.
+    """
+    if invariant:
+        return gather_invariant(part, axis)[:size]
+    return jax.lax.all_gather(part, axis, axis=0, tiled=True)[:size]
+
+
 def message_slices(blocks: int, block_bytes: int, message_bytes: int | None) -> list[slice]:
     """Consecutive block ranges of about ``message_bytes`` each (at least one block)."""
     per = blocks if message_bytes is None else max(1, message_bytes // block_bytes)
@@ -130,7 +148,7 @@ def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
     return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
 
 
-def _compressed_piece(x, residual, *, group, gather_group, weight, stochastic, key, bits, impl):
+def _compressed_piece(x, residual, *, group, gather_group, weight, key, codec):
     """The compressed all-reduce of one message's worth of blocks.
 
     ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j over ``group``,
@@ -139,11 +157,12 @@ def _compressed_piece(x, residual, *, group, gather_group, weight, stochastic, k
     over). Each block's codes travel with its header, one message per peer and direction.
     Returns the decoded mean of all of ``x``, same shape, and the new residuals: None
     without error feedback, else, for ``residual`` = (send, mean) of shapes ``x.shape`` and
-    ``x.shape[1:]``, what each compression left unsent.
+    ``x.shape[1:]``, what each compression left unsent. ``codec`` holds the ``stochastic``,
+    ``bits`` and ``implementation`` arguments of the codec's functions.
     """
     peers, blocks, block_size = x.shape
     keys = (None, None) if key is None else jax.random.split(key)
-    codec = dict(stochastic=stochastic, bits=bits, implementation=impl)
+    bits, impl = codec["bits"], codec["implementation"]
     x = x.reshape(peers * blocks, block_size)
     if residual is None:
         codes, header = quantize_blocks(x, key=keys[0], **codec)
@@ -180,10 +199,8 @@ def _compressed_sum_flat(
     hierarchical,
     weight,
     block_size,
-    stochastic,
     key,
-    bits,
-    impl,
+    codec,
     message_bytes,
     residual,
 ):
@@ -226,13 +243,11 @@ def _compressed_sum_flat(
                 group=group,
                 gather_group=gather_group,
                 weight=weight,
-                stochastic=stochastic,
                 key=None if key is None else jax.random.fold_in(key, i),
-                bits=bits,
-                impl=impl,
+                codec=codec,
             )
             for i, blocks in enumerate(
-                message_slices(x.shape[1], block_size * bits // 8, message_bytes)
+                message_slices(x.shape[1], block_size * codec["bits"] // 8, message_bytes)
             )
         ]
         x = jnp.concatenate([decoded for decoded, _ in pieces], axis=1).reshape(-1)
@@ -379,9 +394,11 @@ def compressed_mean(
     block_size = check_block_size(block_size, "compressed_mean", bits)
     stochastic = check_rounding(rounding, "compressed_mean")
     check_key(stochastic, key, "compressed_mean")
-    check_size_bytes(bucket_bytes, "bucket_bytes", "compressed_mean")
-    check_size_bytes(message_bytes, "message_bytes", "compressed_mean")
-    impl = resolve_implementation(implementation)
+    _checks.positive_int(bucket_bytes, "bucket_bytes", "compressed_mean", or_none=True)
+    _checks.positive_int(message_bytes, "message_bytes", "compressed_mean", or_none=True)
+    codec = dict(
+        stochastic=stochastic, bits=bits, implementation=resolve_implementation(implementation)
+    )
     n, local = axis_sizes(node_axis, local_axis, "compressed_mean")
     leaves, treedef = jax.tree.flatten(tree)
     layout = bucketing.make_layout(
@@ -404,10 +421,8 @@ def compressed_mean(
             hierarchical=hierarchical,
             weight=weight,
             block_size=block_size,
-            stochastic=stochastic,
             key=None if key is None else jax.random.fold_in(key, i),
-            bits=bits,
-            impl=impl,
+            codec=codec,
             message_bytes=message_bytes,
             residual=None if residuals is None else residuals[i],
         )
@@ -458,24 +473,13 @@ def full_precision_mean(
     devices = n * local
 
     def reduce(x):
-        if jnp.dtype(x.dtype) not in bucketing._FLOAT_DTYPES:
+        if jnp.dtype(x.dtype) not in _checks.FLOAT_DTYPES:
             return x
         if hierarchical and local > 1 and x.size:
-            flat = x.reshape(-1)
-            pad = -flat.size % local
-            flat = jnp.pad(flat, (0, pad))
-            part = jax.lax.psum_scatter(flat, local_axis, scatter_dimension=0, tiled=True)
-            part = jax.lax.psum(part, node_axis)
-            flat = gather_invariant(part, local_axis)
-            total = flat[: x.size].reshape(x.shape)
+            part = jax.lax.psum(scatter_flat(x.reshape(-1), local_axis, local), node_axis)
+            total = gather_flat(part, local_axis, x.size).reshape(x.shape)
         else:
             total = jax.lax.psum(x, (node_axis, local_axis))
         return total / np.asarray(devices, x.dtype) if average else total
 
     return jax.tree.map(reduce, tree)
-
-
-def check_size_bytes(value, name: str, where: str) -> None:
-    """A byte count (``bucket_bytes``, ``message_bytes``) must be a positive int or None."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{where}: {name} must be a positive int or None, got {value!r}")

@@ -32,16 +32,15 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad import _checks
 from jax_bytegrad.buckets import flatten_float32, unflatten_like
-from jax_bytegrad.collectives import DEFAULT_MESSAGE_BYTES, check_size_bytes, split_ppermute
-from jax_bytegrad.parallel import (
-    StepsInFlight,
-    _varying_axes,
-    check_batch,
-    check_mesh,
-    check_not_deleted,
-    compiler_options,
+from jax_bytegrad.collectives import (
+    DEFAULT_MESSAGE_BYTES,
+    gather_flat,
+    scatter_flat,
+    split_ppermute,
 )
+from jax_bytegrad.parallel import StepsInFlight, compiler_options
 from jax_bytegrad.quantization import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
@@ -57,17 +56,18 @@ PeerSelectionMode = Literal["all", "shift_one"]
 # Private helpers -------------------------------------------------------------------------
 
 
-def _check_bool(value, name: str, where: str) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
-
-
-def _check_interval(value, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(
-            f"{where}: communication_interval must be a positive int (communicate every k "
-            f"steps), got {value!r}"
-        )
+def _check_step_args(
+    where, mesh, axes, hierarchical, has_aux, communication_interval, message_bytes
+) -> tuple[int, int]:
+    """Validates the arguments both decentralized steps take; returns (nodes, per node)."""
+    n, local = _checks.mesh_axes(mesh, *axes, where)
+    _checks.boolean(hierarchical, "hierarchical", where)
+    _checks.boolean(has_aux, "has_aux", where)
+    _checks.positive_int(
+        communication_interval, "communication_interval", where, why=" (communicate every k steps)"
+    )
+    _checks.positive_int(message_bytes, "message_bytes", where, or_none=True)
+    return n, local
 
 
 def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
@@ -93,8 +93,7 @@ def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
       >>> shift_one_schedule(4)
       [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
     """
-    if isinstance(num_peers, bool) or not isinstance(num_peers, int | np.integer) or num_peers < 1:
-        raise ValueError(f"shift_one_schedule: num_peers must be a positive int, got {num_peers!r}")
+    _checks.positive_int(num_peers, "num_peers", "shift_one_schedule")
     n = int(num_peers)
     if n == 1:
         return [[]]
@@ -112,7 +111,7 @@ def _missing_varying(tree, axes):
     """Casts each leaf to varying over whichever of ``axes`` it is not yet varying over."""
 
     def cast(x):
-        vma = _varying_axes(x)
+        vma = _checks.varying_axes(x)
         missing = tuple(a for a in axes if a not in vma)
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
@@ -191,8 +190,8 @@ def _host_selected_step(per_device, mesh, axes, state_specs, choose, *, has_aux,
     in_flight = StepsInFlight(mesh)
 
     def step(state, batch):
-        check_batch(batch, devices, where)
-        check_not_deleted(state, where)
+        _checks.batch_splits(batch, devices, where)
+        _checks.not_deleted(state, where)
         in_flight.wait()
         out = run(state, batch, None)
         in_flight.track(out)
@@ -200,6 +199,75 @@ def _host_selected_step(per_device, mesh, axes, state_specs, choose, *, has_aux,
 
     step.lower = lambda state, batch: run(state, batch, "lower")
     return step
+
+
+def _loss_aux_and_grad(loss_fn, has_aux: bool):
+    """``jax.value_and_grad`` that returns ``(loss, aux, grads)``; ``aux`` is None without it."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+
+    def fn(params, batch):
+        out, grads = grad_fn(params, batch)
+        loss, aux = out if has_aux else (out, None)
+        return loss, aux, grads
+
+    return fn
+
+
+def _step_outputs(new_state, loss, aux, has_aux: bool) -> tuple:
+    """A per-device step's outputs, each with a leading device axis of one."""
+    outs = (new_state, loss[None])
+    return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
+
+
+def _ring_exchanger(ring_axis, peers: int, axes, block_size: int, impl, message_bytes):
+    """One low-precision ring round, as ``exchange(x, w, l, r) -> (x, w, l, r)``.
+
+    It sends ``Q(z)`` to both neighbours and applies the codes it sent to ``w`` and those it
+    received to the replicas; afterwards ``x == w``.
+    """
+    from_left = [(i, (i + 1) % peers) for i in range(peers)]  # i sends to its right neighbour
+    from_right = [(i, (i - 1) % peers) for i in range(peers)]
+
+    def exchange(own, w, left, right):
+        z = (w + left + right) * np.float32(1.0 / 3.0) - w + (own - w)
+        q = quantize(z, block_size=block_size, implementation=impl)
+
+        def received(perm):
+            return dequantize(
+                split_ppermute(q, ring_axis, perm, message_bytes), implementation=impl
+            )
+
+        left = left + received(from_left)
+        right = right + received(from_right)
+        x = w + dequantize(q, implementation=impl)
+        return _missing_varying((x, x, left, right), axes)
+
+    return exchange
+
+
+def _ring_init(params, optimizer, mesh: Mesh, axes, *, parts: int):
+    """The low-precision ring's first state: ``w = l = r`` = each device's part of the params.
+
+    With ``parts`` > 1 the flat params are padded to ``parts`` equal shards and the device
+    at position ``p`` within its node owns shard ``p``.
+    """
+    flat = np.asarray(flatten_float32(params))
+    shard = -(-flat.size // parts)
+    flat = np.pad(flat, (0, shard * parts - flat.size))
+    local = mesh.shape[axes[1]]
+
+    def rows(x, device):
+        part = device % local if parts > 1 else 0
+        return x[part * shard : (part + 1) * shard]
+
+    return LowPrecisionDecentralizedState(
+        params=_stack_per_device(params, mesh, axes),
+        opt_state=_stack_per_device(optimizer.init(params), mesh, axes),
+        weight=_stack_per_device(flat, mesh, axes, rows),
+        left_peer_weight=_stack_per_device(flat, mesh, axes, rows),
+        right_peer_weight=_stack_per_device(flat, mesh, axes, rows),
+        step=0,
+    )
 
 
 def _check_float_params(params, where: str) -> None:
@@ -320,20 +388,18 @@ def decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "decentralized_step"
-    n, local = check_mesh(mesh, node_axis, local_axis, where)
-    _check_bool(hierarchical, "hierarchical", where)
-    _check_bool(has_aux, "has_aux", where)
-    _check_interval(communication_interval, where)
-    check_size_bytes(message_bytes, "message_bytes", where)
+    axes = (node_axis, local_axis)
+    n, local = _check_step_args(
+        where, mesh, axes, hierarchical, has_aux, communication_interval, message_bytes
+    )
     if peer_selection_mode not in ("all", "shift_one"):
         raise ValueError(
             f"{where}: peer_selection_mode must be 'all' or 'shift_one', got "
             f"{peer_selection_mode!r}"
         )
-    axes = (node_axis, local_axis)
     devices = n * local
     gossip_axis, peers = (node_axis, n) if hierarchical else (axes, devices)
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    grad_fn = _loss_aux_and_grad(loss_fn, has_aux)
 
     def mix_all(x):
         x = jax.lax.pmean(x, local_axis) if hierarchical else x
@@ -358,13 +424,11 @@ def decentralized_step(
 
     def per_device(state, batch, *, choice):
         params, opt_state = jax.tree.map(lambda a: a[0], (state.params, state.opt_state))
-        out, grads = grad_fn(params, batch)
-        loss, aux = out if has_aux else (out, None)
+        loss, aux, grads = grad_fn(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(branches[choice](params), updates)
         new = DecentralizedState(*jax.tree.map(lambda a: a[None], (params, opt_state)), step=None)
-        outs = (new, loss[None])
-        return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
+        return _step_outputs(new, loss, aux, has_aux)
 
     def branch_of(step_count: int) -> int:
         if step_count % communication_interval:
@@ -495,89 +559,42 @@ def low_precision_decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "low_precision_decentralized_step"
-    n, local = check_mesh(mesh, node_axis, local_axis, where)
-    _check_bool(hierarchical, "hierarchical", where)
-    _check_bool(has_aux, "has_aux", where)
-    _check_interval(communication_interval, where)
-    check_size_bytes(message_bytes, "message_bytes", where)
-    check_block_size(block_size, where)
-    impl = resolve_implementation(implementation)
     axes = (node_axis, local_axis)
-    devices = n * local
-    ring_axis, peers = (node_axis, n) if hierarchical else (axes, devices)
-    parts = local if hierarchical else 1
-    from_left = [(i, (i + 1) % peers) for i in range(peers)]  # i sends to its right neighbour
-    from_right = [(i, (i - 1) % peers) for i in range(peers)]
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-    third = np.float32(1.0 / 3.0)
-
-    def exchange(own, w, left, right):
-        z = (w + left + right) * third - w + (own - w)
-        q = quantize(z, block_size=block_size, implementation=impl)
-
-        def received(perm):
-            return dequantize(
-                split_ppermute(q, ring_axis, perm, message_bytes), implementation=impl
-            )
-
-        left = left + received(from_left)
-        right = right + received(from_right)
-        x = w + dequantize(q, implementation=impl)
-        return _missing_varying((x, x, left, right), axes)
-
-    def keep(own, w, left, right):
-        return _missing_varying((own, w, left, right), axes)
+    n, local = _check_step_args(
+        where, mesh, axes, hierarchical, has_aux, communication_interval, message_bytes
+    )
+    check_block_size(block_size, where)
+    ring_axis, peers = (node_axis, n) if hierarchical else (axes, n * local)
+    impl = resolve_implementation(implementation)
+    exchange = _ring_exchanger(ring_axis, peers, axes, block_size, impl, message_bytes)
+    grad_fn = _loss_aux_and_grad(loss_fn, has_aux)
 
     def per_device(state, batch, *, choice):
-        params, opt_state, w, left, right = jax.tree.map(
-            lambda a: a[0],
-            (state.params, state.opt_state, state.weight, state.left_peer_weight,
-             state.right_peer_weight),
-        )  # fmt: skip
-        out, grads = grad_fn(params, batch)
-        loss, aux = out if has_aux else (out, None)
+        params, opt_state, w, left, right = jax.tree.map(lambda a: a[0], tuple(state[:5]))
+        loss, aux, grads = grad_fn(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         flat = flatten_float32(optax.apply_updates(params, updates))
-        size = flat.size
-        if hierarchical:
-            flat = jnp.pad(flat, (0, w.size * local - size))
-            own = jax.lax.psum_scatter(flat, local_axis, scatter_dimension=0, tiled=True)
-            own = own / np.float32(local)
+        # With hierarchical=True each device of a node runs the ring on its 1/L of the mean.
+        own = scatter_flat(flat, local_axis, local) / np.float32(local) if hierarchical else flat
+        if choice:
+            own, w, left, right = exchange(own, w, left, right)
         else:
-            own = flat
-        own, w, left, right = (exchange if choice else keep)(own, w, left, right)
+            own, w, left, right = _missing_varying((own, w, left, right), axes)
         if hierarchical:
-            flat = jax.lax.all_gather(own, local_axis, axis=0, tiled=True)[:size]
+            flat = gather_flat(own, local_axis, flat.size, invariant=False)
         else:
             flat = own
-        params = unflatten_like(flat, params)
         new = LowPrecisionDecentralizedState(
-            *jax.tree.map(lambda a: a[None], (params, opt_state, w, left, right)), step=None
+            *jax.tree.map(
+                lambda a: a[None], (unflatten_like(flat, params), opt_state, w, left, right)
+            ),
+            step=None,
         )
-        outs = (new, loss[None])
-        return (*outs, jax.tree.map(lambda a: a[None], aux)) if has_aux else outs
+        return _step_outputs(new, loss, aux, has_aux)
 
     def init(params) -> LowPrecisionDecentralizedState:
         _check_float_params(params, where)
-        flat = np.concatenate(
-            [np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(params)]
-        )
-        shard = -(-flat.size // parts)
-        flat = np.pad(flat, (0, shard * parts - flat.size))
-
-        def rows(x, device):
-            part = device % local if hierarchical else 0
-            return x[part * shard : (part + 1) * shard]
-
-        weight = _stack_per_device(flat, mesh, axes, rows)
-        return LowPrecisionDecentralizedState(
-            params=_stack_per_device(params, mesh, axes),
-            opt_state=_stack_per_device(optimizer.init(params), mesh, axes),
-            weight=weight,
-            left_peer_weight=_stack_per_device(flat, mesh, axes, rows),
-            right_peer_weight=_stack_per_device(flat, mesh, axes, rows),
-            step=0,
-        )
+        return _ring_init(params, optimizer, mesh, axes, parts=local if hierarchical else 1)
 
     step = _host_selected_step(
         per_device,

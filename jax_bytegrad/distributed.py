@@ -178,6 +178,74 @@ def _quiet_native_stdout() -> None:
     sys.stdout = os.fdopen(keep, "w", buffering=1)
 
 
+def _resolve_layout(coordinator_address, num_processes, process_id, cpu_devices):
+    """The layout asked for, arguments over ``JAX_BYTEGRAD_*`` variables, range-checked."""
+    coord = coordinator_address if coordinator_address is not None else _env_str(COORDINATOR_ENV)
+    nproc = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
+    pid = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
+    ncpu = cpu_devices if cpu_devices is not None else _env_int(CPU_DEVICES_ENV)
+    if ncpu is not None and ncpu < 1:
+        raise ValueError(f"initialize: cpu_devices={ncpu} must be at least 1 ({CPU_DEVICES_ENV})")
+    if nproc is not None and nproc < 1:
+        raise ValueError(
+            f"initialize: num_processes={nproc} must be at least 1 ({NUM_PROCESSES_ENV})"
+        )
+    if pid is not None and nproc is not None and not 0 <= pid < nproc:
+        raise ValueError(
+            f"initialize: process_id={pid} is outside 0..{nproc - 1} for num_processes={nproc}"
+        )
+    return coord, nproc, pid, ncpu
+
+
+def _previous_result(key: tuple, asks_nothing: bool) -> DistributedInfo:
+    """A repeated call's answer: the first result, unless it asks for another layout."""
+    if key == _STATE_KEY or asks_nothing:
+        return _STATE
+    coord, nproc, pid, _, ncpu = key
+    raise RuntimeError(
+        f"initialize: already initialized as {_STATE}; a second call asked for "
+        f"coordinator={coord!r}, num_processes={nproc}, process_id={pid}, cpu_devices={ncpu}. "
+        "Call it once per process."
+    )
+
+
+def _single_process(ncpu: int | None) -> DistributedInfo:
+    """Starts or reconfigures nothing beyond the asked-for device count."""
+    if ncpu is not None:
+        _configure_cpu(ncpu)
+    if jax.distributed.is_initialized():  # jax.distributed.initialize was called directly
+        return DistributedInfo(jax.process_index(), jax.process_count(), None, "jax.distributed")
+    return DistributedInfo(0, 1, None, "single")
+
+
+def _check_can_join(given: dict, cluster) -> list[str]:
+    """Raises unless this process can join a run; returns the fields left to the detector."""
+    missing = [name for name, v in given.items() if v is None]
+    if missing and cluster is None:
+        env_names = {
+            "coordinator_address": COORDINATOR_ENV,
+            "num_processes": NUM_PROCESSES_ENV,
+            "process_id": PROCESS_ID_ENV,
+        }
+        got = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
+        raise ValueError(
+            f"initialize: got {got} but not {', '.join(missing)}; pass them, or set "
+            f"{', '.join(env_names[m] for m in missing)}, or run under srun / mpirun"
+        )
+    if jax.distributed.is_initialized():
+        raise RuntimeError(
+            "initialize: jax.distributed.initialize was already called in this process; call "
+            "jax_bytegrad.initialize() instead of it, not as well"
+        )
+    if _backends_initialized():
+        raise RuntimeError(
+            "initialize: the JAX backend has already started in this process, so it cannot join "
+            "a multi-process run; call jax_bytegrad.initialize() first, before any JAX "
+            "computation or jax.devices() call"
+        )
+    return missing
+
+
 # State --------------------------------------------------------------------------------------------
 
 
@@ -278,100 +346,46 @@ def initialize(
     global _STATE, _STATE_KEY
 
     from_args = any(v is not None for v in (coordinator_address, num_processes, process_id))
-    coord = coordinator_address if coordinator_address is not None else _env_str(COORDINATOR_ENV)
-    nproc = num_processes if num_processes is not None else _env_int(NUM_PROCESSES_ENV)
-    pid = process_id if process_id is not None else _env_int(PROCESS_ID_ENV)
-    ncpu = cpu_devices if cpu_devices is not None else _env_int(CPU_DEVICES_ENV)
-
-    if ncpu is not None and ncpu < 1:
-        raise ValueError(f"initialize: cpu_devices={ncpu} must be at least 1 ({CPU_DEVICES_ENV})")
-    if nproc is not None and nproc < 1:
-        raise ValueError(
-            f"initialize: num_processes={nproc} must be at least 1 ({NUM_PROCESSES_ENV})"
-        )
-    if pid is not None and nproc is not None and not 0 <= pid < nproc:
-        raise ValueError(
-            f"initialize: process_id={pid} is outside 0..{nproc - 1} for num_processes={nproc}"
-        )
-
+    coord, nproc, pid, ncpu = _resolve_layout(
+        coordinator_address, num_processes, process_id, cpu_devices
+    )
     devices = tuple(local_device_ids) if local_device_ids is not None else None
     key = (coord, nproc, pid, devices, ncpu)
     if _STATE is not None:
         asks_nothing = not from_args and local_device_ids is None and cpu_devices is None
-        if key == _STATE_KEY or asks_nothing:
-            return _STATE
-        raise RuntimeError(
-            f"initialize: already initialized as {_STATE}; a second call asked for "
-            f"coordinator={coord!r}, num_processes={nproc}, process_id={pid}, cpu_devices={ncpu}. "
-            "Call it once per process."
-        )
+        return _previous_result(key, asks_nothing)
 
     given = {"coordinator_address": coord, "num_processes": nproc, "process_id": pid}
     cluster = _detect_cluster()
-
     if all(v is None for v in given.values()) and (cluster is None or cluster[1] <= 1):
-        # Single process: start or reconfigure nothing beyond the asked-for device count.
-        if ncpu is not None:
-            _configure_cpu(ncpu)
-        if jax.distributed.is_initialized():  # jax.distributed.initialize was called directly
-            info = DistributedInfo(
-                jax.process_index(), jax.process_count(), None, "jax.distributed"
-            )
-        else:
-            info = DistributedInfo(0, 1, None, "single")
-        _STATE, _STATE_KEY = info, key
-        return info
-
-    missing = [name for name, v in given.items() if v is None]
-    if missing and cluster is None:
-        env_names = {
-            "coordinator_address": COORDINATOR_ENV,
-            "num_processes": NUM_PROCESSES_ENV,
-            "process_id": PROCESS_ID_ENV,
-        }
-        got = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
-        raise ValueError(
-            f"initialize: got {got} but not {', '.join(missing)}; pass them, or set "
-            f"{', '.join(env_names[m] for m in missing)}, or run under srun / mpirun"
-        )
-    if jax.distributed.is_initialized():
-        raise RuntimeError(
-            "initialize: jax.distributed.initialize was already called in this process; call "
-            "jax_bytegrad.initialize() instead of it, not as well"
-        )
-    if _backends_initialized():
-        raise RuntimeError(
-            "initialize: the JAX backend has already started in this process, so it cannot join "
-            "a multi-process run; call jax_bytegrad.initialize() first, before any JAX "
-            "computation or jax.devices() call"
-        )
-
-    _configure_cpu(ncpu)
-    if fail_fast:
-        _install_fail_fast()
-
-    if missing:  # JAX's detector fills the gaps from the SLURM / Open MPI variables
-        method, source = cluster[0], cluster[0]
+        info = _single_process(ncpu)
     else:
-        method, source = "deactivate", ("arguments" if from_args else "environment")
-    jax.distributed.initialize(
-        coordinator_address=coord,
-        num_processes=nproc,
-        process_id=pid,
-        local_device_ids=local_device_ids,
-        cluster_detection_method=method,
-        initialization_timeout=initialization_timeout,
-    )
-    from jax._src.distributed import global_state  # the layout as resolved, also by detection
+        missing = _check_can_join(given, cluster)
+        _configure_cpu(ncpu)
+        if fail_fast:
+            _install_fail_fast()
+        if missing:  # JAX's detector fills the gaps from the SLURM / Open MPI variables
+            method, source = cluster[0], cluster[0]
+        else:
+            method, source = "deactivate", ("arguments" if from_args else "environment")
+        jax.distributed.initialize(
+            coordinator_address=coord,
+            num_processes=nproc,
+            process_id=pid,
+            local_device_ids=local_device_ids,
+            cluster_detection_method=method,
+            initialization_timeout=initialization_timeout,
+        )
+        from jax._src.distributed import global_state  # the layout as resolved, also by detection
 
-    info = DistributedInfo(
-        int(global_state.process_id),
-        int(global_state.num_processes),
-        global_state.coordinator_address,
-        source,
-    )
-    if quiet and info.process_id != 0:
-        _quiet_native_stdout()  # Gloo connects at the first collective, after this
+        info = DistributedInfo(
+            int(global_state.process_id),
+            int(global_state.num_processes),
+            global_state.coordinator_address,
+            source,
+        )
+        if quiet and info.process_id != 0:
+            _quiet_native_stdout()  # Gloo connects at the first collective, after this
     _STATE, _STATE_KEY = info, key
     return info
 

@@ -43,10 +43,10 @@ References:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from jax_bytegrad import _checks
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
@@ -74,12 +75,6 @@ HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 # Private helpers ----------------------------------------------------------------------------------
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
@@ -179,7 +174,7 @@ class _Outcome(NamedTuple):
 
 def _start(run: _Run, attempt: int, progress_dir: Path):
     """Starts the `run.nproc` processes of one attempt; returns them and their output pumps."""
-    port = run.port if run.port is not None else _free_port()
+    port = run.port if run.port is not None else _checks.free_port()
     procs, pumps = [], []
     for rank in range(run.nproc):
         proc_env = dict(run.env)
@@ -278,6 +273,63 @@ def _restart_loop(run: _Run, max_restarts: int, progress_dir: Path) -> int:
         )
 
 
+def _check_launch_args(
+    command, nproc, devices_per_proc, timeout, port, max_restarts, progress_timeout
+) -> None:
+    if not callable(command) and not command:
+        raise ValueError("launch: empty command; pass the script to run, e.g. ['train.py']")
+    if nproc < 1:
+        raise ValueError(f"launch: nproc={nproc} must be at least 1")
+    if devices_per_proc < 1:
+        raise ValueError(f"launch: devices_per_proc={devices_per_proc} must be at least 1")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(
+            f"launch: timeout={timeout} must be positive seconds, or None for no limit"
+        )
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(
+            f"launch: port={port} is not a TCP port; pass 1..65535 or leave it out for a free one"
+        )
+    if not _checks.is_int(max_restarts) or max_restarts < 0:
+        raise ValueError(
+            f"launch: max_restarts={max_restarts!r} must be a whole number >= 0 (0: no restart)"
+        )
+    if progress_timeout is not None and progress_timeout <= 0:
+        raise ValueError(
+            f"launch: progress_timeout={progress_timeout} must be positive seconds, or None to "
+            "never declare a hang"
+        )
+
+
+def _worker_env(env: Mapping[str, str] | None, hugepages: bool, devices_per_proc: int) -> dict:
+    """The environment every worker starts from (the layout variables are added per rank)."""
+    base_env = dict(os.environ if env is None else env)
+    if hugepages:
+        base_env = with_hugepages(base_env)
+    base_env.setdefault("JAX_PLATFORMS", "cpu")
+    base_env["PYTHONUNBUFFERED"] = "1"  # so lines arrive as they are printed, not at exit
+    base_env[CPU_DEVICES_ENV] = str(devices_per_proc)
+    return base_env
+
+
+@contextlib.contextmanager
+def _signals_recorded(received: list):
+    """Appends SIGINT/SIGTERM to ``received`` instead of dying, while the block runs.
+
+    The restart loop reads the list and stops every worker; only the main thread may set
+    handlers, so elsewhere nothing changes.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, _frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 # Public API ---------------------------------------------------------------------------------------
 
 
@@ -354,39 +406,13 @@ def launch(
       [rank 1] hi
       0
     """
-    if not callable(command) and not command:
-        raise ValueError("launch: empty command; pass the script to run, e.g. ['train.py']")
-    if nproc < 1:
-        raise ValueError(f"launch: nproc={nproc} must be at least 1")
-    if devices_per_proc < 1:
-        raise ValueError(f"launch: devices_per_proc={devices_per_proc} must be at least 1")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(
-            f"launch: timeout={timeout} must be positive seconds, or None for no limit"
-        )
-    if port is not None and not 0 < port < 65536:
-        raise ValueError(
-            f"launch: port={port} is not a TCP port; pass 1..65535 or leave it out for a free one"
-        )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(
-            f"launch: max_restarts={max_restarts!r} must be a whole number >= 0 (0: no restart)"
-        )
-    if progress_timeout is not None and progress_timeout <= 0:
-        raise ValueError(
-            f"launch: progress_timeout={progress_timeout} must be positive seconds, or None to "
-            "never declare a hang"
-        )
-    base_env = dict(os.environ if env is None else env)
-    if hugepages:
-        base_env = with_hugepages(base_env)
-    base_env.setdefault("JAX_PLATFORMS", "cpu")
-    base_env["PYTHONUNBUFFERED"] = "1"  # so lines arrive as they are printed, not at exit
-    base_env[CPU_DEVICES_ENV] = str(devices_per_proc)
+    _check_launch_args(
+        command, nproc, devices_per_proc, timeout, port, max_restarts, progress_timeout
+    )
     run = _Run(
         command=command,
         nproc=nproc,
-        env=base_env,
+        env=_worker_env(env, hugepages, devices_per_proc),
         coordinator_host=coordinator_host,
         port=port,
         grace=grace,
@@ -397,20 +423,9 @@ def launch(
         lock=threading.Lock(),
         received=[],
     )
-
-    def on_signal(signum, _frame):
-        run.received.append(signum)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, on_signal)
-    try:
+    with _signals_recorded(run.received):
         with tempfile.TemporaryDirectory(prefix="jax_bytegrad_progress_") as progress_dir:
             return _restart_loop(run, max_restarts, Path(progress_dir))
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

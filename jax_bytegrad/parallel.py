@@ -10,18 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad import _checks
+
 AXES = ("node", "local")
-
-
-def _positive_or_none(value, name: str) -> None:
-    if value is not None and (not isinstance(value, int | np.integer) or value < 1):
-        raise ValueError(f"make_mesh: {name} must be a positive int or None, got {value!r}")
 
 
 def make_mesh(num_nodes: int | None = None, devices_per_node: int | None = None) -> Mesh:
@@ -50,8 +46,8 @@ def make_mesh(num_nodes: int | None = None, devices_per_node: int | None = None)
       >>> jax_bytegrad.make_mesh(1, 1).axis_names
       ('node', 'local')
     """
-    _positive_or_none(num_nodes, "num_nodes")
-    _positive_or_none(devices_per_node, "devices_per_node")
+    _checks.positive_int(num_nodes, "num_nodes", "make_mesh", or_none=True)
+    _checks.positive_int(devices_per_node, "devices_per_node", "make_mesh", or_none=True)
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     processes = jax.process_count()
     per_process = len(devices) // processes
@@ -102,24 +98,9 @@ def shard_batch(tree, mesh: Mesh, *, node_axis: str = "node", local_axis: str = 
         devices of the mesh.
     """
     mine = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    check_batch(tree, mine, "shard_batch", owner="this process in the mesh")
+    _checks.batch_splits(tree, mine, "shard_batch", owner="this process in the mesh")
     sharding = NamedSharding(mesh, P((node_axis, local_axis)))
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
-
-
-def check_mesh(mesh, node_axis: str, local_axis: str, where: str) -> tuple[int, int]:
-    """Validates the mesh and its two axis names; returns (nodes, devices per node)."""
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-    for name, param in ((node_axis, "node_axis"), (local_axis, "local_axis")):
-        if name not in mesh.axis_names:
-            raise ValueError(
-                f"{where}: axis {name!r} is not in the mesh axes {tuple(mesh.axis_names)}; "
-                f"pass {param}=..."
-            )
-    if node_axis == local_axis:
-        raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
-    return int(mesh.shape[node_axis]), int(mesh.shape[local_axis])
 
 
 def compiler_options(mesh: Mesh) -> dict | None:
@@ -135,12 +116,9 @@ def compiler_options(mesh: Mesh) -> dict | None:
     return None
 
 
-def _varying_axes(x) -> frozenset:
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
+# qadam_optimizer.py still imports the old private name; drop this once it uses
+# _checks.varying_axes.
+_varying_axes = _checks.varying_axes
 
 
 def data_parallel_step(
@@ -199,7 +177,7 @@ def data_parallel_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     axes = (node_axis, local_axis)
-    nodes, per_node = check_mesh(mesh, node_axis, local_axis, "data_parallel_step")
+    nodes, per_node = _checks.mesh_axes(mesh, node_axis, local_axis, "data_parallel_step")
     devices = nodes * per_node
     grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
@@ -224,7 +202,7 @@ def data_parallel_step(
                 [True] * len(jax.tree.leaves(updates)) + replicated,
                 strict=True,
             )
-            if shared and _varying_axes(leaf) & set(axes)
+            if shared and _checks.varying_axes(leaf) & set(axes)
         ]
         if unsynced:
             raise ValueError(
@@ -239,7 +217,7 @@ def data_parallel_step(
         return params, opt_state, loss
 
     def step(params, opt_state, batch):
-        check_batch(batch, devices)
+        _checks.batch_splits(batch, devices)
         state = state_specs(opt_state)
         out_specs = (P(), state, P(), P()) if has_aux else (P(), state, P())
         sharded = jax.shard_map(
@@ -252,32 +230,6 @@ def data_parallel_step(
         return (NamedSharding(mesh, P()), state, NamedSharding(mesh, P(axes)))
 
     return _PlacedStep(step, mesh, shardings, devices, donate)
-
-
-def check_batch(
-    batch, devices: int, where: str = "data_parallel_step", *, owner: str = "the mesh"
-) -> None:
-    """Raises unless every batch leaf's leading dimension splits over ``devices``."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
-        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
-            raise ValueError(
-                f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape "
-                f"{jnp.shape(leaf)}; its leading dimension must be a multiple of the "
-                f"{devices} devices of {owner}; drop or pad the last rows"
-            )
-
-
-def check_not_deleted(tree, where: str) -> None:
-    """Raises, naming donation, if a leaf of ``tree`` is an array a donating step consumed."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise ValueError(
-                f"{where}: input {jax.tree_util.keystr(path)} was deleted: the step donates "
-                "its params and state buffers (donate=True), so arrays passed to it once "
-                "(or placed on the mesh from them, which may share their buffer) cannot be "
-                "passed again. Pass the state the step returned, hand it a copy "
-                "(jax.tree.map(jnp.copy, params)), or build the step with donate=False"
-            )
 
 
 class StepsInFlight:
@@ -353,11 +305,11 @@ class _PlacedStep:
         return self._jit(opt_state)[0].lower(params, opt_state, batch)
 
     def __call__(self, params, opt_state, batch):
-        check_batch(batch, self.devices)
+        _checks.batch_splits(batch, self.devices)
         args = (params, opt_state, batch)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
             return self._jit(opt_state, nested=True)[0](*args)
-        check_not_deleted((params, opt_state), "data_parallel_step")
+        _checks.not_deleted((params, opt_state), "data_parallel_step")
         jitted, shardings = self._jit(opt_state)
         self.in_flight.wait()
         out = jitted(*jax.device_put(args, shardings))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad import _pallas, _reference
+from jax_bytegrad import _checks, _pallas, _reference
 
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 Rounding = Literal["nearest", "stochastic"]
@@ -30,7 +30,6 @@ DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 512}
 # are powers of two: 128 values at 8 bits, 256 at 4 bits.
 MIN_BLOCK_SIZE = 128
 HEADER_WIDTH = 2
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @jax.tree_util.register_dataclass
@@ -331,7 +330,7 @@ def quantize(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     x = jnp.asarray(x)
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in _checks.FLOAT_DTYPES:
         raise ValueError(
             f"quantize: dtype must be float32, bfloat16 or float16, got {x.dtype}; "
             "cast the array first"

@@ -29,6 +29,8 @@ _INSTRUCTION_RE = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s+"
     r"(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$"
 )
+# A computation header: `[ENTRY] %name (params) -> shape {`.
+_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)")
 _ARRAY_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _IOTA_GROUPS_RE = re.compile(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
 # Label of a collective whose groups all have one member, or whose pairs are all i -> i.
@@ -64,15 +66,27 @@ class CollectiveTraffic:
 class CommunicationStats:
     """Per-device communication of one compiled function, one row per (kind, axes, dtype).
 
+    ``rows`` count every collective of the program once, whichever branch of a ``lax.cond``
+    (an HLO ``conditional``) it sits in. A program with conditionals, like a QAdam step that
+    holds its warm-up and compressed phases, sends on each call only what lies outside every
+    branch plus what the branch taken sends: ``unconditional`` and ``branches`` give those.
+
     Attributes:
       rows: the traffic rows, sorted by kind, axes and dtype.
       axis_names: the mesh axis names, in mesh order.
       axis_sizes: the mesh axis sizes, in mesh order.
+      branches: for each ``conditional`` of the program, in HLO order, the traffic of each
+        of its branches (with every computation the branch calls), in branch-index order.
+        Empty for a program without conditionals, and in the per-branch figures themselves.
+      unconditional: the traffic outside every branch, which each call sends; None in the
+        per-branch figures themselves.
     """
 
     rows: tuple[CollectiveTraffic, ...]
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
+    branches: tuple[tuple["CommunicationStats", ...], ...] = ()
+    unconditional: "CommunicationStats | None" = None
 
     @property
     def total_bytes(self) -> float:
@@ -142,6 +156,115 @@ class CommunicationStats:
 
 
 @dataclasses.dataclass(frozen=True)
+class HloInstruction:
+    """One instruction line of an HLO module's text.
+
+    Attributes:
+      computation: the name of the computation that holds it (``""`` before any header).
+      entry: whether that computation is the module's ``ENTRY``.
+      name: the instruction's name, without ``%``.
+      shape: its result shape as printed, e.g. ``"f32[16]{0}"`` or a tuple of shapes.
+      opcode: e.g. ``"fusion"``, ``"all-reduce-start"``, ``"conditional"``.
+      args: the text after ``opcode(``: the operands, the closing paren, the attributes.
+    """
+
+    computation: str
+    entry: bool
+    name: str
+    shape: str
+    opcode: str
+    args: str
+
+
+def hlo_instructions(hlo_text: str) -> list[HloInstruction]:
+    """Every instruction of an HLO module's text, with the computation that holds it.
+
+    Args:
+      hlo_text: the text of an HLO module, e.g. ``jitted.lower(x).compile().as_text()``.
+
+    Returns:
+      The instructions in text order.
+
+    Examples:
+      >>> hlo = "ENTRY %main (p: f32[4]) -> f32[4] {\\n  ROOT %p = f32[4]{0} parameter(0)\\n}"
+      >>> [(i.computation, i.entry, i.name, i.opcode) for i in hlo_instructions(hlo)]
+      [('main', True, 'p', 'parameter')]
+    """
+    out, computation, entry = [], "", False
+    for line in hlo_text.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)  # `/*index=5*/` markers in long tuples
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            header = _COMPUTATION_RE.match(line)
+            computation = header.group("name") if header else line.split()[0]
+            entry = line.startswith("ENTRY")
+            continue
+        match = _INSTRUCTION_RE.match(line)
+        if match is not None:
+            out.append(
+                HloInstruction(computation, entry, *match.group("name", "shape", "opcode", "rest"))
+            )
+    return out
+
+
+def array_shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The ``(element type, dimensions)`` of every array shape written in HLO ``text``.
+
+    Dynamic dimensions print as ``<=N``; their bound is returned.
+
+    Examples:
+      >>> array_shapes("(f32[2,3]{1,0}, u8[<=8]{0}) tuple(...)")
+      [('f32', (2, 3)), ('u8', (8,))]
+    """
+    return [
+        (dtype, tuple(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip()))
+        for dtype, dims in _ARRAY_SHAPE_RE.findall(text)
+    ]
+
+
+def conditional_branches(instructions: Sequence[HloInstruction]) -> list[tuple[str, ...]]:
+    """For each ``conditional`` instruction, the names of its branch computations, in order.
+
+    Reads both printed forms: ``branch_computations={%a, %b}`` and
+    ``true_computation=%a, false_computation=%b`` (the branch for ``True`` is index 1 in
+    ``lax.cond``, so the pair is returned as ``(false, true)``).
+    """
+    out = []
+    for instruction in instructions:
+        if instruction.opcode != "conditional":
+            continue
+        listed = _braced(instruction.args, "branch_computations")
+        if listed is not None:
+            out.append(tuple(b.strip().lstrip("%") for b in listed[1:-1].split(",") if b.strip()))
+            continue
+        pair = re.search(
+            r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", instruction.args
+        )
+        if pair is None:
+            raise ValueError(
+                f"communication_stats: cannot find the branches of conditional "
+                f"{instruction.name!r}: {instruction.args[:200]!r}"
+            )
+        out.append((pair.group(2), pair.group(1)))
+    return out
+
+
+def called_computations(instructions: Sequence[HloInstruction], root: str) -> set[str]:
+    """``root`` and every computation it calls, directly or not (fusions, reducers, branches)."""
+    names = {i.computation for i in instructions}
+    calls: dict[str, set[str]] = {}
+    for instruction in instructions:
+        named = set(re.findall(r"%([\w.\-]+)", instruction.args)) & names
+        calls.setdefault(instruction.computation, set()).update(named - {instruction.computation})
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += calls.get(name, ())
+    return seen
+
+
+@dataclasses.dataclass(frozen=True)
 class _Collective:
     """One collective instruction parsed from HLO text."""
 
@@ -150,6 +273,7 @@ class _Collective:
     dtypes: tuple[str, ...]
     groups: tuple[tuple[int, ...], ...] | None  # None: one group of all devices
     pairs: tuple[tuple[int, int], ...] = ()  # collective-permute only
+    computation: str = ""  # the computation that holds it
 
 
 def _format_bytes(n: float) -> str:
@@ -174,13 +298,12 @@ def _element_bits(dtype: str) -> int:
 def _shape_bytes(shape: str) -> tuple[int, list[str]]:
     """Bytes and element types of an HLO shape string, tuples included."""
     total, dtypes = 0, []
-    for dtype, dims in _ARRAY_SHAPE_RE.findall(shape):
+    for dtype, dims in array_shapes(shape):
         bits = _element_bits(dtype)
         if bits == 0:
             continue
-        # Dynamic dimensions print as `<=N`; the buffer holds the bound.
-        elements = int(np.prod([int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip()]))
-        total += -(-elements * bits // 8)
+        # Dynamic dimensions hold their bound.
+        total += -(-int(np.prod(dims)) * bits // 8)
         dtypes.append(dtype)
     return total, dtypes
 
@@ -247,34 +370,31 @@ def _parse_replica_groups(text: str) -> tuple[tuple[int, ...], ...] | None:
 
 def _parse_collectives(hlo_text: str) -> list[_Collective]:
     """Every collective instruction of an HLO module, async `-start` forms once, `-done` never."""
+    return _collectives(hlo_instructions(hlo_text))
+
+
+def _collectives(instructions: Sequence[HloInstruction]) -> list[_Collective]:
     collectives = []
-    shapes: dict[str, str] = {}  # instruction name -> shape, in the current computation
-    for line in hlo_text.splitlines():
-        line = re.sub(r"/\*.*?\*/", "", line)  # `/*index=5*/` markers in long tuples
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            shapes = {}  # a new computation; names are looked up within it
-            continue
-        match = _INSTRUCTION_RE.match(line)
-        if match is None:
-            continue
-        name, shape, opcode = match.group("name"), match.group("shape"), match.group("opcode")
-        shapes[name] = shape
-        kind = opcode.removesuffix("-start")
+    shapes: dict[tuple[str, str], str] = {}  # (computation, instruction name) -> shape
+    for instruction in instructions:
+        where, shape = instruction.computation, instruction.shape
+        shapes[where, instruction.name] = shape
+        kind = instruction.opcode.removesuffix("-start")
         if kind not in _KINDS:
             continue
-        operands, attributes = _split_top_level(match.group("rest"))
+        operands, attributes = _split_top_level(instruction.args)
         if kind == "collective-permute" and len(operands) == 4:
             # The in-place form also passes the output buffer and slice offsets.
             operands = operands[:1]
         payload, dtypes = 0, []
         for operand in operands:
             if not _ARRAY_SHAPE_RE.search(operand):  # `%name` only: look its shape up
-                operand = shapes.get(operand.split()[-1].lstrip("%"), "")
+                operand = shapes.get((where, operand.split()[-1].lstrip("%")), "")
             nbytes, types = _shape_bytes(operand)
             if not types:
                 raise ValueError(
                     f"communication_stats: cannot find the shape of operand {operand!r} of "
-                    f"{line.strip()[:200]!r}; pass the text of the whole HLO module"
+                    f"{instruction.name!r}; pass the text of the whole HLO module"
                 )
             payload += nbytes
             dtypes += types
@@ -290,7 +410,9 @@ def _parse_collectives(hlo_text: str) -> list[_Collective]:
                 iota = re.search(r"\breplica_groups=(" + _IOTA_GROUPS_RE.pattern + ")", attributes)
                 groups_text = iota.group(1) if iota else "{}"
             groups = _parse_replica_groups(groups_text)
-        collectives.append(_Collective(kind, payload, tuple(dict.fromkeys(dtypes)), groups, pairs))
+        collectives.append(
+            _Collective(kind, payload, tuple(dict.fromkeys(dtypes)), groups, pairs, where)
+        )
     return collectives
 
 
@@ -351,8 +473,38 @@ def _stats_from_hlo(
     if positions is None:
         positions = range(num_devices)
     coords = np.stack(np.unravel_index(np.asarray(positions, dtype=np.int64), axis_sizes), -1)
+    instructions = hlo_instructions(hlo_text)
+    collectives = _collectives(instructions)
+
+    def summary(selected: Iterable[_Collective], **extra) -> CommunicationStats:
+        return _summary(selected, coords, axis_names, axis_sizes, **extra)
+
+    reached = [
+        [called_computations(instructions, branch) for branch in branches]
+        for branches in conditional_branches(instructions)
+    ]
+    in_any = set().union(*(names for conditional in reached for names in conditional))
+    return summary(
+        collectives,
+        branches=tuple(
+            tuple(summary(c for c in collectives if c.computation in names) for names in branches)
+            for branches in reached
+        ),
+        unconditional=summary(c for c in collectives if c.computation not in in_any),
+    )
+
+
+def _summary(
+    collectives: Iterable[_Collective],
+    coords: np.ndarray,
+    axis_names: Sequence[str],
+    axis_sizes: Sequence[int],
+    **extra,
+) -> CommunicationStats:
+    """One row per (kind, axes, dtype) of the given collectives."""
+    num_devices = coords.shape[0]
     totals: dict[tuple[str, str, str], list] = {}
-    for collective in _parse_collectives(hlo_text):
+    for collective in collectives:
         key = (
             collective.kind,
             _axes_label(collective, coords, axis_names),
@@ -372,7 +524,7 @@ def _stats_from_hlo(
         CollectiveTraffic(*key, count, payload, sent)
         for key, (count, payload, sent) in sorted(totals.items(), key=lambda kv: sort_key(kv[0]))
     )
-    return CommunicationStats(rows, tuple(axis_names), tuple(int(s) for s in axis_sizes))
+    return CommunicationStats(rows, tuple(axis_names), tuple(int(s) for s in axis_sizes), **extra)
 
 
 def _mesh_and_device_assignment(compiled: jax.stages.Compiled) -> tuple[Any, tuple | None]:

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad import (
+    _checks,
     async_averaging,
     decentralized,
     parallel,
@@ -490,8 +491,7 @@ class Strategy:
         **algorithm_kwargs: Any,
     ):
         _check_algorithm(algorithm)
-        if not isinstance(flatten, bool):
-            raise ValueError(f"Strategy: flatten must be True or False, got {flatten!r}")
+        _checks.boolean(flatten, "flatten", "Strategy")
         valid = valid_kwargs(algorithm)
         unknown = sorted(set(algorithm_kwargs) - set(valid))
         if unknown:

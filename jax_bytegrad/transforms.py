@@ -22,8 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import collectives
-from jax_bytegrad.parallel import check_mesh
+from jax_bytegrad import _checks, collectives
 from jax_bytegrad.quantization import (
     Bits,
     Implementation,
@@ -49,19 +48,6 @@ class ByteGradState(NamedTuple):
     residuals: tuple = ()
 
 
-def _check_flag(value, name: str, where: str) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
-
-
-def _check_axes(node_axis, local_axis, where: str) -> None:
-    for name, value in (("node_axis", node_axis), ("local_axis", local_axis)):
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{where}: {name} must be a mesh axis name, got {value!r}")
-    if node_axis == local_axis:
-        raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
-
-
 def check_sync_args(
     where: str,
     *,
@@ -75,12 +61,12 @@ def check_sync_args(
     bits=8,
 ) -> None:
     """Validates, at build time, the arguments every compressed-sync transform takes."""
-    _check_axes(node_axis, local_axis, where)
-    _check_flag(hierarchical, "hierarchical", where)
+    _checks.axis_names(node_axis, local_axis, where)
+    _checks.boolean(hierarchical, "hierarchical", where)
     check_bits(bits, where)
     check_block_size(block_size, where, bits)
-    collectives.check_size_bytes(bucket_bytes, "bucket_bytes", where)
-    collectives.check_size_bytes(message_bytes, "message_bytes", where)
+    _checks.positive_int(bucket_bytes, "bucket_bytes", where, or_none=True)
+    _checks.positive_int(message_bytes, "message_bytes", where, or_none=True)
     if implementation is not None:
         resolve_implementation(implementation)
 
@@ -89,13 +75,13 @@ def check_error_feedback(
     error_feedback, mesh, node_axis: str, local_axis: str, where: str
 ) -> tuple[int, int] | None:
     """Validates ``error_feedback`` and ``mesh``; returns (nodes, devices per node) or None."""
-    _check_flag(error_feedback, "error_feedback", where)
+    _checks.boolean(error_feedback, "error_feedback", where)
     if error_feedback and mesh is None:
         raise ValueError(
             f"{where}: error_feedback=True keeps residuals per device, sized by the mesh; "
             "pass mesh=... (the mesh the step runs on)"
         )
-    return None if mesh is None else check_mesh(mesh, node_axis, local_axis, where)
+    return None if mesh is None else _checks.mesh_axes(mesh, node_axis, local_axis, where)
 
 
 def mesh_residuals(params, mesh_shape: tuple[int, int], **settings) -> tuple:
@@ -205,22 +191,17 @@ def bytegrad(
         implementation=implementation,
         bits=bits,
     )
-    _check_flag(average, "average", where)
+    _checks.boolean(average, "average", where)
     stochastic = check_rounding(rounding, where)
     block_size = check_block_size(block_size, where, bits)
     mesh_shape = check_error_feedback(error_feedback, mesh, node_axis, local_axis, where)
+    # What sets the buckets, and so the residuals' sizes: the same for both.
+    layout = dict(
+        hierarchical=hierarchical, bits=bits, block_size=block_size, bucket_bytes=bucket_bytes
+    )
 
     def init_fn(params):
-        residuals = ()
-        if error_feedback:
-            residuals = mesh_residuals(
-                params,
-                mesh_shape,
-                hierarchical=hierarchical,
-                bits=bits,
-                block_size=block_size,
-                bucket_bytes=bucket_bytes,
-            )
+        residuals = mesh_residuals(params, mesh_shape, **layout) if error_feedback else ()
         return ByteGradState(key=jax.random.key(seed), residuals=residuals)
 
     def update_fn(updates, state, params=None):
@@ -230,16 +211,13 @@ def bytegrad(
             updates,
             node_axis=node_axis,
             local_axis=local_axis,
-            hierarchical=hierarchical,
             average=average,
-            bits=bits,
-            block_size=block_size,
-            bucket_bytes=bucket_bytes,
             message_bytes=message_bytes,
             rounding=rounding,
             key=step_key if stochastic else None,
             implementation=implementation,
             residuals=state.residuals if error_feedback else None,
+            **layout,
         )
         residuals = ()
         if error_feedback:
@@ -347,9 +325,9 @@ def gradient_allreduce(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "gradient_allreduce"
-    _check_axes(node_axis, local_axis, where)
-    _check_flag(hierarchical, "hierarchical", where)
-    _check_flag(average, "average", where)
+    _checks.axis_names(node_axis, local_axis, where)
+    _checks.boolean(hierarchical, "hierarchical", where)
+    _checks.boolean(average, "average", where)
 
     def init_fn(params):
         del params

@@ -217,122 +217,58 @@ def compiled_step(mesh, request):
     return compile_step(mesh, qadam(1e-2, warmup_steps=5, nu_refresh_interval=request.param))
 
 
-_COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_COLLECTIVE_RE = re.compile(
-    r"=\s*(?P<shape>.*?)\s+(?P<op>all-reduce|all-gather|all-to-all|reduce-scatter|"
-    r"collective-permute)(?:-start)?\((?P<rest>.*)$"
-)
-_ARRAY_RE = re.compile(r"\b(u8|s8|f32|bf16|f16|s32)\[([\d,]*)\]")
-_BYTES = {"u8": 1, "s8": 1, "f32": 4, "bf16": 2, "f16": 2, "s32": 4}
+def _node_bytes(stats, kind=None, dtype=None):
+    """Per-device operand bytes of the rows that cross nodes, optionally of one kind or dtype."""
+    return sum(
+        r.payload_bytes
+        for r in stats.rows
+        if "node" in r.axes.split("+")
+        and (kind is None or r.kind == kind)
+        and (dtype is None or r.dtype == dtype)
+    )
 
 
-def _computations(hlo: str) -> tuple[dict[str, list[str]], str]:
-    """HLO text split into {computation name: body lines}, and the ENTRY's name."""
-    comps, entry, name = {}, None, None
-    for line in hlo.splitlines():
-        match = _COMPUTATION_RE.match(line)
-        if match and not line[0].isspace():
-            name = match.group(1)
-            comps[name] = []
-            if line.startswith("ENTRY"):
-                entry = name
-        elif name is not None:
-            comps[name].append(line)
-    return comps, entry
-
-
-def _reachable(comps, root):
-    """``root`` and every computation it calls (fusions, reducers, nested branches)."""
-    seen, todo = set(), [root]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for line in comps[name]:
-            todo += [c for c in re.findall(r"%([\w.\-]+)", line) if c in comps and c != name]
-    return seen
-
-
-def _collectives(comps, names):
-    """(op, crosses nodes, {dtype: result bytes}) for every collective in ``names``."""
-    out = []
-    for name in names:
-        for line in comps[name]:
-            match = _COLLECTIVE_RE.search(line)
-            if match is None:
-                continue
-            groups = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", match.group("rest"))
-            if groups is None:  # iota form or all devices: treat as crossing nodes
-                crosses = True
-            else:
-                members = [
-                    [int(d) for d in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", groups[1])
-                ]
-                # make_mesh puts device i at (node, local) = divmod(i, LOCAL).
-                crosses = any(len({d // LOCAL for d in g}) > 1 for g in members)
-            nbytes = {}
-            for dtype, dims in _ARRAY_RE.findall(match.group("shape")):
-                size = int(np.prod([int(d) for d in dims.split(",") if d]))
-                nbytes[dtype] = nbytes.get(dtype, 0) + size * _BYTES[dtype]
-            out.append((match.group("op"), crosses, nbytes))
-    return out
-
-
-def test_compressed_phase_sends_only_8bit_momentum_between_nodes(compiled_step):
+def test_compressed_phase_sends_only_8bit_momentum_between_nodes(compiled_step, mesh):
     """Inspects the branches of the one conditional in the compiled train step.
 
-    Both phases compile into one program, so counting collectives over the whole module
-    would mix them. Instead the HLO is split into computations: the ENTRY holds the
-    ``conditional`` whose ``branch_computations`` are the two phases. Each branch's
-    collectives are read from it and every computation it calls; the ENTRY's own
-    collectives (outside the conditional) run in both phases. Which branch is which is
-    told by content, not by position, so XLA may reorder them.
+    Both phases compile into one program, so the whole module's rows would mix them.
+    ``communication_stats`` also reports each branch of the program's conditionals (with
+    every computation a branch calls) and what lies outside them, which runs in both
+    phases. Which branch is which is told by content, not by position, so XLA may reorder
+    them.
     """
-    comps, entry = _computations(compiled_step.as_text())
-
-    conditionals = [
-        re.search(r"branch_computations=\{([^}]*)\}", line)
-        or re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line)
-        for line in comps[entry]
-        if " conditional(" in line
-    ]
-    assert len(conditionals) == 1, "expected both phases in one conditional"
-    match = conditionals[0]
-    branches = (
-        [b.strip().lstrip("%") for b in match.group(1).split(",")]
-        if match.lastindex == 1
-        else [match.group(1), match.group(2)]
-    )
+    stats = jax_bytegrad.communication_stats(compiled_step, mesh=mesh)
+    assert len(stats.branches) == 1, "expected both phases in one conditional"
+    branches = stats.branches[0]
     assert len(branches) == 2
-    in_branch = {b: _reachable(comps, b) for b in branches}
-    per_branch = {b: _collectives(comps, names) for b, names in in_branch.items()}
-    compressed = [b for b in branches if any("u8" in c[2] for c in per_branch[b])]
+    compressed = [b for b in branches if any("u8" in r.dtype for r in b.rows)]
     assert len(compressed) == 1, "exactly one branch should carry uint8 codes"
     (compressed,) = compressed
-    (warmup,) = [b for b in branches if b != compressed]
+    (warm,) = [b for b in branches if b is not compressed]
     n_params = IN * OUT + OUT
 
     # Warm-up: a float32 all-reduce of the whole gradient between nodes, no codes.
-    warm = per_branch[warmup]
-    assert all("u8" not in c[2] for c in warm)
-    warm_f32_node = sum(c[2].get("f32", 0) for c in warm if c[0] == "all-reduce" and c[1])
+    assert all("u8" not in r.dtype for r in warm.rows)
+    warm_f32_node = _node_bytes(warm, "all-reduce", "f32")
     assert warm_f32_node >= 4 * n_params / LOCAL  # hierarchical: each device sends 1/L
 
     # Compressed: no all-reduce at all; between nodes only uint8 codes and their headers.
-    comp = per_branch[compressed]
-    assert not [c for c in comp if c[0] == "all-reduce"]
-    node = [c for c in comp if c[1]]
-    assert {c[0] for c in node} == {"all-to-all", "all-gather"}
-    u8 = sum(c[2].get("u8", 0) for c in node)
-    f32 = sum(c[2].get("f32", 0) for c in node)
+    assert not [r for r in compressed.rows if r.kind == "all-reduce"]
+    assert {r.kind for r in compressed.rows if "node" in r.axes.split("+")} == {
+        "all-to-all",
+        "all-gather",
+    }
+    assert {r.dtype for r in compressed.rows if "node" in r.axes.split("+")} <= {"u8", "f32"}
+    u8 = _node_bytes(compressed, dtype="u8")
+    f32 = _node_bytes(compressed, dtype="f32")
     assert u8 >= n_params / LOCAL  # each device's 1/L shard of the momentum, as codes
     assert f32 <= u8 * 8 / 1024 * 1.01  # headers: 8 bytes per 1024-element block
 
     # Outside the conditional, in both phases: only the scalar loss mean.
-    outside = set(comps) - set().union(*in_branch.values())
-    for op, _, nbytes in _collectives(comps, outside):
-        assert op == "all-reduce" and nbytes == {"f32": 4}, (op, nbytes)
+    outside = stats.unconditional
+    assert outside.rows, "the loss mean runs outside the conditional"
+    for r in outside.rows:
+        assert (r.kind, r.dtype, r.payload_bytes) == ("all-reduce", "f32", 4 * r.count), r
 
 
 def test_communication_stats_show_uint8_between_nodes(compiled_step, mesh):

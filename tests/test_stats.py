@@ -13,7 +13,11 @@ from jax_bytegrad.stats import (
     _parse_collectives,
     _parse_replica_groups,
     _stats_from_hlo,
+    array_shapes,
+    called_computations,
     communication_stats,
+    conditional_branches,
+    hlo_instructions,
 )
 
 MESH_SHAPES = [(2, 4), (4, 2), (1, 8), (8, 1)]
@@ -370,6 +374,95 @@ def test_stats_from_hlo_with_device_positions():
     assert row.axes == "node"
     row = _only_row(_stats_from_hlo(hlo, ALL, (2, 2)))
     assert row.axes == "local"
+
+
+def test_branches_of_a_cond_are_reported_apart():
+    """A cond whose branches send different traffic: rows mix them, branches keep them apart."""
+    mesh = _mesh(2, 4)
+
+    def body(x):
+        total = jax.lax.psum(jnp.sum(x), ALL)  # outside the cond: every call sends it
+        return jax.lax.cond(
+            total > 0,
+            # index 1, taken when True; pcast only marks the type, it moves nothing.
+            lambda v: jax.lax.pcast(jax.lax.psum(v, "node"), "node", to="varying"),
+            lambda v: jax.lax.all_gather(v.astype(jnp.uint8), "local", tiled=True)[:SHARD].astype(
+                v.dtype
+            ),
+            x,
+        )
+
+    stats = communication_stats(_shard_map(body, mesh), _x())
+    assert len(stats.branches) == 1
+    false_branch, true_branch = stats.branches[0]
+    assert [(r.kind, r.axes, r.dtype, r.payload_bytes) for r in false_branch.rows] == [
+        ("all-gather", "local", "u8", SHARD)
+    ]
+    assert [(r.kind, r.axes, r.dtype, r.payload_bytes) for r in true_branch.rows] == [
+        ("all-reduce", "node", "f32", 4 * SHARD)
+    ]
+    assert [(r.kind, r.axes, r.dtype, r.payload_bytes) for r in stats.unconditional.rows] == [
+        ("all-reduce", "node+local", "f32", 4)
+    ]
+    # The program's rows hold all three, once each.
+    assert sorted(r.count for r in stats.rows) == [1, 1, 1]
+    assert stats.total_bytes == pytest.approx(
+        stats.unconditional.total_bytes + false_branch.total_bytes + true_branch.total_bytes
+    )
+    assert false_branch.branches == () and false_branch.unconditional is None
+
+
+def test_no_conditional_means_everything_is_unconditional():
+    mesh = _mesh(2, 4)
+    stats = communication_stats(_shard_map(lambda x: jax.lax.psum(x, ALL), mesh), _x())
+    assert stats.branches == ()
+    assert stats.unconditional.rows == stats.rows
+
+
+_COND_HLO = """\
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %a, f32[] %b)
+}
+
+%yes.1 (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %r = f32[4]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+}
+
+%no.2 (q: f32[4]) -> f32[4] {
+  ROOT %q = f32[4]{0} parameter(0)
+}
+
+ENTRY %main (c: pred[], x: f32[4]) -> f32[4] {
+  %c = pred[] parameter(0)
+  %x = f32[4]{0} parameter(1)
+  ROOT %cond = f32[4]{0} conditional(%c, %x, %x), true_computation=%yes.1, false_computation=%no.2
+}
+"""
+
+
+def test_hlo_instructions_and_conditional_forms():
+    instructions = hlo_instructions(_COND_HLO)
+    assert [(i.computation, i.entry, i.name, i.opcode) for i in instructions][-2:] == [
+        ("main", True, "x", "parameter"),
+        ("main", True, "cond", "conditional"),
+    ]
+    assert instructions[0].computation == "add" and not instructions[0].entry
+    # The pred form lists (false, true), like lax.cond's branch indices.
+    assert conditional_branches(instructions) == [("no.2", "yes.1")]
+    assert called_computations(instructions, "yes.1") == {"yes.1", "add"}
+    assert called_computations(instructions, "main") == {"main", "yes.1", "no.2", "add"}
+    stats = _stats_from_hlo(_COND_HLO, ALL, (1, 2))
+    no, yes = stats.branches[0]
+    assert no.rows == () and stats.unconditional.rows == ()
+    assert [(r.kind, r.axes, r.payload_bytes) for r in yes.rows] == [("all-reduce", "local", 16)]
+    assert array_shapes("(f32[2,3]{1,0}, u8[<=8]{0}, pred[]) tuple()") == [
+        ("f32", (2, 3)),
+        ("u8", (8,)),
+        ("pred", ()),
+    ]
 
 
 def test_errors():

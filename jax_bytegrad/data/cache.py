@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jax_bytegrad import _checks
 from jax_bytegrad.data import _codec
 
 
@@ -130,10 +131,7 @@ class CachedDataset:
                     "code cannot be fingerprinted; pass fingerprint='<version of the source>'"
                 )
             fingerprint = _fingerprint_of(preprocess)
-        if not isinstance(writer_buffer_size, int) or writer_buffer_size < 1:
-            raise ValueError(
-                f"CachedDataset: writer_buffer_size must be an int >= 1, got {writer_buffer_size!r}"
-            )
+        _checks.int_at_least(writer_buffer_size, 1, "writer_buffer_size", "CachedDataset")
         self.source = source
         self.preprocess = preprocess
         self.store = store

@@ -29,13 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_bytegrad.parallel import check_mesh
-
-
-def _int_at_least(value, low: int, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
+from jax_bytegrad import _checks
 
 
 def replica_ranks(
@@ -72,8 +66,8 @@ def replica_ranks(
     """
     import jax
 
-    per_device = _int_at_least(per_device, 1, "replica_ranks: per_device")
-    check_mesh(mesh, node_axis, local_axis, "replica_ranks")
+    per_device = _checks.int_at_least(per_device, 1, "per_device", "replica_ranks")
+    _checks.mesh_axes(mesh, node_axis, local_axis, "replica_ranks")
     grid = np.moveaxis(
         mesh.devices,
         (mesh.axis_names.index(node_axis), mesh.axis_names.index(local_axis)),
@@ -129,7 +123,7 @@ class LoadBalancingSampler:
         drop_last: bool = False,
         random_level: float = 0.0,
     ):
-        num_replicas = _int_at_least(num_replicas, 1, "LoadBalancingSampler: num_replicas")
+        num_replicas = _checks.int_at_least(num_replicas, 1, "num_replicas", "LoadBalancingSampler")
         if (
             isinstance(rank, bool)
             or not isinstance(rank, int | np.integer)
@@ -147,7 +141,7 @@ class LoadBalancingSampler:
                 f"LoadBalancingSampler: random_level must be a number in [0, 1], got "
                 f"{random_level!r}; 0 balances best, 1 adds the most noise"
             )
-        seed = _int_at_least(seed, 0, "LoadBalancingSampler: seed")
+        seed = _checks.int_at_least(seed, 0, "seed", "LoadBalancingSampler")
         n = len(dataset)
         if n == 0:
             raise ValueError("LoadBalancingSampler: the dataset is empty")
@@ -178,7 +172,7 @@ class LoadBalancingSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch whose order ``__iter__`` and ``order()`` give (call it each epoch)."""
-        self.epoch = _int_at_least(epoch, 0, "LoadBalancingSampler.set_epoch: epoch")
+        self.epoch = _checks.int_at_least(epoch, 0, "epoch", "LoadBalancingSampler.set_epoch")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -252,7 +246,7 @@ class LoadBalancingSampler:
           drop_remainder: drop the last step if it is short; otherwise it is completed with
             each replica's first samples of the epoch.
         """
-        batch_size = _int_at_least(batch_size, 1, "local_batches: batch_size")
+        batch_size = _checks.int_at_least(batch_size, 1, "batch_size", "local_batches")
         replicas = [self.rank] if replicas is None else list(replicas)
         order = self.order()
         for step in range(self._steps(batch_size, drop_remainder)):
@@ -281,10 +275,10 @@ class _GrainSampler:
 
     def __init__(self, sampler, batch_size, replicas, num_epochs, drop_remainder):
         self.sampler = sampler
-        self.batch_size = _int_at_least(batch_size, 1, "grain_sampler: batch_size")
+        self.batch_size = _checks.int_at_least(batch_size, 1, "batch_size", "grain_sampler")
         self.replicas = [sampler.rank] if replicas is None else list(replicas)
         if num_epochs is not None:
-            _int_at_least(num_epochs, 1, "grain_sampler: num_epochs")
+            _checks.int_at_least(num_epochs, 1, "num_epochs", "grain_sampler")
         self.num_epochs = num_epochs
         self.first_epoch = sampler.epoch
         self.per_step = len(self.replicas) * self.batch_size

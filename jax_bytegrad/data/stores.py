@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import tempfile
@@ -32,6 +31,8 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
+
+from jax_bytegrad import _checks
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cache ("
@@ -212,12 +213,6 @@ class SqliteStore:
         self._reset()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """A local ``redis-server`` process with a memory cap, an eviction policy, no persistence.
 
@@ -257,7 +252,7 @@ class RedisServer:
                 "(Debian: apt-get install redis-server) or pass executable=..."
             )
         self.host = "127.0.0.1"
-        self.port = port or _free_port()
+        self.port = port or _checks.free_port()
         self._dir = tempfile.mkdtemp(prefix="jax_bytegrad_redis_")
         args = [
             binary, "--bind", self.host, "--port", str(self.port),
@@ -391,8 +386,7 @@ class RedisStore:
         ``close()`` stops the servers. Only the process that started them may stop them; a
         pickled copy (in a grain worker) connects to them and leaves them running.
         """
-        if not isinstance(num_servers, int) or num_servers < 1:
-            raise ValueError(f"RedisStore: num_servers must be a positive int, got {num_servers!r}")
+        _checks.positive_int(num_servers, "num_servers", "RedisStore")
         servers = []
         try:
             for _ in range(num_servers):

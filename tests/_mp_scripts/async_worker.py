@@ -42,8 +42,8 @@ avg = async_model_average(
 snap = {"w": jnp.full((3,), 1.0 + rank), "b": jnp.asarray([10.0 * rank])}
 local_update = {"w": jnp.full((3,), 0.5 * rank), "b": jnp.asarray([-1.0])}
 params, _ = avg.init(snap)
-avg._publish(params)
-avg._round(False)
+avg._averager.publish(params)
+avg._averager.round(False)
 got = avg.pull(jax.tree.map(lambda s, u: s + u, params, local_update))
 mean_s = {
     "w": np.full(3, np.mean([1.0 + p for p in range(nproc)])),

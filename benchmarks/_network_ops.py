@@ -1,0 +1,450 @@
+"""The timed operations of ``benchmarks/network.py``, registered by name.
+
+A builder ``(mesh, num_params) -> (jitted_fn, args)`` runs in every worker process after
+``jax_bytegrad.initialize()``; the worker times ``jax.block_until_ready(fn(*args))``.
+``--ops`` picks builders by name. Sizes and wire formats come from the library's constants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from jax_bytegrad.collectives import DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
+from jax_bytegrad.parallel import AXES
+from jax_bytegrad.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, HEADER_WIDTH
+
+DEFAULT_OPS = ("psum_f32", "psum_bf16")
+BASELINE_OP = "psum_f32"
+
+Builder = Callable[..., tuple[Callable, tuple]]
+OPS: dict[str, Builder] = {}
+# Bytes one host's gradient occupies on the wire, per op (for the ring bound column); optional.
+WIRE_BYTES_PER_PARAM: dict[str, float] = {}
+
+
+def register(name: str, *, wire_bytes_per_param: float | None = None):
+    """Registers a timed operation under `name`.
+
+    The builder runs in every worker after `jax_bytegrad.initialize()`, gets the global mesh
+    (axes ``("node", "local")``, Auto) and the parameter count, and returns ``(fn, args)``; the
+    worker times ``jax.block_until_ready(fn(*args))``. Each device should hold its own,
+    unreduced gradient (see `local_gradient`).
+
+    Args:
+      name: The name ``--ops`` selects it by.
+      wire_bytes_per_param: Bytes per parameter the op's all-reduce moves (4 for float32), for
+        the ring-bound column of the table; None leaves that column empty.
+
+    Examples:
+      >>> @register("psum_f16", wire_bytes_per_param=2)  # doctest: +SKIP
+      ... def _psum_f16(mesh, num_params):
+      ...     return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.float16))
+    """
+
+    def deco(builder: Builder) -> Builder:
+        if name in OPS:
+            raise ValueError(f"network: op {name!r} is already registered")
+        OPS[name] = builder
+        if wire_bytes_per_param is not None:
+            WIRE_BYTES_PER_PARAM[name] = wire_bytes_per_param
+        return builder
+
+    return deco
+
+
+def local_gradient(mesh, num_params: int, dtype):
+    """A (devices, num_params) global array whose row on each device is that device's gradient.
+
+    The rows differ per device ((1 + global device index) times a sawtooth in [0.5, 1.5), so
+    every quantization block has a real range), sharded over both mesh axes, built from each
+    process's own data with `jax.make_array_from_process_local_data`.
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n_dev = mesh.devices.size
+    n_local = mesh.devices.shape[1]
+    sharding = NamedSharding(mesh, P(("node", "local"), None))
+    first = jax.process_index() * n_local
+    rows = np.arange(first + 1, first + n_local + 1, dtype=np.float32)[:, None]
+    wave = 0.5 + (np.arange(num_params, dtype=np.int64) % 997).astype(np.float32) / 997
+    data = (rows * wave[None]).astype(dtype)
+    return jax.make_array_from_process_local_data(sharding, data, (n_dev, num_params))
+
+
+def _psum_builder(mesh, grads):
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(("node", "local"), None)
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g: jax.lax.psum(g, ("node", "local")), mesh=mesh, in_specs=spec, out_specs=spec
+        )
+    )
+    return fn, (grads,)
+
+
+@register("psum_f32", wire_bytes_per_param=4)
+def _psum_f32(mesh, num_params):
+    return _psum_builder(mesh, local_gradient(mesh, num_params, np.float32))
+
+
+@register("psum_bf16", wire_bytes_per_param=2)
+def _psum_bf16(mesh, num_params):
+    import jax.numpy as jnp
+
+    return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.bfloat16))
+
+
+# ByteGrad sends 1-byte codes plus a (scale, zero) float32 header per block.
+_HEADER_BYTES = HEADER_WIDTH * 4
+_CODE_BYTES_PER_PARAM = 1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE
+
+
+def _per_device_builder(mesh, body, grads, *extra):
+    """jit(shard_map(body)) on each device's own gradient row; `extra` args are replicated."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    in_specs = (P(AXES, None), *(P() for _ in extra))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda g, *rest: body(g[0], *rest), mesh=mesh, in_specs=in_specs, out_specs=P()
+        )
+    )
+    return fn, (grads, *extra)
+
+
+# --bucket-mb and --message-kb, set in each worker; None: the library's defaults.
+SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
+
+
+def _sizes() -> dict:
+    """The bucket and message sizes of this run, as keyword arguments of the library.
+
+    Each flag gives the library's default when unset, and None (one bucket, one message per
+    peer) when 0.
+    """
+
+    def size(value, default, unit):
+        return default if value is None else None if value == 0 else int(value * unit)
+
+    return {
+        "bucket_bytes": size(SIZES["bucket_mb"], DEFAULT_BUCKET_BYTES, 2**20),
+        "message_bytes": size(SIZES["message_kb"], DEFAULT_MESSAGE_BYTES, 2**10),
+    }
+
+
+@register("bytegrad_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _bytegrad_sync(mesh, num_params):
+    from jax_bytegrad.collectives import compressed_mean
+
+    sizes = _sizes()
+    return _per_device_builder(
+        mesh,
+        lambda g: compressed_mean(g, **sizes),
+        local_gradient(mesh, num_params, np.float32),
+    )
+
+
+@register("bytegrad4_sync", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])
+def _bytegrad4_sync(mesh, num_params):
+    """`bytegrad_sync` with 4-bit codes (two per byte, 512-value blocks by default)."""
+    from jax_bytegrad.collectives import compressed_mean
+
+    sizes = _sizes()
+    return _per_device_builder(
+        mesh,
+        lambda g: compressed_mean(g, bits=4, **sizes),
+        local_gradient(mesh, num_params, np.float32),
+    )
+
+
+@register("bytegrad_wire", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _bytegrad_wire(mesh, num_params):
+    """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor."""
+    import jax
+
+    from jax_bytegrad.collectives import message_slices
+    from jax_bytegrad.parallel import replicate
+
+    n = mesh.shape["node"] * mesh.shape["local"]
+    blocks = -(-num_params // (DEFAULT_BLOCK_SIZE * n)) * n
+    own = blocks // n
+    codes = np.full((n, own, DEFAULT_BLOCK_SIZE), 7, np.uint8)
+    header = np.ones((n, own, HEADER_WIDTH), np.float32)
+    pieces = message_slices(own, DEFAULT_BLOCK_SIZE, _sizes()["message_bytes"])
+
+    def body(g, codes, header):
+        del g
+        codes = jax.lax.pcast(codes, AXES, to="varying")
+        header = jax.lax.pcast(header, AXES, to="varying")
+        out = []
+        for rows in pieces:  # the same messages as compressed_mean's, one piece at a time
+            for part in (codes[:, rows], header[:, rows]):
+                part = jax.lax.all_to_all(part, AXES, 0, 0, tiled=True)
+                # Stands in for the average: this device's piece of the mean, its real size.
+                out.append(jax.lax.all_gather(part[0], AXES, axis=0, to="invarying"))
+        return out
+
+    grads = local_gradient(mesh, 8, np.float32)
+    return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
+
+
+@register("permute_wire", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _permute_wire(mesh, num_params):
+    """ByteGrad's two exchanges as K-1 ppermute shifts each (same bytes as `bytegrad_wire`)."""
+    import functools
+
+    import jax
+
+    from jax_bytegrad.parallel import replicate
+
+    n = mesh.shape["node"] * mesh.shape["local"]
+    blocks = -(-num_params // (DEFAULT_BLOCK_SIZE * n)) * n
+    own = blocks // n
+    codes = np.full((blocks, DEFAULT_BLOCK_SIZE), 7, np.uint8)
+    header = np.ones((blocks, HEADER_WIDTH), np.float32)
+
+    def shifts(chunk_of, me):
+        # Round s sends this device's piece for device me + s and receives the piece of me - s.
+        out = [chunk_of(me)]
+        for s in range(1, n):
+            perm = [(i, (i + s) % n) for i in range(n)]
+            out.append(jax.lax.ppermute(chunk_of((me + s) % n), AXES, perm))
+        return out
+
+    def body(g, codes, header):
+        del g
+        me = jax.lax.axis_index(AXES)
+        codes = jax.lax.pcast(codes, AXES, to="varying")
+        header = jax.lax.pcast(header, AXES, to="varying")
+        take = lambda a: lambda j: jax.lax.dynamic_slice_in_dim(a, j * own, own)
+        received = shifts(take(codes), me), shifts(take(header), me)
+        # Stands in for the average: uses every received chunk, and has the size it would.
+        mine = [functools.reduce(jax.numpy.maximum, parts) for parts in received]
+        gathered = [jax.numpy.concatenate(shifts(lambda j, a=a: a, me)) for a in mine]
+        # A scalar that depends on every received byte keeps the exchanges alive; its psum
+        # makes the output replicated (4 bytes).
+        touched = sum(jax.numpy.sum(a.astype(jax.numpy.float32)) for a in gathered)
+        return jax.lax.psum(touched, AXES)
+
+    grads = local_gradient(mesh, 8, np.float32)
+    return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
+
+
+def _overlap_probe(mesh, num_params, *, wire: bool, compute: bool):
+    """An all_to_all of ByteGrad's codes and/or an independent pass over the gradient."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_bytegrad.parallel import replicate
+
+    n = mesh.shape["node"] * mesh.shape["local"]
+    codes = np.full((n, -(-num_params // (8 * n)) * 8), 7, np.uint8)
+
+    def body(g, codes):
+        # Eight independent pieces of each: XLA:CPU runs a program of 8 thunks or fewer in
+        # sequence, whatever its dependencies.
+        out = []
+        if wire:
+            codes = jax.lax.pcast(codes, AXES, to="varying")
+            for part in jnp.split(codes, 8, axis=1):
+                received = jax.lax.all_to_all(part, AXES, 0, 0, tiled=True)
+                out.append(received.sum(dtype=jnp.int32))
+        if compute:  # about the CPU work of quantizing the gradient: three passes over it
+            for part in jnp.split(g[: g.size // 8 * 8], 8):
+                out.append(jnp.sum(jnp.sin(part) * jnp.cos(part) + jnp.sqrt(jnp.abs(part))))
+        return jax.lax.psum(sum(x.astype(jnp.float32) for x in out), AXES)
+
+    grads = local_gradient(mesh, num_params, np.float32)
+    return _per_device_builder(mesh, body, grads, replicate(codes, mesh))
+
+
+register("probe_wire")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, compute=False))
+register("probe_compute")(lambda mesh, n: _overlap_probe(mesh, n, wire=False, compute=True))
+register("probe_both")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, compute=True))
+
+
+@register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _qadam_compressed(mesh, num_params):
+    """One `scale_by_qadam` update past warm-up: local momentum, 8-bit compressed mean, Adam."""
+    from jax_bytegrad.parallel import replicate
+    from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, scale_by_qadam
+
+    warmup = 4
+    tx = scale_by_qadam(warmup_steps=warmup, **_sizes())
+    zeros = np.zeros(num_params, np.float32)
+    # count = warmup_steps: the step taken is warmup_steps + 1, the compressed phase.
+    state = ScaleByQAdamState(
+        count=np.asarray(warmup, np.int32), mu=zeros, nu=np.full(num_params, 1e-4, np.float32)
+    )
+    state = replicate(state, mesh)
+
+    return _per_device_builder(mesh, tx.update, local_gradient(mesh, num_params, np.float32), state)
+
+
+# Full train steps of a ~25M-parameter float32 MLP (num_params sets its width) ------------------
+
+_MLP_IN, _MLP_OUT, _BATCH_PER_DEVICE = 1024, 1024, 16
+
+
+def _mlp_width(num_params: int) -> int:
+    """Hidden width h of in -> h -> h -> out with about `num_params` parameters."""
+    b = _MLP_IN + _MLP_OUT + 3
+    return max(8, int((-b + (b * b + 4 * num_params) ** 0.5) / 2))
+
+
+def _mlp_init(num_params: int) -> dict[str, np.ndarray]:
+    h = _mlp_width(num_params)
+    rng = np.random.default_rng(0)
+    dims = [(_MLP_IN, h), (h, h), (h, _MLP_OUT)]
+    params = {}
+    for i, (a, b) in enumerate(dims):
+        params[f"w{i}"] = (rng.standard_normal((a, b), np.float32) / np.sqrt(a)).astype(np.float32)
+        params[f"b{i}"] = np.zeros(b, np.float32)
+    return params
+
+
+def _mlp_loss(params, batch):
+    import jax
+    import jax.numpy as jnp
+
+    x, y = batch
+    for i in range(3):
+        x = x @ params[f"w{i}"] + params[f"b{i}"][None]
+        if i < 2:
+            x = jax.nn.relu(x)
+    return jnp.mean((x - y) ** 2)
+
+
+def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
+    import jax
+
+    from jax_bytegrad.parallel import data_parallel_step, replicate, shard_batch
+
+    params = _mlp_init(num_params)
+    state = tx.init(params)
+    if qadam_warmup is not None:  # past warm-up, so every timed step is a compressed one
+        state = (state[0]._replace(count=np.asarray(qadam_warmup, np.int32)), *state[1:])
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    rng = np.random.default_rng(1 + jax.process_index())
+    batch = (
+        rng.standard_normal((rows, _MLP_IN), np.float32),
+        rng.standard_normal((rows, _MLP_OUT), np.float32),
+    )
+    step = data_parallel_step(_mlp_loss, tx, mesh, donate=False)
+    return step, (replicate(params, mesh), replicate(state, mesh), shard_batch(batch, mesh))
+
+
+@register("train_local")
+def _train_local(mesh, num_params):
+    """The same train step with no sync at all (forward, backward, Adam): with `bytegrad_sync`,
+    the parts that `train_bytegrad` overlaps when it takes less than their sum."""
+    import jax
+    import optax
+    from jax.sharding import PartitionSpec as P
+
+    from jax_bytegrad.parallel import compiler_options, replicate, shard_batch
+
+    tx = optax.adam(1e-4)
+    params = _mlp_init(num_params)
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    rng = np.random.default_rng(1 + jax.process_index())
+    batch = (
+        rng.standard_normal((rows, _MLP_IN), np.float32),
+        rng.standard_normal((rows, _MLP_OUT), np.float32),
+    )
+
+    def body(params, state, batch):
+        grads = jax.grad(_mlp_loss)(jax.lax.pcast(params, AXES, to="varying"), batch)
+        updates, state = tx.update(grads, state, params)
+        return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates))
+
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXES)), out_specs=P(AXES)),
+        compiler_options=compiler_options(mesh),  # as data_parallel_step compiles
+    )
+    args = (*replicate((params, tx.init(params)), mesh), shard_batch(batch, mesh))
+    return fn, args
+
+
+@register("train_allreduce", wire_bytes_per_param=4)
+def _train_allreduce(mesh, num_params):
+    import optax
+
+    from jax_bytegrad.transforms import gradient_allreduce
+
+    return _train_builder(mesh, num_params, optax.chain(gradient_allreduce(), optax.adam(1e-4)))
+
+
+@register("train_bytegrad", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _train_bytegrad(mesh, num_params):
+    import optax
+
+    from jax_bytegrad.transforms import bytegrad
+
+    tx = optax.chain(bytegrad(**_sizes()), optax.adam(1e-4))
+    return _train_builder(mesh, num_params, tx)
+
+
+@register("train_qadam", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
+def _train_qadam(mesh, num_params):
+    from jax_bytegrad.qadam_optimizer import qadam
+
+    warmup = 4
+    tx = qadam(1e-4, warmup_steps=warmup, **_sizes())
+    return _train_builder(mesh, num_params, tx, qadam_warmup=warmup)
+
+
+# Decentralized training (weights, not gradients, cross the network) ------------------------------
+
+
+def _decentralized_builder(mesh, num_params, build):
+    """Times successive steps of a decentralized step builder on the MLP; state carried along."""
+    import jax
+    import optax
+
+    from jax_bytegrad.parallel import shard_batch
+
+    train = build(_mlp_loss, optax.sgd(1e-4), mesh)
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    rng = np.random.default_rng(1 + jax.process_index())
+    batch = shard_batch(
+        (
+            rng.standard_normal((rows, _MLP_IN), np.float32),
+            rng.standard_normal((rows, _MLP_OUT), np.float32),
+        ),
+        mesh,
+    )
+    cell = [train.init(_mlp_init(num_params))]
+
+    def fn():
+        cell[0], loss = train.step(cell[0], batch)
+        return loss
+
+    # One program per gossip round: compile them all before timing.
+    for _ in range(mesh.devices.size):
+        jax.block_until_ready(fn())
+    return fn, ()
+
+
+@register("train_decentralized")
+def _train_decentralized(mesh, num_params):
+    import functools
+
+    from jax_bytegrad.decentralized import decentralized_step
+
+    build = functools.partial(decentralized_step, peer_selection_mode="shift_one")
+    return _decentralized_builder(mesh, num_params, build)
+
+
+@register("train_lowprec_decentralized")
+def _train_lowprec_decentralized(mesh, num_params):
+    from jax_bytegrad.decentralized import low_precision_decentralized_step
+
+    return _decentralized_builder(mesh, num_params, low_precision_decentralized_step)

@@ -1,0 +1,122 @@
+"""Argument checks, constants and small helpers shared by the library's modules (private).
+
+Every public factory validates its arguments when it is built, as optax does, and raises a
+``ValueError`` that names where the call came from (``where``), the bad value and what to
+pass instead. The checks that more than one module needs live here, once.
+"""
+
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+# The dtypes the codec quantizes and the collectives average; other leaves pass through.
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def is_int(value) -> bool:
+    """A Python or NumPy integer, and not a bool (``True`` is an ``int`` to Python)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes along which ``x`` varies inside ``shard_map`` (its ``vma``)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def positive_int(value, name: str, where: str, *, or_none: bool = False, why: str = "") -> None:
+    """Raises unless ``value`` is an int >= 1 (or None, with ``or_none``).
+
+    ``why`` is added after "positive int" to say what the number means.
+    """
+    if or_none and value is None:
+        return
+    if not is_int(value) or value < 1:
+        allowed = "a positive int or None" if or_none else "a positive int"
+        raise ValueError(f"{where}: {name} must be {allowed}{why}, got {value!r}")
+
+
+def int_at_least(value, low: int, name: str, where: str) -> int:
+    """Returns ``value`` as an int; raises unless it is an int >= ``low``."""
+    if not is_int(value) or value < low:
+        raise ValueError(f"{where}: {name} must be an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def non_negative_int(value, name: str, where: str) -> None:
+    """Raises unless ``value`` is an int >= 0."""
+    if not is_int(value) or value < 0:
+        raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
+
+
+def boolean(value, name: str, where: str) -> None:
+    """Raises unless ``value`` is ``True`` or ``False`` (a truthy 1 or "yes" is a mistake)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
+
+
+def distinct_axes(node_axis, local_axis, where: str) -> None:
+    """Raises if the node and local axes are one axis, which would sum everything twice."""
+    if node_axis == local_axis:
+        raise ValueError(f"{where}: node_axis and local_axis must differ, both are {node_axis!r}")
+
+
+def axis_names(node_axis, local_axis, where: str) -> None:
+    """Raises unless both axis names are non-empty strings that differ (no mesh needed)."""
+    for name, value in (("node_axis", node_axis), ("local_axis", local_axis)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{where}: {name} must be a mesh axis name, got {value!r}")
+    distinct_axes(node_axis, local_axis, where)
+
+
+def mesh_axes(mesh, node_axis: str, local_axis: str, where: str) -> tuple[int, int]:
+    """Validates the mesh and its two axis names; returns (nodes, devices per node)."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"{where}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    for name, param in ((node_axis, "node_axis"), (local_axis, "local_axis")):
+        if name not in mesh.axis_names:
+            raise ValueError(
+                f"{where}: axis {name!r} is not in the mesh axes {tuple(mesh.axis_names)}; "
+                f"pass {param}=..."
+            )
+    distinct_axes(node_axis, local_axis, where)
+    return int(mesh.shape[node_axis]), int(mesh.shape[local_axis])
+
+
+def batch_splits(
+    batch, devices: int, where: str = "data_parallel_step", *, owner: str = "the mesh"
+) -> None:
+    """Raises unless every batch leaf's leading dimension splits over ``devices``."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
+            raise ValueError(
+                f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape "
+                f"{jnp.shape(leaf)}; its leading dimension must be a multiple of the "
+                f"{devices} devices of {owner}; drop or pad the last rows"
+            )
+
+
+def not_deleted(tree, where: str) -> None:
+    """Raises, naming donation, if a leaf of ``tree`` is an array a donating step consumed."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"{where}: input {jax.tree_util.keystr(path)} was deleted: the step donates "
+                "its params and state buffers (donate=True), so arrays passed to it once "
+                "(or placed on the mesh from them, which may share their buffer) cannot be "
+                "passed again. Pass the state the step returned, hand it a copy "
+                "(jax.tree.map(jnp.copy, params)), or build the step with donate=False"
+            )
