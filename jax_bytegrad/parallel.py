@@ -116,11 +116,6 @@ def compiler_options(mesh: Mesh) -> dict | None:
     return None
 
 
-# qadam_optimizer.py still imports the old private name; drop this once it uses
-# _checks.varying_axes.
-_varying_axes = _checks.varying_axes
-
-
 def data_parallel_step(
     loss_fn: Callable[..., Any],
     optimizer: optax.GradientTransformation,

@@ -45,8 +45,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad import collectives
-from jax_bytegrad.parallel import _varying_axes
+from jax_bytegrad import _checks, collectives
 from jax_bytegrad.quantization import Bits, Implementation, check_block_size
 from jax_bytegrad.transforms import check_error_feedback, check_sync_args, mesh_residuals
 
@@ -170,7 +169,8 @@ def _check_per_device(updates, node_axis: str, local_axis: str, where: str) -> N
     averaged = [
         jax.tree_util.keystr(path)
         for path, leaf in jax.tree_util.tree_leaves_with_path(updates)
-        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating) and not axes <= _varying_axes(leaf)
+        if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
+        and not axes <= _checks.varying_axes(leaf)
     ]
     if averaged:
         raise ValueError(
