@@ -12,11 +12,12 @@ and broadcasts it, so every process compiles the same program.
 
 The search is exhaustive when the space has at most ``max_trials`` points. A larger space is
 searched one setting at a time from the starting configuration (coordinate descent): every
-value of the first setting with the others held, keep the fastest, then the next setting. The
-settings here act on different things (messages on the wire, buckets against backward compute,
-which axis carries full precision), so one pass finds what an exhaustive sweep finds at a
-fraction of the trials; benchmarks/RESULTS.md ("Autotune") measures both. A model-based search
-(Bagua uses scikit-optimize) pays off on spaces of hundreds of points, not on these dozens.
+value of the first setting with the others held, keep the fastest, then the next setting, and
+again pass after pass until a pass moves nothing or the trials run out. Buckets and hierarchy
+go before message size, whose best value depends on the exchanges they make;
+benchmarks/RESULTS.md ("Autotune") measures the search against an exhaustive sweep. A
+model-based search (Bagua uses scikit-optimize) pays off on spaces of hundreds of points, not
+on these dozens, with a noisy score.
 """
 
 import itertools
@@ -45,13 +46,15 @@ BUCKET_BYTES = (4 * 2**20, 16 * 2**20, 32 * 2**20, 128 * 2**20, None)
 HIERARCHICAL = (True, False)
 
 # The settings each algorithm may tune: those that change how bytes travel, not the average
-# they arrive at (beyond the documented quantization bound). The decentralized pair's
+# they arrive at (beyond the documented quantization bound). In search order: what shapes the
+# exchanges (buckets, hierarchy) before how each exchange is cut into messages, whose best
+# size depends on the exchange. The decentralized pair's
 # `hierarchical` changes who averages with whom, so it is not among them; async's interval
 # changes how stale the models are.
 _TUNABLE = {
     "gradient_allreduce": ("hierarchical",),
-    "bytegrad": ("message_bytes", "bucket_bytes", "hierarchical"),
-    "qadam": ("message_bytes", "bucket_bytes", "hierarchical"),
+    "bytegrad": ("bucket_bytes", "hierarchical", "message_bytes"),
+    "qadam": ("bucket_bytes", "hierarchical", "message_bytes"),
     "decentralized": ("message_bytes",),
     "low_precision_decentralized": ("message_bytes",),
     "async": (),
@@ -294,13 +297,18 @@ class _Search:
         self.scores: dict[int, float] = {}
 
     def _coordinate(self, space, start):
+        """One setting at a time, pass after pass, until a pass moves nothing."""
         best = dict(start)
         yield best
-        for name, values in space.items():
-            for value in values:
-                if value != best[name]:
-                    yield {**best, name: value}
-            best = self.best() or best
+        while True:
+            before = best
+            for name, values in space.items():
+                for value in values:
+                    if value != best[name]:
+                        yield {**best, name: value}
+                best = self.best() or best
+            if best == before:
+                return
 
     def best(self) -> dict[str, Any] | None:
         done = {i: s for i, s in self.scores.items() if not math.isnan(s)}
@@ -352,7 +360,7 @@ def autotune(
         ``hierarchical`` for gradient_allreduce; ``message_bytes`` for the decentralized
         pair. Any keyword the strategy takes may be given (``block_size``, ...).
       max_trials: the most configurations to measure. A space with at most this many points
-        is swept whole; a larger one is searched one setting at a time.
+        is swept whole; a larger one is searched one setting at a time, in the space's order.
       steps_per_trial: timed steps per trial (their median is the trial's score).
       warmup_steps: untimed steps after the compiling first step.
       time_budget_s: no new trial starts after this many seconds (process 0's clock).
