@@ -56,6 +56,12 @@ def int_at_least(value, low: int, name: str, where: str) -> int:
     return int(value)
 
 
+def whole_number(value, name: str, where: str, minimum: int = 1, hint: str = "") -> None:
+    """Raises unless ``value`` is an int >= ``minimum``; the message shows ``name=value``."""
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{where}: {name}={value!r} must be a whole number >= {minimum}{hint}")
+
+
 def non_negative_int(value, name: str, where: str) -> None:
     """Raises unless ``value`` is an int >= 0."""
     if not is_int(value) or value < 0:

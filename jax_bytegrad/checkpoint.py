@@ -132,8 +132,8 @@ class Checkpointer:
     def __init__(
         self, directory: str | Path, *, every: int, keep: int = 3, async_save: bool = True
     ):
-        _checks.positive_int(every, "every", "Checkpointer")
-        _checks.positive_int(keep, "keep", "Checkpointer")
+        _checks.whole_number(every, "every", "Checkpointer")
+        _checks.whole_number(keep, "keep", "Checkpointer")
         ocp = _ocp()
         self.directory = Path(directory).absolute()
         self.every = every
@@ -302,7 +302,7 @@ def average_replicas(per_device, num_devices: int):
       >>> average_replicas({"w": np.array([[1.0], [3.0]], np.float32)}, 4)["w"].ravel().tolist()
       [2.0, 2.0, 2.0, 2.0]
     """
-    _checks.positive_int(num_devices, "num_devices", "average_replicas")
+    _checks.whole_number(num_devices, "num_devices", "average_replicas")
     for leaf in jax.tree.leaves(per_device):
         if np.ndim(leaf) == 0:
             raise ValueError(

@@ -290,10 +290,7 @@ def _check_launch_args(
         raise ValueError(
             f"launch: port={port} is not a TCP port; pass 1..65535 or leave it out for a free one"
         )
-    if not _checks.is_int(max_restarts) or max_restarts < 0:
-        raise ValueError(
-            f"launch: max_restarts={max_restarts!r} must be a whole number >= 0 (0: no restart)"
-        )
+    _checks.whole_number(max_restarts, "max_restarts", "launch", 0, hint=" (0: no restart)")
     if progress_timeout is not None and progress_timeout <= 0:
         raise ValueError(
             f"launch: progress_timeout={progress_timeout} must be positive seconds, or None to "
