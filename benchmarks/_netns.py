@@ -32,6 +32,7 @@ from dataclasses import dataclass
 PREFIX = "bgn"
 SUBNET = "198.18.0"  # inside 198.18.0.0/15, the benchmarking range
 ETC_NETNS = "/etc/netns"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # Private helpers ----------------------------------------------------------------------------------
@@ -205,6 +206,23 @@ class Cluster:
             "unshare", "--uts", "--",
             "sh", "-c", 'hostname "$0" && exec "$@"', h.hostname, *argv,
         ]  # fmt: skip
+
+    def launch(self, argv: Sequence[str], *, timeout: float, hugepages: bool = True) -> int:
+        """Runs the Python program `argv` as one JAX process per host, under the library's
+        launcher (host 0 coordinates), with this checkout first on PYTHONPATH; its exit code."""
+        from jax_bytegrad import _checks
+        from jax_bytegrad.launch import launch
+
+        path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
+        return launch(
+            lambda rank: self.command(rank, argv),
+            nproc=len(self.hosts),
+            coordinator_host=self.hosts[0].address,
+            port=_checks.free_port(),
+            timeout=timeout,
+            env=dict(os.environ, PYTHONPATH=path),
+            hugepages=hugepages,
+        )
 
     def down(self) -> None:
         """Removes every namespace and hosts file of this cluster; safe to call twice."""

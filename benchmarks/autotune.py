@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -127,22 +126,11 @@ def _worker(args) -> int:
 
 
 def _run(cluster, args, out: Path) -> dict:
-    from jax_bytegrad.launch import launch
-
     worker = [
         sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
         "--num-params", str(args.num_params), "--steps", str(args.steps),
     ]  # fmt: skip
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    code = launch(
-        lambda rank: cluster.command(rank, worker),
-        nproc=len(cluster.hosts),
-        coordinator_host=cluster.hosts[0].address,
-        timeout=args.timeout,
-        env=env,
-    )
+    code = cluster.launch(worker, timeout=args.timeout)
     if code != 0:
         raise SystemExit(code)
     return json.loads(out.read_text())

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import statistics
 import sys
@@ -115,9 +114,6 @@ def _tx_bytes(dev: str = "eth0") -> int | None:
 
 
 def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
-    from jax_bytegrad import _checks
-    from jax_bytegrad.launch import launch
-
     cluster.shape(mbit, args.delay)
     with tempfile.TemporaryDirectory(prefix="bgn-") as tmp:
         out = Path(tmp) / "result.json"
@@ -129,18 +125,7 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
         for flag, value in (("--bucket-mb", args.bucket_mb), ("--message-kb", args.message_kb)):
             if value is not None:
                 worker += [flag, str(value)]
-        env = dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-        )
-        code = launch(
-            lambda rank: cluster.command(rank, worker),
-            nproc=len(cluster.hosts),
-            coordinator_host=cluster.hosts[0].address,
-            port=_checks.free_port(),
-            timeout=args.timeout,
-            env=env,
-            hugepages=args.hugepages,
-        )
+        code = cluster.launch(worker, timeout=args.timeout, hugepages=args.hugepages)
         if code != 0:
             raise SystemExit(code)
         return json.loads(out.read_text())

@@ -33,14 +33,14 @@ def init_params():
     }
 
 
-def make_batches(steps, seed=1):
+def make_batches(steps, seed=1, shape=(IN, OUT)):
     """Regression batches whose per-device slices differ, so local gradients differ too."""
     rng = np.random.default_rng(seed)
-    true_w = rng.standard_normal((IN, OUT)).astype(np.float32)
+    true_w = rng.standard_normal(shape).astype(np.float32)
     out = []
     for _ in range(steps):
-        x = rng.standard_normal((DEVICES * 4, IN)).astype(np.float32)
-        y = x @ true_w + rng.standard_normal((DEVICES * 4, OUT)).astype(np.float32)
+        x = rng.standard_normal((DEVICES * 4, shape[0])).astype(np.float32)
+        y = x @ true_w + rng.standard_normal((DEVICES * 4, shape[1])).astype(np.float32)
         out.append({"x": x, "y": y})
     return out
 

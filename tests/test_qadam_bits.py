@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_qadam
 from test_error_feedback import assert_same_on_every_device, device_copies
 
 import jax_bytegrad
@@ -31,14 +32,7 @@ def init_params():
 
 def make_batches(steps, seed=1):
     """Regression batches whose per-device slices differ, so local momenta differ too."""
-    rng = np.random.default_rng(seed)
-    true_w = rng.standard_normal((IN, OUT)).astype(np.float32)
-    out = []
-    for _ in range(steps):
-        x = rng.standard_normal((DEVICES * 4, IN)).astype(np.float32)
-        y = x @ true_w + rng.standard_normal((DEVICES * 4, OUT)).astype(np.float32)
-        out.append({"x": x, "y": y})
-    return out
+    return test_qadam.make_batches(steps, seed, shape=(IN, OUT))
 
 
 def loss_fn(params, batch):
