@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from jax_bytegrad import buckets
+from jax_bytegrad import _checks, buckets
 from jax_bytegrad import strategy as strategy_lib
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
@@ -145,10 +145,6 @@ def _label(config: Mapping[str, Any]) -> str:
         return str(v)
 
     return " ".join(f"{k}={show(v)}" for k, v in config.items()) or "(defaults)"
-
-
-def _block(tree) -> None:
-    jax.block_until_ready(jax.tree.leaves(tree))
 
 
 def _param_count(params) -> int:
@@ -269,13 +265,13 @@ def _run_trial(strat, config, loss_fn, optimizer, has_aux, params, batches, warm
         state = step.init(params)
         t0 = time.perf_counter()
         state, metrics = step(state, batches[0])
-        _block((state, metrics))
+        jax.block_until_ready((state, metrics))
         first = time.perf_counter() - t0
         times = []
         for i in range(1, len(batches)):
             t0 = time.perf_counter()
             state, metrics = step(state, batches[i])
-            _block((state, metrics))
+            jax.block_until_ready((state, metrics))
             if i > warmup:
                 times.append(time.perf_counter() - t0)
     median = statistics.median(times)
@@ -394,13 +390,9 @@ def autotune(
             "autotune: async has no setting that changes only speed (sync_interval_ms "
             "changes how stale the models are); tune the others, or pick the interval by hand"
         )
-    for name, value, least in (
-        ("max_trials", max_trials, 1),
-        ("steps_per_trial", steps_per_trial, 1),
-        ("warmup_steps", warmup_steps, 0),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"autotune: {name} must be an int >= {least}, got {value!r}")
+    _checks.int_at_least(max_trials, 1, "max_trials", "autotune")
+    _checks.int_at_least(steps_per_trial, 1, "steps_per_trial", "autotune")
+    _checks.int_at_least(warmup_steps, 0, "warmup_steps", "autotune")
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
     space = _distinct_buckets(strategy, params, space, start)
@@ -425,8 +417,8 @@ def autotune(
         )
 
     path = None if cache is None else Path(cache)
-    key = cache_key(strategy, params)
     if path is not None:
+        key = cache_key(strategy, params)
         hit = -1
         if jax.process_index() == 0:
             cached = _read_cache(path, key)
@@ -465,19 +457,19 @@ def autotune(
             error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
             warnings.warn(f"autotune: skipped {_label(config)}: {error}", stacklevel=2)
         compile_s, step_s = (float(x) for x in _worst([compile_s, step_s]))
-        search.scores[index] = step_s
-        trials.append(Trial(config, compile_s, step_s, error))
         if error is None and math.isnan(step_s):
             error = "failed on another process"
-            trials[-1] = trials[-1]._replace(error=error)
+        search.scores[index] = step_s
+        trials.append(Trial(config, compile_s, step_s, error))
         say(
             f"autotune {len(trials):2d}: {_label(config)}: "
             + (f"failed ({error})" if error else f"{1e3 * step_s:.1f} ms/step, "
                f"compile {compile_s:.1f} s")
         )  # fmt: skip
-    best = search.best() or start  # None: no trial ran within the time budget
+    measured = search.best()  # None: no trial ran within the time budget
+    best = measured or start
     found = result(best, trials, False)
-    if path is not None and jax.process_index() == 0 and search.best() is not None:
+    if path is not None and jax.process_index() == 0 and measured is not None:
         _write_cache(path, key, found)
     say(f"autotune: chose {_label(best)} in {found.tuning_s:.1f} s")
     return found
