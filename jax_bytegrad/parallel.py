@@ -6,6 +6,7 @@ optimizer's first transformation (``bytegrad``, ``gradient_allreduce``, ``qadam`
 what must be averaged. Nodes map to JAX processes, so the "node" axis is the slow one.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -103,17 +104,34 @@ def shard_batch(tree, mesh: Mesh, *, node_axis: str = "node", local_axis: str = 
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
 
+@functools.cache
+def _has_compile_option(name: str, value) -> bool:
+    """Whether this jaxlib's XLA:CPU accepts compile option ``name``; asked once per process.
+
+    XLA drops options between releases and rejects unknown ones ("No such compile option"),
+    so an option is passed only where a tiny program compiles with it.
+    """
+    try:
+        x = jax.device_put(np.float32(0), jax.local_devices(backend="cpu")[0])
+        jax.jit(lambda x: x + 1).lower(x).compile({name: value})
+    except Exception:  # noqa: BLE001 - any refusal means "do not pass it"
+        return False
+    return True
+
+
 def compiler_options(mesh: Mesh) -> dict | None:
     """XLA options for the train steps this library compiles over ``mesh``.
 
-    On CPU, XLA's fusion emitters compile the bucket decode, fused into a parameter whose
+    On CPU, XLA's fusion emitters compiled the bucket decode, fused into a parameter whose
     rows do not line up with the 1024-value quantization blocks, to a slow element-wise
     loop; with the classic emitters a ByteGrad step of a 25M-parameter MLP took 763 ms
-    instead of 5544 ms (benchmarks/RESULTS.md, "Network"). Other platforms need nothing.
+    instead of 5544 ms (benchmarks/RESULTS.md, "Network"). JAX releases whose XLA no longer
+    has the option get none. Other platforms need nothing.
     """
-    if next(iter(mesh.devices.flat)).platform == "cpu":
-        return {"xla_cpu_use_fusion_emitters": False}
-    return None
+    if next(iter(mesh.devices.flat)).platform != "cpu":
+        return None
+    option = ("xla_cpu_use_fusion_emitters", False)
+    return dict([option]) if _has_compile_option(*option) else None
 
 
 def data_parallel_step(

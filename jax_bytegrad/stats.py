@@ -33,6 +33,12 @@ _INSTRUCTION_RE = re.compile(
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)")
 _ARRAY_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
 _IOTA_GROUPS_RE = re.compile(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
+# Newer XLA names the groups by mesh axes: `mesh['node'=2,'local'=4] {'node'}`, optionally with
+# the device order as an iota (`<=[8]T(...)`) and sub-axes (`'x':(2)4`: size 4, after 2).
+_MESH_GROUPS_RE = re.compile(
+    r"mesh\[(?P<axes>[^\]]*)\]\s*(?:<=\[(?P<dims>[\d,\s]+)\](?:T\((?P<perm>[\d,\s]+)\))?)?"
+    r"\s*\{(?P<group>[^{}]*)\}"
+)
 # Label of a collective whose groups all have one member, or whose pairs are all i -> i.
 NO_AXES = "-"
 
@@ -346,6 +352,8 @@ def _parse_replica_groups(text: str) -> tuple[tuple[int, ...], ...] | None:
     ``{}`` means one group of all devices and returns None.
     """
     text = text.strip()
+    if text.startswith("mesh["):
+        return _parse_mesh_groups(text)
     if text.startswith("{"):
         groups = tuple(
             tuple(int(v) for v in inner.split(",") if v.strip())
@@ -366,6 +374,45 @@ def _parse_replica_groups(text: str) -> tuple[tuple[int, ...], ...] | None:
         ids = ids.transpose(perm)
     ids = ids.reshape(out_shape[0], -1) if len(out_shape) == 2 else ids.reshape(1, -1)
     return tuple(tuple(int(v) for v in group) for group in ids)
+
+
+def _parse_mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
+    """Parses ``mesh['a'=2,'b'=4] {'a'}``: one group per value of the axes not named.
+
+    Device ids run over the mesh in row-major order, or in the order of the optional iota
+    (``<=[8]T(1,0)``). A named sub-axis ``'a':(p)s`` is the size-``s`` slice of axis ``a``
+    that follows a slice of size ``p``.
+    """
+    match = _MESH_GROUPS_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"communication_stats: cannot parse replica groups {text!r}")
+    names, sizes = [], []
+    for item in re.findall(r"'?([^',=\s]+)'?\s*=\s*(\d+)", match.group("axes")):
+        names.append(item[0])
+        sizes.append(int(item[1]))
+    ids = np.arange(int(np.prod(sizes)))
+    if match.group("dims"):
+        dims = [int(v) for v in match.group("dims").split(",")]
+        ids = ids.reshape(dims)
+        if match.group("perm"):
+            ids = ids.transpose([int(v) for v in match.group("perm").split(",")])
+    # Split each axis into (before, named part, after) sub-axes; a whole axis is (1, size, 1).
+    split = {name: (1, size, 1) for name, size in zip(names, sizes, strict=True)}
+    chosen = []
+    for ref in re.findall(r"'?([^',:\s]+)'?(?::\((\d+)\)(\d+))?", match.group("group")):
+        name, before, size = ref
+        if name not in split:
+            raise ValueError(f"communication_stats: unknown mesh axis {name!r} in {text!r}")
+        if size:
+            total = split[name][1]
+            split[name] = (int(before), int(size), total // (int(before) * int(size)))
+        chosen.append(name)
+    shape = [part for name in names for part in split[name]]
+    grid = ids.reshape(shape)
+    middle = [3 * names.index(name) + 1 for name in chosen]
+    rest = [axis for axis in range(grid.ndim) if axis not in middle]
+    groups = grid.transpose(rest + middle).reshape(-1, int(np.prod([shape[a] for a in middle])))
+    return tuple(tuple(int(v) for v in group) for group in groups)
 
 
 def _parse_collectives(hlo_text: str) -> list[_Collective]:
@@ -406,7 +453,10 @@ def _collectives(instructions: Sequence[HloInstruction]) -> list[_Collective]:
             )
         else:
             groups_text = _braced(attributes, "replica_groups")
-            if groups_text is None:
+            mesh_groups = _MESH_GROUPS_RE.search(attributes)
+            if groups_text is None and mesh_groups is not None:
+                groups_text = mesh_groups.group(0)
+            elif groups_text is None:
                 iota = re.search(r"\breplica_groups=(" + _IOTA_GROUPS_RE.pattern + ")", attributes)
                 groups_text = iota.group(1) if iota else "{}"
             groups = _parse_replica_groups(groups_text)

@@ -285,6 +285,13 @@ def test_table():
         ("{{0,4},{1,5},{2,6},{3,7}}", ((0, 4), (1, 5), (2, 6), (3, 7))),
         ("{ {0, 1}, {2, 3} }", ((0, 1), (2, 3))),
         ("{}", None),
+        # The mesh-axes form of newer XLA (JAX 0.12), with sub-axes and a device order.
+        ("mesh['node'=2,'local'=4] {'node'}", ((0, 4), (1, 5), (2, 6), (3, 7))),
+        ("mesh['node'=2,'local'=4] {'local'}", ((0, 1, 2, 3), (4, 5, 6, 7))),
+        ("mesh['node'=2,'local'=4] {'node','local'}", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+        ("mesh['x'=4] {'x':(2)2}", ((0, 1), (2, 3))),
+        ("mesh['x'=4] {'x':(1)2}", ((0, 2), (1, 3))),
+        ("mesh['a'=2,'b'=2] <=[2,2]T(1,0) {'a'}", ((0, 1), (2, 3))),
     ],
 )
 def test_parse_replica_groups(text, expected):
