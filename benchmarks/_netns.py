@@ -210,7 +210,7 @@ class Cluster:
     def launch(self, argv: Sequence[str], *, timeout: float, hugepages: bool = True) -> int:
         """Runs the Python program `argv` as one JAX process per host, under the library's
         launcher (host 0 coordinates), with this checkout first on PYTHONPATH; its exit code."""
-        from jax_bytegrad import _checks
+        from jax_bytegrad._src import checks as _checks
         from jax_bytegrad.launch import launch
 
         path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jax_bytegrad.collectives import DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
-from jax_bytegrad.parallel import AXES
-from jax_bytegrad.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, HEADER_WIDTH
+from jax_bytegrad._src.collectives import DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
+from jax_bytegrad._src.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, HEADER_WIDTH
+from jax_bytegrad.sharding import AXES
 
 DEFAULT_OPS = ("psum_f32", "psum_bf16")
 BASELINE_OP = "psum_f32"
@@ -141,7 +141,7 @@ def _sizes() -> dict:
 
 @register("bytegrad_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _bytegrad_sync(mesh, num_params):
-    from jax_bytegrad.collectives import compressed_mean
+    from jax_bytegrad import compressed_mean
 
     sizes = _sizes()
     return _per_device_builder(
@@ -154,7 +154,7 @@ def _bytegrad_sync(mesh, num_params):
 @register("bytegrad4_sync", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])
 def _bytegrad4_sync(mesh, num_params):
     """`bytegrad_sync` with 4-bit codes (two per byte, 512-value blocks by default)."""
-    from jax_bytegrad.collectives import compressed_mean
+    from jax_bytegrad import compressed_mean
 
     sizes = _sizes()
     return _per_device_builder(
@@ -169,8 +169,8 @@ def _bytegrad_wire(mesh, num_params):
     """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor."""
     import jax
 
-    from jax_bytegrad.collectives import message_slices
-    from jax_bytegrad.parallel import replicate
+    from jax_bytegrad import replicate
+    from jax_bytegrad._src.collectives import message_slices
 
     n = mesh.shape["node"] * mesh.shape["local"]
     blocks = -(-num_params // (DEFAULT_BLOCK_SIZE * n)) * n
@@ -202,7 +202,7 @@ def _permute_wire(mesh, num_params):
 
     import jax
 
-    from jax_bytegrad.parallel import replicate
+    from jax_bytegrad import replicate
 
     n = mesh.shape["node"] * mesh.shape["local"]
     blocks = -(-num_params // (DEFAULT_BLOCK_SIZE * n)) * n
@@ -242,7 +242,7 @@ def _overlap_probe(mesh, num_params, *, wire: bool, compute: bool):
     import jax
     import jax.numpy as jnp
 
-    from jax_bytegrad.parallel import replicate
+    from jax_bytegrad import replicate
 
     n = mesh.shape["node"] * mesh.shape["local"]
     codes = np.full((n, -(-num_params // (8 * n)) * 8), 7, np.uint8)
@@ -273,8 +273,7 @@ register("probe_both")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, comput
 @register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _qadam_compressed(mesh, num_params):
     """One `scale_by_qadam` update past warm-up: local momentum, 8-bit compressed mean, Adam."""
-    from jax_bytegrad.parallel import replicate
-    from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, scale_by_qadam
+    from jax_bytegrad import ScaleByQAdamState, replicate, scale_by_qadam
 
     warmup = 4
     tx = scale_by_qadam(warmup_steps=warmup, **_sizes())
@@ -325,7 +324,7 @@ def _mlp_loss(params, batch):
 def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
     import jax
 
-    from jax_bytegrad.parallel import data_parallel_step, replicate, shard_batch
+    from jax_bytegrad import data_parallel_step, replicate, shard_batch
 
     params = _mlp_init(num_params)
     state = tx.init(params)
@@ -349,7 +348,7 @@ def _train_local(mesh, num_params):
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jax_bytegrad.parallel import compiler_options, replicate, shard_batch
+    from jax_bytegrad._src.parallel import compiler_options, replicate, shard_batch
 
     tx = optax.adam(1e-4)
     params = _mlp_init(num_params)
@@ -377,7 +376,7 @@ def _train_local(mesh, num_params):
 def _train_allreduce(mesh, num_params):
     import optax
 
-    from jax_bytegrad.transforms import gradient_allreduce
+    from jax_bytegrad import gradient_allreduce
 
     return _train_builder(mesh, num_params, optax.chain(gradient_allreduce(), optax.adam(1e-4)))
 
@@ -386,7 +385,7 @@ def _train_allreduce(mesh, num_params):
 def _train_bytegrad(mesh, num_params):
     import optax
 
-    from jax_bytegrad.transforms import bytegrad
+    from jax_bytegrad import bytegrad
 
     tx = optax.chain(bytegrad(**_sizes()), optax.adam(1e-4))
     return _train_builder(mesh, num_params, tx)
@@ -394,7 +393,7 @@ def _train_bytegrad(mesh, num_params):
 
 @register("train_qadam", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _train_qadam(mesh, num_params):
-    from jax_bytegrad.qadam_optimizer import qadam
+    from jax_bytegrad import qadam
 
     warmup = 4
     tx = qadam(1e-4, warmup_steps=warmup, **_sizes())
@@ -409,7 +408,7 @@ def _decentralized_builder(mesh, num_params, build):
     import jax
     import optax
 
-    from jax_bytegrad.parallel import shard_batch
+    from jax_bytegrad import shard_batch
 
     train = build(_mlp_loss, optax.sgd(1e-4), mesh)
     rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
@@ -437,7 +436,7 @@ def _decentralized_builder(mesh, num_params, build):
 def _train_decentralized(mesh, num_params):
     import functools
 
-    from jax_bytegrad.decentralized import decentralized_step
+    from jax_bytegrad import decentralized_step
 
     build = functools.partial(decentralized_step, peer_selection_mode="shift_one")
     return _decentralized_builder(mesh, num_params, build)
@@ -445,6 +444,6 @@ def _train_decentralized(mesh, num_params):
 
 @register("train_lowprec_decentralized")
 def _train_lowprec_decentralized(mesh, num_params):
-    from jax_bytegrad.decentralized import low_precision_decentralized_step
+    from jax_bytegrad import low_precision_decentralized_step
 
     return _decentralized_builder(mesh, num_params, low_precision_decentralized_step)

@@ -46,9 +46,9 @@ import models  # noqa: E402
 from configs import ALGORITHMS, CPU_DEVICES_PER_NODE, CPU_NODES, Config  # noqa: E402
 
 import jax_bytegrad  # noqa: E402
+from jax_bytegrad import qadam  # noqa: E402
 from jax_bytegrad.distributed import ensure_cpu_threads  # noqa: E402
-from jax_bytegrad.qadam_optimizer import qadam  # noqa: E402
-from jax_bytegrad.transforms import shard_state, state_specs  # noqa: E402
+from jax_bytegrad.sharding import shard_state, state_specs  # noqa: E402
 
 AXES = ("node", "local")
 MODELS = ("cnn", "transformer")

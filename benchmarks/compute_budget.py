@@ -62,13 +62,13 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_bytegrad.quantization import (  # noqa: E402
+from jax_bytegrad._src.quantization import (  # noqa: E402
     DEFAULT_BLOCK_SIZE,
     average_requantize,
     dequantize_blocks,
     quantize_blocks,
 )
-from jax_bytegrad.stats import array_shapes, hlo_instructions  # noqa: E402
+from jax_bytegrad._src.stats import array_shapes, hlo_instructions  # noqa: E402
 
 BUDGET_S = 0.1
 HEADER_BYTES = 8

@@ -29,7 +29,7 @@ import optax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_bytegrad  # noqa: E402
-from jax_bytegrad.qadam_optimizer import qadam  # noqa: E402
+from jax_bytegrad import qadam  # noqa: E402
 
 AXES = ("node", "local")
 # A fixed, version-stable choice of standard-library modules (about 420 kB of text).

@@ -14,7 +14,7 @@ run-average inter-node bytes per step as a fraction of gradient_allreduce's.
 Run-average bytes: the compiled step holds both branches, so its compressed branch is the
 program's inter-node bytes minus gradient_allreduce's (the float32 branch is exactly that
 all-reduce); a run sends the float32 branch on ``W + refreshes`` steps and the compressed
-one on the rest (``jax_bytegrad.qadam_optimizer.refresh_steps`` lists the refreshes).
+one on the rest (``jax_bytegrad.refresh_steps`` lists the refreshes).
 """
 
 import argparse
@@ -77,7 +77,7 @@ VARIANT_SETS["short"] = VARIANT_SETS["main"][:5]
 
 def full_precision_steps(variant: Variant, steps: int) -> tuple[int, int]:
     """(warm-up steps, refresh steps) of a QAdam variant within a run of ``steps``."""
-    from jax_bytegrad.qadam_optimizer import refresh_steps
+    from jax_bytegrad import refresh_steps
 
     warmup = max(1, int(variant.warmup_frac * steps))
     if variant.interval is None:

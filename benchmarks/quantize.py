@@ -36,7 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_bytegrad import _pallas, _reference  # noqa: E402
+from jax_bytegrad import _reference  # noqa: E402
+from jax_bytegrad._src.codecs import pallas as _pallas
 
 HEADER_BYTES = 8
 

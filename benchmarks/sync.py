@@ -9,7 +9,7 @@ Compares, for each gradient size, inside one ``jax.shard_map`` over a ("node", "
 Inputs are per-device random gradients, sharded P(("node", "local")) along a leading device
 axis. Each row gives the median wall time of a synchronous step, its ratio to fp32 measured
 in the same run, and the bytes each device sends per step between nodes and within nodes,
-read from the compiled HLO by ``jax_bytegrad.stats.communication_stats``.
+read from the compiled HLO by ``jax_bytegrad.profiling.communication_stats``.
 
 On one CPU host the 8 "devices" share its memory and cores: the "network" is memcpy, so these
 timings show compute overhead (quantize, average, dequantize) against memory-speed
@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax_bytegrad  # noqa: E402
-from jax_bytegrad.stats import communication_stats  # noqa: E402
+from jax_bytegrad.profiling import communication_stats  # noqa: E402
 
 AXES = ("node", "local")
 
@@ -103,7 +103,7 @@ def main(argv=None):
     print(
         f"jax {jax.__version__}, {len(jax.devices())} CPU devices on {os.cpu_count()} cores, "
         f"mesh node={n} x local={local}; median of {args.repeats} steps after 2 warm-ups; "
-        f"bytes sent per device per step from jax_bytegrad.stats.communication_stats"
+        f"bytes sent per device per step from jax_bytegrad.profiling.communication_stats"
     )
     print()
     head = (

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jax_bytegrad
-from jax_bytegrad.async_averaging import async_model_average
+from jax_bytegrad.experimental import async_model_average
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import assert_trees_all_equal, requires_gloo
 
 import jax_bytegrad
-from jax_bytegrad import autotuning as autotune_module
+from jax_bytegrad._src import autotune as autotune_module
 
 REPO = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_mp_scripts" / "autotune_worker.py"
@@ -205,7 +205,7 @@ def test_a_configuration_that_fails_is_skipped_with_a_warning():
 
 
 def test_a_configuration_that_fails_to_compile_is_skipped(monkeypatch):
-    from jax_bytegrad import collectives
+    from jax_bytegrad._src import collectives
 
     slices = collectives.message_slices
 

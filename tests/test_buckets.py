@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_bytegrad import buckets
+from jax_bytegrad._src import buckets
 
 
 def leaves_of(shapes, dtypes=None):

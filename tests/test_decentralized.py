@@ -8,7 +8,7 @@ import pytest
 from conftest import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
-from jax_bytegrad.decentralized import (
+from jax_bytegrad import (
     consensus_params,
     decentralized_step,
     low_precision_decentralized_step,

@@ -29,6 +29,10 @@ def test_the_public_modules_have_examples():
     # A module list that found nothing, or examples that were all skipped, would pass above.
     attempted = sum(
         doctest.testmod(importlib.import_module(name), verbose=False, report=False).attempted
-        for name in ("jax_bytegrad.collectives", "jax_bytegrad.transforms", "jax_bytegrad.strategy")
+        for name in (
+            "jax_bytegrad._src.collectives",
+            "jax_bytegrad._src.transforms",
+            "jax_bytegrad._src.strategy",
+        )
     )
     assert attempted >= 10

@@ -388,7 +388,7 @@ def test_shardings_that_do_not_match_the_state_are_a_value_error(tmp_path, mesh)
 def test_decentralized_state_resumes_on_fewer_devices_by_the_averaging_rule(tmp_path):
     import optax
 
-    from jax_bytegrad.decentralized import consensus_params, decentralized_step
+    from jax_bytegrad import consensus_params, decentralized_step
 
     def loss_fn(w, batch):
         return ((batch @ w) ** 2).mean()

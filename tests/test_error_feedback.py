@@ -9,8 +9,8 @@ from jax.sharding import PartitionSpec as P
 from test_quantize import BITS, IMPLEMENTATIONS
 
 import jax_bytegrad
-from jax_bytegrad.quantization import dequantize_blocks, quantize_with_feedback
-from jax_bytegrad.transforms import shard_state, state_specs
+from jax_bytegrad._src.quantization import dequantize_blocks, quantize_with_feedback
+from jax_bytegrad.sharding import shard_state, state_specs
 
 
 def _ulp(x: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ import jax
 import pytest
 from conftest import requires_gloo
 
-from jax_bytegrad import distributed
+from jax_bytegrad._src import distributed
 from jax_bytegrad.launch import launch
 
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
@@ -100,7 +100,7 @@ def test_initialize_after_backend_start_refuses_a_multi_process_layout(clean_sta
 def test_initialize_single_process_sets_cpu_device_count():
     code = textwrap.dedent(
         """
-        import jax_bytegrad.distributed as d
+        import jax_bytegrad._src.distributed as d
         info = d.initialize()
         import jax
         print(info.source, jax.local_device_count(), jax.config.jax_cpu_collectives_implementation)

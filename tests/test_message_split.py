@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from test_bytegrad import documented_bound, flat_f32, flat_result
 
 import jax_bytegrad
-from jax_bytegrad.qadam_optimizer import scale_by_qadam
+from jax_bytegrad import scale_by_qadam
 
 pytestmark = pytest.mark.usefixtures("strict_dtypes")
 
@@ -146,7 +146,7 @@ def test_message_bytes_is_validated_when_built(bad):
 
 @pytest.mark.parametrize("algorithm", ["shift_one", "low_precision"])
 def test_decentralized_exchanges_split_without_changing_the_weights(algorithm):
-    from jax_bytegrad.decentralized import decentralized_step, low_precision_decentralized_step
+    from jax_bytegrad import decentralized_step, low_precision_decentralized_step
 
     mesh = jax_bytegrad.make_mesh(4, 2)
     rng = np.random.default_rng(7)

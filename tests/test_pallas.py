@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import assert_trees_all_equal
 
-from jax_bytegrad import _pallas, _reference
+from jax_bytegrad._src.codecs import pallas as _pallas
+from jax_bytegrad._src.codecs import reference as _reference
 
 SM90_GPU = _pallas.is_supported()  # where the compiled Mosaic GPU kernels can run
 MODES = [

@@ -12,7 +12,7 @@ import pytest
 from conftest import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
-from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, qadam, refresh_steps, scale_by_qadam
+from jax_bytegrad import ScaleByQAdamState, qadam, refresh_steps, scale_by_qadam
 
 AXES = ("node", "local")
 NODES, LOCAL = 2, 4
@@ -287,7 +287,7 @@ def test_refresh_adds_no_collective_to_the_step(mesh, growth):
     With the branch test above (the compressed branch holds no all-reduce and no float32
     beyond block headers between nodes), the steps that do not refresh send no float32.
     """
-    from jax_bytegrad.stats import communication_stats
+    from jax_bytegrad.profiling import communication_stats
 
     frozen = communication_stats(compile_step(mesh, qadam(1e-2, warmup_steps=5)), mesh=mesh)
     refresh = communication_stats(

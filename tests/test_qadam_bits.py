@@ -9,9 +9,9 @@ import test_qadam
 from test_error_feedback import assert_same_on_every_device, device_copies
 
 import jax_bytegrad
+from jax_bytegrad import ScaleByQAdamState, qadam, scale_by_qadam
 from jax_bytegrad.checkpoint import Checkpointer
-from jax_bytegrad.qadam_optimizer import ScaleByQAdamState, qadam, scale_by_qadam
-from jax_bytegrad.transforms import state_specs
+from jax_bytegrad.sharding import state_specs
 
 NODES, LOCAL = 2, 4
 DEVICES = NODES * LOCAL

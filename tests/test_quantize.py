@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_bytegrad
-from jax_bytegrad.quantization import (
+from jax_bytegrad._src.quantization import (
     average_requantize,
     dequantize_blocks,
     quantize_blocks,
@@ -317,8 +317,8 @@ def test_default_picks_xla_off_gpu():
 
 
 def test_automatic_choice_falls_back_visibly_when_kernels_do_not_compile(monkeypatch):
-    from jax_bytegrad import _pallas
-    from jax_bytegrad.quantization import _pallas_compiles
+    from jax_bytegrad._src.codecs import pallas as _pallas
+    from jax_bytegrad._src.quantization import _pallas_compiles
 
     def broken(*args, **kwargs):
         raise RuntimeError("lowering failed")

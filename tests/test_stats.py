@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad.stats import (
+from jax_bytegrad._src.stats import (
     CommunicationStats,
     _parse_collectives,
     _parse_replica_groups,

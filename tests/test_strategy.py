@@ -11,8 +11,8 @@ import pytest
 from conftest import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
-from jax_bytegrad import transforms
-from jax_bytegrad.decentralized import decentralized_step
+from jax_bytegrad import decentralized_step
+from jax_bytegrad._src import transforms
 
 BATCH = 32
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax_bytegrad import _checks
+from jax_bytegrad._src import checks as _checks
 from jax_bytegrad.data import _codec
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_bytegrad import _checks
+from jax_bytegrad._src import checks as _checks
 
 
 def replica_ranks(

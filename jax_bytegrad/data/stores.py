@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 
-from jax_bytegrad import _checks
+from jax_bytegrad._src import checks as _checks
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cache ("

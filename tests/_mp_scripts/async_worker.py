@@ -24,7 +24,7 @@ import optax  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import jax_bytegrad  # noqa: E402
-from jax_bytegrad.async_averaging import async_model_average  # noqa: E402
+from jax_bytegrad.experimental import async_model_average  # noqa: E402
 
 rank, nproc = jax.process_index(), jax.process_count()
 mesh = jax_bytegrad.make_mesh()

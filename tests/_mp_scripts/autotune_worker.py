@@ -26,7 +26,7 @@ def main(out_dir: str) -> None:
     import jax
     import optax
 
-    from jax_bytegrad import autotuning as autotune_module
+    from jax_bytegrad._src import autotune as autotune_module
 
     if info.process_id == 1:
         measure = autotune_module._run_trial

@@ -68,7 +68,7 @@ def optimizer(name: str, mesh):
     import optax
 
     import jax_bytegrad
-    from jax_bytegrad.qadam_optimizer import qadam
+    from jax_bytegrad import qadam
 
     if name == "bytegrad":
         return optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1, momentum=0.9))
@@ -101,7 +101,7 @@ def _error_feedback_step(tx, mesh, params):
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jax_bytegrad.transforms import shard_state, state_specs
+    from jax_bytegrad.sharding import shard_state, state_specs
 
     axes = ("node", "local")
     state = shard_state(tx.init(params), mesh)

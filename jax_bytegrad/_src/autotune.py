@@ -35,8 +35,9 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from jax_bytegrad import _checks, buckets
-from jax_bytegrad import strategy as strategy_lib
+from jax_bytegrad._src import buckets
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import strategy as strategy_lib
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
 # None (one message per peer) runs at about half the link rate through Gloo (benchmarks/

@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad import _checks
-from jax_bytegrad import buckets as bucketing
-from jax_bytegrad.quantization import (
+from jax_bytegrad._src import buckets as bucketing
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src.quantization import (
     HEADER_WIDTH,
     Bits,
     Implementation,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad import _checks
+from jax_bytegrad._src import checks as _checks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,16 +32,16 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import _checks
-from jax_bytegrad.buckets import flatten_float32, unflatten_like
-from jax_bytegrad.collectives import (
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
+from jax_bytegrad._src.collectives import (
     DEFAULT_MESSAGE_BYTES,
     gather_flat,
     scatter_flat,
     split_ppermute,
 )
-from jax_bytegrad.parallel import StepsInFlight, compiler_options
-from jax_bytegrad.quantization import (
+from jax_bytegrad._src.parallel import StepsInFlight, compiler_options
+from jax_bytegrad._src.quantization import (
     DEFAULT_BLOCK_SIZE,
     Implementation,
     check_block_size,
@@ -89,7 +89,7 @@ def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
       ValueError: for ``num_peers < 1``.
 
     Examples:
-      >>> from jax_bytegrad.decentralized import shift_one_schedule
+      >>> from jax_bytegrad import shift_one_schedule
       >>> shift_one_schedule(4)
       [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
     """
@@ -374,7 +374,7 @@ def decentralized_step(
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
-      >>> from jax_bytegrad.decentralized import decentralized_step
+      >>> from jax_bytegrad import decentralized_step
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> train = decentralized_step(lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1),
       ...                            mesh, peer_selection_mode="shift_one")
@@ -546,7 +546,7 @@ def low_precision_decentralized_step(
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
-      >>> from jax_bytegrad.decentralized import low_precision_decentralized_step
+      >>> from jax_bytegrad import low_precision_decentralized_step
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> train = low_precision_decentralized_step(
       ...     lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1), mesh, block_size=128)

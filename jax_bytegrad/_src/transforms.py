@@ -22,8 +22,9 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import _checks, collectives
-from jax_bytegrad.quantization import (
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import collectives
+from jax_bytegrad._src.quantization import (
     Bits,
     Implementation,
     Rounding,
@@ -170,7 +171,7 @@ def bytegrad(
       >>> tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-3))
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> tx4 = jax_bytegrad.bytegrad(bits=4, error_feedback=True, mesh=mesh)
-      >>> state = jax_bytegrad.transforms.shard_state(tx4.init({"w": jnp.ones(3)}), mesh)
+      >>> state = jax_bytegrad.sharding.shard_state(tx4.init({"w": jnp.ones(3)}), mesh)
 
     References:
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
@@ -242,14 +243,14 @@ def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad
-      >>> from jax_bytegrad.transforms import state_specs
+      >>> from jax_bytegrad.sharding import state_specs
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> tx = jax_bytegrad.bytegrad(error_feedback=True, mesh=mesh)
       >>> state_specs(tx.init({"w": jnp.ones(3)})).residuals
       ((P(('node', 'local'),), P(('node', 'local'),)),)
     """
     # QAdam's state keeps residuals too (qadam_optimizer imports this module, hence late).
-    from jax_bytegrad.qadam_optimizer import ScaleByQAdamState
+    from jax_bytegrad._src.qadam import ScaleByQAdamState
 
     holders = (ByteGradState, ScaleByQAdamState)
     per_device = P((node_axis, local_axis))

@@ -16,7 +16,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import _checks
+from jax_bytegrad._src import checks as _checks
 
 AXES = ("node", "local")
 
@@ -197,7 +197,7 @@ def data_parallel_step(
     def state_specs(opt_state):
         # Error feedback's residuals are each device's own; everything else is replicated.
         # (transforms imports this module, hence the late import.)
-        from jax_bytegrad.transforms import state_specs
+        from jax_bytegrad._src.transforms import state_specs
 
         return state_specs(opt_state, node_axis=node_axis, local_axis=local_axis)
 

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad import _checks, _pallas, _reference
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src.codecs import pallas as _pallas
+from jax_bytegrad._src.codecs import reference as _reference
 
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 Rounding = Literal["nearest", "stochastic"]

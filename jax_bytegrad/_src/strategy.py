@@ -30,15 +30,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import (
-    _checks,
-    async_averaging,
-    decentralized,
-    parallel,
-    qadam_optimizer,
-    stats,
-    transforms,
-)
+from jax_bytegrad._src import async_averaging, decentralized, parallel, stats, transforms
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import qadam as qadam_optimizer
 
 # Bagua's algorithm names, in the order its documentation lists them.
 ALGORITHMS = (

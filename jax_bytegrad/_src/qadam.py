@@ -45,9 +45,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad import _checks, collectives
-from jax_bytegrad.quantization import Bits, Implementation, check_block_size
-from jax_bytegrad.transforms import check_error_feedback, check_sync_args, mesh_residuals
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import collectives
+from jax_bytegrad._src.quantization import Bits, Implementation, check_block_size
+from jax_bytegrad._src.transforms import check_error_feedback, check_sync_args, mesh_residuals
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Longest refresh schedule compiled into a step: growth 1.001 from k = 1 needs ~15,000.
@@ -316,8 +317,8 @@ def scale_by_qadam(
         already averaged across devices.
 
     Examples:
-      >>> import optax, jax_bytegrad.qadam_optimizer as qadam_lib
-      >>> tx = optax.chain(qadam_lib.scale_by_qadam(warmup_steps=100), optax.scale(-1e-3))
+      >>> import optax, jax_bytegrad
+      >>> tx = optax.chain(jax_bytegrad.scale_by_qadam(warmup_steps=100), optax.scale(-1e-3))
 
     References:
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
@@ -481,7 +482,7 @@ def qadam(
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad
-      >>> from jax_bytegrad.qadam_optimizer import qadam
+      >>> from jax_bytegrad import qadam
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> tx = qadam(1e-2, warmup_steps=2)
       >>> step = jax_bytegrad.data_parallel_step(

@@ -36,10 +36,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import _checks
-from jax_bytegrad.buckets import flatten_float32, unflatten_like
-from jax_bytegrad.parallel import data_parallel_step, shard_batch
-from jax_bytegrad.transforms import gradient_allreduce
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
+from jax_bytegrad._src.parallel import data_parallel_step, shard_batch
+from jax_bytegrad._src.transforms import gradient_allreduce
 
 # Private helpers -------------------------------------------------------------------------
 
@@ -437,7 +437,7 @@ def async_model_average(
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
-      >>> from jax_bytegrad.async_averaging import async_model_average
+      >>> from jax_bytegrad.experimental import async_model_average
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
       >>> avg = async_model_average(lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1),
       ...                           mesh, sync_interval_ms=10)

@@ -1,0 +1,315 @@
+"""Checkpoints of a training state through orbax, for runs that restart (Bagua's elastic training).
+
+Bagua's elastic training is TorchElastic underneath: the launcher restarts every worker after a
+failure and the script reloads its own last checkpoint. Here the launcher is ``python -m
+jax_bytegrad.launch --max-restarts N`` and the checkpoints are orbax's: a `Checkpointer` saves
+any pytree of arrays (params, optimizer state, algorithm state, step, data position) every K
+steps, in the background, keeps the last few, and `Checkpointer.restore_or_init` resumes from
+the newest one that reads back, or initializes.
+
+What makes it safe to kill a process at any moment:
+
+- orbax writes a step into a temporary directory (``<step>.orbax-checkpoint-tmp-*``) and renames
+  it to ``<step>`` only when every process has finished writing (its atomic finalize on POSIX
+  file systems), so a checkpoint half-written when a process dies is never listed, never
+  restored, and removed when the next `Checkpointer` opens the directory;
+- a checkpoint that was finalized but later lost or truncated files fails to read (tensorstore
+  checks the byte ranges it reads): `Checkpointer.restore_or_init` warns, falls back to the
+  previous one, and deletes the unreadable newer ones so that the resumed run can save those
+  steps again. orbax keeps no checksums of local files, so a bit flipped inside a data file is
+  not detected.
+
+A different number of processes on restart: replicated state (everything of
+``gradient_allreduce``, ``bytegrad`` and ``qadam``) restores exactly onto any mesh, given that
+mesh's replicated sharding (`replicated_shardings`). Per-device state has no meaning for
+another device count; the rule is `average_replicas`: per-device copies (decentralized SGD's
+params and optimizer state) are replaced by their mean, the consensus model, on every new
+device; the low-precision variant's ring copies are rebuilt from that mean; error-feedback
+residuals are zeroed, which drops at most one step's quantization error per device (see
+docs/elastic.md).
+
+References:
+  - Orbax checkpointing: https://orbax.readthedocs.io/en/latest/guides/checkpoint/api_refactor.html
+  - Bagua elastic training: https://tutorials-8ro.pages.dev/elastic-training/basic-usage.html
+  - TorchElastic: https://pytorch.org/docs/stable/distributed.elastic.html
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src.decentralized import consensus_params
+
+# Private helpers ----------------------------------------------------------------------------------
+
+
+def _ocp():
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError:  # pragma: no cover - orbax is in the test extra
+        raise ImportError(
+            "jax_bytegrad.checkpoint needs orbax-checkpoint; pip install orbax-checkpoint "
+            "(or jax_bytegrad[test])"
+        ) from None
+    return ocp
+
+
+def _target_shardings(abstract, shardings):
+    """A sharding per leaf of `abstract`, from one Mesh, one Sharding or a matching pytree."""
+    if isinstance(shardings, Mesh):
+        shardings = NamedSharding(shardings, P())
+    if isinstance(shardings, Sharding):
+        return jax.tree.map(lambda _: shardings, abstract)
+    try:
+        return jax.tree.map(lambda _, s: s, abstract, shardings)
+    except ValueError as e:
+        raise ValueError(
+            f"restore_or_init: shardings do not match the structure of init_fn()'s state ({e}); "
+            "pass one Mesh or Sharding for all leaves, or a pytree of shardings like the state"
+        ) from None
+
+
+def _place(state, shardings):
+    """Puts each leaf (this process's value of it) onto its target sharding."""
+
+    def place(x, sharding):
+        if isinstance(x, jax.Array) and x.sharding == sharding:
+            return x
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree.map(place, state, shardings)
+
+
+# Public API ---------------------------------------------------------------------------------------
+
+
+class Checkpointer:
+    """Saves a training state every `every` steps and restores the newest readable one.
+
+    The state is any pytree of `jax.Array` (NamedTuples, dicts, optax states, typed PRNG keys
+    included), the same on every process: call every method on every process, in the same
+    order. Saves run in the background (orbax's async checkpointing): `save` returns once the
+    arrays are copied off the devices (so the next step may donate them), and the next `save`,
+    `wait` or `close` waits for the previous one to finish.
+
+    Args:
+      directory: Where the checkpoints go, one subdirectory per step; created if missing. All
+        processes must see the same directory (a shared file system on a cluster).
+      every: Save when ``step % every == 0`` (and whenever ``save(..., force=True)``).
+      keep: How many of the newest checkpoints to keep; older ones are deleted. Keep at least
+        2 so that an unreadable newest one has a previous one to fall back to.
+      async_save: Write in a background thread; False blocks in `save` until written.
+
+    Raises:
+      ValueError: `every` or `keep` is not a whole number >= 1.
+
+    Examples:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> import jax_bytegrad
+      >>> from jax_bytegrad.checkpoint import Checkpointer
+      >>> mesh = jax_bytegrad.make_mesh(1, 1)
+      >>> with Checkpointer(tempfile.mkdtemp(), every=2) as ckpt:
+      ...     step, state = ckpt.restore_or_init(lambda: {"w": jnp.zeros(3)}, mesh)
+      ...     while step < 5:
+      ...         state = {"w": state["w"] + 1.0}  # a train step
+      ...         step += 1
+      ...         _ = ckpt.save(step, state)
+      ...     ckpt.wait()
+      ...     print(ckpt.steps)
+      [2, 4]
+    """
+
+    def __init__(
+        self, directory: str | Path, *, every: int, keep: int = 3, async_save: bool = True
+    ):
+        _checks.whole_number(every, "every", "Checkpointer")
+        _checks.whole_number(keep, "keep", "Checkpointer")
+        ocp = _ocp()
+        self.directory = Path(directory).absolute()
+        self.every = every
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                enable_async_checkpointing=async_save,
+                create=True,
+                cleanup_tmp_directories=True,  # what a killed process left half-written
+            ),
+        )
+
+    @property
+    def steps(self) -> list[int]:
+        """The steps with a finalized checkpoint, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state, *, force: bool = False) -> bool:
+        """Saves `state` as the state after `step` steps, if `step` is a multiple of `every`.
+
+        Args:
+          step: Steps done, which is also the data position of a deterministic sampler.
+          state: The pytree of arrays to save, e.g. ``{"params": p, "opt_state": s}``.
+          force: Save whatever the step (say, at the end of training).
+
+        Returns:
+          Whether a save was started.
+        """
+        if not force and step % self.every:
+            return False
+        if step in self._manager.all_steps():
+            return False  # already saved at this step (a forced save after a periodic one)
+        ocp = _ocp()
+        return bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=True))
+
+    def restore(self, step: int, init_fn: Callable[[], Any], shardings):
+        """Restores the checkpoint of `step` onto `shardings`, shaped like ``init_fn()``.
+
+        Args:
+          step: A step in `steps`.
+          init_fn: Returns a state of the saved structure, shapes and dtypes; only traced
+            (`jax.eval_shape`), not run.
+          shardings: Where the leaves go: a `Mesh` (replicated on it), one `Sharding`, or a
+            pytree of shardings like the state. It need not be the mesh that saved it.
+
+        Returns:
+          The restored state.
+        """
+        ocp = _ocp()
+        abstract = jax.eval_shape(init_fn)
+        target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract,
+            _target_shardings(abstract, shardings),
+        )
+        return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+
+    def restore_or_init(self, init_fn: Callable[[], Any], shardings) -> tuple[int, Any]:
+        """Resumes from the newest readable checkpoint, or starts from ``init_fn()``.
+
+        A checkpoint that fails to read (files truncated or missing) is skipped with a warning
+        and deleted, and the previous one is tried.
+
+        Args:
+          init_fn: Returns the initial state: a pytree of this process's values (numpy or
+            JAX arrays, the same on every process for replicated leaves). With a checkpoint it
+            is only traced, to learn the structure.
+          shardings: Where the leaves go (see `restore`); typically the run's mesh, or
+            `replicated_shardings` of it.
+
+        Returns:
+          ``(step, state)``: the steps already done (0 when initialized) and the state.
+
+        Raises:
+          RuntimeError: There are checkpoints, but none could be read.
+          ValueError: `shardings` does not match the state's structure.
+        """
+        steps = self.steps
+        failed = []
+        for step in reversed(steps):
+            try:
+                state = self.restore(step, init_fn, shardings)
+            except ValueError as e:
+                if "do not match the structure" in str(e):
+                    raise
+                failed.append((step, e))
+                continue
+            except Exception as e:  # noqa: BLE001 - tensorstore raises plain Exception
+                failed.append((step, e))
+                continue
+            for bad, e in failed:
+                warnings.warn(
+                    f"Checkpointer: the checkpoint of step {bad} in {self.directory} could not "
+                    f"be read ({type(e).__name__}: {str(e).splitlines()[0][:200]}); it is "
+                    f"deleted and the run resumes from step {step}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._manager.delete(bad)
+            return step, state
+        if failed:
+            raise RuntimeError(
+                f"Checkpointer: none of the checkpoints {steps} in {self.directory} could be "
+                f"read (newest: {type(failed[0][1]).__name__}: "
+                f"{str(failed[0][1]).splitlines()[0][:200]}); move the directory away to start "
+                "from scratch"
+            )
+        state = init_fn()
+        return 0, _place(state, _target_shardings(state, shardings))
+
+    def wait(self) -> None:
+        """Blocks until the save in progress, if any, is written and finalized."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for the save in progress and releases orbax's resources."""
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def replicated_shardings(tree, mesh: Mesh):
+    """The replicated sharding on `mesh` for every leaf of `tree` (a state or its shapes)."""
+    return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
+
+
+def average_replicas(per_device, num_devices: int):
+    """The rule for per-device state on a different device count: every device gets the mean.
+
+    Per-device state (leaves whose leading axis has one entry per device, like decentralized
+    SGD's params and optimizer state) cannot be mapped onto another number of devices one to
+    one. Their mean (`jax_bytegrad.consensus_params`) is the consensus model that decentralized
+    SGD converges to, so each of the `num_devices` new devices starts from it. Restore such
+    leaves with a replicated sharding (their saved shape, every old device's row), average
+    them here, and place the result as the new run's per-device state.
+
+    The low-precision variant's ring copies (``weight``, ``left_peer_weight``,
+    ``right_peer_weight``) are not averaged but rebuilt: after averaging, every device and both
+    of its neighbours hold the same parameters, which is what the step's ``init`` sets the
+    copies to, so call ``init`` on the averaged parameters. Error-feedback residuals are zeroed:
+    a residual is the part of one device's own gradient that its last quantization dropped,
+    and means nothing on another device; zeroing loses at most that one step's quantization
+    error per device, the same as a step without error feedback.
+
+    Args:
+      per_device: A pytree of arrays (on the host or on devices) with a leading axis of one
+        entry per old device.
+      num_devices: The new device count.
+
+    Returns:
+      A pytree of arrays with a leading axis of `num_devices`, every row the mean, in the
+      leaves' own dtypes.
+
+    Raises:
+      ValueError: `num_devices` < 1, or a leaf has no leading axis.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jax_bytegrad.checkpoint import average_replicas
+      >>> average_replicas({"w": np.array([[1.0], [3.0]], np.float32)}, 4)["w"].ravel().tolist()
+      [2.0, 2.0, 2.0, 2.0]
+    """
+    _checks.whole_number(num_devices, "num_devices", "average_replicas")
+    for leaf in jax.tree.leaves(per_device):
+        if np.ndim(leaf) == 0:
+            raise ValueError(
+                "average_replicas: a scalar leaf has no per-device axis; pass per-device leaves "
+                "of shape (devices, ...) only, and restore replicated state as it is"
+            )
+    mean = consensus_params(jax.tree.map(np.asarray, per_device))
+    return jax.tree.map(
+        lambda m: np.broadcast_to(np.asarray(m), (num_devices, *np.shape(m))).copy(), mean
+    )

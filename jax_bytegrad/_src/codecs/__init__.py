@@ -1,0 +1,1 @@
+"""Quantization codecs: the jnp reference (owns the semantics) and the Pallas kernels."""

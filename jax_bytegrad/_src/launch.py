@@ -1,0 +1,483 @@
+"""Starts N local processes of one script as one multi-process JAX run.
+
+``python -m jax_bytegrad.launch`` is for try-outs and tests on one machine; clusters use ``srun`` or
+``mpirun``, which `jax_bytegrad.initialize` detects. Each process gets the ``JAX_BYTEGRAD_*``
+environment variables that `jax_bytegrad.initialize` reads (the coordinator on 127.0.0.1 and a
+free port, the process count, its id and its CPU device count), so the script only calls
+``jax_bytegrad.initialize()``.
+
+Usage::
+
+    python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 [--port P] [--timeout S] \\
+        [--no-hugepages] [--max-restarts N] [--progress-timeout S] script.py [args ...]
+
+The processes run with glibc's large allocations on transparent huge pages
+(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, glibc >= 2.35): XLA:CPU allocates fresh buffers of
+the gradient's size every step, and with 4 KiB pages most of a compressed sync's CPU time goes
+to page faults (benchmarks/RESULTS.md). ``--no-hugepages`` leaves the allocator as it is.
+
+Each line a process prints is echoed as ``[rank k] line``. If one process fails (non-zero exit or
+killed by a signal), the launcher stops the others (SIGTERM to each process group, SIGKILL after
+``--grace`` seconds) and exits non-zero; likewise on Ctrl-C, SIGTERM or ``--timeout``. It exits 0
+only if every process exits 0.
+
+Restarts (``--max-restarts N``, after torchrun's ``--max-restarts``): when a process fails, or
+stops making progress, all processes are stopped and all started again, up to N times, each
+time with ``JAX_BYTEGRAD_RESTART`` one higher (`jax_bytegrad.distributed.restart_count`); the
+script resumes from its last checkpoint (`jax_bytegrad.checkpoint`). Ctrl-C, SIGTERM and
+``--timeout`` are never restarted. ``[launch]`` lines say why each attempt ended and how many
+restarts were used.
+
+A hang is a process that goes ``--progress-timeout`` seconds without calling
+`jax_bytegrad.distributed.report_progress` (which touches a file the launcher watches); the
+first call must come within that time of the start, compilation included. This, rather than
+`jax.distributed`'s heartbeat, is the test of a hang: the heartbeat runs on its own thread and
+says the process is alive, not that it is training, so it misses a process deadlocked in a
+collective, and on its own timeout it ends the whole job instead of letting it restart.
+
+References:
+  - ``torchrun``, whose fail-fast behaviour this follows:
+    https://pytorch.org/docs/stable/elastic/run.html
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from jax_bytegrad._src import checks as _checks
+from jax_bytegrad.distributed import (
+    COORDINATOR_ENV,
+    CPU_DEVICES_ENV,
+    NUM_PROCESSES_ENV,
+    PROCESS_ID_ENV,
+    PROGRESS_FILE_ENV,
+    RESTART_ENV,
+)
+
+EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 130
+EXIT_HUNG = 125
+
+_PREFIX = "[launch] "
+HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+# Private helpers ----------------------------------------------------------------------------------
+
+
+def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
+    """Copies a process's output to `out` line by line, each line prefixed with its rank."""
+    prefix = f"[rank {rank}] ".encode()
+    for line in iter(stream.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        with lock:
+            out.write(prefix + line)
+            out.flush()
+    stream.close()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(
+            proc.pid, sig
+        )  # each child leads its own group: this also reaches its own children
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every live process group, then SIGKILL whatever is left after `grace` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except (
+            subprocess.TimeoutExpired
+        ):  # pragma: no cover - unkillable (D state); do not hang on it
+            pass
+    # A survivor grandchild may still hold a group member; sweep the groups once more.
+    for p in procs:
+        _signal_group(p, signal.SIGKILL)
+
+
+def _say(out, lock: threading.Lock, message: str) -> None:
+    with lock:
+        out.write((_PREFIX + message + "\n").encode())
+        out.flush()
+
+
+def _describe(code: int) -> str:
+    return f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def _last_progress(path: Path, since: float) -> tuple[float, str | None]:
+    """(wall time of the last progress report, or `since` if none since then; the step it named)."""
+    try:
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return since, None
+    if mtime < since:  # left by an earlier attempt
+        return since, None
+    try:
+        step = path.read_text().strip() or None
+    except OSError:  # pragma: no cover - removed between stat and read
+        step = None
+    return mtime, step
+
+
+@dataclasses.dataclass
+class _Run:
+    """What every attempt of one launch shares."""
+
+    command: Sequence[str] | Callable[[int], Sequence[str]]
+    nproc: int
+    env: dict[str, str]
+    coordinator_host: str
+    port: int | None
+    grace: float
+    progress_timeout: float | None
+    deadline: float | None
+    timeout: float | None
+    out: object
+    lock: threading.Lock
+    received: list[int]
+
+
+class _Outcome(NamedTuple):
+    """How one attempt ended: the exit code, why, and whether a restart may help."""
+
+    code: int
+    reason: str
+    restartable: bool
+
+
+def _start(run: _Run, attempt: int, progress_dir: Path):
+    """Starts the `run.nproc` processes of one attempt; returns them and their output pumps."""
+    port = run.port if run.port is not None else _checks.free_port()
+    procs, pumps = [], []
+    for rank in range(run.nproc):
+        proc_env = dict(run.env)
+        proc_env[COORDINATOR_ENV] = f"{run.coordinator_host}:{port}"
+        proc_env[NUM_PROCESSES_ENV] = str(run.nproc)
+        proc_env[PROCESS_ID_ENV] = str(rank)
+        proc_env[RESTART_ENV] = str(attempt)
+        proc_env[PROGRESS_FILE_ENV] = str(progress_dir / f"rank{rank}")
+        (progress_dir / f"rank{rank}").unlink(missing_ok=True)  # the last attempt's
+        p = subprocess.Popen(
+            list(run.command(rank) if callable(run.command) else run.command),
+            env=proc_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            # Its own process group: Ctrl-C reaches only the launcher, which then stops the
+            # whole group, the script's own children included.
+            start_new_session=True,
+        )
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(rank, p.stdout, run.out, run.lock), daemon=True)
+        t.start()
+        pumps.append(t)
+    return procs, pumps
+
+
+def _watch(run: _Run, procs: Sequence[subprocess.Popen], progress_dir: Path) -> _Outcome:
+    """Waits until the attempt ends: all exited 0, one failed or hung, a signal, or the timeout."""
+    started = time.time()  # wall clock: progress files carry wall-clock mtimes
+    while True:
+        if run.received:
+            sig = run.received[0]
+            code = EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + sig
+            return _Outcome(code, f"got {signal.Signals(sig).name}", False)
+        codes = [p.poll() for p in procs]
+        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            rank, c = failed[0]
+            return _Outcome(128 - c if c < 0 else c, f"rank {rank} {_describe(c)}", True)
+        if all(c == 0 for c in codes):
+            return _Outcome(0, f"all {run.nproc} processes exited 0", False)
+        if run.deadline is not None and time.monotonic() > run.deadline:
+            return _Outcome(EXIT_TIMEOUT, f"timed out after {run.timeout:g} s", False)
+        if run.progress_timeout is not None:
+            now = time.time()
+            stalled = []
+            for rank, c in enumerate(codes):
+                last, step = _last_progress(progress_dir / f"rank{rank}", started)
+                if c is None and now - last > run.progress_timeout:
+                    at = f"after step {step}" if step is not None else "before its first step"
+                    stalled.append(f"rank {rank} ({at})")
+            if stalled:
+                reason = f"no progress for {run.progress_timeout:g} s from " + ", ".join(stalled)
+                return _Outcome(EXIT_HUNG, reason, True)
+        time.sleep(0.05)
+
+
+def _run_attempt(run: _Run, attempt: int, progress_dir: Path) -> _Outcome:
+    """Runs one attempt to its end and leaves no process of it running."""
+    procs, pumps = [], []
+    try:
+        procs, pumps = _start(run, attempt, progress_dir)
+        return _watch(run, procs, progress_dir)
+    finally:
+        _stop_all(procs, run.grace)
+        for t in pumps:
+            t.join(timeout=5)
+
+
+def _restart_loop(run: _Run, max_restarts: int, progress_dir: Path) -> int:
+    """Runs attempts until one ends for good or `max_restarts` restarts are used."""
+    attempt = 0
+    while True:
+        outcome = _run_attempt(run, attempt, progress_dir)
+        used = f"{attempt} of {max_restarts} restart(s) used"
+        if outcome.code == 0:
+            if max_restarts:
+                _say(run.out, run.lock, f"{outcome.reason}; {used}")
+            return 0
+        if not outcome.restartable:
+            _say(run.out, run.lock, f"{outcome.reason}; stopped all {run.nproc} processes; {used}")
+            return outcome.code
+        if attempt == max_restarts:
+            if max_restarts:
+                message = f"out of restarts: {outcome.reason}; {used}; exiting with {outcome.code}"
+            else:
+                message = f"{outcome.reason}; stopped all {run.nproc} processes"
+            _say(run.out, run.lock, message)
+            return outcome.code
+        attempt += 1
+        _say(
+            run.out,
+            run.lock,
+            f"{outcome.reason}; stopped all {run.nproc} processes; "
+            f"restart {attempt} of {max_restarts}",
+        )
+
+
+def _check_launch_args(
+    command, nproc, devices_per_proc, timeout, port, max_restarts, progress_timeout
+) -> None:
+    if not callable(command) and not command:
+        raise ValueError("launch: empty command; pass the script to run, e.g. ['train.py']")
+    if nproc < 1:
+        raise ValueError(f"launch: nproc={nproc} must be at least 1")
+    if devices_per_proc < 1:
+        raise ValueError(f"launch: devices_per_proc={devices_per_proc} must be at least 1")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(
+            f"launch: timeout={timeout} must be positive seconds, or None for no limit"
+        )
+    if port is not None and not 0 < port < 65536:
+        raise ValueError(
+            f"launch: port={port} is not a TCP port; pass 1..65535 or leave it out for a free one"
+        )
+    _checks.whole_number(max_restarts, "max_restarts", "launch", 0, hint=" (0: no restart)")
+    if progress_timeout is not None and progress_timeout <= 0:
+        raise ValueError(
+            f"launch: progress_timeout={progress_timeout} must be positive seconds, or None to "
+            "never declare a hang"
+        )
+
+
+def _worker_env(env: Mapping[str, str] | None, hugepages: bool, devices_per_proc: int) -> dict:
+    """The environment every worker starts from (the layout variables are added per rank)."""
+    base_env = dict(os.environ if env is None else env)
+    if hugepages:
+        base_env = with_hugepages(base_env)
+    base_env.setdefault("JAX_PLATFORMS", "cpu")
+    base_env["PYTHONUNBUFFERED"] = "1"  # so lines arrive as they are printed, not at exit
+    base_env[CPU_DEVICES_ENV] = str(devices_per_proc)
+    return base_env
+
+
+@contextlib.contextmanager
+def _signals_recorded(received: list):
+    """Appends SIGINT/SIGTERM to ``received`` instead of dying, while the block runs.
+
+    The restart loop reads the list and stops every worker; only the main thread may set
+    handlers, so elsewhere nothing changes.
+    """
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, _frame: received.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# Public API ---------------------------------------------------------------------------------------
+
+
+def with_hugepages(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with glibc's malloc on transparent huge pages, unless it already says otherwise.
+
+    glibc reads its tunables once, when a process starts, so this is for the environment of
+    processes yet to start; other tunables in ``GLIBC_TUNABLES`` are kept.
+    """
+    env = dict(env)
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    if not any(t.startswith("glibc.malloc.hugetlb=") for t in tunables):
+        env["GLIBC_TUNABLES"] = ":".join([*tunables, HUGEPAGES_TUNABLE])
+    return env
+
+
+def launch(
+    command: Sequence[str] | Callable[[int], Sequence[str]],
+    nproc: int,
+    *,
+    devices_per_proc: int = 1,
+    coordinator_host: str = "127.0.0.1",
+    port: int | None = None,
+    timeout: float | None = None,
+    grace: float = 5.0,
+    env: Mapping[str, str] | None = None,
+    hugepages: bool = True,
+    max_restarts: int = 0,
+    progress_timeout: float | None = None,
+    out=None,
+) -> int:
+    """Runs `command` as `nproc` cooperating local processes and returns the launcher's exit code.
+
+    If a process fails, or (with `progress_timeout`) some process stops reporting progress, every
+    process of the attempt is stopped; with restarts left, all `nproc` are started again, with
+    ``JAX_BYTEGRAD_RESTART`` one higher (`jax_bytegrad.distributed.restart_count`), and the
+    script resumes from its own last checkpoint (`jax_bytegrad.checkpoint`).
+
+    Args:
+      command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``, or a
+        function from the rank to them (to run each rank elsewhere, say in its own network
+        namespace).
+      nproc: Number of processes, at least 1.
+      devices_per_proc: CPU devices each process exposes (``JAX_BYTEGRAD_CPU_DEVICES``).
+      coordinator_host: Address of rank 0 that every rank can reach.
+      port: Coordinator port; None picks one that is free on this machine (a new one for each
+        attempt).
+      timeout: Seconds, over all attempts, after which every process is stopped and 124
+        returned; None for no limit.
+      grace: Seconds between SIGTERM and SIGKILL when stopping processes.
+      env: Base environment for the processes; None uses this process's.
+      hugepages: run the processes with glibc's large allocations on transparent huge pages
+        (see `with_hugepages`); a ``glibc.malloc.hugetlb`` setting already in ``env`` wins.
+      max_restarts: How many times to restart all processes after a failure or a hang.
+      progress_timeout: Seconds a process may go without calling
+        `jax_bytegrad.distributed.report_progress` (counted from the start of the attempt until
+        its first call) before the attempt counts as hung; None never declares a hang.
+      out: Binary stream for the rank-prefixed output; None uses ``sys.stdout.buffer``.
+
+    Returns:
+      0 if every process of an attempt exited 0; else the exit code of the last attempt: the
+      first failing process's code (128 + signal if it was killed), 125 if it hung; 124 on
+      timeout; 130 on Ctrl-C and 143 on SIGTERM (neither is restarted).
+
+    Raises:
+      ValueError: `nproc`, `devices_per_proc`, `timeout`, `port`, `max_restarts` or
+        `progress_timeout` is out of range, or `command` is empty.
+
+    Examples:
+      >>> import sys
+      >>> from jax_bytegrad.launch import launch
+      >>> launch([sys.executable, "-c", "print('hi')"], nproc=2)  # doctest: +SKIP
+      [rank 0] hi
+      [rank 1] hi
+      0
+    """
+    _check_launch_args(
+        command, nproc, devices_per_proc, timeout, port, max_restarts, progress_timeout
+    )
+    run = _Run(
+        command=command,
+        nproc=nproc,
+        env=_worker_env(env, hugepages, devices_per_proc),
+        coordinator_host=coordinator_host,
+        port=port,
+        grace=grace,
+        progress_timeout=progress_timeout,
+        deadline=None if timeout is None else time.monotonic() + timeout,
+        timeout=timeout,
+        out=out if out is not None else sys.stdout.buffer,
+        lock=threading.Lock(),
+        received=[],
+    )
+    with _signals_recorded(run.received):
+        with tempfile.TemporaryDirectory(prefix="jax_bytegrad_progress_") as progress_dir:
+            return _restart_loop(run, max_restarts, Path(progress_dir))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point of ``python -m jax_bytegrad.launch``; returns the exit code."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_bytegrad.launch",
+        description="Start N local processes of a JAX script that calls jax_bytegrad.initialize().",
+    )
+    parser.add_argument("--nproc", type=int, required=True, help="number of processes")
+    parser.add_argument(
+        "--devices-per-proc", type=int, default=1, help="CPU devices per process (default 1)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=None, help="stop everything after this many seconds"
+    )
+    parser.add_argument(
+        "--grace", type=float, default=5.0, help="seconds between SIGTERM and SIGKILL (default 5)"
+    )
+    parser.add_argument(
+        "--no-hugepages",
+        dest="hugepages",
+        action="store_false",
+        help="leave glibc's malloc on 4 KiB pages (default: GLIBC_TUNABLES=glibc.malloc.hugetlb=1)",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all processes up to this many times after a failure or hang (default 0)",
+    )
+    parser.add_argument(
+        "--progress-timeout",
+        type=float,
+        default=None,
+        help="restart (or stop) when a process goes this many seconds without "
+        "jax_bytegrad.distributed.report_progress() (default: never)",
+    )
+    parser.add_argument("script", help="Python script to run in each process")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    ns = parser.parse_args(argv)
+    try:
+        return launch(
+            [sys.executable, ns.script, *ns.args],
+            ns.nproc,
+            devices_per_proc=ns.devices_per_proc,
+            port=ns.port,
+            timeout=ns.timeout,
+            grace=ns.grace,
+            hugepages=ns.hugepages,
+            max_restarts=ns.max_restarts,
+            progress_timeout=ns.progress_timeout,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+        return 2  # pragma: no cover - parser.error exits
