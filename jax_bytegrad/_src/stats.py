@@ -583,13 +583,13 @@ def _mesh_and_device_assignment(compiled: jax.stages.Compiled) -> tuple[Any, tup
         (compiled.input_shardings, compiled.output_shardings),
         is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
     )
-    shardings = [s for s in shardings if isinstance(s, jax.sharding.Sharding)]
     mesh = next((s.mesh for s in shardings if isinstance(s, jax.sharding.NamedSharding)), None)
-    # HLO device ids index the executable's device assignment, which every sharding shares.
-    assignment = next(
-        (tuple(s._device_assignment) for s in shardings if hasattr(s, "_device_assignment")), None
-    )
-    return mesh, assignment
+    # HLO device ids index the executable's device assignment. jit takes it from the shardings
+    # of its arguments and results, which must all agree; a NamedSharding's is its mesh's
+    # devices in row-major order.
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh, tuple(mesh.devices.flat)
+    return mesh, None
 
 
 def communication_stats(
