@@ -2,9 +2,11 @@
 
 from jax_bytegrad._src.distributed import COORDINATOR_ENV as COORDINATOR_ENV
 from jax_bytegrad._src.distributed import CPU_DEVICES_ENV as CPU_DEVICES_ENV
+from jax_bytegrad._src.distributed import FAIL_FAST_ENV as FAIL_FAST_ENV
 from jax_bytegrad._src.distributed import NUM_PROCESSES_ENV as NUM_PROCESSES_ENV
 from jax_bytegrad._src.distributed import PROCESS_ID_ENV as PROCESS_ID_ENV
 from jax_bytegrad._src.distributed import PROGRESS_FILE_ENV as PROGRESS_FILE_ENV
+from jax_bytegrad._src.distributed import QUIET_ENV as QUIET_ENV
 from jax_bytegrad._src.distributed import RESTART_ENV as RESTART_ENV
 from jax_bytegrad._src.distributed import DistributedInfo as DistributedInfo
 from jax_bytegrad._src.distributed import ensure_cpu_threads as ensure_cpu_threads
@@ -16,9 +18,11 @@ __all__ = [
     "COORDINATOR_ENV",
     "CPU_DEVICES_ENV",
     "DistributedInfo",
+    "FAIL_FAST_ENV",
     "NUM_PROCESSES_ENV",
     "PROCESS_ID_ENV",
     "PROGRESS_FILE_ENV",
+    "QUIET_ENV",
     "RESTART_ENV",
     "ensure_cpu_threads",
     "initialize",

@@ -26,16 +26,21 @@ _LAYOUT_VARS = (
     distributed.NUM_PROCESSES_ENV,
     distributed.PROCESS_ID_ENV,
     distributed.CPU_DEVICES_ENV,
+    distributed.FAIL_FAST_ENV,
+    distributed.QUIET_ENV,
     "SLURM_JOB_ID",
     "SLURM_NTASKS",
     "OMPI_MCA_orte_hnp_uri",
 )
 
+# Hang guards only: a run that needs them has failed. Generous, so that a loaded machine is slow
+# but never wrong.
+HANG_GUARD = 300
 
-def _run_launcher(*args: str, timeout: float = 55.0) -> tuple[int, str, float]:
-    env = dict(os.environ)
+
+def _run_launcher(*args: str, env: dict | None = None) -> tuple[int, str]:
+    env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "jax_bytegrad.launch", *args],
         cwd=REPO,
@@ -43,10 +48,10 @@ def _run_launcher(*args: str, timeout: float = 55.0) -> tuple[int, str, float]:
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        timeout=timeout,
+        timeout=HANG_GUARD,
         text=True,
     )
-    return proc.returncode, proc.stdout, time.monotonic() - start
+    return proc.returncode, proc.stdout
 
 
 @pytest.fixture
@@ -97,26 +102,78 @@ def test_initialize_after_backend_start_refuses_a_multi_process_layout(clean_sta
         distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
 
 
+def _subprocess_env(**extra: str) -> dict:
+    """This environment without any layout, process-wide setting or device count, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in (*_LAYOUT_VARS, "NPROC", "XLA_FLAGS")}
+    env.update({"JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **extra})
+    return env
+
+
 def test_initialize_single_process_sets_cpu_device_count():
     code = textwrap.dedent(
         """
         import jax_bytegrad._src.distributed as d
-        info = d.initialize()
         import jax
+        timeout = jax.config.jax_cpu_get_local_topology_timeout_minutes
+        before = d._backend_started()
+        info = d.initialize()
         print(info.source, jax.local_device_count(), jax.config.jax_cpu_collectives_implementation)
+        after = d._backend_started()
+        print(before, after, jax.config.jax_cpu_get_local_topology_timeout_minutes == timeout)
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_VARS}
-    env.update({distributed.CPU_DEVICES_ENV: "3", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)})
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env=env,
+        env=_subprocess_env(**{distributed.CPU_DEVICES_ENV: "3"}),
         capture_output=True,
         text=True,
-        timeout=50,
+        timeout=HANG_GUARD,
         check=True,
     )
-    assert out.stdout.split()[-3:] == ["single", "3", "gloo"]
+    # The probe for a started backend leaves the setting it tries as it was.
+    assert out.stdout.split()[-6:] == ["single", "3", "gloo", "False", "True", "True"]
+
+
+_PROCESS_WIDE = """
+import os, sys
+import jax_bytegrad._src.distributed as d
+hook, stdout_fd = sys.excepthook, sys.stdout.fileno()
+info = d.initialize("127.0.0.1:{port}", 1, 0{kwargs})  # a run of one process, through Gloo
+print(info.source, sys.excepthook is not hook, "NPROC" in os.environ, sys.stdout.fileno() == 1)
+sys.stdout.flush()
+raise RuntimeError(f"exiting {{info.process_id}}")  # through the hook, if it was replaced
+"""
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, hook_replaced",
+    [
+        ("", {}, False),
+        ("", {distributed.FAIL_FAST_ENV: "1"}, True),
+        (", fail_fast=True", {}, True),
+        (", fail_fast=False", {distributed.FAIL_FAST_ENV: "1"}, False),
+    ],
+    ids=["default-changes-nothing", "env-turns-on", "argument-turns-on", "argument-wins"],
+)
+def test_initialize_changes_process_wide_state_only_when_asked(kwargs, env, hook_replaced):
+    from jax_bytegrad._src import checks
+
+    code = _PROCESS_WIDE.format(port=checks.free_port(), kwargs=kwargs)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_subprocess_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD,
+    )
+    assert out.returncode == 1 and "RuntimeError: exiting 0" in out.stderr, out.stderr
+    assert out.stdout.split()[-4:] == ["arguments", str(hook_replaced), "False", "True"]
+
+
+def test_initialize_rejects_a_flag_variable_that_is_not_0_or_1(clean_state, monkeypatch):
+    monkeypatch.setenv(distributed.QUIET_ENV, "yes")
+    with pytest.raises(ValueError, match="JAX_BYTEGRAD_QUIET='yes' is not 0 or 1"):
+        distributed.initialize()
 
 
 # The launcher alone (no JAX in the children) ------------------------------------------------------
@@ -175,17 +232,52 @@ def test_launch_puts_cpu_workers_on_huge_pages(tmp_path, hugepages, base, expect
     assert out_file.read_text().splitlines() == [f"[rank 0] {expected}"]
 
 
+@pytest.mark.parametrize(
+    "base, expected",
+    [
+        ({}, ["1", "1", str(max(4 * 2, os.cpu_count()))]),
+        (
+            {distributed.FAIL_FAST_ENV: "0", distributed.QUIET_ENV: "0", "NPROC": "3"},
+            ["0", "0", "3"],
+        ),
+    ],
+    ids=["launcher-turns-on", "caller-wins"],
+)
+def test_launch_owns_the_process_wide_settings_of_its_workers(tmp_path, base, expected):
+    env = {k: v for k, v in os.environ.items() if k not in (*_LAYOUT_VARS, "NPROC")}
+    env.update(base)
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(
+            _py(
+                """
+                import os
+                e = os.environ
+                print(e["JAX_BYTEGRAD_FAIL_FAST"], e["JAX_BYTEGRAD_QUIET"], e["NPROC"])
+                """
+            ),
+            nproc=2,
+            devices_per_proc=2,
+            env=env,
+            out=out,
+        )
+    assert code == 0
+    assert sorted(out_file.read_text().splitlines()) == [
+        f"[rank {k}] {' '.join(expected)}" for k in range(2)
+    ]
+
+
 def test_launcher_command_line_turns_huge_pages_off(tmp_path):
     script = tmp_path / "show.py"
     script.write_text("import os; print(os.environ.get('GLIBC_TUNABLES', 'unset'))\n")
     for flags, expected in (((), "glibc.malloc.hugetlb=1"), (("--no-hugepages",), "unset")):
-        code, output, _ = _run_launcher("--nproc", "1", *flags, str(script))
+        code, output = _run_launcher("--nproc", "1", *flags, str(script))
         assert code == 0, output
         assert f"[rank 0] {expected}" in output.splitlines()
 
 
 def test_launch_stops_the_others_when_one_fails(tmp_path):
-    start = time.monotonic()
+    marker = f"marker-{os.getpid()}-{time.monotonic_ns()}"
     with (tmp_path / "out").open("wb") as out:
         code = launch(
             _py(
@@ -197,14 +289,17 @@ def test_launch_stops_the_others_when_one_fails(tmp_path):
                 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # must still be stopped, by SIGKILL
                 time.sleep(600)
                 """
-            ),
+            )
+            + [marker],
             nproc=3,
             grace=1.0,
+            timeout=HANG_GUARD,  # 124, had the others been waited for rather than stopped
             out=out,
         )
-    assert code == 7
-    assert time.monotonic() - start < 30
-    assert "[launch] rank 1 exited with code 7" in (tmp_path / "out").read_text()
+    text = (tmp_path / "out").read_text()
+    assert code == 7, text
+    assert "[launch] rank 1 exited with code 7; stopped all 3 processes" in text
+    assert _processes_with(marker) == []
 
 
 def test_launch_timeout(tmp_path):
@@ -261,6 +356,65 @@ def test_launch_rejects_bad_restart_arguments(kwargs, match):
         launch(_py("pass"), nproc=1, **kwargs)
 
 
+@pytest.mark.parametrize("what", ["missing", "directory"])
+def test_a_script_that_cannot_be_run_is_a_usage_error_before_any_attempt(tmp_path, what):
+    script = tmp_path / "train.py"
+    if what == "directory":
+        script.mkdir()
+    code, output = _run_launcher("--nproc", "2", "--max-restarts", "3", str(script))
+    assert code == 2, output
+    why = "does not exist" if what == "missing" else "is not a readable file"
+    assert f"error: launch: script '{script}' {why}; pass the path" in output
+    assert "[rank" not in output and "[launch]" not in output  # nothing was started
+
+
+def test_an_exit_status_of_2_is_not_restarted(tmp_path):
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(
+            _py(
+                """
+                import os, time
+                print("attempt", os.environ["JAX_BYTEGRAD_RESTART"], flush=True)
+                if os.environ["JAX_BYTEGRAD_PROCESS_ID"] == "1":
+                    raise SystemExit(2)
+                time.sleep(600)
+                """
+            ),
+            nproc=2,
+            grace=0.5,
+            max_restarts=3,
+            timeout=HANG_GUARD,
+            out=out,
+        )
+    text = out_file.read_text()
+    assert code == 2, text
+    assert "[rank 1] attempt 0" in text and "attempt 1" not in text
+    assert (
+        "[launch] rank 1 exited with code 2, a usage error that no restart can cure; "
+        "stopped all 2 processes; 0 of 3 restart(s) used" in text
+    )
+
+
+def test_a_script_given_bad_arguments_runs_once(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import argparse, os
+            print("attempt", os.environ["JAX_BYTEGRAD_RESTART"], flush=True)
+            argparse.ArgumentParser().parse_args()
+            """
+        )
+    )
+    code, output = _run_launcher("--nproc", "2", "--max-restarts", "3", str(script), "--steps")
+    assert code == 2, output
+    assert "unrecognized arguments: --steps" in output
+    assert "attempt 0" in output and "attempt 1" not in output
+    assert "a usage error that no restart can cure" in output
+    assert "0 of 3 restart(s) used" in output
+
+
 def test_launcher_restarts_all_after_a_failure_and_tells_the_attempt(tmp_path):
     # Rank 1 fails on the first attempt only; rank 0 would run on forever if not stopped.
     script = tmp_path / "flaky.py"
@@ -278,7 +432,7 @@ def test_launcher_restarts_all_after_a_failure_and_tells_the_attempt(tmp_path):
             """
         )
     )
-    code, output, _ = _run_launcher("--nproc", "2", "--max-restarts", "2", str(script))
+    code, output = _run_launcher("--nproc", "2", "--max-restarts", "2", str(script))
     assert code == 0, output
     # Rank 0 may be stopped before it prints on the first attempt; rank 1 prints, then fails.
     assert "[rank 1] attempt 0" in output
@@ -322,32 +476,41 @@ def test_out_of_restarts_exits_non_zero_and_leaves_no_process(tmp_path):
 
 
 def test_a_process_without_progress_is_restarted(tmp_path):
-    # Both ranks report steps 0..3; on the first attempt rank 1 then stops reporting (a hang).
-    # The timeout leaves room for importing JAX on a loaded machine before the first report.
+    # On the first attempt rank 1 reports steps 0..3, then stops reporting (a hang), while rank 0
+    # reports its steps and exits 0. The children write the progress file as report_progress
+    # does, without importing JAX: nothing slow comes before a report, so only the hung rank
+    # ever spends the timeout, however loaded the machine.
     out_file = tmp_path / "out"
     with out_file.open("wb") as out:
         code = launch(
             _py(
                 """
                 import os, time
-                from jax_bytegrad.distributed import report_progress, restart_count
+                e = os.environ
+                attempt, rank = int(e["JAX_BYTEGRAD_RESTART"]), e["JAX_BYTEGRAD_PROCESS_ID"]
                 for step in range(4):
-                    report_progress(step)
-                    time.sleep(0.05)
-                if restart_count() == 0 and os.environ["JAX_BYTEGRAD_PROCESS_ID"] == "1":
+                    with open(e["JAX_BYTEGRAD_PROGRESS_FILE"], "w") as f:
+                        f.write(f"{step}\\n")
+                if attempt == 0 and rank == "1":
                     time.sleep(600)
-                print("done", restart_count(), flush=True)
+                print("done", attempt, flush=True)
                 """
             ),
             nproc=2,
             grace=0.5,
             max_restarts=1,
             progress_timeout=10.0,
+            timeout=HANG_GUARD,
             out=out,
         )
     text = out_file.read_text()
     assert code == 0, text
-    assert "[launch] no progress for 10 s from rank 1 (after step 3); stopped all 2" in text
+    launcher_lines = [line for line in text.splitlines() if line.startswith("[launch]")]
+    assert launcher_lines == [
+        "[launch] no progress for 10 s from rank 1 (after step 3); stopped all 2 processes; "
+        "restart 1 of 1",
+        "[launch] all 2 processes exited 0; 1 of 1 restart(s) used",
+    ], text
     assert "[rank 0] done 0" in text  # rank 0 had finished; the attempt still counts as failed
     assert "[rank 1] done 1" in text and "[rank 1] done 0" not in text
 
@@ -371,15 +534,20 @@ def test_a_hang_without_restarts_exits_125(tmp_path):
 
 @pytest.mark.slow
 @requires_gloo
-def test_two_processes_by_four_devices_psum_over_gloo():
-    code, out, _ = _run_launcher(
+@pytest.mark.parametrize("quiet", [None, "0"], ids=["launcher-default", "quiet-off"])
+def test_two_processes_by_four_devices_psum_over_gloo(quiet):
+    env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_VARS}
+    if quiet is not None:
+        env[distributed.QUIET_ENV] = quiet
+    code, out = _run_launcher(
         "--nproc",
         "2",
         "--devices-per-proc",
         "4",
         "--timeout",
-        "50",
+        str(HANG_GUARD - 30),
         str(SCRIPTS / "psum_worker.py"),
+        env=env,
     )
     assert code == 0, out
     for rank in (0, 1):
@@ -391,12 +559,65 @@ def test_two_processes_by_four_devices_psum_over_gloo():
         assert f"[rank {rank}] psum over (node, local) = 52.0" in out
         assert f"[rank {rank}] psum over node = [10.0, 12.0, 14.0, 16.0]" in out
         assert f"[rank {rank}] OK" in out
+    # Gloo prints a line per connection to native stdout; under the launcher only rank 0's
+    # show, unless the launcher's environment turns that off.
+    assert "[rank 0] [Gloo] Rank 0 is connected to" in out, out
+    assert ("[rank 1] [Gloo]" in out) == (quiet == "0"), out
+
+
+def _free_slurm_job_id() -> int:
+    """A SLURM job id whose coordinator port (JAX: 61440 + id % 4096) is free on 127.0.0.1."""
+    import socket
+
+    for offset in range(4096):
+        port = 61440 + (os.getpid() + offset) % 4096
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return 4096 * 1000 + port - 61440
+    pytest.fail("no free port in 61440..65535 for the coordinator")
+
+
+@pytest.mark.slow
+@requires_gloo
+def test_a_slurm_job_is_detected(tmp_path):
+    # Two tasks of a one-node SLURM job, as srun would start them: the layout comes from the
+    # SLURM variables alone (the launcher's own are removed), through JAX's cluster detection.
+    env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_VARS}
+    env.update(
+        SLURM_JOB_ID=str(_free_slurm_job_id()),
+        SLURM_STEP_NODELIST="localhost",
+        SLURM_NTASKS="2",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+    )
+    layout = _LAYOUT_VARS[:3]  # the coordinator, the process count and the id
+
+    def command(rank: int) -> list[str]:
+        unset = [arg for name in layout for arg in ("-u", name)]
+        task = [f"SLURM_PROCID={rank}", f"SLURM_LOCALID={rank}"]
+        return ["env", *unset, *task, sys.executable, str(SCRIPTS / "psum_worker.py")]
+
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(command, nproc=2, devices_per_proc=4, env=env, timeout=HANG_GUARD, out=out)
+    text = out_file.read_text()
+    assert code == 0, text
+    for rank in (0, 1):
+        assert f"[rank {rank}] initialized process {rank}/2 with 4 local devices, source=slurm" in (
+            text
+        )
+        assert f"[rank {rank}] psum over (node, local) = 52.0" in text
 
 
 @pytest.mark.slow
 @requires_gloo
 def test_a_failing_rank_makes_the_launcher_stop_the_other():
-    code, out, elapsed = _run_launcher(
+    # Rank 1 raises while rank 0 waits for it in a collective. Without the fail-fast exception
+    # hook that the launcher turns on, rank 1 would hang at exit and the run would end only by
+    # the launcher's --timeout, with 124.
+    code, out = _run_launcher(
         "--nproc",
         "2",
         "--devices-per-proc",
@@ -404,7 +625,7 @@ def test_a_failing_rank_makes_the_launcher_stop_the_other():
         "--grace",
         "3",
         "--timeout",
-        "50",
+        str(HANG_GUARD - 30),
         str(SCRIPTS / "psum_worker.py"),
         "--fail-rank",
         "1",
@@ -413,4 +634,3 @@ def test_a_failing_rank_makes_the_launcher_stop_the_other():
     assert "[rank 1] RuntimeError: deliberate failure on rank 1" in out
     assert "[launch] rank 1 exited with code 1" in out
     assert "[rank 0] OK" not in out
-    assert elapsed < 60

@@ -16,11 +16,19 @@ order of precedence:
      (`restart_count`);
    - ``JAX_BYTEGRAD_PROGRESS_FILE``: the file `report_progress` touches for the launcher's
      ``--progress-timeout``;
+   - ``JAX_BYTEGRAD_FAIL_FAST`` and ``JAX_BYTEGRAD_QUIET``: ``1`` turns on `initialize`'s
+     ``fail_fast`` and ``quiet`` where the call leaves them unset, ``0`` (or unset) leaves them
+     off;
 
 3. a SLURM (``srun``) or Open MPI (``mpirun``) job, through JAX's own cluster auto-detection.
 
 With none of them the process runs alone, and `initialize()` changes nothing but the CPU device
 count, if one was asked for.
+
+`initialize()` changes nothing process-wide beyond JAX's own configuration unless asked to: the
+exception hook (``fail_fast``) and native stdout (``quiet``) are the launcher's to turn on, for
+its workers, as are the XLA:CPU thread pool's size (``NPROC``, see `ensure_cpu_threads`) and
+glibc's huge pages.
 
 References:
   - JAX multi-process guide: https://docs.jax.dev/en/latest/multi_process.html
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -42,17 +50,20 @@ PROCESS_ID_ENV = "JAX_BYTEGRAD_PROCESS_ID"
 CPU_DEVICES_ENV = "JAX_BYTEGRAD_CPU_DEVICES"
 RESTART_ENV = "JAX_BYTEGRAD_RESTART"
 PROGRESS_FILE_ENV = "JAX_BYTEGRAD_PROGRESS_FILE"
+FAIL_FAST_ENV = "JAX_BYTEGRAD_FAIL_FAST"
+QUIET_ENV = "JAX_BYTEGRAD_QUIET"
 
-# The variables JAX's SLURM and Open MPI detectors need (jax/_src/clusters/*_cluster.py). Only
-# their presence is tested here; JAX derives the coordinator, the count and the id from them.
+# The variables whose presence makes JAX's SLURM and Open MPI detectors step in. JAX derives
+# the coordinator from them; the process count and id are the schedulers' documented variables
+# named last in each tuple.
 _SLURM_VARS = (
     "SLURM_JOB_ID",
     "SLURM_STEP_NODELIST",
+    "SLURM_LOCALID",
     "SLURM_NTASKS",
     "SLURM_PROCID",
-    "SLURM_LOCALID",
 )
-_OMPI_VARS = ("OMPI_MCA_orte_hnp_uri",)
+_OMPI_VARS = ("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK")
 
 
 # Private helpers ----------------------------------------------------------------------------------
@@ -75,25 +86,52 @@ def _env_str(name: str) -> str | None:
     return os.environ.get(name, "").strip() or None
 
 
-def _detect_cluster() -> tuple[str, int] | None:
-    """Returns (JAX cluster_detection_method, process count) in a SLURM or Open MPI job."""
-    if all(v in os.environ for v in _SLURM_VARS):
-        return "slurm", int(os.environ["SLURM_NTASKS"])
-    if all(v in os.environ for v in _OMPI_VARS):
-        return "ompi", int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(
+            f"initialize: environment variable {name}={raw!r} is not 0 or 1; set 1 to turn it "
+            "on, 0 or nothing to leave it off"
+        )
+    return raw == "1"
+
+
+class _Cluster(NamedTuple):
+    """A scheduler's job as JAX's cluster detection reads it."""
+
+    method: str  # JAX's cluster_detection_method
+    num_processes: int
+    process_id: int
+
+
+def _detect_cluster() -> _Cluster | None:
+    """The SLURM (srun) or Open MPI (mpirun) job this process runs in, if any."""
+    for method, names in (("slurm", _SLURM_VARS), ("ompi", _OMPI_VARS)):
+        if all(_env_str(name) for name in names):
+            return _Cluster(method, _env_int(names[-2]), _env_int(names[-1]))
     return None
 
 
-def _backends_initialized() -> bool:
+def _backend_started() -> bool:
+    """Whether a JAX backend has started in this process, asked through public JAX alone.
+
+    JAX refuses, with a RuntimeError, to change a setting read at backend start once a backend
+    runs. The setting changed here is how long a CPU process waits for its peers' topology,
+    which nothing in this library sets; when the change goes through it is undone at once.
+    """
+    name = "jax_cpu_get_local_topology_timeout_minutes"
     try:
-        from jax._src import xla_bridge  # private, but the only way to ask without starting one
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # pragma: no cover - moved in a later JAX
+        current = getattr(jax.config, name)
+        jax.config.update(name, current + 1)
+    except RuntimeError:
+        return True
+    except AttributeError:  # pragma: no cover - gone in a later JAX
         return False  # jax.distributed.initialize makes the same check itself
+    jax.config.update(name, current)
+    return False
 
 
-def ensure_cpu_threads(cpu_devices: int) -> None:
+def ensure_cpu_threads(cpu_devices: int, environ: MutableMapping[str, str] | None = None) -> None:
     """Gives XLA:CPU enough threads for ``cpu_devices`` devices that run collectives.
 
     XLA:CPU sizes the one thread pool that both launches each device's program and runs
@@ -101,14 +139,31 @@ def ensure_cpu_threads(cpu_devices: int) -> None:
     independent collectives can hold two threads per device while the devices still
     waiting to launch hold none: on a 2-core host with 8 devices that is a deadlock,
     which XLA ends after 40 s by aborting the process. XLA reads the pool size from
-    ``NPROC``; 4x the device count leaves headroom. Call it before the CPU backend
-    starts (``initialize`` does); an ``NPROC`` already set is left alone.
+    ``NPROC``, when the CPU backend starts; this sets it to 4x the device count (or the
+    core count, if more), unless it is already set.
+
+    ``python -m jax_bytegrad.launch`` sets it for its workers; `initialize` does not. Call it
+    yourself, before the backend starts, in a process that simulates more CPU devices than
+    the host has cores and was not started by the launcher.
 
     Args:
-      cpu_devices: CPU devices this process will expose.
+      cpu_devices: CPU devices the process will expose.
+      environ: The environment to set ``NPROC`` in, e.g. that of processes yet to start;
+        None for this process's own (``os.environ``).
+
+    Examples:
+      >>> from jax_bytegrad.distributed import ensure_cpu_threads
+      >>> env = {}
+      >>> ensure_cpu_threads(8, env)
+      >>> int(env["NPROC"]) >= 32
+      True
+      >>> env = {"NPROC": "16"}
+      >>> ensure_cpu_threads(8, env)  # a value already set is left alone
+      >>> env
+      {'NPROC': '16'}
     """
-    if "NPROC" not in os.environ:
-        os.environ["NPROC"] = str(max(4 * cpu_devices, os.cpu_count() or 1))
+    environ = os.environ if environ is None else environ
+    environ.setdefault("NPROC", str(max(4 * cpu_devices, os.cpu_count() or 1)))
 
 
 def _configure_cpu(cpu_devices: int | None) -> None:
@@ -119,15 +174,14 @@ def _configure_cpu(cpu_devices: int | None) -> None:
     if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "none", ""):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cpu_devices is not None and getattr(jax.config, "jax_num_cpu_devices", -1) != cpu_devices:
-        if _backends_initialized():
+        try:
+            jax.config.update("jax_num_cpu_devices", cpu_devices)
+        except RuntimeError as e:  # JAX refuses once the backend has started
             raise RuntimeError(
                 f"initialize: cannot set {cpu_devices} CPU devices, the JAX backend has already "
                 "started; call jax_bytegrad.initialize() before any JAX computation or "
                 "jax.devices() call"
-            )
-        jax.config.update("jax_num_cpu_devices", cpu_devices)
-    if cpu_devices is not None:
-        ensure_cpu_threads(cpu_devices)
+            ) from e
 
 
 def _install_fail_fast() -> None:
@@ -237,7 +291,7 @@ def _check_can_join(given: dict, cluster) -> list[str]:
             "initialize: jax.distributed.initialize was already called in this process; call "
             "jax_bytegrad.initialize() instead of it, not as well"
         )
-    if _backends_initialized():
+    if _backend_started():
         raise RuntimeError(
             "initialize: the JAX backend has already started in this process, so it cannot join "
             "a multi-process run; call jax_bytegrad.initialize() first, before any JAX "
@@ -255,7 +309,9 @@ class DistributedInfo(NamedTuple):
     Attributes:
       process_id: This process's id, ``0 .. num_processes - 1``.
       num_processes: Number of processes in the run; 1 for a single process.
-      coordinator_address: ``host:port`` of process 0's coordinator; None for a single process.
+      coordinator_address: ``host:port`` of process 0's coordinator, as passed or set in
+        ``JAX_BYTEGRAD_COORDINATOR``; None for a single process, and where JAX derived it
+        from a SLURM or Open MPI job (JAX has no public way to read it back).
       source: Where the layout came from: ``"arguments"``, ``"environment"``
         (``JAX_BYTEGRAD_*``), ``"slurm"``, ``"ompi"``, ``"single"`` (nothing set: one process,
         no `jax.distributed`) or ``"jax.distributed"`` (it was initialized directly before).
@@ -282,8 +338,8 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     cpu_devices: int | None = None,
     initialization_timeout: int = 300,
-    fail_fast: bool = True,
-    quiet: bool = True,
+    fail_fast: bool | None = None,
+    quiet: bool | None = None,
 ) -> DistributedInfo:
     """Joins this process to a multi-process JAX run, or does nothing for a single process.
 
@@ -294,6 +350,13 @@ def initialize(
     go over Gloo (GPUs use NCCL and need nothing here).
 
     A repeated call returns the first result; one asking for a different layout raises.
+
+    Besides JAX's configuration it changes nothing in the process unless asked: ``fail_fast``
+    and ``quiet`` are off unless passed, or turned on by ``JAX_BYTEGRAD_FAIL_FAST=1`` and
+    ``JAX_BYTEGRAD_QUIET=1``, which ``python -m jax_bytegrad.launch`` sets for its workers.
+    Under ``srun`` or ``mpirun``, pass ``fail_fast=True`` (or export the variable) so that a
+    failed process ends the job instead of hanging it. A process that simulates more CPU
+    devices than its host has cores also needs `ensure_cpu_threads` (the launcher sees to it).
 
     CPU workers should run with glibc's large allocations on transparent huge pages
     (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``): it makes a compressed sync several times
@@ -311,13 +374,16 @@ def initialize(
       cpu_devices: Number of CPU devices this process exposes. Env: ``JAX_BYTEGRAD_CPU_DEVICES``.
         None keeps JAX's default (one, or ``--xla_force_host_platform_device_count``).
       initialization_timeout: Seconds to wait for every process to reach the coordinator.
-      fail_fast: In a multi-process run, make an uncaught exception print its traceback and exit
-        the process with status 1 at once. Otherwise the process hangs at exit in
-        `jax.distributed`'s shutdown barrier while the others wait for it in a collective, and no
-        launcher or scheduler learns of the failure.
-      quiet: In a multi-process run, on every process but 0, drop what native libraries
-        print to stdout (Gloo's connection lines, one per peer and collective group), so
-        only process 0's show. Python's own ``print`` and everything on stderr still show.
+      fail_fast: In a multi-process run, replace ``sys.excepthook`` so that an uncaught
+        exception prints its traceback and exits the process with status 1 at once. Otherwise
+        the process hangs at exit in `jax.distributed`'s shutdown barrier while the others wait
+        for it in a collective, and no launcher or scheduler learns of the failure. None: as
+        ``JAX_BYTEGRAD_FAIL_FAST`` says (off if unset).
+      quiet: In a multi-process run, on every process but 0, send native stdout (file
+        descriptor 1) to /dev/null and Python's ``sys.stdout`` to a copy of it: what native
+        libraries print (Gloo's connection lines, one per peer and collective group) then shows
+        only for process 0, while Python's own ``print`` and everything on stderr still show.
+        None: as ``JAX_BYTEGRAD_QUIET`` says (off if unset).
 
     Returns:
       A `DistributedInfo`: this process's id, the process count, the coordinator and the source.
@@ -325,7 +391,8 @@ def initialize(
     Raises:
       ValueError: The layout is only partly given (say a coordinator but no process id) and no
         SLURM or Open MPI job fills the gap; a number is out of range; or an environment
-        variable is not an integer.
+        variable is not an integer (``JAX_BYTEGRAD_FAIL_FAST`` and ``JAX_BYTEGRAD_QUIET``: not
+        0 or 1).
       RuntimeError: It was called after the JAX backend started, or again with another layout.
 
     Examples:
@@ -356,34 +423,31 @@ def initialize(
         return _previous_result(key, asks_nothing)
 
     given = {"coordinator_address": coord, "num_processes": nproc, "process_id": pid}
+    fail_fast = _env_flag(FAIL_FAST_ENV) if fail_fast is None else fail_fast
+    quiet = _env_flag(QUIET_ENV) if quiet is None else quiet
     cluster = _detect_cluster()
-    if all(v is None for v in given.values()) and (cluster is None or cluster[1] <= 1):
+    if all(v is None for v in given.values()) and (cluster is None or cluster.num_processes <= 1):
         info = _single_process(ncpu)
     else:
         missing = _check_can_join(given, cluster)
         _configure_cpu(ncpu)
         if fail_fast:
-            _install_fail_fast()
+            _install_fail_fast()  # before joining: a peer that never comes is a failure too
         if missing:  # JAX's detector fills the gaps from the SLURM / Open MPI variables
-            method, source = cluster[0], cluster[0]
+            method, source = cluster.method, cluster.method
+            nproc = cluster.num_processes if nproc is None else nproc
+            pid = cluster.process_id if pid is None else pid
         else:
             method, source = "deactivate", ("arguments" if from_args else "environment")
         jax.distributed.initialize(
             coordinator_address=coord,
-            num_processes=nproc,
-            process_id=pid,
+            num_processes=given["num_processes"],
+            process_id=given["process_id"],
             local_device_ids=local_device_ids,
             cluster_detection_method=method,
             initialization_timeout=initialization_timeout,
         )
-        from jax._src.distributed import global_state  # the layout as resolved, also by detection
-
-        info = DistributedInfo(
-            int(global_state.process_id),
-            int(global_state.num_processes),
-            global_state.coordinator_address,
-            source,
-        )
+        info = DistributedInfo(pid, nproc, coord, source)
         if quiet and info.process_id != 0:
             _quiet_native_stdout()  # Gloo connects at the first collective, after this
     _STATE, _STATE_KEY = info, key

@@ -11,6 +11,20 @@ Usage::
     python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 [--port P] [--timeout S] \\
         [--no-hugepages] [--max-restarts N] [--progress-timeout S] script.py [args ...]
 
+The launcher owns the process-wide settings of its workers, through their environment; a
+value already in the launcher's environment wins, so ``JAX_BYTEGRAD_QUIET=0 python -m
+jax_bytegrad.launch ...`` shows every rank's Gloo lines:
+
+- ``JAX_BYTEGRAD_FAIL_FAST=1``: `jax_bytegrad.initialize` makes an uncaught exception end the
+  process at once (its ``fail_fast``), so that the launcher sees the failure instead of a
+  process hung at exit;
+- ``JAX_BYTEGRAD_QUIET=1``: on ranks other than 0, what native code prints to stdout (Gloo's
+  connection lines) is dropped (its ``quiet``);
+- ``NPROC``: XLA:CPU's thread pool, sized for ``--devices-per-proc`` devices
+  (`jax_bytegrad.distributed.ensure_cpu_threads`);
+- ``JAX_PLATFORMS=cpu`` and ``PYTHONUNBUFFERED=1``;
+- ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, below.
+
 The processes run with glibc's large allocations on transparent huge pages
 (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, glibc >= 2.35): XLA:CPU allocates fresh buffers of
 the gradient's size every step, and with 4 KiB pages most of a compressed sync's CPU time goes
@@ -27,6 +41,15 @@ time with ``JAX_BYTEGRAD_RESTART`` one higher (`jax_bytegrad.distributed.restart
 script resumes from its last checkpoint (`jax_bytegrad.checkpoint`). Ctrl-C, SIGTERM and
 ``--timeout`` are never restarted. ``[launch]`` lines say why each attempt ended and how many
 restarts were used.
+
+A failure that no restart can cure is not retried:
+
+- a script that does not exist, or cannot be read, is an error before anything starts (exit
+  status 2, as for any other bad argument);
+- a process that exits with status 2 ends the run at once: 2 is what Python returns for a
+  script it cannot open and what argparse returns for bad arguments, errors of the command
+  line that every attempt would repeat. A script that wants its failures retried exits with
+  another status (an uncaught exception gives 1).
 
 A hang is a process that goes ``--progress-timeout`` seconds without calling
 `jax_bytegrad.distributed.report_progress` (which touches a file the launcher watches); the
@@ -60,15 +83,19 @@ from jax_bytegrad._src import checks as _checks
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
+    FAIL_FAST_ENV,
     NUM_PROCESSES_ENV,
     PROCESS_ID_ENV,
     PROGRESS_FILE_ENV,
+    QUIET_ENV,
     RESTART_ENV,
+    ensure_cpu_threads,
 )
 
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
 EXIT_HUNG = 125
+EXIT_USAGE = 2  # Python's status for a script it cannot open, argparse's for bad arguments
 
 _PREFIX = "[launch] "
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
@@ -132,18 +159,21 @@ def _describe(code: int) -> str:
 
 
 def _last_progress(path: Path, since: float) -> tuple[float, str | None]:
-    """(wall time of the last progress report, or `since` if none since then; the step it named)."""
+    """(wall time of the last progress report, or `since` if none; the step it named).
+
+    The file is removed before each attempt starts, so one that exists is this attempt's. Its
+    time is taken no earlier than `since`: the kernel stamps files from a clock that may lag
+    ``time.time()`` by a tick.
+    """
     try:
         mtime = path.stat().st_mtime
     except FileNotFoundError:
-        return since, None
-    if mtime < since:  # left by an earlier attempt
         return since, None
     try:
         step = path.read_text().strip() or None
     except OSError:  # pragma: no cover - removed between stat and read
         step = None
-    return mtime, step
+    return max(mtime, since), step
 
 
 @dataclasses.dataclass
@@ -201,9 +231,13 @@ def _start(run: _Run, attempt: int, progress_dir: Path):
     return procs, pumps
 
 
-def _watch(run: _Run, procs: Sequence[subprocess.Popen], progress_dir: Path) -> _Outcome:
-    """Waits until the attempt ends: all exited 0, one failed or hung, a signal, or the timeout."""
-    started = time.time()  # wall clock: progress files carry wall-clock mtimes
+def _watch(
+    run: _Run, procs: Sequence[subprocess.Popen], progress_dir: Path, started: float
+) -> _Outcome:
+    """Waits until the attempt ends: all exited 0, one failed or hung, a signal, or the timeout.
+
+    `started` is the attempt's wall-clock start (progress files carry wall-clock times).
+    """
     while True:
         if run.received:
             sig = run.received[0]
@@ -213,6 +247,9 @@ def _watch(run: _Run, procs: Sequence[subprocess.Popen], progress_dir: Path) -> 
         failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             rank, c = failed[0]
+            if c == EXIT_USAGE:
+                reason = f"rank {rank} {_describe(c)}, a usage error that no restart can cure"
+                return _Outcome(c, reason, False)
             return _Outcome(128 - c if c < 0 else c, f"rank {rank} {_describe(c)}", True)
         if all(c == 0 for c in codes):
             return _Outcome(0, f"all {run.nproc} processes exited 0", False)
@@ -235,9 +272,10 @@ def _watch(run: _Run, procs: Sequence[subprocess.Popen], progress_dir: Path) -> 
 def _run_attempt(run: _Run, attempt: int, progress_dir: Path) -> _Outcome:
     """Runs one attempt to its end and leaves no process of it running."""
     procs, pumps = [], []
+    started = time.time()
     try:
         procs, pumps = _start(run, attempt, progress_dir)
-        return _watch(run, procs, progress_dir)
+        return _watch(run, procs, progress_dir, started)
     finally:
         _stop_all(procs, run.grace)
         for t in pumps:
@@ -306,6 +344,9 @@ def _worker_env(env: Mapping[str, str] | None, hugepages: bool, devices_per_proc
     base_env.setdefault("JAX_PLATFORMS", "cpu")
     base_env["PYTHONUNBUFFERED"] = "1"  # so lines arrive as they are printed, not at exit
     base_env[CPU_DEVICES_ENV] = str(devices_per_proc)
+    base_env.setdefault(FAIL_FAST_ENV, "1")
+    base_env.setdefault(QUIET_ENV, "1")
+    ensure_cpu_threads(devices_per_proc, base_env)
     return base_env
 
 
@@ -363,7 +404,11 @@ def launch(
     If a process fails, or (with `progress_timeout`) some process stops reporting progress, every
     process of the attempt is stopped; with restarts left, all `nproc` are started again, with
     ``JAX_BYTEGRAD_RESTART`` one higher (`jax_bytegrad.distributed.restart_count`), and the
-    script resumes from its own last checkpoint (`jax_bytegrad.checkpoint`).
+    script resumes from its own last checkpoint (`jax_bytegrad.checkpoint`). A process that
+    exits with status 2 (a usage error) is not restarted.
+
+    Besides the layout, each process's environment gets ``JAX_BYTEGRAD_FAIL_FAST=1``,
+    ``JAX_BYTEGRAD_QUIET=1`` and ``NPROC`` (see the module's docstring), unless `env` sets them.
 
     Args:
       command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``, or a
@@ -388,8 +433,8 @@ def launch(
 
     Returns:
       0 if every process of an attempt exited 0; else the exit code of the last attempt: the
-      first failing process's code (128 + signal if it was killed), 125 if it hung; 124 on
-      timeout; 130 on Ctrl-C and 143 on SIGTERM (neither is restarted).
+      first failing process's code (128 + signal if it was killed; 2 is never restarted), 125
+      if it hung; 124 on timeout; 130 on Ctrl-C and 143 on SIGTERM (neither is restarted).
 
     Raises:
       ValueError: `nproc`, `devices_per_proc`, `timeout`, `port`, `max_restarts` or
@@ -466,6 +511,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("script", help="Python script to run in each process")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     ns = parser.parse_args(argv)
+    script = Path(ns.script)
+    if not script.is_file() or not os.access(script, os.R_OK):
+        why = "is not a readable file" if script.exists() else "does not exist"
+        parser.error(f"launch: script {ns.script!r} {why}; pass the path of the Python file to run")
     try:
         return launch(
             [sys.executable, ns.script, *ns.args],
