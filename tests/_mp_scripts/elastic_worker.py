@@ -10,9 +10,13 @@ first device to ``OUT_DIR/<algorithm>_rank<k>.npz``.
 On the first attempt (`jax_bytegrad.distributed.restart_count` 0) rank ``--fail-rank`` kills
 itself with SIGKILL right after step ``--kill-step`` (and after starting that step's save, if
 it has one), or stops itself with SIGSTOP after step ``--stop-step`` (once the last save is
-finalized). With ``--kill-always`` it
-kills itself on every attempt. Each extra argument lands on the command line, where the test
-finds the processes of its run by ``--marker``.
+finalized). With ``--kill-always`` it kills itself on every attempt. Each extra argument
+lands on the command line, where the test finds the processes of its run by ``--marker``.
+
+With ``--heartbeat S`` a thread also marks the progress file as fresh every S seconds, from
+the start, keeping the step the training loop last reported: start-up and compilation, however
+slow on a loaded machine, then never count as a hang under the launcher's
+``--progress-timeout``, and only a stopped process (whose threads all stop) does.
 
 `train` is also imported by the test, which resumes the saved state in one process.
 """
@@ -22,6 +26,8 @@ import importlib.util
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +96,18 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
     return start, params
 
 
+def start_heartbeat(interval: float) -> None:
+    """Touches the launcher's progress file every `interval` seconds, leaving its step as is."""
+    path = Path(os.environ["JAX_BYTEGRAD_PROGRESS_FILE"])
+
+    def beat():
+        while True:
+            path.touch()  # creates it empty at first: "before its first step"
+            time.sleep(interval)
+
+    threading.Thread(target=beat, daemon=True).start()
+
+
 def main(argv) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
@@ -98,8 +116,11 @@ def main(argv) -> int:
     parser.add_argument("--kill-step", type=int, default=None)
     parser.add_argument("--kill-always", action="store_true")
     parser.add_argument("--stop-step", type=int, default=None)
+    parser.add_argument("--heartbeat", type=float, default=None)
     parser.add_argument("--marker", default="")
     args = parser.parse_args(argv)
+    if args.heartbeat is not None:
+        start_heartbeat(args.heartbeat)
 
     from jax_bytegrad.distributed import initialize, restart_count
 
