@@ -577,7 +577,7 @@ def _summary(
     return CommunicationStats(rows, tuple(axis_names), tuple(int(s) for s in axis_sizes), **extra)
 
 
-def _mesh_and_device_assignment(compiled: jax.stages.Compiled) -> tuple[Any, tuple | None]:
+def _compiled_mesh(compiled: jax.stages.Compiled) -> tuple[Any, tuple | None]:
     """The mesh of the first NamedSharding of the executable, and its device assignment."""
     shardings = jax.tree.leaves(
         (compiled.input_shardings, compiled.output_shardings),
@@ -661,7 +661,7 @@ def communication_stats(
         raise TypeError(
             f"communication_stats: {jitted_fn!r} has no .lower(); wrap it in jax.jit(...) first"
         )
-    found_mesh, assignment = _mesh_and_device_assignment(compiled)
+    found_mesh, assignment = _compiled_mesh(compiled)
     mesh = mesh if mesh is not None else found_mesh
     if mesh is None:
         raise ValueError(
