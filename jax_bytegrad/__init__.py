@@ -5,42 +5,46 @@ The core API lives here; a few namespaces hold the rest: ``sharding`` (the mesh 
 (bytes on the wire) and ``experimental`` (async model averaging).
 """
 
+from jax_bytegrad import checkpoint as checkpoint
+from jax_bytegrad import distributed as distributed
+from jax_bytegrad import experimental as experimental
+from jax_bytegrad import profiling as profiling
+from jax_bytegrad import sharding as sharding
 from jax_bytegrad._src.autotune import AutotuneResult as AutotuneResult
 from jax_bytegrad._src.autotune import autotune as autotune
 from jax_bytegrad._src.checkpoint import Checkpointer as Checkpointer
 from jax_bytegrad._src.collectives import compressed_mean as compressed_mean
 from jax_bytegrad._src.collectives import full_precision_mean as full_precision_mean
-from jax_bytegrad._src.decentralized import DecentralizedState as DecentralizedState
-from jax_bytegrad._src.decentralized import DecentralizedTrainStep as DecentralizedTrainStep
-from jax_bytegrad._src.decentralized import (
-    LowPrecisionDecentralizedState as LowPrecisionDecentralizedState,
-)
-from jax_bytegrad._src.decentralized import consensus_params as consensus_params
-from jax_bytegrad._src.decentralized import decentralized_step as decentralized_step
-from jax_bytegrad._src.decentralized import (
-    low_precision_decentralized_step as low_precision_decentralized_step,
-)
-from jax_bytegrad._src.decentralized import shift_one_schedule as shift_one_schedule
+from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES
+from jax_bytegrad._src.config import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
+from jax_bytegrad._src.config import DEFAULT_MESSAGE_BYTES as DEFAULT_MESSAGE_BYTES
+from jax_bytegrad._src.config import Residuals as Residuals
+from jax_bytegrad._src.config import SyncConfig as SyncConfig
 from jax_bytegrad._src.distributed import DistributedInfo as DistributedInfo
 from jax_bytegrad._src.distributed import initialize as initialize
-from jax_bytegrad._src.parallel import data_parallel_step as data_parallel_step
-from jax_bytegrad._src.parallel import make_mesh as make_mesh
-from jax_bytegrad._src.parallel import replicate as replicate
-from jax_bytegrad._src.parallel import shard_batch as shard_batch
 from jax_bytegrad._src.qadam import ScaleByQAdamState as ScaleByQAdamState
 from jax_bytegrad._src.qadam import qadam as qadam
 from jax_bytegrad._src.qadam import refresh_steps as refresh_steps
 from jax_bytegrad._src.qadam import scale_by_qadam as scale_by_qadam
-from jax_bytegrad._src.quantization import DEFAULT_BLOCK_SIZE as DEFAULT_BLOCK_SIZE
 from jax_bytegrad._src.quantization import QuantizedArray as QuantizedArray
 from jax_bytegrad._src.quantization import dequantize as dequantize
 from jax_bytegrad._src.quantization import quantize as quantize
+from jax_bytegrad._src.sharding import make_mesh as make_mesh
+from jax_bytegrad._src.sharding import replicate as replicate
+from jax_bytegrad._src.sharding import shard_batch as shard_batch
 from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
 from jax_bytegrad._src.stats import communication_stats as communication_stats
+from jax_bytegrad._src.steps.base import TrainState as TrainState
+from jax_bytegrad._src.steps.base import TrainStep as TrainStep
+from jax_bytegrad._src.steps.data_parallel import data_parallel_step as data_parallel_step
+from jax_bytegrad._src.steps.decentralized import consensus_params as consensus_params
+from jax_bytegrad._src.steps.decentralized import decentralized_step as decentralized_step
+from jax_bytegrad._src.steps.decentralized import (
+    low_precision_decentralized_step as low_precision_decentralized_step,
+)
+from jax_bytegrad._src.steps.decentralized import shift_one_schedule as shift_one_schedule
 from jax_bytegrad._src.strategy import ALGORITHMS as ALGORITHMS
 from jax_bytegrad._src.strategy import Strategy as Strategy
-from jax_bytegrad._src.strategy import TrainState as TrainState
-from jax_bytegrad._src.strategy import TrainStep as TrainStep
 from jax_bytegrad._src.strategy import valid_kwargs as valid_kwargs
 from jax_bytegrad._src.transforms import ByteGradState as ByteGradState
 from jax_bytegrad._src.transforms import bytegrad as bytegrad
@@ -54,35 +58,41 @@ __all__ = [
     "ByteGradState",
     "Checkpointer",
     "CommunicationStats",
-    "DEFAULT_BLOCK_SIZE",
-    "DecentralizedState",
-    "DecentralizedTrainStep",
+    "DEFAULT_BLOCK_SIZES",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_MESSAGE_BYTES",
     "DistributedInfo",
-    "LowPrecisionDecentralizedState",
     "QuantizedArray",
+    "Residuals",
     "ScaleByQAdamState",
     "Strategy",
+    "SyncConfig",
     "TrainState",
     "TrainStep",
     "autotune",
     "bytegrad",
+    "checkpoint",
     "communication_stats",
     "compressed_mean",
     "consensus_params",
     "data_parallel_step",
     "decentralized_step",
     "dequantize",
+    "distributed",
+    "experimental",
     "full_precision_mean",
     "gradient_allreduce",
     "initialize",
     "low_precision_decentralized_step",
     "make_mesh",
+    "profiling",
     "qadam",
     "quantize",
     "refresh_steps",
     "replicate",
     "scale_by_qadam",
     "shard_batch",
+    "sharding",
     "shift_one_schedule",
     "valid_kwargs",
 ]

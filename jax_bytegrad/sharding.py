@@ -1,10 +1,10 @@
 """The ("node", "local") mesh, and placing params, batches and optimizer state on it."""
 
-from jax_bytegrad._src.parallel import AXES as AXES
-from jax_bytegrad._src.parallel import make_mesh as make_mesh
-from jax_bytegrad._src.parallel import replicate as replicate
-from jax_bytegrad._src.parallel import shard_batch as shard_batch
-from jax_bytegrad._src.transforms import shard_state as shard_state
-from jax_bytegrad._src.transforms import state_specs as state_specs
+from jax_bytegrad._src.sharding import AXES as AXES
+from jax_bytegrad._src.sharding import make_mesh as make_mesh
+from jax_bytegrad._src.sharding import replicate as replicate
+from jax_bytegrad._src.sharding import shard_batch as shard_batch
+from jax_bytegrad._src.sharding import shard_state as shard_state
+from jax_bytegrad._src.sharding import state_specs as state_specs
 
 __all__ = ["AXES", "make_mesh", "replicate", "shard_batch", "shard_state", "state_specs"]

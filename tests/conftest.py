@@ -10,7 +10,6 @@ if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jax_bytegrad.distributed import ensure_cpu_threads  # noqa: E402
@@ -39,26 +38,3 @@ def strict_dtypes():
     """
     with jax.numpy_dtype_promotion("strict"):
         yield
-
-
-def assert_trees_all_close(actual, expected, *, rtol=0.0, atol=0.0):
-    """Asserts two pytrees have the same structure and leaves that agree within tolerance."""
-    actual_leaves, actual_def = jax.tree.flatten(actual)
-    expected_leaves, expected_def = jax.tree.flatten(expected)
-    assert actual_def == expected_def, f"tree structures differ: {actual_def} vs {expected_def}"
-    for a, e in zip(actual_leaves, expected_leaves, strict=True):
-        a = np.asarray(a)
-        e = np.asarray(e)
-        assert a.shape == e.shape, f"shapes differ: {a.shape} vs {e.shape}"
-        assert a.dtype == e.dtype, f"dtypes differ: {a.dtype} vs {e.dtype}"
-        np.testing.assert_allclose(
-            a.astype(np.float64) if a.dtype.kind == "V" or "bfloat16" in str(a.dtype) else a,
-            e.astype(np.float64) if e.dtype.kind == "V" or "bfloat16" in str(e.dtype) else e,
-            rtol=rtol,
-            atol=atol,
-        )
-
-
-def assert_trees_all_equal(actual, expected):
-    """Asserts two pytrees are bit-identical."""
-    assert_trees_all_close(actual, expected, rtol=0.0, atol=0.0)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -38,18 +39,20 @@ def test_single_process_thread_starts_stops_and_resumes():
     avg = async_model_average(
         _loss, optax.sgd(0.1), jax_bytegrad.make_mesh(1, 4), sync_interval_ms=1
     )
-    w, s = avg.init(jnp.ones(4))
+    state = avg.init(jnp.ones(4))
     for _ in range(5):
-        w, s, _ = avg.step(w, s, jnp.ones((8, 4)))
+        state, _ = avg.step(state, jnp.ones((8, 4)))
     assert avg.round_stats.running
     avg.abort()
     assert not avg.round_stats.running and avg.round_stats.rounds > 0
     avg.resume()
     assert avg.round_stats.running
-    avg.abort()
-    avg.abort()  # idempotent
-    w = avg.average_now(w)  # one process: the mean is itself
+    avg.close()
+    avg.close()  # idempotent
+    assert not avg.round_stats.running
+    w = avg.params(state)  # one process: the mean is itself
     assert w.shape == (4,)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(state.params), rtol=1e-6)
 
 
 @pytest.mark.slow

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_all_equal, requires_gloo
+from conftest import requires_gloo
+from helpers import assert_trees_all_equal
 
 import jax_bytegrad
 from jax_bytegrad._src import autotune as autotune_module

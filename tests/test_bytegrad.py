@@ -113,18 +113,13 @@ def test_awkward_pytree_leaves():
         "empty": jnp.zeros((8, 0, 3), jnp.float16),
         "half": jnp.asarray(rng.standard_normal((8, 5, 3)), jnp.float16),
     }
-    ints = jnp.arange(8 * 3, dtype=jnp.int32).reshape(8, 3)
 
-    def body(t, i):
+    def body(t):
         t = jax.tree.map(lambda x: x[0], t)
-        out, i_out = jax_bytegrad.compressed_mean((t, i[0]), block_size=BLOCK, bucket_bytes=1 << 20)
-        return out, i_out[None]
+        return jax_bytegrad.compressed_mean(t, block_size=BLOCK, bucket_bytes=1 << 20)
 
-    fn = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P(AXES)), out_specs=(P(), P(AXES)))
-    )
-    out, i_out = fn(tree, ints)
-    np.testing.assert_array_equal(np.asarray(i_out), np.asarray(ints))  # untouched, per device
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
+    out = fn(tree)
     for name, leaf in tree.items():
         got = out[name]
         assert got.shape == leaf.shape[1:] and got.dtype == leaf.dtype, name
@@ -132,6 +127,56 @@ def test_awkward_pytree_leaves():
             exact = np.asarray(leaf, np.float64).mean(axis=0)
             spread = np.ptp(np.asarray(leaf, np.float64)) + 1e-3
             np.testing.assert_allclose(np.asarray(got, np.float64), exact, atol=spread / 50)
+
+
+@pytest.mark.parametrize("mean", ["compressed", "full_precision"])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.uint8], ids=str)
+def test_an_integer_leaf_is_refused_by_name(mean, dtype):
+    # Passing it through would hand every device its own value back as if it were the mean.
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    average = {
+        "compressed": jax_bytegrad.compressed_mean,
+        "full_precision": jax_bytegrad.full_precision_mean,
+    }[mean]
+    tree = {"w": jnp.ones((8, 4), jnp.float32), "counts": jnp.ones((8, 3), dtype)}
+
+    def body(t):
+        return average(jax.tree.map(lambda x: x[0], t))
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P())
+    with pytest.raises(ValueError, match=r"leaf \['counts'\] has dtype .*float32, bfloat16"):
+        jax.jit(fn)(tree)
+
+
+def test_bytegrad_refuses_an_integer_gradient_leaf_in_a_train_step():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
+    step = jax_bytegrad.data_parallel_step(lambda p, b: jnp.mean(b @ p["w"]), tx, mesh)
+    state = step.init({"w": jnp.ones(3)})
+    # A user loop that feeds integer "gradients" straight to the transform, as the issue saw.
+    grads = {"w": jnp.arange(3, dtype=jnp.int32)}
+    fn = jax.shard_map(
+        lambda g, s: tx.update(g, s)[0], mesh=mesh, in_specs=(P(), P()), out_specs=P()
+    )
+    with pytest.raises(ValueError, match=r"leaf \['w'\] has dtype int32"):
+        jax.jit(fn)(grads, state.opt_state)
+
+
+def test_float0_gradients_of_integer_params_pass_through():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+
+    def body(w, step_count):
+        loss = lambda p: jnp.sum(p["w"] ** 2)  # the int "count" gets a float0 gradient
+        grads = jax.grad(loss, allow_int=True)({"w": w, "count": step_count})
+        grads["w"] = jax.lax.pcast(grads["w"], AXES, to="varying")
+        out = jax_bytegrad.compressed_mean(grads)
+        seen.append(out["count"].dtype)
+        return out["w"]
+
+    seen = []
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P()))
+    np.testing.assert_allclose(np.asarray(fn(jnp.ones(256), jnp.int32(3))), 2.0, rtol=1e-2)
+    assert seen == [jax.dtypes.float0]
 
 
 def test_stochastic_rounding_runs_and_stays_close():
@@ -183,12 +228,12 @@ def test_missing_axis_name_raises_clear_error():
     "kwargs,match",
     [
         (dict(block_size=100), "block_size must be a power of two"),
-        (dict(bits=2), "bits must be 8 or 4, got 2"),
+        (dict(bits=2), "bits must be one of 8, 4, got 2"),
         (dict(bits=4, block_size=128), "power of two >= 256, got 128"),
         (dict(error_feedback=True), "error_feedback=True keeps residuals per device"),
         (dict(error_feedback=1, mesh=None), "error_feedback must be True or False"),
         (dict(rounding="floor"), "rounding must be"),
-        (dict(bucket_bytes=0), "bucket_bytes must be a positive int or None, got 0"),
+        (dict(bucket_bytes=0), "bucket_bytes must be an int >= 1 or None, got 0"),
         (dict(hierarchical="yes"), "hierarchical must be True or False"),
         (dict(node_axis="x", local_axis="x"), "must differ"),
         (dict(implementation="cuda"), "implementation must be"),

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_all_close, assert_trees_all_equal
+from helpers import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
 from jax_bytegrad import (
@@ -119,8 +119,8 @@ def test_decentralized_matches_numpy_reference(nodes, local, mode, hierarchical,
     state = train.init(jnp.asarray(w0))
     steps = 7
     for _ in range(steps):
-        state, loss = train.step(state, (x, y))
-    assert loss.shape == (devices,)
+        state, metrics = train.step(state, (x, y))
+    assert metrics["loss"].shape == ()  # the mean of the devices' losses
     expected = _reference_dpsgd(
         w0, x, y, nodes=nodes, local=local, mode=mode, hierarchical=hierarchical,
         interval=interval, steps=steps,
@@ -150,10 +150,23 @@ def test_decentralized_sends_no_gradient_all_reduce():
     mesh = jax_bytegrad.make_mesh(2, 4)
     train = decentralized_step(_loss, optax.sgd(LR), mesh, peer_selection_mode="shift_one")
     state = train.init(jnp.zeros(DIM))
-    stats = jax_bytegrad.communication_stats(train.step, state, _data(8))
+    stats = jax_bytegrad.communication_stats(train, state, _data(8))
     # Only the node average (within a node) and ppermutes: no all-reduce across nodes.
     assert any(r.kind == "collective-permute" and r.axes == "node" for r in stats.rows), stats
     assert not [r for r in stats.rows if r.kind == "all-reduce" and "node" in r.axes], stats
+
+
+def test_gossip_and_local_steps_are_programs_of_their_own():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    train = decentralized_step(_loss, optax.sgd(LR), mesh, communication_interval=3)
+    state = train.init(jnp.zeros(DIM))
+    phases = train.communication_stats(state, _data(8))
+    assert set(phases) == {"gossip", "local"}
+    assert phases["gossip"].bytes_on("node") > 0
+    assert phases["local"].bytes_on("node") == 0, phases["local"]
+    for _ in range(4):
+        state, _ = train(state, _data(8))
+    assert train.phase_counts(state) == {"gossip": 2, "local": 2}
 
 
 @pytest.mark.parametrize(
@@ -238,9 +251,11 @@ def test_low_precision_matches_numpy_reference(nodes, local, hierarchical, inter
     )  # fmt: skip
     assert_trees_all_close(np.asarray(state.params), params, rtol=1e-5, atol=1e-5)
     # Device (k, j) holds part j of peer k's ring state.
-    assert_trees_all_close(np.asarray(state.weight).reshape(w.shape), w, rtol=1e-5, atol=1e-5)
     assert_trees_all_close(
-        np.asarray(state.left_peer_weight).reshape(w.shape), left, rtol=1e-5, atol=1e-5
+        np.asarray(state.extra["weight"]).reshape(w.shape), w, rtol=1e-5, atol=1e-5
+    )
+    assert_trees_all_close(
+        np.asarray(state.extra["left_peer_weight"]).reshape(w.shape), left, rtol=1e-5, atol=1e-5
     )
 
 
@@ -262,8 +277,11 @@ def test_low_precision_ring_replicas_stay_bit_identical(hierarchical):
     for _ in range(5):
         batch = jnp.asarray(rng.standard_normal((16, 40)), jnp.float32)
         state, _ = train.step(state, batch)
-    w = np.asarray(state.weight)
-    left, right = np.asarray(state.left_peer_weight), np.asarray(state.right_peer_weight)
+    w = np.asarray(state.extra["weight"])
+    left, right = (
+        np.asarray(state.extra["left_peer_weight"]),
+        np.asarray(state.extra["right_peer_weight"]),
+    )
     if hierarchical:  # peers are nodes; device (k, j) holds part j of node k
         w, left, right = (a.reshape(nodes, local, -1) for a in (w, left, right))
     assert not np.array_equal(w[0], w[1]), "the peers should have drifted apart"
@@ -333,12 +351,11 @@ def test_convergence_on_digits_within_two_points_of_allreduce():
     opt = optax.sgd(0.2, momentum=0.9)
 
     tx = optax.chain(jax_bytegrad.gradient_allreduce(), opt)
-    step = jax_bytegrad.data_parallel_step(_xent, tx, mesh, donate=False)
-    p = jax_bytegrad.replicate(_mlp_init(), mesh)
-    s = jax_bytegrad.replicate(tx.init(_mlp_init()), mesh)
+    step = jax_bytegrad.data_parallel_step(_xent, tx, mesh)
+    state = step.init(_mlp_init())
     for batch in _batches(xtr, ytr, STEPS):
-        p, s, _ = step(p, s, batch)
-    baseline = _accuracy(p, xte, yte)
+        state, _ = step(state, batch)
+    baseline = _accuracy(state.params, xte, yte)
     assert baseline > 0.9, baseline
 
     builders = {

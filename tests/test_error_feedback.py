@@ -239,12 +239,12 @@ def test_data_parallel_step_and_strategy_carry_the_residuals(mesh):
     )
     *_, (want_params, want_state) = run(tx, mesh, 6)
 
-    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
-    params, state = init_params(), tx.init(init_params())
+    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh)
+    train_state = step.init(init_params())
     for t in range(6):
-        params, state, _ = step(params, state, jax_bytegrad.shard_batch(batch(t), mesh))
-    assert_same_on_every_device(params, device_copies(want_params))
-    assert_same_on_every_device(state, device_copies(want_state))
+        train_state, _ = step(train_state, jax_bytegrad.shard_batch(batch(t), mesh))
+    assert_same_on_every_device(train_state.params, device_copies(want_params))
+    assert_same_on_every_device(train_state.opt_state, device_copies(want_state))
 
     strategy = jax_bytegrad.Strategy(
         "bytegrad", mesh=mesh, bits=4, error_feedback=True, block_size=256

@@ -345,8 +345,8 @@ def test_restart_count_and_report_progress(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"max_restarts": -1}, "max_restarts=-1"),
-        ({"max_restarts": 1.5}, "max_restarts=1.5"),
+        ({"max_restarts": -1}, "max_restarts must be an int >= 0 \\(0: no restart\\), got -1"),
+        ({"max_restarts": 1.5}, "max_restarts must be an int >= 0 \\(0: no restart\\), got 1.5"),
         ({"progress_timeout": 0}, "progress_timeout=0"),
     ],
     ids=["negative-restarts", "fractional-restarts", "zero-progress-timeout"],

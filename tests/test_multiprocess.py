@@ -117,3 +117,30 @@ def test_message_split_changes_no_bit_over_gloo(two_process_run):
         assert sorted(whole) == sorted(split)
         for key in whole:
             np.testing.assert_array_equal(split[key], whole[key], err_msg=f"rank {rank} {key}")
+
+
+def test_collectives_inside_lax_cond_do_not_deadlock_under_load():
+    """QAdam's one-program form (both phases' collectives in a lax.cond, the branch flipping
+    every step or two) on 2 processes x 4 devices, while two busy loops load both cores.
+
+    The step builders pick a phase's program on the host instead (one program per phase);
+    this is the form a user's own jit of ``optax.chain(qadam(...))`` compiles to.
+    """
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        env.pop("XLA_FLAGS", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2",
+             "--devices-per-proc", "4", "--timeout", "500", str(SCRIPTS / "cond_worker.py")],
+            cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, timeout=560, text=True,
+        )  # fmt: skip
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] cond OK after 40 steps" in proc.stdout, proc.stdout[-4000:]

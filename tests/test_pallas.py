@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_all_equal
+from helpers import assert_trees_all_equal
 
 from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad._src.codecs import reference as _reference

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import assert_replicas_bit_identical
 from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
@@ -63,12 +64,12 @@ def train(optimizer, *, steps, hidden=32, mesh_shape=(2, 4), batch_size=128):
     mesh = jax_bytegrad.make_mesh(*mesh_shape)
     graphdef, params, rest = nnx.split(MLP(hidden, rngs=nnx.Rngs(0)), nnx.Param, ...)
     step = jax_bytegrad.data_parallel_step(nnx_loss(graphdef, rest), optimizer, mesh, has_aux=True)
-    opt_state = optimizer.init(params)
+    state = step.init(params)
     losses = []
     for batch in batches(steps, batch_size):
-        params, opt_state, loss, _ = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return graphdef, params, rest, losses, step
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return graphdef, state.params, rest, losses, step
 
 
 def held_out_accuracy(graphdef, params, rest):
@@ -77,20 +78,10 @@ def held_out_accuracy(graphdef, params, rest):
     return float(jnp.mean(jnp.argmax(logits, -1) == y))
 
 
-def assert_replicas_bit_identical(tree):
-    for leaf in jax.tree.leaves(tree):
-        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
-        assert len(shards) == 8
-        for other in shards[1:]:
-            np.testing.assert_array_equal(other, shards[0])
-
-
 def test_replicas_bit_identical_after_20_steps():
     tx = optax.chain(jax_bytegrad.bytegrad(block_size=256), optax.adam(1e-2))
     _, params, _, losses, _ = train(tx, steps=20)
-    assert_replicas_bit_identical(params)
+    assert_replicas_bit_identical(params, devices=8)
     assert losses[-1] < losses[0]
 
 
@@ -105,16 +96,16 @@ def test_second_step_does_not_recompile():
     graphdef, params, rest = nnx.split(MLP(32, rngs=nnx.Rngs(0)), nnx.Param, ...)
     tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-2))
     step = jax_bytegrad.data_parallel_step(nnx_loss(graphdef, rest), tx, mesh, has_aux=True)
-    opt_state = tx.init(params)
+    state = step.init(params)
     batches_ = list(batches(3, 128))
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        params, opt_state, loss, _ = step(params, opt_state, batches_[0])
-        float(loss)
+        state, metrics = step(state, batches_[0])
+        float(metrics["loss"])
         after_first = len(compiles)
         for batch in batches_[1:]:
-            params, opt_state, loss, _ = step(params, opt_state, batch)
-            float(loss)
+            state, metrics = step(state, batch)
+            float(metrics["loss"])
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert after_first >= 1  # the first step compiled
@@ -129,7 +120,7 @@ def compiled_stats(tx):
     )
     batch = next(batches(1, 64))
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-    return jax_bytegrad.communication_stats(step, params, tx.init(params), batch), grad_bytes
+    return jax_bytegrad.communication_stats(step, step.init(params), batch), grad_bytes
 
 
 def test_bytegrad_step_has_no_float32_gradient_all_reduce():
@@ -156,7 +147,7 @@ def test_unsynchronized_optimizer_raises_clear_error():
     mesh = jax_bytegrad.make_mesh(2, 4)
     step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.sum(b @ w), optax.sgd(0.1), mesh)
     with pytest.raises(ValueError, match="put jax_bytegrad.bytegrad\\(\\)"):
-        step(jnp.ones(3), optax.sgd(0.1).init(jnp.ones(3)), jnp.ones((8, 3)))
+        step(step.init(jnp.ones(3)), jnp.ones((8, 3)))
 
 
 def test_batch_that_does_not_split_raises_clear_error():
@@ -164,7 +155,7 @@ def test_batch_that_does_not_split_raises_clear_error():
     tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
     step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.sum(b @ w), tx, mesh)
     with pytest.raises(ValueError, match=r"leading dimension must be a multiple of the 8"):
-        step(jnp.ones(3), tx.init(jnp.ones(3)), jnp.ones((12, 3)))
+        step(step.init(jnp.ones(3)), jnp.ones((12, 3)))
 
 
 def test_data_parallel_step_rejects_unknown_axis():
@@ -182,7 +173,8 @@ def test_plain_pytree_params_and_loss_is_device_mean():
     )
     params = {"w": jnp.ones((4, 1)), "b": jnp.zeros((1, 1))}
     batch = jnp.asarray(np.random.default_rng(0).standard_normal((16, 4)), jnp.float32)
-    new_params, _, loss = step(params, tx.init(params), batch)
+    state, metrics = step(step.init(params), batch)
+    new_params, loss = state.params, metrics["loss"]
     exact_loss, grads = jax.value_and_grad(lambda p: jnp.mean((batch @ p["w"] + p["b"]) ** 2))(
         params
     )
@@ -221,7 +213,7 @@ def test_nnx_optimizer_in_a_hand_written_shard_map_step():
     for batch in batches(30, 128, seed=1):
         state = step(state, batch)
     assert full_loss(state) < 0.7 * before
-    assert_replicas_bit_identical(state)
+    assert_replicas_bit_identical(state, devices=8)
 
 
 @pytest.mark.slow
@@ -252,7 +244,7 @@ def test_make_mesh_shapes(args, shape):
     [
         ((3, 4), "needs 12 devices, but only 8"),
         ((3, 4), r'jax.config.update\("jax_num_cpu_devices", 12\)'),
-        ((0, 2), "positive int"),
+        ((0, 2), "num_nodes must be an int >= 1"),
         ((3,), "do not split"),
     ],
     ids=["count", "how-to-get-cpu-devices", "positive", "split"],
@@ -262,16 +254,36 @@ def test_make_mesh_errors(args, match):
         jax_bytegrad.make_mesh(*args)
 
 
-def test_step_runs_inside_a_callers_jit():
-    # XLA takes compiler options on a top-level jit only; nested, the step is inlined.
+def test_the_sharded_step_runs_inside_a_callers_jit():
+    # step.sharded(...) is the same step un-jitted: one program of the caller's own.
     mesh = jax_bytegrad.make_mesh(2, 4)
     tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
     step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh, donate=False)
-    w = jnp.ones(3)
+    state = step.init(jnp.ones(3))
     batch = jnp.ones((8, 3))
-    direct = step(w, tx.init(w), batch)
-    nested = jax.jit(step)(w, tx.init(w), batch)
-    np.testing.assert_array_equal(np.asarray(direct[0]), np.asarray(nested[0]))
+    direct, _ = step(state, batch)
+    nested = jax.jit(step.sharded(state.opt_state))(state.params, state.opt_state, batch)
+    np.testing.assert_array_equal(np.asarray(direct.params), np.asarray(nested[0]))
+
+
+def test_one_optimizer_per_phase_picked_on_the_host():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    sgd = {
+        "slow": optax.chain(jax_bytegrad.gradient_allreduce(), optax.sgd(0.1)),
+        "fast": optax.chain(jax_bytegrad.gradient_allreduce(), optax.sgd(1.0)),
+    }
+    step = jax_bytegrad.data_parallel_step(
+        lambda w, b: jnp.mean(b @ w), sgd, mesh, phase_of=lambda i: "slow" if i < 2 else "fast"
+    )
+    state = step.init(jnp.zeros(3))
+    batch = jnp.ones((8, 3))
+    for _ in range(3):
+        state, _ = step(state, batch)
+    np.testing.assert_allclose(np.asarray(state.params), -(0.1 + 0.1 + 1.0) * np.ones(3))
+    assert step.phase_counts(state) == {"slow": 2, "fast": 1}
+    assert set(step.communication_stats(state, batch)) == {"slow", "fast"}
+    with pytest.raises(ValueError, match="phase_of=..."):
+        jax_bytegrad.data_parallel_step(lambda w, b: 0.0, sgd, mesh)
 
 
 def test_batch_splits_over_node_and_local_only_on_a_mesh_with_another_axis():
@@ -282,11 +294,11 @@ def test_batch_splits_over_node_and_local_only_on_a_mesh_with_another_axis():
     )
     tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
     step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh, donate=False)
-    w = jnp.ones(3)
-    _, _, loss = step(w, tx.init(w), jnp.ones((4, 3)))  # 4 rows: one per (node, local) pair
-    assert float(loss) == 3.0
+    state = step.init(jnp.ones(3))
+    _, metrics = step(state, jnp.ones((4, 3)))  # 4 rows: one per (node, local) pair
+    assert float(metrics["loss"]) == 3.0
     with pytest.raises(ValueError, match="multiple of the 4 devices"):
-        step(w, tx.init(w), jnp.ones((6, 3)))
+        step(state, jnp.ones((6, 3)))
 
 
 def test_shard_batch_that_does_not_split_raises_clear_error():
@@ -295,19 +307,44 @@ def test_shard_batch_that_does_not_split_raises_clear_error():
         jax_bytegrad.shard_batch({"x": np.ones((12, 3), np.float32)}, mesh)
 
 
-def test_reusing_donated_params_names_donation():
-    # Comparing two optimizers from the same initial params: the first step consumed them.
+def test_reusing_a_donated_state_names_donation():
+    # Comparing two runs from the same state: the first step consumed its buffers.
     mesh = jax_bytegrad.make_mesh(2, 4)
     tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
     step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh)
-    params = jax_bytegrad.replicate(np.ones(3, np.float32), mesh)
-    step(params, tx.init(params), jnp.ones((8, 3)))
+    state = step.init(np.ones(3, np.float32))
+    step(state, jnp.ones((8, 3)))
     with pytest.raises(ValueError, match=r"was deleted: the step donates.*donate=False"):
-        step(params, tx.init(jnp.ones(3)), jnp.ones((8, 3)))
+        step(state, jnp.ones((8, 3)))
     keep = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh, donate=False)
-    params = jax_bytegrad.replicate(np.ones(3, np.float32), mesh)
-    keep(params, tx.init(params), jnp.ones((8, 3)))
-    assert not params.is_deleted()
+    state = keep.init(np.ones(3, np.float32))
+    keep(state, jnp.ones((8, 3)))
+    assert not state.params.is_deleted()
+
+
+def test_init_does_not_alias_the_callers_params():
+    # device_put of a host array may share its buffer; a donating step must not consume it.
+    mesh = jax_bytegrad.make_mesh(1, 1)
+    step = jax_bytegrad.data_parallel_step(
+        lambda w, b: jnp.mean(b @ w), optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1)), mesh
+    )
+    params = jnp.ones(3)
+    step(step.init(params), jnp.ones((8, 3)))
+    np.testing.assert_array_equal(np.asarray(params), np.ones(3))
+
+
+def test_error_feedback_residuals_are_born_sharded():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    tx = optax.chain(
+        jax_bytegrad.bytegrad(bits=4, error_feedback=True, mesh=mesh, block_size=256),
+        optax.sgd(0.1),
+    )
+    step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.mean(b @ w), tx, mesh)
+    state = step.init(jnp.ones(1000))
+    send, mean = state.opt_state[0].residuals[0]
+    assert send.sharding.spec == P(AXES) and mean.sharding.spec == P(AXES)
+    assert {s.data.shape for s in send.addressable_shards} == {(send.size // 8,)}
+    assert state.params.sharding.spec == P()
 
 
 # A user's script: 8 CPU devices asked for in code, no environment set up, and a loop that
@@ -331,13 +368,14 @@ def loss_fn(p, batch):
 
 tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-3))
 step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh)
-opt_state = tx.init(params)
+state = step.init(params)
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 784)).astype(np.float32)
 y = rng.integers(0, 10, 256).astype(np.int32)
 first = None
 for i in range(200):
-    params, opt_state, loss = step(params, opt_state, (x, y))
+    state, metrics = step(state, (x, y))
+    loss = metrics["loss"]
     first = loss if first is None else first
 print("losses", float(first), float(loss))
 """

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_all_close, assert_trees_all_equal
+from helpers import JitStep, assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
 from jax_bytegrad import ScaleByQAdamState, qadam, refresh_steps, scale_by_qadam
@@ -69,7 +69,7 @@ def run(mesh, tx, batches, *, params=None, state=None, loss=loss_fn, step=None, 
     """
     if params is None:
         params, state = jax_bytegrad.replicate((init_params(), tx.init(init_params())), mesh)
-    step = jax_bytegrad.data_parallel_step(loss, tx, mesh, donate=False) if step is None else step
+    step = JitStep(loss, tx, mesh) if step is None else step
     history = []
     for batch in batches:
         params, state, _ = step(params, state, jax_bytegrad.shard_batch(batch, mesh))
@@ -91,8 +91,8 @@ def assert_replicas_identical(tree):
 
 
 def compilations(step) -> int:
-    """Entries in the jit cache of a ``data_parallel_step`` (which may wrap its jit)."""
-    return getattr(step, "jitted", step)._cache_size()
+    """Programs built by a ``JitStep`` so far."""
+    return step.compiles
 
 
 def qadam_state(opt_state) -> ScaleByQAdamState:
@@ -204,8 +204,7 @@ def compile_step(mesh, tx):
     params = jax_bytegrad.replicate(init_params(), mesh)
     state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
     batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
-    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
-    return step.lower(params, state, batch).compile()
+    return JitStep(loss_fn, tx, mesh).lower(params, state, batch).compile()
 
 
 @pytest.fixture(scope="module", params=[None, 2], ids=["frozen-nu", "nu-refresh"])
@@ -298,6 +297,22 @@ def test_refresh_adds_no_collective_to_the_step(mesh, growth):
     )
     assert refresh.rows == frozen.rows
     assert refresh.bytes_on("node") == frozen.bytes_on("node") > 0
+
+
+def test_phase_programs_train_as_the_one_program_form(mesh):
+    """The Strategy's QAdam runs one program per phase, picked on the host; the optax form
+    runs both phases in one program under a lax.cond. Same steps, same state."""
+    batches = make_batches(12)
+    kwargs = dict(warmup_steps=4, nu_refresh_interval=3, nu_refresh_growth=1.0, weight_decay=0.01)
+    params, state, _, _ = run(mesh, qadam(1e-2, **kwargs), batches)
+    strategy = jax_bytegrad.Strategy("qadam", mesh=mesh, learning_rate=1e-2, **kwargs)
+    with strategy.train_step(loss_fn) as step:
+        train = step.init(init_params())
+        for batch in batches:
+            train, _ = step(train, batch)
+        assert step.phase_counts(train) == {"warmup": 6, "compressed": 6}  # t = 1-4, 7, 10
+    assert int(qadam_state(train.opt_state).count) == 12
+    assert_trees_all_close((train.params, train.opt_state), (params, state), rtol=1e-6, atol=1e-7)
 
 
 # --- replicas, decay, schedule, no recompilation -----------------------------------------
@@ -464,7 +479,7 @@ def test_warmup_steps_is_required_and_positive():
 )
 def test_chaining_after_an_averaging_transform_raises(mesh, first):
     tx = optax.chain(first(), qadam(1e-2, warmup_steps=5))
-    step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
+    step = JitStep(loss_fn, tx, mesh)
     params = jax_bytegrad.replicate(init_params(), mesh)
     state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
     batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)

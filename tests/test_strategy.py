@@ -1,4 +1,4 @@
-"""Tests for the one entry point (jax_bytegrad/strategy.py)."""
+"""Tests for the one entry point, the registry of algorithms (jax_bytegrad/_src/strategy.py)."""
 
 import inspect
 
@@ -8,11 +8,12 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import assert_trees_all_close, assert_trees_all_equal
+from helpers import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
 from jax_bytegrad import decentralized_step
-from jax_bytegrad._src import transforms
+from jax_bytegrad._src import strategy as strategy_lib
+from jax_bytegrad.experimental import async_model_average
 
 BATCH = 32
 
@@ -111,12 +112,11 @@ def test_same_result_as_the_builders_it_wraps():
     state = step.init(_params())
     tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-2))
     dp = jax_bytegrad.data_parallel_step(_loss, tx, mesh, has_aux=True, donate=False)
-    params = jax_bytegrad.replicate(_params(), mesh)
-    opt_state = tx.init(params)
+    raw = dp.init(_params())
     for batch in batches:
         state, _ = step(state, batch)
-        params, opt_state, _, _ = dp(params, opt_state, jax_bytegrad.shard_batch(batch, mesh))
-    assert_trees_all_equal(step.params(state), params)
+        raw, _ = dp(raw, jax_bytegrad.shard_batch(batch, mesh))
+    assert_trees_all_equal(step.params(state), raw.params)
 
     dec = jax_bytegrad.Strategy("decentralized", mesh=mesh, hierarchical=False)
     dstep = dec.train_step(_loss, optax.sgd(0.1), has_aux=True)
@@ -125,7 +125,7 @@ def test_same_result_as_the_builders_it_wraps():
     raw = train.init(_params())
     for batch in batches:
         dstate, _ = dstep(dstate, batch)
-        raw = train.step(raw, jax_bytegrad.shard_batch(batch, mesh))[0]
+        raw, _ = train.step(raw, jax_bytegrad.shard_batch(batch, mesh))
     assert_trees_all_equal(dstate.params, raw.params)
 
 
@@ -142,34 +142,43 @@ def test_unknown_kwarg_lists_the_valid_ones(name):
         assert valid in str(info.value)
 
 
-def test_valid_kwargs_come_from_the_builders_signatures():
-    supplied = {"loss_fn", "optimizer", "mesh", "has_aux"}  # the strategy's own arguments
-    bytegrad = set(inspect.signature(jax_bytegrad.bytegrad).parameters)
-    step = set(inspect.signature(jax_bytegrad.data_parallel_step).parameters)
-    assert set(jax_bytegrad.valid_kwargs("bytegrad")) == (bytegrad | step) - supplied
+# The function whose keyword arguments each algorithm's settings are, beside the step's.
+BUILDERS = {
+    "gradient_allreduce": (jax_bytegrad.gradient_allreduce, jax_bytegrad.data_parallel_step),
+    "bytegrad": (jax_bytegrad.bytegrad, jax_bytegrad.data_parallel_step),
+    "qadam": (jax_bytegrad.qadam, jax_bytegrad.data_parallel_step),
+    "decentralized": (jax_bytegrad.decentralized_step,),
+    "low_precision_decentralized": (jax_bytegrad.low_precision_decentralized_step,),
+    "async": (async_model_average,),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
+def test_the_registry_matches_the_builders_keyword_arguments_and_defaults(name):
+    # The registry lists each setting and default once; the builders' signatures must agree.
+    supplied = {"loss_fn", "optimizer", "mesh", "has_aux", "flatten", "phase", "phase_of"}
+    settings = strategy_lib.REGISTRY[name].settings
+    signature = {}
+    for builder in BUILDERS[name]:
+        for p in inspect.signature(builder).parameters.values():
+            if p.name not in supplied:
+                signature.setdefault(p.name, p.default)
+    assert set(settings) == set(signature)
+    for setting, default in settings.items():
+        want = (
+            strategy_lib.REQUIRED
+            if signature[setting] is inspect.Parameter.empty
+            else (signature[setting])
+        )
+        assert default is want or default == want, (setting, default, want)
+    assert set(strategy_lib.tunable_settings(name)) <= set(settings)
+
+
+def test_valid_kwargs_of_each_algorithm():
     assert "sync_interval_ms" in jax_bytegrad.valid_kwargs("async")
     assert "communication_interval" in jax_bytegrad.valid_kwargs("low_precision_decentralized")
     assert "sync_interval_ms" not in jax_bytegrad.valid_kwargs("bytegrad")
-
-
-def test_a_new_builder_argument_flows_through(monkeypatch):
-    # A keyword argument added to bytegrad() later reaches it with no change to strategy.py.
-    seen = {}
-    original = transforms.bytegrad
-
-    def bytegrad_with_option(*, new_option=None, **kwargs):
-        seen["new_option"] = new_option
-        return original(**kwargs)
-
-    bytegrad_with_option.__signature__ = inspect.signature(original).replace(
-        parameters=[
-            *inspect.signature(original).parameters.values(),
-            inspect.Parameter("new_option", inspect.Parameter.KEYWORD_ONLY, default=None),
-        ]
-    )
-    monkeypatch.setattr(transforms, "bytegrad", bytegrad_with_option)
-    jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), new_option=7)
-    assert seen == {"new_option": 7}
+    assert "wire" in jax_bytegrad.valid_kwargs("qadam")
 
 
 def test_bad_values_are_rejected_at_construction():
@@ -198,12 +207,12 @@ def test_qadam_traffic_per_phase():
     assert set(phases) == {"warmup", "compressed"}
     assert {r.dtype for r in phases["warmup"].rows if r.axes == "node"} == {"f32"}
     assert "u8" in {r.dtype for r in phases["compressed"].rows if r.axes == "node"}
-    whole = jax_bytegrad.communication_stats(step.lower(state, batch), mesh=mesh)
-    # The phases add up to the one program, but for the means of the loss and the accuracy
-    # (two float32 scalars all-reduced over the 8 devices), which both stand-ins carry too.
-    metric_means = 2 * 7 / 8 * (2 * 4)
-    total = phases["warmup"].bytes_on("node") + phases["compressed"].bytes_on("node")
-    assert total - metric_means == whole.bytes_on("node")
+    # Each phase is its own program: the warm-up sends no codes, the compressed phase no
+    # float32 gradient between nodes (only the loss and accuracy means, two scalars).
+    assert "u8" not in {r.dtype for r in phases["warmup"].rows}
+    compressed_f32 = [r for r in phases["compressed"].rows if r.dtype == "f32" and "node" in r.axes]
+    assert sum(r.payload_bytes for r in compressed_f32) == 2 * 4, phases["compressed"]
+    assert not phases["warmup"].branches and not phases["compressed"].branches  # no lax.cond
     for batch in _batches(3):
         state, _ = step(state, batch)
     assert step.phase_counts(state) == {"warmup": 2, "compressed": 1}
@@ -211,9 +220,8 @@ def test_qadam_traffic_per_phase():
 
 def test_async_averages_from_init_until_close():
     step = _strategy("async").train_step(_loss, optax.adam(1e-2), has_aux=True)
-    averager = step._avg
     state = step.init(_params())
-    assert averager.round_stats.running  # started by init, before any step
+    assert step.round_stats.running  # started by init, before any step
     state, _ = step(state, _batches(1)[0])
     phases = step.communication_stats(state, _batches(1)[0])
     assert set(phases) == {"step", "averaging"}
@@ -222,9 +230,9 @@ def test_async_averages_from_init_until_close():
         step.params(state)
     with step:
         pass
-    assert not averager.round_stats.running
-    assert averager.round_stats.rounds >= 1
-    assert step.phase_counts(state) == {"step": 1, "averaging": averager.round_stats.rounds}
+    assert not step.round_stats.running
+    assert step.round_stats.rounds >= 1
+    assert step.phase_counts(state) == {"step": 1, "averaging": step.round_stats.rounds}
     step.close()  # again: nothing to do
     model = step.params(state)
     assert model["w1"].sharding.mesh.shape == step.mesh.shape

@@ -35,8 +35,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from jax_bytegrad._src import buckets
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import buckets, checks
 from jax_bytegrad._src import strategy as strategy_lib
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
@@ -46,20 +45,6 @@ MESSAGE_BYTES = (64 * 2**10, 128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20, 4 * 2
 BUCKET_BYTES = (4 * 2**20, 16 * 2**20, 32 * 2**20, 128 * 2**20, None)
 HIERARCHICAL = (True, False)
 
-# The settings each algorithm may tune: those that change how bytes travel, not the average
-# they arrive at (beyond the documented quantization bound). In search order: what shapes the
-# exchanges (buckets, hierarchy) before how each exchange is cut into messages, whose best
-# size depends on the exchange. The decentralized pair's
-# `hierarchical` changes who averages with whom, so it is not among them; async's interval
-# changes how stale the models are.
-_TUNABLE = {
-    "gradient_allreduce": ("hierarchical",),
-    "bytegrad": ("bucket_bytes", "hierarchical", "message_bytes"),
-    "qadam": ("bucket_bytes", "hierarchical", "message_bytes"),
-    "decentralized": ("message_bytes",),
-    "low_precision_decentralized": ("message_bytes",),
-    "async": (),
-}
 _VALUES = {
     "message_bytes": MESSAGE_BYTES,
     "bucket_bytes": BUCKET_BYTES,
@@ -73,7 +58,7 @@ _VALUES = {
 def _default_space(strat) -> dict[str, tuple]:
     local_axis = strat.kwargs.get("local_axis", "local")
     space = {}
-    for name in _TUNABLE[strat.algorithm]:
+    for name in strategy_lib.tunable_settings(strat.algorithm):
         if name == "hierarchical" and strat.mesh.shape[local_axis] == 1:
             continue  # one device per node: both forms run the same program
         if name in strat.kwargs:
@@ -391,9 +376,9 @@ def autotune(
             "autotune: async has no setting that changes only speed (sync_interval_ms "
             "changes how stale the models are); tune the others, or pick the interval by hand"
         )
-    _checks.int_at_least(max_trials, 1, "max_trials", "autotune")
-    _checks.int_at_least(steps_per_trial, 1, "steps_per_trial", "autotune")
-    _checks.int_at_least(warmup_steps, 0, "warmup_steps", "autotune")
+    checks.integer(max_trials, "max_trials", "autotune")
+    checks.integer(steps_per_trial, "steps_per_trial", "autotune")
+    checks.integer(warmup_steps, "warmup_steps", "autotune", minimum=0)
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
     space = _distinct_buckets(strategy, params, space, start)

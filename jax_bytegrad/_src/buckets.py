@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout
     """
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
     dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in leaves)
-    bucketed = tuple(dtype in _checks.FLOAT_DTYPES for dtype in dtypes)
+    bucketed = tuple(dtype in checks.FLOAT_DTYPES for dtype in dtypes)
     limit = None if bucket_bytes is None else bucket_bytes // 4
     buckets, current, size = [], [], 0
     for i, (shape, is_float) in enumerate(zip(shapes, bucketed, strict=True)):

@@ -46,8 +46,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks as _checks
-from jax_bytegrad._src.decentralized import consensus_params
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.steps.decentralized import consensus_params
 
 # Private helpers ----------------------------------------------------------------------------------
 
@@ -132,8 +132,8 @@ class Checkpointer:
     def __init__(
         self, directory: str | Path, *, every: int, keep: int = 3, async_save: bool = True
     ):
-        _checks.whole_number(every, "every", "Checkpointer")
-        _checks.whole_number(keep, "keep", "Checkpointer")
+        checks.integer(every, "every", "Checkpointer")
+        checks.integer(keep, "keep", "Checkpointer")
         ocp = _ocp()
         self.directory = Path(directory).absolute()
         self.every = every
@@ -302,7 +302,7 @@ def average_replicas(per_device, num_devices: int):
       >>> average_replicas({"w": np.array([[1.0], [3.0]], np.float32)}, 4)["w"].ravel().tolist()
       [2.0, 2.0, 2.0, 2.0]
     """
-    _checks.whole_number(num_devices, "num_devices", "average_replicas")
+    checks.integer(num_devices, "num_devices", "average_replicas")
     for leaf in jax.tree.leaves(per_device):
         if np.ndim(leaf) == 0:
             raise ValueError(

@@ -5,6 +5,8 @@ Every public factory validates its arguments when it is built, as optax does, an
 pass instead. The checks that more than one module needs live here, once.
 """
 
+import math
+import numbers
 import socket
 
 import jax
@@ -37,35 +39,54 @@ def varying_axes(x) -> frozenset:
     return frozenset(vma)
 
 
-def positive_int(value, name: str, where: str, *, or_none: bool = False, why: str = "") -> None:
-    """Raises unless ``value`` is an int >= 1 (or None, with ``or_none``).
-
-    ``why`` is added after "positive int" to say what the number means.
-    """
+def integer(
+    value,
+    name: str,
+    where: str,
+    *,
+    minimum: int = 1,
+    maximum: int | None = None,
+    or_none: bool = False,
+    why: str = "",
+) -> int | None:
+    """Returns ``value`` as an int; raises unless it is an int in range (or None, with
+    ``or_none``). ``why`` follows the rule in the message, to say what the number means."""
     if or_none and value is None:
-        return
-    if not is_int(value) or value < 1:
-        allowed = "a positive int or None" if or_none else "a positive int"
-        raise ValueError(f"{where}: {name} must be {allowed}{why}, got {value!r}")
-
-
-def int_at_least(value, low: int, name: str, where: str) -> int:
-    """Returns ``value`` as an int; raises unless it is an int >= ``low``."""
-    if not is_int(value) or value < low:
-        raise ValueError(f"{where}: {name} must be an int >= {low}, got {value!r}")
+        return None
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        rule = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
+        rule += " or None" if or_none else ""
+        raise ValueError(f"{where}: {name} must be {rule}{why}, got {value!r}")
     return int(value)
 
 
-def whole_number(value, name: str, where: str, minimum: int = 1, hint: str = "") -> None:
-    """Raises unless ``value`` is an int >= ``minimum``; the message shows ``name=value``."""
-    if not is_int(value) or value < minimum:
-        raise ValueError(f"{where}: {name}={value!r} must be a whole number >= {minimum}{hint}")
+def real(
+    value,
+    name: str,
+    where: str,
+    *,
+    minimum: float,
+    below: float | None = None,
+    why: str = "",
+) -> float:
+    """Returns ``value`` as a float; raises unless it is a finite real >= ``minimum`` (and
+    < ``below``). NaN, inf and bools are refused."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    ok = ok and math.isfinite(value) and value >= minimum and (below is None or value < below)
+    if not ok:
+        rule = f"a float >= {minimum:g}"
+        if below is not None:
+            rule = f"a float in [{minimum:g}, {below:g})"
+        raise ValueError(f"{where}: {name} must be {rule}{why}, got {value!r}")
+    return float(value)
 
 
-def non_negative_int(value, name: str, where: str) -> None:
-    """Raises unless ``value`` is an int >= 0."""
-    if not is_int(value) or value < 0:
-        raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
+def one_of(value, options, name: str, where: str) -> None:
+    """Raises unless ``value`` is one of ``options`` (of the same kind: 8.0 is not 8)."""
+    same_kind = isinstance(value, str) if isinstance(options[0], str) else is_int(value)
+    if not same_kind or value not in options:
+        allowed = ", ".join(repr(option) for option in options)
+        raise ValueError(f"{where}: {name} must be one of {allowed}, got {value!r}")
 
 
 def boolean(value, name: str, where: str) -> None:

@@ -14,7 +14,7 @@ Codes are 8 bits (Bagua's ByteGrad) or 4 bits packed two per byte (as ZeRO++'s q
 gradients). With error feedback (as in 1-bit Adam's worker and server errors), each device
 keeps what its two compressions failed to send, its share of the node's sum before the
 all_to_all and its averaged chunk before the requantize, and adds it to the next step's
-value at the same point; ``init_residuals`` sizes that state.
+value at the same point; ``residual_sizes`` sizes that state.
 
 Every device decodes the same codes, so all replicas end bit-identical. No ``psum`` ever
 runs on integer codes (it would wrap around), and no device gathers all n quantized
@@ -34,33 +34,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import checks as _checks
-from jax_bytegrad._src.quantization import (
-    HEADER_WIDTH,
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.config import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MESSAGE_BYTES,
     Bits,
     Implementation,
+    Residuals,
     Rounding,
+    SyncConfig,
+    Wire,
+)
+from jax_bytegrad._src.quantization import (
+    HEADER_WIDTH,
     average_blocks,
     average_requantize,
-    check_bits,
-    check_block_size,
     check_key,
-    check_rounding,
     dequantize_blocks,
     quantize_blocks,
     quantize_with_feedback,
     resolve_implementation,
 )
-
-# Big enough that each collective runs at link speed, small enough that a 25M-parameter
-# model gets a few buckets whose communication XLA can overlap with the next one's quantize.
-DEFAULT_BUCKET_BYTES = 32 * 2**20
-
-# Bytes per message of the exchanges between nodes (codes, per peer). Through XLA's Gloo
-# collectives one large message per peer moves at about half the link rate; smaller ones move
-# faster, and let each message's quantize and decode run while another is on the wire. 256 KiB
-# gave the fastest sync at 2 hosts (benchmarks/RESULTS.md, "Line rate"). None: one per peer.
-DEFAULT_MESSAGE_BYTES = 256 * 2**10
 
 
 def _mesh_axis_names() -> tuple[str, ...]:
@@ -189,33 +183,21 @@ def _compressed_piece(x, residual, *, group, gather_group, weight, key, codec):
     return decoded.reshape(peers, blocks, block_size), residual
 
 
-def _compressed_sum_flat(
-    x,
-    *,
-    node_axis,
-    local_axis,
-    n,
-    local,
-    hierarchical,
-    weight,
-    block_size,
-    key,
-    codec,
-    message_bytes,
-    residual,
-):
+def _compressed_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
 
     Returns the reduced bucket and the new residuals (None without error feedback; see
-    ``init_residuals`` for their shapes).
+    ``residual_sizes`` for their shapes).
 
-    ``n`` and ``local`` are the sizes of ``node_axis`` and ``local_axis``. Between nodes the
+    ``n`` and ``local`` are the sizes of the node and local axes. Between nodes the
     bucket goes as independent pieces of ``message_bytes`` of codes per peer. XLA runs the
     collectives one at a time, in program order, but a piece's quantize, average and decode
     only wait for their own data, so they can run while other pieces are on the wire, as far
     as free cores allow (docs/performance.md). Blocks are coded independently, so with
     nearest rounding the result does not depend on the split.
     """
+    node_axis, local_axis = config.axes
+    block_size, hierarchical = config.block_size, config.hierarchical
     if hierarchical:
         group, group_size = node_axis, n
         if local > 1:
@@ -247,7 +229,7 @@ def _compressed_sum_flat(
                 codec=codec,
             )
             for i, blocks in enumerate(
-                message_slices(x.shape[1], block_size * codec["bits"] // 8, message_bytes)
+                message_slices(x.shape[1], block_size * config.bits // 8, config.message_bytes)
             )
         ]
         x = jnp.concatenate([decoded for decoded, _ in pieces], axis=1).reshape(-1)
@@ -261,16 +243,7 @@ def _compressed_sum_flat(
     return x, residual
 
 
-def residual_sizes(
-    tree,
-    *,
-    num_nodes: int,
-    devices_per_node: int,
-    hierarchical: bool = True,
-    bits: Bits = 8,
-    block_size: int | None = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-) -> tuple[tuple[int, int], ...]:
+def residual_sizes(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> tuple:
     """Per-device residual lengths of error feedback, one (send, mean) pair per bucket.
 
     ``send`` holds what the first compression left unsent: the device's share of its node's
@@ -280,49 +253,123 @@ def residual_sizes(
 
     Args:
       tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``), as one device has it.
-      num_nodes: size of the node axis.
-      devices_per_node: size of the local axis.
-      hierarchical, bits, block_size, bucket_bytes: as given to ``compressed_mean``.
+      config: the sync's settings.
+      mesh_shape: (nodes, devices per node).
 
     Returns:
       One (send, mean) pair of per-device lengths per bucket.
 
-    Raises:
-      ValueError: for a bad ``block_size``.
-
     Examples:
       >>> import jax.numpy as jnp
-      >>> residual_sizes({"w": jnp.ones(1000)}, num_nodes=2, devices_per_node=4, bits=4)
+      >>> from jax_bytegrad import SyncConfig
+      >>> residual_sizes({"w": jnp.ones(1000)}, SyncConfig(bits=4), (2, 4))
       ((1024, 512),)
     """
-    block_size = check_block_size(block_size, "residual_sizes", bits)
-    leaves = jax.tree.leaves(tree)
+    nodes, per_node = mesh_shape
     layout = bucketing.make_layout(
-        leaves, bucket_bytes=bucket_bytes, granularity=num_nodes * devices_per_node * block_size
+        jax.tree.leaves(tree),
+        bucket_bytes=config.bucket_bytes,
+        granularity=nodes * per_node * config.block_size,
     )
-    group_size = num_nodes if hierarchical else num_nodes * devices_per_node
+    group_size = nodes if config.hierarchical else nodes * per_node
     sizes = []
     for padded in layout.padded_sizes:
-        send = padded // devices_per_node if hierarchical else padded
+        send = padded // per_node if config.hierarchical else padded
         sizes.append((0, 0) if group_size == 1 else (send, send // group_size))
     return tuple(sizes)
 
 
-def init_residuals(tree, **kwargs) -> tuple[tuple[jax.Array, jax.Array], ...]:
-    """Zero residuals for ``compressed_mean(..., residuals=...)``, as one device holds them.
+def mesh_residuals(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> Residuals:
+    """Zero residuals of every device, for an optimizer state that is placed on the mesh.
 
-    Args:
-      tree: the gradient pytree, as one device has it.
-      **kwargs: the other arguments of ``residual_sizes``, with the settings that
-        ``compressed_mean`` will get.
-
-    Returns:
-      One (send, mean) pair of zero float32 vectors per bucket.
+    Each vector is the concatenation of every device's own residual in mesh order; the
+    state's ``shard_map`` specs (``sharding.state_specs``) give each device its slice.
     """
-    return tuple(
-        (jnp.zeros(send, jnp.float32), jnp.zeros(mean, jnp.float32))
-        for send, mean in residual_sizes(tree, **kwargs)
+    devices = mesh_shape[0] * mesh_shape[1]
+    return Residuals(
+        (jnp.zeros(devices * send, jnp.float32), jnp.zeros(devices * mean, jnp.float32))
+        for send, mean in residual_sizes(tree, config, mesh_shape)
     )
+
+
+def _check_leaves(leaves, paths, where: str) -> None:
+    """Raises for an integer or bool leaf: it cannot be averaged, and passing it on would
+    hand every device its own value back as if it were the mean."""
+    for leaf, path in zip(leaves, paths, strict=True):
+        dtype = jnp.dtype(leaf.dtype)
+        if dtype not in checks.FLOAT_DTYPES and dtype != jax.dtypes.float0:
+            raise ValueError(
+                f"{where}: leaf {jax.tree_util.keystr(path)} has dtype {dtype}; only float32, "
+                "bfloat16 and float16 leaves can be averaged. Keep integer state out of the "
+                "gradients (jax.grad of an integer parameter gives float0, which passes)"
+            )
+
+
+def _check_residuals(residuals, leaves, config: SyncConfig, mesh_shape, where: str) -> None:
+    want = residual_sizes(leaves, config, mesh_shape)
+    try:
+        got = tuple((int(send.size), int(mean.size)) for send, mean in residuals)
+    except (TypeError, ValueError, AttributeError):
+        got = None
+    if got != want:
+        raise ValueError(
+            f"{where}: residuals of per-device sizes {got} do not fit this tree on a "
+            f"{mesh_shape[0]} x {mesh_shape[1]} mesh, which needs {want}; start from the "
+            "optimizer's init (or residual_sizes) with the same settings"
+        )
+
+
+def sync_mean(
+    tree,
+    config: SyncConfig,
+    *,
+    average: bool = True,
+    key: jax.Array | None = None,
+    residuals: Residuals | None = None,
+    where: str = "compressed_mean",
+):
+    """``compressed_mean`` over a validated ``SyncConfig``: what the transforms call.
+
+    Returns the mean (or sum) pytree; with ``residuals``, the pair (mean, new residuals).
+    """
+    check_key(config.stochastic, key, where)
+    if config.wire != "scatter_gather":
+        raise NotImplementedError(f"{where}: wire={config.wire!r} is not available yet")
+    codec = dict(
+        stochastic=config.stochastic,
+        bits=config.bits,
+        implementation=resolve_implementation(config.implementation),
+    )
+    n, local = axis_sizes(config.node_axis, config.local_axis, where)
+    paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
+    paths = [path for path, _ in paths_and_leaves]
+    leaves = [leaf for _, leaf in paths_and_leaves]
+    _check_leaves(leaves, paths, where)
+    layout = bucketing.make_layout(
+        leaves, bucket_bytes=config.bucket_bytes, granularity=n * local * config.block_size
+    )
+    if residuals is not None:
+        _check_residuals(residuals, leaves, config, (n, local), where)
+    weight = 1.0 / (n * local) if average else 1.0
+    if key is not None:
+        # Independent rounding on every device; the result is gathered, so still identical.
+        key = jax.random.fold_in(key, jax.lax.axis_index(config.axes))
+    reduced, kept = [], []
+    for i, bucket in enumerate(bucketing.to_buckets(leaves, layout)):
+        bucket, residual = _compressed_sum_flat(
+            bucket,
+            config,
+            n=n,
+            local=local,
+            weight=weight,
+            key=None if key is None else jax.random.fold_in(key, i),
+            codec=codec,
+            residual=None if residuals is None else residuals[i],
+        )
+        reduced.append(bucket)
+        kept.append(residual)
+    mean = jax.tree.unflatten(treedef, bucketing.from_buckets(reduced, leaves, layout))
+    return mean if residuals is None else (mean, Residuals(kept))
 
 
 def compressed_mean(
@@ -337,6 +384,7 @@ def compressed_mean(
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     rounding: Rounding = "nearest",
+    wire: Wire = "scatter_gather",
     key: jax.Array | None = None,
     implementation: Implementation | None = None,
     residuals=None,
@@ -350,7 +398,8 @@ def compressed_mean(
     last time, and the new residuals are returned too.
 
     Args:
-      tree: a pytree of per-device arrays. Integer and bool leaves pass through untouched.
+      tree: a pytree of per-device float arrays (float0 leaves, from ``jax.grad`` of
+        integer parameters, pass through).
       node_axis: mesh axis between nodes (slow links): the compressed hop.
       local_axis: mesh axis within a node (fast links): float32.
       hierarchical: reduce-scatter within the node first (default). With False, the
@@ -364,19 +413,21 @@ def compressed_mean(
       message_bytes: bytes per message of the exchanges between nodes (codes, per peer);
         None sends one message per peer. Results do not depend on it, only speed does.
       rounding: ``"nearest"`` or ``"stochastic"`` (needs ``key``).
+      wire: how codes cross the node axis: ``"scatter_gather"`` (all_to_all, then
+        all_gather) or ``"allreduce"`` (see ``SyncConfig``).
       key: PRNG key for stochastic rounding.
       implementation: quantization kernels to use (see ``quantize``).
-      residuals: None (no error feedback), or this device's residuals from
-        ``init_residuals`` (same tree structure and settings) or from the previous call.
+      residuals: None (no error feedback), or this device's ``Residuals``, from the
+        previous call or zeros of ``residual_sizes``.
 
     Returns:
       A pytree like ``tree`` holding the mean (or sum), typed as replicated over both axes;
       with ``residuals``, the pair (that pytree, the new residuals).
 
     Raises:
-      ValueError: outside ``shard_map``, for an axis name the mesh lacks, for bad ``bits``,
-        ``block_size``, ``rounding``, ``key``, ``bucket_bytes`` or ``message_bytes``, or for
-        ``residuals`` that do not fit this tree and mesh.
+      ValueError: outside ``shard_map``, for an axis name the mesh lacks, for bad settings
+        or ``key``, for an integer or bool leaf, or for ``residuals`` that do not fit this
+        tree and mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jax_bytegrad
@@ -390,68 +441,25 @@ def compressed_mean(
     References:
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
-    check_bits(bits, "compressed_mean")
-    block_size = check_block_size(block_size, "compressed_mean", bits)
-    stochastic = check_rounding(rounding, "compressed_mean")
-    check_key(stochastic, key, "compressed_mean")
-    _checks.positive_int(bucket_bytes, "bucket_bytes", "compressed_mean", or_none=True)
-    _checks.positive_int(message_bytes, "message_bytes", "compressed_mean", or_none=True)
-    codec = dict(
-        stochastic=stochastic, bits=bits, implementation=resolve_implementation(implementation)
-    )
-    n, local = axis_sizes(node_axis, local_axis, "compressed_mean")
-    leaves, treedef = jax.tree.flatten(tree)
-    layout = bucketing.make_layout(
-        leaves, bucket_bytes=bucket_bytes, granularity=n * local * block_size
-    )
-    if residuals is not None:
-        _check_residuals(residuals, leaves, n, local, hierarchical, bits, block_size, bucket_bytes)
-    weight = 1.0 / (n * local) if average else 1.0
-    if key is not None:
-        # Independent rounding on every device; the result is gathered, so still identical.
-        key = jax.random.fold_in(key, jax.lax.axis_index((node_axis, local_axis)))
-    reduced, kept = [], []
-    for i, bucket in enumerate(bucketing.to_buckets(leaves, layout)):
-        bucket, residual = _compressed_sum_flat(
-            bucket,
-            node_axis=node_axis,
-            local_axis=local_axis,
-            n=n,
-            local=local,
-            hierarchical=hierarchical,
-            weight=weight,
-            block_size=block_size,
-            key=None if key is None else jax.random.fold_in(key, i),
-            codec=codec,
-            message_bytes=message_bytes,
-            residual=None if residuals is None else residuals[i],
-        )
-        reduced.append(bucket)
-        kept.append(residual)
-    mean = jax.tree.unflatten(treedef, bucketing.from_buckets(reduced, leaves, layout))
-    return mean if residuals is None else (mean, tuple(kept))
-
-
-def _check_residuals(residuals, leaves, n, local, hierarchical, bits, block_size, bucket_bytes):
-    want = residual_sizes(
-        leaves,
-        num_nodes=n,
-        devices_per_node=local,
+    where = "compressed_mean"
+    checks.boolean(average, "average", where)
+    config = SyncConfig(
+        node_axis=node_axis,
+        local_axis=local_axis,
         hierarchical=hierarchical,
         bits=bits,
         block_size=block_size,
         bucket_bytes=bucket_bytes,
+        message_bytes=message_bytes,
+        rounding=rounding,
+        implementation=implementation,
+        error_feedback=residuals is not None,
+        wire=wire,
+        where=where,
     )
-    try:
-        got = tuple((int(send.size), int(mean.size)) for send, mean in residuals)
-    except (TypeError, ValueError, AttributeError):
-        got = None
-    if got != want:
-        raise ValueError(
-            f"compressed_mean: residuals of per-device sizes {got} do not fit this tree on a "
-            f"{n} x {local} mesh, which needs {want}; build them with init_residuals(...) and "
-            "the same settings"
-        )
+    if residuals is not None:
+        residuals = Residuals(residuals)
+    return sync_mean(tree, config, average=average, key=key, residuals=residuals, where=where)
 
 
 def full_precision_mean(
@@ -466,14 +474,21 @@ def full_precision_mean(
 
     With ``hierarchical=True`` each leaf is reduce-scattered within the node, all-reduced
     between nodes and gathered within the node, so each device sends 1/L of the bytes
-    between nodes; otherwise one all-reduce spans both axes. Integer and bool leaves pass
-    through untouched. Call it inside ``jax.shard_map``.
+    between nodes; otherwise one all-reduce spans both axes. Call it inside
+    ``jax.shard_map``.
+
+    Raises:
+      ValueError: outside ``shard_map``, for an axis name the mesh lacks, or for an integer
+        or bool leaf (float0 leaves, from ``jax.grad`` of integer parameters, pass through).
     """
-    n, local = axis_sizes(node_axis, local_axis, "full_precision_mean")
+    where = "full_precision_mean"
+    n, local = axis_sizes(node_axis, local_axis, where)
     devices = n * local
+    paths_and_leaves = jax.tree.leaves_with_path(tree)
+    _check_leaves([leaf for _, leaf in paths_and_leaves], [p for p, _ in paths_and_leaves], where)
 
     def reduce(x):
-        if jnp.dtype(x.dtype) not in _checks.FLOAT_DTYPES:
+        if jnp.dtype(x.dtype) == jax.dtypes.float0:
             return x
         if hierarchical and local > 1 and x.size:
             part = jax.lax.psum(scatter_flat(x.reshape(-1), local_axis, local), node_axis)

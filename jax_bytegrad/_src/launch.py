@@ -79,7 +79,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import checks
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
@@ -204,7 +204,7 @@ class _Outcome(NamedTuple):
 
 def _start(run: _Run, attempt: int, progress_dir: Path):
     """Starts the `run.nproc` processes of one attempt; returns them and their output pumps."""
-    port = run.port if run.port is not None else _checks.free_port()
+    port = run.port if run.port is not None else checks.free_port()
     procs, pumps = [], []
     for rank in range(run.nproc):
         proc_env = dict(run.env)
@@ -328,7 +328,7 @@ def _check_launch_args(
         raise ValueError(
             f"launch: port={port} is not a TCP port; pass 1..65535 or leave it out for a free one"
         )
-    _checks.whole_number(max_restarts, "max_restarts", "launch", 0, hint=" (0: no restart)")
+    checks.integer(max_restarts, "max_restarts", "launch", minimum=0, why=" (0: no restart)")
     if progress_timeout is not None and progress_timeout <= 0:
         raise ValueError(
             f"launch: progress_timeout={progress_timeout} must be positive seconds, or None to "

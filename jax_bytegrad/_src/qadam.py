@@ -28,16 +28,20 @@ step (1-bit Adam's worker and server errors), exactly as ``bytegrad`` does for g
 the same ``collectives.compressed_mean`` with residuals in the state. Warm-up and refresh
 steps send float32 and carry the residuals over untouched.
 
-Both phases live in one compiled program (``lax.cond`` on the step count: a refresh is a
-step that takes the warm-up branch), so neither the switch nor a refresh recompiles or
-changes the state's shapes.
+``qadam(...)`` as one optax transformation holds both phases in one compiled program
+(``lax.cond`` on the step count: a refresh is a step that takes the warm-up branch), so
+neither the switch nor a refresh recompiles or changes the state's shapes. Step builders that
+know the step count on the host compile one program per phase instead (``phase="warmup"`` /
+``"compressed"``, ``phase_schedule``; ``Strategy("qadam")`` does), so that no float32
+collective or Adam pass of the other phase sits in the program.
 """
 
+import bisect
+import functools
 import itertools
 import math
-import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,59 +49,58 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks as _checks
-from jax_bytegrad._src import collectives
-from jax_bytegrad._src.quantization import Bits, Implementation, check_block_size
-from jax_bytegrad._src.transforms import check_error_feedback, check_sync_args, mesh_residuals
+from jax_bytegrad._src import checks, collectives
+from jax_bytegrad._src.config import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MESSAGE_BYTES,
+    Bits,
+    Implementation,
+    Residuals,
+    SyncConfig,
+    Wire,
+)
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Longest refresh schedule compiled into a step: growth 1.001 from k = 1 needs ~15,000.
 _MAX_REFRESH_TABLE = 1 << 16
 
-
-def _check_decay(value, name: str, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{where}: {name} must be a float in [0, 1), got {value!r}")
+Phase = Literal["warmup", "compressed"]
 
 
-def _check_non_negative(value, name: str, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0.0:
-        raise ValueError(f"{where}: {name} must be a float >= 0, got {value!r}")
+def _check_hyperparameters(b1, b2, eps, where: str) -> None:
+    checks.real(b1, "b1", where, minimum=0.0, below=1.0)
+    checks.real(b2, "b2", where, minimum=0.0, below=1.0)
+    checks.real(eps, "eps", where, minimum=0.0)
 
 
 def _check_warmup_steps(warmup_steps, where: str) -> None:
-    if (
-        isinstance(warmup_steps, bool)
-        or not isinstance(warmup_steps, numbers.Integral)
-        or not 1 <= warmup_steps <= _INT32_MAX
-    ):
-        raise ValueError(
-            f"{where}: warmup_steps must be an int in [1, {_INT32_MAX}], got {warmup_steps!r}; "
-            "QAdam freezes the second moment after warm-up, so it needs at least one full "
-            "precision step (15-25% of the run is a good default)"
-        )
+    checks.integer(
+        warmup_steps,
+        "warmup_steps",
+        where,
+        maximum=_INT32_MAX,
+        why="; QAdam freezes the second moment after warm-up, so it needs at least one full "
+        "precision step (15-25% of the run is a good default)",
+    )
 
 
 def _check_refresh(interval, growth, where: str) -> None:
-    if interval is not None and (
-        isinstance(interval, bool)
-        or not isinstance(interval, numbers.Integral)
-        or not 1 <= interval <= _INT32_MAX
-    ):
-        raise ValueError(
-            f"{where}: nu_refresh_interval must be None or an int in [1, {_INT32_MAX}], got "
-            f"{interval!r}; it is the number of compressed steps after warm-up before the "
-            "first float32 refresh of the second moment (None: never refresh)"
-        )
-    if (
-        isinstance(growth, bool)
-        or not isinstance(growth, numbers.Real)
-        or not 1.0 <= growth < float("inf")
-    ):
-        raise ValueError(
-            f"{where}: nu_refresh_growth must be a finite float >= 1, got {growth!r}; each "
-            "gap between refreshes is this many times the previous one (1.0: a fixed interval)"
-        )
+    checks.integer(
+        interval,
+        "nu_refresh_interval",
+        where,
+        maximum=_INT32_MAX,
+        or_none=True,
+        why=" (the compressed steps after warm-up before the first float32 refresh of the "
+        "second moment; None: never refresh)",
+    )
+    checks.real(
+        growth,
+        "nu_refresh_growth",
+        where,
+        minimum=1.0,
+        why=" (each gap between refreshes over the previous one; 1.0: a fixed interval)",
+    )
 
 
 def _schedule(warmup_steps: int, interval: int, growth: float):
@@ -111,22 +114,10 @@ def _schedule(warmup_steps: int, interval: int, growth: float):
         gap *= growth
 
 
-def _refresh_counter(warmup_steps: int, interval: int, growth: float, where: str):
-    """``t -> (is t a refresh step, refreshes up to and including t)``, traced on device.
-
-    A fixed interval is a modulus; a growing one looks ``t`` up in the schedule up to
-    int32's end, computed here once (a few dozen steps for g = 2) and compiled in as a
-    constant, so no step's program depends on where the run stands. None when no refresh
-    fits in int32 steps.
-    """
-    if growth == 1.0:
-
-        def count(t):
-            since = jnp.maximum(t - warmup_steps, 0)
-            return (since > 0) & (since % interval == 0), since // interval
-
-        return count
-
+@functools.cache
+def _refresh_table(warmup_steps: int, interval: int, growth: float, where: str) -> np.ndarray:
+    """The refresh steps of a growing schedule up to int32's end, computed once (a few dozen
+    steps for g = 2)."""
     table = np.fromiter(
         itertools.islice(
             itertools.takewhile(
@@ -142,6 +133,25 @@ def _refresh_counter(warmup_steps: int, interval: int, growth: float, where: str
             f"schedules more than {_MAX_REFRESH_TABLE} refreshes; pass "
             "nu_refresh_growth=1.0 for a fixed interval, or a growth of at least 1.001"
         )
+    return table
+
+
+def _refresh_counter(warmup_steps: int, interval: int, growth: float, where: str):
+    """``t -> (is t a refresh step, refreshes up to and including t)``, traced on device.
+
+    A fixed interval is a modulus; a growing one looks ``t`` up in the schedule, compiled in
+    as a constant, so no step's program depends on where the run stands. None when no
+    refresh fits in int32 steps.
+    """
+    if growth == 1.0:
+
+        def count(t):
+            since = jnp.maximum(t - warmup_steps, 0)
+            return (since > 0) & (since % interval == 0), since // interval
+
+        return count
+
+    table = _refresh_table(warmup_steps, interval, growth, where)
     if table.size == 0:
         return None  # the first refresh would fall beyond int32's last step
 
@@ -152,6 +162,44 @@ def _refresh_counter(warmup_steps: int, interval: int, growth: float, where: str
         return (done > 0) & (last == t), done
 
     return count
+
+
+def phase_schedule(
+    warmup_steps: int, nu_refresh_interval: int | None = None, nu_refresh_growth: float = 2.0
+) -> Callable[[int], Phase]:
+    """The phase of every step, on the host: ``phase(steps_taken) -> "warmup" | "compressed"``.
+
+    A refresh step is a warm-up step. Step builders compile one program per phase and pick
+    it with this, so no collective sits inside a ``lax.cond`` and each program fuses whole.
+
+    Examples:
+      >>> from jax_bytegrad._src.qadam import phase_schedule
+      >>> phase = phase_schedule(2, nu_refresh_interval=3, nu_refresh_growth=1.0)
+      >>> [phase(i) for i in range(6)]
+      ['warmup', 'warmup', 'compressed', 'compressed', 'warmup', 'compressed']
+    """
+    where = "phase_schedule"
+    _check_warmup_steps(warmup_steps, where)
+    _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
+    growth = float(nu_refresh_growth)
+    table = None
+    if nu_refresh_interval is not None and growth != 1.0:
+        table = _refresh_table(warmup_steps, nu_refresh_interval, growth, where)
+
+    def phase(steps_taken: int) -> Phase:
+        t = steps_taken + 1
+        if t <= warmup_steps:
+            return "warmup"
+        if nu_refresh_interval is None:
+            return "compressed"
+        if table is None:
+            refresh = (t - warmup_steps) % nu_refresh_interval == 0
+        else:
+            i = bisect.bisect_left(table, t)
+            refresh = i < table.size and table[i] == t
+        return "warmup" if refresh else "compressed"
+
+    return phase
 
 
 def _bias_correction(moment, decay: float, count: jax.Array):
@@ -171,7 +219,7 @@ def _check_per_device(updates, node_axis: str, local_axis: str, where: str) -> N
         jax.tree_util.keystr(path)
         for path, leaf in jax.tree_util.tree_leaves_with_path(updates)
         if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
-        and not axes <= _checks.varying_axes(leaf)
+        and not axes <= checks.varying_axes(leaf)
     ]
     if averaged:
         raise ValueError(
@@ -199,14 +247,14 @@ class ScaleByQAdamState(NamedTuple):
       residuals: error feedback's residuals of the momentum exchange, as in
         ``ByteGradState``: one (send, mean) pair of float32 vectors per bucket, every
         device's own in mesh order (sharded over ("node", "local"); see
-        ``transforms.state_specs``); empty without error feedback. Unlike the rest of the
+        ``sharding.state_specs``); empty without error feedback. Unlike the rest of the
         state they differ between devices.
     """
 
     count: jax.Array
     mu: optax.Updates
     nu: optax.Updates
-    residuals: tuple = ()
+    residuals: Residuals = Residuals()
 
 
 def refresh_steps(
@@ -260,9 +308,11 @@ def scale_by_qadam(
     error_feedback: bool = False,
     mesh: Mesh | None = None,
     block_size: int | None = None,
-    bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
-    message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
+    wire: Wire = "scatter_gather",
     implementation: Implementation | None = None,
+    phase: Phase | None = None,
 ) -> optax.GradientTransformation:
     """Rescales per-device gradients by QAdam, doing its own communication.
 
@@ -306,7 +356,13 @@ def scale_by_qadam(
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
+      wire: ``"scatter_gather"`` or ``"allreduce"`` (see ``SyncConfig``).
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
+      phase: None (default) picks the phase from the step count inside the program, so
+        both phases' communication sits in one ``lax.cond``. ``"warmup"`` or
+        ``"compressed"`` compiles that phase alone, for a step that picks the phase on the
+        host (``phase_schedule``; ``data_parallel_step`` with one optimizer per phase). The
+        state and the result are the same either way.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a ``ScaleByQAdamState``.
@@ -328,35 +384,34 @@ def scale_by_qadam(
       Adam", ICLR 2023.
     """
     where = "scale_by_qadam"
-    _check_decay(b1, "b1", where)
-    _check_decay(b2, "b2", where)
-    _check_non_negative(eps, "eps", where)
+    _check_hyperparameters(b1, b2, eps, where)
     _check_warmup_steps(warmup_steps, where)
     _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
-    check_sync_args(
-        where,
+    if phase is not None:
+        checks.one_of(phase, ("warmup", "compressed"), "phase", where)
+    config = SyncConfig(
         node_axis=node_axis,
         local_axis=local_axis,
         hierarchical=hierarchical,
+        bits=bits,
         block_size=block_size,
         bucket_bytes=bucket_bytes,
         message_bytes=message_bytes,
         implementation=implementation,
-        bits=bits,
+        error_feedback=error_feedback,
+        wire=wire,
+        where=where,
     )
-    block_size = check_block_size(block_size, where, bits)
-    mesh_shape = check_error_feedback(error_feedback, mesh, node_axis, local_axis, where)
-    # What the momentum exchange is sized and run with; the residuals must match it.
-    layout = dict(
-        hierarchical=hierarchical, bits=bits, block_size=block_size, bucket_bytes=bucket_bytes
-    )
+    shape = config.mesh_shape(mesh, where)
 
     def init_fn(params):
         return ScaleByQAdamState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params),
             nu=optax.tree.zeros_like(params),
-            residuals=mesh_residuals(params, mesh_shape, **layout) if error_feedback else (),
+            residuals=(
+                collectives.mesh_residuals(params, config, shape) if error_feedback else Residuals()
+            ),
         )
 
     refresh = (
@@ -375,14 +430,8 @@ def scale_by_qadam(
 
     def compressed(updates, mu, nu, residuals):
         local_mu = optax.tree.update_moment(updates, mu, b1, 1)
-        mu = collectives.compressed_mean(
-            local_mu,
-            node_axis=node_axis,
-            local_axis=local_axis,
-            message_bytes=message_bytes,
-            implementation=implementation,
-            residuals=residuals if error_feedback else None,
-            **layout,
+        mu = collectives.sync_mean(
+            local_mu, config, residuals=residuals if error_feedback else None, where=where
         )
         if error_feedback:
             mu, residuals = mu
@@ -403,9 +452,12 @@ def scale_by_qadam(
             is_refresh, refreshes = refresh(count_inc)
             full = full | is_refresh
             nu_updates = nu_updates + refreshes
-        mu, nu, residuals = jax.lax.cond(
-            full, full_precision, compressed, updates, state.mu, state.nu, state.residuals
-        )
+        branches = {"warmup": full_precision, "compressed": compressed}
+        args = (updates, state.mu, state.nu, state.residuals)
+        if phase is None:
+            mu, nu, residuals = jax.lax.cond(full, full_precision, compressed, *args)
+        else:
+            mu, nu, residuals = branches[phase](*args)
         mu_hat = _bias_correction(mu, b1, count_inc)
         nu_hat = _bias_correction(nu, b2, nu_updates)
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
@@ -433,9 +485,11 @@ def qadam(
     error_feedback: bool = False,
     mesh: Mesh | None = None,
     block_size: int | None = None,
-    bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
-    message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
+    wire: Wire = "scatter_gather",
     implementation: Implementation | None = None,
+    phase: Phase | None = None,
 ) -> optax.GradientTransformation:
     """QAdam: Adam whose momentum crosses the network 8-bit (or 4-bit) after a float32 warm-up.
 
@@ -469,7 +523,9 @@ def qadam(
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
+      wire: ``"scatter_gather"`` or ``"allreduce"`` (see ``SyncConfig``).
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
+      phase: None, ``"warmup"`` or ``"compressed"``: see ``scale_by_qadam``.
 
     Returns:
       An ``optax.GradientTransformation``; its state's first element is a
@@ -484,13 +540,12 @@ def qadam(
       >>> import jax.numpy as jnp, jax_bytegrad
       >>> from jax_bytegrad import qadam
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
-      >>> tx = qadam(1e-2, warmup_steps=2)
       >>> step = jax_bytegrad.data_parallel_step(
-      ...     lambda w, b: jnp.mean((b * w) ** 2), tx, mesh, donate=False)
-      >>> w, state = jnp.ones(4), tx.init(jnp.ones(4))
+      ...     lambda w, b: jnp.mean((b * w) ** 2), qadam(1e-2, warmup_steps=2), mesh)
+      >>> state = step.init(jnp.ones(4))
       >>> for _ in range(3):
-      ...     w, state, loss = step(w, state, jnp.ones((8, 4)))
-      >>> int(state[0].count)
+      ...     state, metrics = step(state, jnp.ones((8, 4)))
+      >>> int(state.opt_state[0].count)
       3
 
     References:
@@ -501,15 +556,9 @@ def qadam(
       Adam", ICLR 2023.
     """
     where = "qadam"
-    if not callable(learning_rate) and (
-        isinstance(learning_rate, bool)
-        or not isinstance(learning_rate, numbers.Real)
-        or not learning_rate >= 0.0
-    ):
-        raise ValueError(
-            f"{where}: learning_rate must be a float >= 0 or a schedule, got {learning_rate!r}"
-        )
-    _check_non_negative(weight_decay, "weight_decay", where)
+    if not callable(learning_rate):
+        checks.real(learning_rate, "learning_rate", where, minimum=0.0, why=" or a schedule")
+    checks.real(weight_decay, "weight_decay", where, minimum=0.0)
     transforms = [
         scale_by_qadam(
             b1,
@@ -527,7 +576,9 @@ def qadam(
             block_size=block_size,
             bucket_bytes=bucket_bytes,
             message_bytes=message_bytes,
+            wire=wire,
             implementation=implementation,
+            phase=phase,
         )
     ]
     if weight_decay:

@@ -1,10 +1,11 @@
-"""One entry point for the six algorithms, by Bagua's names.
+"""One entry point for the six algorithms, by Bagua's names: a registry of algorithms.
 
 Follows Bagua's strategy for PyTorch Lightning (``BaguaStrategy(algorithm=...,
 **algorithm_kwargs)``; Gan et al., "Bagua: Scaling up Distributed Learning with System
 Relaxations", VLDB 2022): one object, one string to switch algorithm, and the remaining
-keyword arguments handed to the algorithm. Here that object builds a train step with the same
-shape for every algorithm::
+keyword arguments handed to the algorithm. Each entry of the registry names the settings the
+algorithm takes (with their defaults), those ``autotune`` may change, and how to build its
+``TrainStep``::
 
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh)
     with strategy.train_step(loss_fn, optax.adam(1e-3), has_aux=True) as step:
@@ -13,407 +14,215 @@ shape for every algorithm::
             state, metrics = step(state, batch)
     params = step.params(state)
 
-The builders it wraps stay public for users who write their own steps:
-``data_parallel_step`` with ``bytegrad()``/``gradient_allreduce()``/``qadam()``,
-``decentralized_step``, ``low_precision_decentralized_step`` and ``async_model_average``.
+The builders stay public for users who write their own steps: ``data_parallel_step`` with
+``bytegrad()``/``gradient_allreduce()``/``qadam()``, ``decentralized_step``,
+``low_precision_decentralized_step`` and ``experimental.async_model_average``.
 """
 
-import inspect
+import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from jax_bytegrad._src import async_averaging, decentralized, parallel, stats, transforms
-from jax_bytegrad._src import checks as _checks
-from jax_bytegrad._src import qadam as qadam_optimizer
-
-# Bagua's algorithm names, in the order its documentation lists them.
-ALGORITHMS = (
-    "gradient_allreduce",
-    "bytegrad",
-    "qadam",
-    "decentralized",
-    "low_precision_decentralized",
-    "async",
-)
-
-# Arguments the entry point passes itself; never algorithm keyword arguments.
-_SUPPLIED = frozenset({"loss_fn", "optimizer", "mesh", "has_aux"})
-
+from jax_bytegrad._src import checks, qadam, sharding, transforms
+from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES, SyncConfig
+from jax_bytegrad._src.steps import asynchronous, decentralized
+from jax_bytegrad._src.steps.base import TrainStep
+from jax_bytegrad._src.steps.data_parallel import data_parallel_step
 
 # Private helpers -------------------------------------------------------------------------
 
+# A setting without a default: the strategy must be given it.
+REQUIRED = object()
 
-def _builders(algorithm: str) -> tuple[Callable, ...]:
-    """The library functions an algorithm is built from; their signatures define its kwargs.
+_AXES = {"node_axis": "node", "local_axis": "local"}
+_STEP = {"donate": True, **_AXES}
+# ByteGrad's transform: the SyncConfig's settings (their defaults read from the dataclass),
+# plus what the transform itself adds.
+_SYNC = {
+    **{f.name: f.default for f in dataclasses.fields(SyncConfig)},
+    "average": True,
+    "seed": 0,
+}
+_QADAM = {
+    "learning_rate": REQUIRED,
+    "warmup_steps": REQUIRED,
+    "nu_refresh_interval": None,
+    "nu_refresh_growth": 2.0,
+    "b1": 0.9,
+    "b2": 0.999,
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "mask": None,
+    **{k: v for k, v in _SYNC.items() if k not in ("rounding", "average", "seed")},
+}
+_DECENTRALIZED = {
+    "hierarchical": True,
+    "communication_interval": 1,
+    "message_bytes": _SYNC["message_bytes"],
+    **_STEP,
+}
 
-    Looked up when called, so a keyword argument added to a builder works here unchanged.
-    """
-    if algorithm == "gradient_allreduce":
-        return transforms.gradient_allreduce, parallel.data_parallel_step
-    if algorithm == "bytegrad":
-        return transforms.bytegrad, parallel.data_parallel_step
-    if algorithm == "qadam":
-        return qadam_optimizer.qadam, parallel.data_parallel_step
-    if algorithm == "decentralized":
-        return (decentralized.decentralized_step,)
-    if algorithm == "low_precision_decentralized":
-        return (decentralized.low_precision_decentralized_step,)
-    return (async_averaging.async_model_average,)
+
+def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k in names}
 
 
-def _parameters(builder: Callable) -> dict[str, inspect.Parameter]:
-    return {
-        name: p
-        for name, p in inspect.signature(builder).parameters.items()
-        if name not in _SUPPLIED and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+    sync = transforms.gradient_allreduce(**_pick(s.kwargs, ("hierarchical", "average", *_AXES)))
+    tx = optax.chain(sync, optimizer)
+    return data_parallel_step(
+        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP)
+    )
+
+
+def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+    sync = transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
+    tx = optax.chain(sync, optimizer)
+    return data_parallel_step(
+        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP)
+    )
+
+
+def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+    del optimizer  # QAdam is the optimizer
+    kwargs = _pick(s.kwargs, _QADAM)
+    phases = {
+        phase: qadam.qadam(mesh=s.mesh, phase=phase, **kwargs) for phase in ("warmup", "compressed")
     }
+    phase_of = qadam.phase_schedule(
+        s.setting("warmup_steps"),
+        s.setting("nu_refresh_interval"),
+        s.setting("nu_refresh_growth"),
+    )
+    return data_parallel_step(
+        loss_fn,
+        phases,
+        s.mesh,
+        has_aux=has_aux,
+        phase_of=phase_of,
+        flatten=s.flatten,
+        **_pick(s.kwargs, _STEP),
+    )
 
 
-def _check_algorithm(algorithm) -> None:
-    if algorithm not in ALGORITHMS:
+def _build_decentralized(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+    return decentralized.decentralized_step(
+        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs
+    )
+
+
+def _build_low_precision(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+    return decentralized.low_precision_decentralized_step(
+        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs
+    )
+
+
+def _build_async(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+    return asynchronous.async_model_average(
+        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+    """An entry of the registry.
+
+    Attributes:
+      settings: every keyword argument the algorithm takes, with its default (``REQUIRED``
+        for none).
+      tunable: the settings ``autotune`` may change: those that change how bytes travel,
+        not what they average to, in search order (what shapes the exchanges before how
+        each is cut into messages).
+      build: ``build(strategy, loss_fn, optimizer, has_aux) -> TrainStep``.
+      takes_optimizer: whether ``train_step`` takes an optax optimizer (QAdam is one).
+      check: validates the settings at construction; raises ``ValueError``.
+    """
+
+    settings: Mapping[str, Any]
+    tunable: tuple[str, ...]
+    build: Callable[..., TrainStep]
+    takes_optimizer: bool = True
+    check: Callable[["Strategy"], Any] | None = None
+
+
+def _check_bytegrad(s: "Strategy") -> None:
+    transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
+
+
+def _check_gradient_allreduce(s: "Strategy") -> None:
+    transforms.gradient_allreduce(**_pick(s.kwargs, ("hierarchical", "average", *_AXES)))
+
+
+def _check_qadam(s: "Strategy") -> None:
+    qadam.qadam(mesh=s.mesh, **_pick(s.kwargs, _QADAM))
+
+
+# Bagua's algorithm names, in the order its documentation lists them.
+REGISTRY: dict[str, Algorithm] = {
+    "gradient_allreduce": Algorithm(
+        settings={"hierarchical": False, "average": True, **_STEP},
+        tunable=("hierarchical",),
+        build=_build_gradient_allreduce,
+        check=_check_gradient_allreduce,
+    ),
+    "bytegrad": Algorithm(
+        settings={**_SYNC, **_STEP},
+        tunable=("bucket_bytes", "hierarchical", "message_bytes"),
+        build=_build_bytegrad,
+        check=_check_bytegrad,
+    ),
+    "qadam": Algorithm(
+        settings={**_QADAM, **_STEP},
+        tunable=("bucket_bytes", "hierarchical", "message_bytes"),
+        build=_build_qadam,
+        takes_optimizer=False,
+        check=_check_qadam,
+    ),
+    "decentralized": Algorithm(
+        settings={**_DECENTRALIZED, "peer_selection_mode": "all"},
+        tunable=("message_bytes",),
+        build=_build_decentralized,
+    ),
+    "low_precision_decentralized": Algorithm(
+        settings={
+            **_DECENTRALIZED,
+            "block_size": DEFAULT_BLOCK_SIZES[8],
+            "implementation": None,
+        },
+        tunable=("message_bytes",),
+        build=_build_low_precision,
+    ),
+    # Its interval changes how stale the models are, so nothing is tuned.
+    "async": Algorithm(
+        settings={
+            "peer_selection_mode": "all",
+            "sync_interval_ms": 500,
+            "warmup_steps": 0,
+            **_AXES,
+        },
+        tunable=(),
+        build=_build_async,
+    ),
+}
+ALGORITHMS = tuple(REGISTRY)
+
+
+def _entry(algorithm) -> Algorithm:
+    if algorithm not in REGISTRY:
         raise ValueError(
             f"Strategy: unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}"
         )
-
-
-def _bind(builder: Callable, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The share of ``kwargs`` that ``builder`` takes."""
-    return {k: v for k, v in kwargs.items() if k in _parameters(builder)}
-
-
-def _missing(builder: Callable, kwargs: Mapping[str, Any]) -> list[str]:
-    return [
-        name
-        for name, p in _parameters(builder).items()
-        if p.default is p.empty and name not in kwargs
-    ]
-
-
-def _global_batch(batch, mesh: Mesh, axes: tuple[str, str]):
-    """This process's rows as a batch sharded over every device; sharded arrays pass as they are."""
-    sharding = NamedSharding(mesh, P(axes))
-    leaves = jax.tree.leaves(batch)
-    if all(
-        isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim) for x in leaves
-    ):
-        return batch
-    return parallel.shard_batch(batch, mesh, node_axis=axes[0], local_axis=axes[1])
-
-
-def _host_copy(tree):
-    """A host copy of ``tree``: the state a step donates must not share the caller's buffers."""
-    return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
-
-
-@jax.jit
-def _device_mean(tree):
-    """Mean over the leading (device) axis: decentralized losses as one number."""
-    return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
-
-
-class _Flat:
-    """Bagua's flattened layout: the params (so the gradient and optimizer state) as one vector.
-
-    The loss function still sees the pytree: ``wrap`` unflattens inside it, and the gradient
-    of those slices comes back as one vector. XLA:CPU runs the optimizer's update as one
-    kernel per leaf; on one vector an optax Adam step of 400 small leaves ran 3x faster
-    (3-6x across runs; benchmarks/RESULTS.md, "Flattened optimizer").
-    """
-
-    def __init__(self):
-        self.unravel = None
-
-    def ravel(self, params):
-        flat, self.unravel = ravel_pytree(params)
-        return flat
-
-    def wrap(self, loss_fn):
-        return lambda flat, batch: loss_fn(self.unravel(flat), batch)
-
-
-def _metrics(loss, aux, has_aux: bool) -> dict[str, Any]:
-    return {"loss": loss, "aux": aux} if has_aux else {"loss": loss}
-
-
-def _count(n: int) -> np.ndarray:
-    return np.asarray(n, np.int64)
-
-
-# State -----------------------------------------------------------------------------------
-
-
-class TrainState(NamedTuple):
-    """What a ``Strategy`` train step carries from one step to the next; a pytree.
-
-    Orbax checkpoints it as it is (``StandardCheckpointer().save(path, state)``) and restores
-    it onto ``step.init(params)`` as the target, for every algorithm but ``async`` (whose
-    processes hold different models by design: checkpoint ``step.params(state)`` instead).
-
-    Attributes:
-      step: steps taken, a 0-d int64 numpy array (host side: the decentralized algorithms
-        pick their communication round from it without a device round trip).
-      params: the parameters: replicated for ``gradient_allreduce``, ``bytegrad``, ``qadam``
-        and ``async``; one copy per device, stacked on a leading axis, for the decentralized
-        pair (``step.params(state)`` averages them).
-      opt_state: the optimizer state, laid out like ``params`` (it holds ByteGrad's and
-        QAdam's own state).
-      extra: the algorithm's state beyond those two, by name (the peers' weights of
-        ``low_precision_decentralized``); empty for the others.
-    """
-
-    step: np.ndarray
-    params: optax.Params
-    opt_state: optax.OptState
-    extra: dict[str, Any]
-
-
-# Train steps -----------------------------------------------------------------------------
-
-
-class TrainStep:
-    """A train step built by ``Strategy.train_step``; the same calls for every algorithm.
-
-    ``init(params) -> state``, ``step(state, batch) -> (state, metrics)``,
-    ``params(state) -> params``, ``communication_stats(state, batch)``, and ``close()``
-    (or use it as a context manager). ``batch`` is this process's rows of the global batch
-    (the whole batch with one process), as numpy or jax arrays, or arrays already sharded
-    over the mesh by ``shard_batch``. ``metrics`` is ``{"loss": ...}`` (plus ``"aux"`` with
-    ``has_aux``), see ``Strategy.train_step`` for what the loss is a mean over.
-    """
-
-    algorithm: str
-    mesh: Mesh
-
-    def __init__(self, algorithm: str, mesh: Mesh, has_aux: bool):
-        self.algorithm, self.mesh, self.has_aux = algorithm, mesh, has_aux
-        self._closed = False
-        self._flat: _Flat | None = None
-
-    def init(self, params: optax.Params) -> TrainState:
-        """The state to start from: ``params`` (the same on every process) placed, and the
-        optimizer's and algorithm's state initialized."""
-        if self._flat is not None:
-            params = self._flat.ravel(jax.device_get(params))
-        return self._init(params)
-
-    def _init(self, params):
-        raise NotImplementedError
-
-    def __call__(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
-        if self._closed:
-            raise RuntimeError(
-                f"Strategy({self.algorithm!r}): this train step was closed; build a new one "
-                "with strategy.train_step(...)"
-            )
-        return self._step(state, batch)
-
-    def _step(self, state, batch):
-        raise NotImplementedError
-
-    def params(self, state: TrainState) -> optax.Params:
-        """The model to evaluate or checkpoint, replicated over the mesh, as a pytree."""
-        params = self._params(state)
-        return params if self._flat is None else self._flat.unravel(params)
-
-    def _params(self, state):
-        return state.params
-
-    def lower(self, state: TrainState, batch):
-        """Lowers the compiled step program (as ``jax.jit(...).lower``)."""
-        raise NotImplementedError
-
-    def communication_stats(self, state: TrainState, batch) -> dict[str, stats.CommunicationStats]:
-        """Bytes each device sends per step, by phase; compiles but runs nothing.
-
-        Returns:
-          ``{"step": stats}`` for most algorithms. QAdam runs two phases in one program and
-          gets ``{"warmup": ..., "compressed": ...}``: the float32 all-reduce of its warm-up
-          steps and the 8-bit momentum exchange after it, each measured on its own program
-          (a float32 gradient mean, and ByteGrad's exchange with QAdam's settings). Async
-          gets ``{"step": ..., "averaging": ...}``: its local step, and one round of the
-          background averaging (a float32 all-reduce of the model between processes).
-          ``phase_counts`` says how often each has run.
-        """
-        return {"step": stats.communication_stats(self.lower(state, batch), mesh=self.mesh)}
-
-    def phase_counts(self, state: TrainState) -> dict[str, int]:
-        """How many times each phase of ``communication_stats`` has run up to ``state``.
-
-        Multiplying each phase's bytes by its count gives the traffic of the run so far.
-        """
-        return {"step": int(state.step)}
-
-    def close(self) -> None:
-        """Releases what the step holds (async: stops the background averaging, on every
-        process). Calling it again does nothing."""
-        self._closed = True
-
-    def __enter__(self) -> "TrainStep":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class _ReplicatedStep(TrainStep):
-    """gradient_allreduce, bytegrad and qadam: ``data_parallel_step`` around one optimizer."""
-
-    def __init__(self, algorithm, mesh, has_aux, loss_fn, tx, step_kwargs, phases, warmup_steps):
-        super().__init__(algorithm, mesh, has_aux)
-        self._warmup_steps = warmup_steps
-        self._tx = tx
-        self._loss_fn = loss_fn
-        self._step_kwargs = step_kwargs
-        self._axes = (step_kwargs.get("node_axis", "node"), step_kwargs.get("local_axis", "local"))
-        self._dp = parallel.data_parallel_step(loss_fn, tx, mesh, has_aux=has_aux, **step_kwargs)
-        self._init_opt = jax.jit(tx.init, out_shardings=NamedSharding(mesh, P()))
-        self._phases = phases
-
-    def _init(self, params):
-        params = parallel.replicate(_host_copy(params), self.mesh)
-        return TrainState(_count(0), params, self._init_opt(params), {})
-
-    def _step(self, state, batch):
-        batch = _global_batch(batch, self.mesh, self._axes)
-        out = self._dp(state.params, state.opt_state, batch)
-        params, opt_state, loss = out[:3]
-        aux = out[3] if self.has_aux else None
-        new = TrainState(_count(int(state.step) + 1), params, opt_state, {})
-        return new, _metrics(loss, aux, self.has_aux)
-
-    def lower(self, state, batch):
-        batch = _global_batch(batch, self.mesh, self._axes)
-        return self._dp.lower(state.params, state.opt_state, batch)
-
-    def phase_counts(self, state):
-        if self._phases is None:
-            return super().phase_counts(state)
-        steps = int(state.step)
-        warm = min(steps, self._warmup_steps)
-        return {"warmup": warm, "compressed": steps - warm}
-
-    def communication_stats(self, state, batch):
-        if self._phases is None:
-            return super().communication_stats(state, batch)
-        batch = _global_batch(batch, self.mesh, self._axes)
-        out = {}
-        for phase, tx in self._phases.items():
-            dp = parallel.data_parallel_step(
-                self._loss_fn, tx, self.mesh, has_aux=self.has_aux, **self._step_kwargs
-            )
-            opt_state = jax.eval_shape(tx.init, state.params)
-            lowered = dp.lower(state.params, opt_state, batch)
-            out[phase] = stats.communication_stats(lowered, mesh=self.mesh)
-        return out
-
-
-class _DecentralizedStep(TrainStep):
-    """decentralized and low_precision_decentralized: one model per device."""
-
-    def __init__(self, algorithm, mesh, has_aux, train, axes):
-        super().__init__(algorithm, mesh, has_aux)
-        self._train = train
-        self._axes = axes
-        self._state_type = None
-
-    def _inner(self, state):
-        return self._state_type(
-            params=state.params, opt_state=state.opt_state, step=int(state.step), **state.extra
-        )
-
-    def _outer(self, inner):
-        self._state_type = type(inner)
-        extra = {
-            f: getattr(inner, f) for f in inner._fields if f not in ("params", "opt_state", "step")
-        }
-        return TrainState(_count(inner.step), inner.params, inner.opt_state, extra)
-
-    def _init(self, params):
-        return self._outer(self._train.init(params))
-
-    def _step(self, state, batch):
-        batch = _global_batch(batch, self.mesh, self._axes)
-        out = self._train.step(self._inner(state), batch)
-        loss = _device_mean(out[1])
-        aux = _device_mean(out[2]) if self.has_aux else None
-        return self._outer(out[0]), _metrics(loss, aux, self.has_aux)
-
-    def _params(self, state):
-        return decentralized.consensus_params(state.params)
-
-    def lower(self, state, batch):
-        batch = _global_batch(batch, self.mesh, self._axes)
-        return self._train.step.lower(self._inner(state), batch)
-
-
-class _AsyncStep(TrainStep):
-    """async: local steps per process, the model averaged between processes in a thread."""
-
-    def __init__(self, algorithm, mesh, has_aux, averager):
-        super().__init__(algorithm, mesh, has_aux)
-        self._avg = averager
-
-    def _init(self, params):
-        params, opt_state = self._avg.init(params, start=True)
-        return TrainState(_count(self._avg.step_id), params, opt_state, {})
-
-    def _step(self, state, batch):
-        out = self._avg.step(state.params, state.opt_state, batch)
-        params, opt_state, loss = out[:3]
-        aux = out[3] if self.has_aux else None
-        new = TrainState(_count(self._avg.step_id), params, opt_state, {})
-        return new, _metrics(loss, aux, self.has_aux)
-
-    def _params(self, state):
-        """The exact average of the processes' models, replicated over the whole mesh.
-
-        A collective: every process calls it, after ``close()``.
-
-        Raises:
-          RuntimeError: while the background averaging runs (close the step first).
-        """
-        if not self._closed:
-            raise RuntimeError(
-                "Strategy('async'): params(state) averages the model over processes once, "
-                "exactly, which cannot run beside the background averaging; call step.close() "
-                "first (on every process)"
-            )
-        params = self._avg.average_now(state.params)
-        return parallel.replicate(jax.device_get(params), self.mesh)
-
-    def lower(self, state, batch):
-        return self._avg.lower(state.params, state.opt_state, batch)
-
-    def communication_stats(self, state, batch):
-        # Each program is laid out over a mesh of its own (this process's devices; one device
-        # per process), read from its shardings.
-        return {
-            "step": stats.communication_stats(self.lower(state, batch)),
-            "averaging": stats.communication_stats(self._avg.lower_averaging()),
-        }
-
-    def phase_counts(self, state):
-        return {"step": int(state.step), "averaging": self._avg.round_stats.rounds}
-
-    def close(self):
-        if not self._closed:
-            self._avg.abort()
-        super().close()
+    return REGISTRY[algorithm]
 
 
 # The entry point -------------------------------------------------------------------------
 
 
 def valid_kwargs(algorithm: str) -> tuple[str, ...]:
-    """The keyword arguments ``Strategy(algorithm, ...)`` accepts, read from its builders.
+    """The keyword arguments ``Strategy(algorithm, ...)`` accepts.
 
     Args:
       algorithm: one of ``ALGORITHMS``.
@@ -429,11 +238,12 @@ def valid_kwargs(algorithm: str) -> tuple[str, ...]:
       >>> "sync_interval_ms" in jax_bytegrad.valid_kwargs("async")
       True
     """
-    _check_algorithm(algorithm)
-    names = set()
-    for builder in _builders(algorithm):
-        names.update(_parameters(builder))
-    return tuple(sorted(names))
+    return tuple(sorted(_entry(algorithm).settings))
+
+
+def tunable_settings(algorithm: str) -> tuple[str, ...]:
+    """The settings ``autotune`` may change for ``algorithm``, in search order."""
+    return _entry(algorithm).tunable
 
 
 class Strategy:
@@ -448,14 +258,14 @@ class Strategy:
         still gets the pytree. It made an Adam step over 400 small leaves about 3x faster
         on CPU. ByteGrad then sends the model as one bucket (one message per collective),
         and mixed-dtype params are held in their common dtype.
-      **algorithm_kwargs: the algorithm's options, passed on by name to the function that
-        builds it (``valid_kwargs(algorithm)`` lists them). For ``gradient_allreduce``,
-        ``bytegrad`` and ``qadam`` those are the transform's (``bytegrad()``, ...) and
-        ``data_parallel_step``'s (``donate``, ``node_axis``, ``local_axis``); for the others,
-        their step builder's (``decentralized_step``, ``low_precision_decentralized_step``,
-        ``async_model_average``, e.g. ``sync_interval_ms``). ``qadam`` is a whole optimizer:
-        its ``learning_rate`` and ``warmup_steps`` (and ``b1``, ``b2``, ``eps``,
-        ``weight_decay``) go here, and ``train_step`` takes no optimizer.
+      **algorithm_kwargs: the algorithm's settings (``valid_kwargs(algorithm)`` lists
+        them): for ``gradient_allreduce``, ``bytegrad`` and ``qadam`` those of the transform
+        (``bytegrad()``, ...) and of ``data_parallel_step`` (``donate``, ``node_axis``,
+        ``local_axis``); for the others, those of their step builder
+        (``decentralized_step``, ``low_precision_decentralized_step``,
+        ``experimental.async_model_average``, e.g. ``sync_interval_ms``). ``qadam`` is a
+        whole optimizer: its ``learning_rate`` and ``warmup_steps`` (and ``b1``, ``b2``,
+        ``eps``, ``weight_decay``) go here, and ``train_step`` takes no optimizer.
 
     Raises:
       ValueError: for an unknown algorithm, an argument the algorithm does not take (the
@@ -484,8 +294,8 @@ class Strategy:
         flatten: bool = False,
         **algorithm_kwargs: Any,
     ):
-        _check_algorithm(algorithm)
-        _checks.boolean(flatten, "flatten", "Strategy")
+        entry = _entry(algorithm)
+        checks.boolean(flatten, "flatten", "Strategy")
         valid = valid_kwargs(algorithm)
         unknown = sorted(set(algorithm_kwargs) - set(valid))
         if unknown:
@@ -493,24 +303,22 @@ class Strategy:
                 f"Strategy({algorithm!r}): unknown keyword argument(s) {', '.join(unknown)}; "
                 f"{algorithm} takes {', '.join(valid)}"
             )
-        builders = _builders(algorithm)
-        missing = _missing(builders[0], algorithm_kwargs)
+        missing = [
+            name
+            for name, default in entry.settings.items()
+            if default is REQUIRED and name not in algorithm_kwargs
+        ]
         if missing:
             raise ValueError(
                 f"Strategy({algorithm!r}): missing keyword argument(s) {', '.join(missing)}; "
                 f"pass them, e.g. Strategy({algorithm!r}, {missing[0]}=...)"
             )
         self.algorithm = algorithm
-        self.mesh = parallel.make_mesh() if mesh is None else mesh
+        self.mesh = sharding.make_mesh() if mesh is None else mesh
         self.kwargs = dict(algorithm_kwargs)
         self.flatten = flatten
-        # The transforms validate their arguments now, at construction, not at the first step.
-        self._sync = None
-        if len(builders) > 1:
-            sync_kwargs = _bind(builders[0], self.kwargs)
-            if "mesh" in inspect.signature(builders[0]).parameters:
-                sync_kwargs["mesh"] = self.mesh  # bytegrad's error feedback sizes state by it
-            self._sync = builders[0](**sync_kwargs)
+        if entry.check is not None:
+            entry.check(self)  # bad values fail now, not at the first step
 
     def __repr__(self) -> str:
         args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
@@ -529,8 +337,8 @@ class Strategy:
         return Strategy(self.algorithm, mesh=self.mesh, flatten=self.flatten, **kwargs)
 
     def setting(self, name: str) -> Any:
-        """The value the algorithm runs with for keyword ``name``: the one given, else the
-        default of the function that takes it.
+        """The value the algorithm runs with for keyword ``name``: the one given, else its
+        default.
 
         Raises:
           ValueError: for a name the algorithm does not take.
@@ -541,16 +349,13 @@ class Strategy:
           >>> s.setting("bits"), s.setting("message_bytes")
           (8, 262144)
         """
-        if name in self.kwargs:
-            return self.kwargs[name]
-        for builder in _builders(self.algorithm):
-            parameter = _parameters(builder).get(name)
-            if parameter is not None and parameter.default is not parameter.empty:
-                return parameter.default
-        raise ValueError(
-            f"Strategy({self.algorithm!r}): no setting {name!r}; "
-            f"{self.algorithm} takes {', '.join(valid_kwargs(self.algorithm))}"
-        )
+        settings = _entry(self.algorithm).settings
+        if name not in settings:
+            raise ValueError(
+                f"Strategy({self.algorithm!r}): no setting {name!r}; "
+                f"{self.algorithm} takes {', '.join(valid_kwargs(self.algorithm))}"
+            )
+        return self.kwargs.get(name, settings[name])
 
     def train_step(
         self,
@@ -581,48 +386,18 @@ class Strategy:
             (decentralized and async) a bad algorithm argument.
         """
         name = self.algorithm
-        if name == "qadam" and optimizer is not None:
+        entry = _entry(name)
+        if not entry.takes_optimizer and optimizer is not None:
             raise ValueError(
-                "Strategy('qadam'): qadam is the optimizer itself (Adam with an 8-bit momentum "
-                "exchange), so train_step takes optimizer=None; pass its settings to the "
-                "strategy: Strategy('qadam', learning_rate=1e-3, warmup_steps=100, ...)"
+                f"Strategy({name!r}): {name} is the optimizer itself (Adam with an 8-bit "
+                "momentum exchange), so train_step takes optimizer=None; pass its settings to "
+                f"the strategy: Strategy({name!r}, learning_rate=1e-3, warmup_steps=100, ...)"
             )
-        if name != "qadam" and not isinstance(optimizer, optax.GradientTransformation):
+        if entry.takes_optimizer and not isinstance(optimizer, optax.GradientTransformation):
             raise ValueError(
                 f"Strategy({name!r}): optimizer must be an optax.GradientTransformation such "
                 f"as optax.adam(1e-3), got {optimizer!r}"
             )
-        flat = _Flat() if self.flatten else None
-        step = self._build(name, flat.wrap(loss_fn) if flat else loss_fn, optimizer, has_aux)
-        step._flat = flat
+        step = entry.build(self, loss_fn, optimizer, has_aux)
+        step.algorithm = name
         return step
-
-    def _build(self, name, loss_fn, optimizer, has_aux) -> TrainStep:
-        builders = _builders(name)
-        if self._sync is not None:
-            step_kwargs = _bind(builders[1], self.kwargs)
-            tx = self._sync if name == "qadam" else optax.chain(self._sync, optimizer)
-            warmup = self.kwargs.get("warmup_steps", 0) if name == "qadam" else 0
-            return _ReplicatedStep(
-                name, self.mesh, has_aux, loss_fn, tx, step_kwargs, self._qadam_phases(), warmup
-            )
-        kwargs = _bind(builders[0], self.kwargs)
-        built = builders[0](loss_fn, optimizer, self.mesh, has_aux=has_aux, **kwargs)
-        if name == "async":
-            return _AsyncStep(name, self.mesh, has_aux, built)
-        axes = (kwargs.get("node_axis", "node"), kwargs.get("local_axis", "local"))
-        return _DecentralizedStep(name, self.mesh, has_aux, built, axes)
-
-    def _qadam_phases(self) -> dict[str, optax.GradientTransformation] | None:
-        """Stand-ins with QAdam's communication of each phase, for ``communication_stats``."""
-        if self.algorithm != "qadam":
-            return None
-        sync = {k: v for k, v in self.kwargs.items() if k in _parameters(transforms.bytegrad)}
-        full = {k: v for k, v in sync.items() if k in _parameters(transforms.gradient_allreduce)}
-        # QAdam's own default, which gradient_allreduce's need not share.
-        full.setdefault("hierarchical", _parameters(qadam_optimizer.qadam)["hierarchical"].default)
-        return {
-            "warmup": optax.chain(transforms.gradient_allreduce(**full), optax.adam(0.0)),
-            # mesh: with error feedback the stand-in sizes its residuals as QAdam does.
-            "compressed": optax.chain(transforms.bytegrad(mesh=self.mesh, **sync), optax.adam(0.0)),
-        }

@@ -9,29 +9,26 @@ step needs. They run inside ``jax.shard_map`` (``data_parallel_step`` sets that 
 Beyond Bagua, ``bytegrad`` sends 4-bit codes (``bits=4``, as ZeRO++'s qgZ; Wang et al.,
 "ZeRO++", ICLR 2024) and keeps error feedback (``error_feedback=True``, as 1-bit Adam's
 worker and server errors; Tang et al., "1-bit Adam", ICML 2021). The error-feedback
-residuals are per device, so they live in the optimizer state sharded over both mesh axes:
-``state_specs`` gives the ``shard_map`` specs and ``shard_state`` places a state on a mesh.
+residuals are per device, so they live in the optimizer state sharded over both mesh axes
+(``sharding.state_specs``).
 """
 
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks as _checks
-from jax_bytegrad._src import collectives
-from jax_bytegrad._src.quantization import (
+from jax_bytegrad._src import checks, collectives
+from jax_bytegrad._src.config import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MESSAGE_BYTES,
     Bits,
     Implementation,
+    Residuals,
     Rounding,
-    check_bits,
-    check_block_size,
-    check_rounding,
-    resolve_implementation,
+    SyncConfig,
+    Wire,
 )
 
 
@@ -40,73 +37,13 @@ class ByteGradState(NamedTuple):
 
     Attributes:
       key: PRNG key for stochastic rounding, split every step (unused with nearest rounding).
-      residuals: error feedback's residuals, one (send, mean) pair of float32 vectors per
-        bucket, each the concatenation of every device's own residual in mesh order
-        (sharded over ("node", "local"); see ``state_specs``); empty without error feedback.
+      residuals: error feedback's ``Residuals``, each the concatenation of every device's own
+        in mesh order (sharded over ("node", "local"); see ``sharding.state_specs``); empty
+        without error feedback.
     """
 
     key: jax.Array
-    residuals: tuple = ()
-
-
-def check_sync_args(
-    where: str,
-    *,
-    node_axis,
-    local_axis,
-    hierarchical,
-    block_size,
-    bucket_bytes,
-    message_bytes,
-    implementation,
-    bits=8,
-) -> None:
-    """Validates, at build time, the arguments every compressed-sync transform takes."""
-    _checks.axis_names(node_axis, local_axis, where)
-    _checks.boolean(hierarchical, "hierarchical", where)
-    check_bits(bits, where)
-    check_block_size(block_size, where, bits)
-    _checks.positive_int(bucket_bytes, "bucket_bytes", where, or_none=True)
-    _checks.positive_int(message_bytes, "message_bytes", where, or_none=True)
-    if implementation is not None:
-        resolve_implementation(implementation)
-
-
-def check_error_feedback(
-    error_feedback, mesh, node_axis: str, local_axis: str, where: str
-) -> tuple[int, int] | None:
-    """Validates ``error_feedback`` and ``mesh``; returns (nodes, devices per node) or None."""
-    _checks.boolean(error_feedback, "error_feedback", where)
-    if error_feedback and mesh is None:
-        raise ValueError(
-            f"{where}: error_feedback=True keeps residuals per device, sized by the mesh; "
-            "pass mesh=... (the mesh the step runs on)"
-        )
-    return None if mesh is None else _checks.mesh_axes(mesh, node_axis, local_axis, where)
-
-
-def mesh_residuals(params, mesh_shape: tuple[int, int], **settings) -> tuple:
-    """Zero error-feedback residuals of every device, for an optimizer state.
-
-    Args:
-      params: the gradient pytree, as one device has it.
-      mesh_shape: (nodes, devices per node).
-      **settings: ``hierarchical``, ``bits``, ``block_size``, ``bucket_bytes``, as given to
-        ``collectives.compressed_mean``.
-
-    Returns:
-      One (send, mean) pair per bucket, each the concatenation of every device's own zero
-      residual in mesh order (``state_specs`` shards it over both axes).
-    """
-    nodes, per_node = mesh_shape
-    sizes = collectives.residual_sizes(
-        params, num_nodes=nodes, devices_per_node=per_node, **settings
-    )
-    devices = nodes * per_node
-    return tuple(
-        (jnp.zeros(devices * send, jnp.float32), jnp.zeros(devices * mean, jnp.float32))
-        for send, mean in sizes
-    )
+    residuals: Residuals = Residuals()
 
 
 def bytegrad(
@@ -119,9 +56,10 @@ def bytegrad(
     error_feedback: bool = False,
     mesh: Mesh | None = None,
     block_size: int | None = None,
-    bucket_bytes: int | None = collectives.DEFAULT_BUCKET_BYTES,
-    message_bytes: int | None = collectives.DEFAULT_MESSAGE_BYTES,
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     rounding: Rounding = "nearest",
+    wire: Wire = "scatter_gather",
     seed: int = 0,
     implementation: Implementation | None = None,
 ) -> optax.GradientTransformation:
@@ -130,7 +68,7 @@ def bytegrad(
     Float32 within a node; block-wise 8-bit (or 4-bit) min-max codes between nodes, for
     about 4x (8x) fewer inter-node bytes than a float32 all-reduce. Every replica receives
     bit-identical updates. Use it first in an optax chain, inside ``jax.shard_map`` on
-    per-device gradients (``data_parallel_step`` does this for you without error feedback).
+    per-device gradients (``data_parallel_step`` does this for you).
 
     With ``error_feedback=True`` each device keeps what its two compressions failed to send
     (its share of the node's sum before the all_to_all, its averaged chunk before the
@@ -138,8 +76,8 @@ def bytegrad(
     cancel over steps instead of biasing the model. The residuals are the state's
     ``residuals``, one per device: (1 + 1/n) N/L float32 values per device for an
     N-parameter model on n nodes of L devices (hierarchical), 18.9 MB at N = 25.2M, n = 2,
-    L = 8. Run the step's ``shard_map`` with ``state_specs(state)`` and place the state with
-    ``shard_state``; orbax saves and restores it like any sharded state.
+    L = 8. ``data_parallel_step`` places them; in a ``shard_map`` of your own, use
+    ``sharding.state_specs(state)`` and ``sharding.shard_state``.
 
     Args:
       node_axis: mesh axis between nodes: the compressed hop.
@@ -150,11 +88,12 @@ def bytegrad(
       error_feedback: keep and re-add each device's compression errors (see above).
       mesh: the mesh the step runs on; error feedback needs it to size the residuals.
       block_size: elements per quantization block, a power of two >= 128 (>= 256 for 4
-        bits); None for ``DEFAULT_BLOCK_SIZES[bits]``.
+        bits); None for the default of ``bits``.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
+      wire: ``"scatter_gather"`` or ``"allreduce"`` (see ``SyncConfig``).
       seed: seeds the PRNG key for stochastic rounding.
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
 
@@ -163,8 +102,8 @@ def bytegrad(
 
     Raises:
       ValueError: for bad arguments (here), error feedback without ``mesh``, and at trace
-        time when used outside ``shard_map``, with an axis the mesh lacks, or on a mesh of
-        another shape than ``mesh``.
+        time when used outside ``shard_map``, with an axis the mesh lacks, on a mesh of
+        another shape than ``mesh``, or for integer gradient leaves.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
@@ -181,115 +120,47 @@ def bytegrad(
       Convergence Speed", ICML 2021.
     """
     where = "bytegrad"
-    check_sync_args(
-        where,
+    config = SyncConfig(
         node_axis=node_axis,
         local_axis=local_axis,
         hierarchical=hierarchical,
+        bits=bits,
         block_size=block_size,
         bucket_bytes=bucket_bytes,
         message_bytes=message_bytes,
+        rounding=rounding,
         implementation=implementation,
-        bits=bits,
+        error_feedback=error_feedback,
+        wire=wire,
+        where=where,
     )
-    _checks.boolean(average, "average", where)
-    stochastic = check_rounding(rounding, where)
-    block_size = check_block_size(block_size, where, bits)
-    mesh_shape = check_error_feedback(error_feedback, mesh, node_axis, local_axis, where)
-    # What sets the buckets, and so the residuals' sizes: the same for both.
-    layout = dict(
-        hierarchical=hierarchical, bits=bits, block_size=block_size, bucket_bytes=bucket_bytes
-    )
+    checks.boolean(average, "average", where)
+    checks.integer(seed, "seed", where, minimum=0)
+    shape = config.mesh_shape(mesh, where)
 
     def init_fn(params):
-        residuals = mesh_residuals(params, mesh_shape, **layout) if error_feedback else ()
+        residuals = Residuals()
+        if config.error_feedback:
+            residuals = collectives.mesh_residuals(params, config, shape)
         return ByteGradState(key=jax.random.key(seed), residuals=residuals)
 
     def update_fn(updates, state, params=None):
         del params
         key, step_key = jax.random.split(state.key)
-        updates = collectives.compressed_mean(
+        updates = collectives.sync_mean(
             updates,
-            node_axis=node_axis,
-            local_axis=local_axis,
+            config,
             average=average,
-            message_bytes=message_bytes,
-            rounding=rounding,
-            key=step_key if stochastic else None,
-            implementation=implementation,
-            residuals=state.residuals if error_feedback else None,
-            **layout,
+            key=step_key if config.stochastic else None,
+            residuals=state.residuals if config.error_feedback else None,
+            where=where,
         )
-        residuals = ()
-        if error_feedback:
+        residuals = Residuals()
+        if config.error_feedback:
             updates, residuals = updates
         return updates, ByteGradState(key=key, residuals=residuals)
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"):
-    """``shard_map`` specs for an optimizer state: residuals per device, the rest replicated.
-
-    Args:
-      opt_state: an optax state (or its ``jax.eval_shape``), e.g. from ``tx.init``.
-      node_axis: the mesh axis between nodes.
-      local_axis: the mesh axis within a node.
-
-    Returns:
-      A pytree like ``opt_state`` of ``PartitionSpec``: ``P((node_axis, local_axis))`` for
-      the error-feedback residuals of every ``ByteGradState`` and ``ScaleByQAdamState``,
-      ``P()`` elsewhere.
-
-    Examples:
-      >>> import jax.numpy as jnp, jax_bytegrad
-      >>> from jax_bytegrad.sharding import state_specs
-      >>> mesh = jax_bytegrad.make_mesh(1, 1)
-      >>> tx = jax_bytegrad.bytegrad(error_feedback=True, mesh=mesh)
-      >>> state_specs(tx.init({"w": jnp.ones(3)})).residuals
-      ((P(('node', 'local'),), P(('node', 'local'),)),)
-    """
-    # QAdam's state keeps residuals too (qadam_optimizer imports this module, hence late).
-    from jax_bytegrad._src.qadam import ScaleByQAdamState
-
-    holders = (ByteGradState, ScaleByQAdamState)
-    per_device = P((node_axis, local_axis))
-
-    def specs(node):
-        if isinstance(node, holders):
-            replicated = jax.tree.map(lambda _: P(), node._replace(residuals=()))
-            residuals = jax.tree.map(lambda _: per_device, node.residuals)
-            return replicated._replace(residuals=residuals)
-        return P()
-
-    return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, holders))
-
-
-def shard_state(opt_state, mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local"):
-    """Places an optimizer state (same value on every process) on ``mesh`` per ``state_specs``.
-
-    Replicated leaves are copied to every device; each device gets its own slice of the
-    error-feedback residuals.
-
-    Args:
-      opt_state: an optax state, e.g. from ``tx.init``.
-      mesh: the ("node", "local") mesh of the step.
-      node_axis: the mesh axis between nodes.
-      local_axis: the mesh axis within a node.
-
-    Returns:
-      The state as global arrays sharded as ``state_specs`` says.
-    """
-    specs = state_specs(opt_state, node_axis=node_axis, local_axis=local_axis)
-
-    def place(x, spec):
-        sharding = NamedSharding(mesh, spec)
-        if spec == P():
-            return jax.make_array_from_process_local_data(sharding, x)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
-    return jax.tree.map(place, opt_state, specs)
 
 
 def gradient_allreduce(
@@ -316,7 +187,7 @@ def gradient_allreduce(
 
     Raises:
       ValueError: for bad arguments (here), and at trace time when used outside
-        ``shard_map`` or with an axis the mesh lacks.
+        ``shard_map``, with an axis the mesh lacks, or for integer gradient leaves.
 
     Examples:
       >>> import optax, jax_bytegrad
@@ -326,9 +197,9 @@ def gradient_allreduce(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "gradient_allreduce"
-    _checks.axis_names(node_axis, local_axis, where)
-    _checks.boolean(hierarchical, "hierarchical", where)
-    _checks.boolean(average, "average", where)
+    checks.axis_names(node_axis, local_axis, where)
+    checks.boolean(hierarchical, "hierarchical", where)
+    checks.boolean(average, "average", where)
 
     def init_fn(params):
         del params

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import checks
 from jax_bytegrad.data import _codec
 
 
@@ -131,7 +131,7 @@ class CachedDataset:
                     "code cannot be fingerprinted; pass fingerprint='<version of the source>'"
                 )
             fingerprint = _fingerprint_of(preprocess)
-        _checks.int_at_least(writer_buffer_size, 1, "writer_buffer_size", "CachedDataset")
+        checks.integer(writer_buffer_size, "writer_buffer_size", "CachedDataset")
         self.source = source
         self.preprocess = preprocess
         self.store = store

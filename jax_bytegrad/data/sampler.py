@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import checks
 
 
 def replica_ranks(
@@ -66,8 +66,8 @@ def replica_ranks(
     """
     import jax
 
-    per_device = _checks.int_at_least(per_device, 1, "per_device", "replica_ranks")
-    _checks.mesh_axes(mesh, node_axis, local_axis, "replica_ranks")
+    per_device = checks.integer(per_device, "per_device", "replica_ranks")
+    checks.mesh_axes(mesh, node_axis, local_axis, "replica_ranks")
     grid = np.moveaxis(
         mesh.devices,
         (mesh.axis_names.index(node_axis), mesh.axis_names.index(local_axis)),
@@ -123,7 +123,7 @@ class LoadBalancingSampler:
         drop_last: bool = False,
         random_level: float = 0.0,
     ):
-        num_replicas = _checks.int_at_least(num_replicas, 1, "num_replicas", "LoadBalancingSampler")
+        num_replicas = checks.integer(num_replicas, "num_replicas", "LoadBalancingSampler")
         if (
             isinstance(rank, bool)
             or not isinstance(rank, int | np.integer)
@@ -141,7 +141,7 @@ class LoadBalancingSampler:
                 f"LoadBalancingSampler: random_level must be a number in [0, 1], got "
                 f"{random_level!r}; 0 balances best, 1 adds the most noise"
             )
-        seed = _checks.int_at_least(seed, 0, "seed", "LoadBalancingSampler")
+        seed = checks.integer(seed, "seed", "LoadBalancingSampler", minimum=0)
         n = len(dataset)
         if n == 0:
             raise ValueError("LoadBalancingSampler: the dataset is empty")
@@ -172,7 +172,7 @@ class LoadBalancingSampler:
 
     def set_epoch(self, epoch: int) -> None:
         """Sets the epoch whose order ``__iter__`` and ``order()`` give (call it each epoch)."""
-        self.epoch = _checks.int_at_least(epoch, 0, "epoch", "LoadBalancingSampler.set_epoch")
+        self.epoch = checks.integer(epoch, "epoch", "LoadBalancingSampler.set_epoch", minimum=0)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -246,7 +246,7 @@ class LoadBalancingSampler:
           drop_remainder: drop the last step if it is short; otherwise it is completed with
             each replica's first samples of the epoch.
         """
-        batch_size = _checks.int_at_least(batch_size, 1, "batch_size", "local_batches")
+        batch_size = checks.integer(batch_size, "batch_size", "local_batches")
         replicas = [self.rank] if replicas is None else list(replicas)
         order = self.order()
         for step in range(self._steps(batch_size, drop_remainder)):
@@ -275,10 +275,10 @@ class _GrainSampler:
 
     def __init__(self, sampler, batch_size, replicas, num_epochs, drop_remainder):
         self.sampler = sampler
-        self.batch_size = _checks.int_at_least(batch_size, 1, "batch_size", "grain_sampler")
+        self.batch_size = checks.integer(batch_size, "batch_size", "grain_sampler")
         self.replicas = [sampler.rank] if replicas is None else list(replicas)
         if num_epochs is not None:
-            _checks.int_at_least(num_epochs, 1, "num_epochs", "grain_sampler")
+            checks.integer(num_epochs, "num_epochs", "grain_sampler")
         self.num_epochs = num_epochs
         self.first_epoch = sampler.epoch
         self.per_step = len(self.replicas) * self.batch_size

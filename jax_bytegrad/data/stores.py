@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Iterable, Sequence
 
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import checks
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS cache ("
@@ -252,7 +252,7 @@ class RedisServer:
                 "(Debian: apt-get install redis-server) or pass executable=..."
             )
         self.host = "127.0.0.1"
-        self.port = port or _checks.free_port()
+        self.port = port or checks.free_port()
         self._dir = tempfile.mkdtemp(prefix="jax_bytegrad_redis_")
         args = [
             binary, "--bind", self.host, "--port", str(self.port),
@@ -386,7 +386,7 @@ class RedisStore:
         ``close()`` stops the servers. Only the process that started them may stop them; a
         pickled copy (in a grain worker) connects to them and leaves them running.
         """
-        _checks.positive_int(num_servers, "num_servers", "RedisStore")
+        checks.integer(num_servers, "num_servers", "RedisStore")
         servers = []
         try:
             for _ in range(num_servers):

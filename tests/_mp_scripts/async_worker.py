@@ -41,7 +41,7 @@ avg = async_model_average(
 )
 snap = {"w": jnp.full((3,), 1.0 + rank), "b": jnp.asarray([10.0 * rank])}
 local_update = {"w": jnp.full((3,), 0.5 * rank), "b": jnp.asarray([-1.0])}
-params, _ = avg.init(snap)
+params = avg.init(snap).params
 avg._averager.publish(params)
 avg._averager.round(False)
 got = avg.pull(jax.tree.map(lambda s, u: s + u, params, local_update))
@@ -110,7 +110,7 @@ baseline = accuracy(p)
 say(f"baseline {baseline:.4f}")
 
 avg = async_model_average(xent, opt, mesh, sync_interval_ms=20, warmup_steps=0)
-p, s = avg.init(init)
+state = avg.init(init)
 say("async init")
 start = time.perf_counter()
 for i, batch in enumerate(my_batches_of(rank, STEPS)):
@@ -123,15 +123,15 @@ for i, batch in enumerate(my_batches_of(rank, STEPS)):
         assert avg.round_stats.running
     if rank == 1 and i % 10 == 0:
         time.sleep(0.05)  # a straggler: the other process does not wait for it
-    p, s, loss = avg.step(p, s, batch)
+    state, metrics = avg.step(state, batch)
     if i % 25 == 0:
         say(f"step {i} rounds {avg.round_stats.rounds}")
 t0 = time.perf_counter()
-avg.abort()
+avg.close()  # collective: stops every process's averaging after the same round
 abort_s = time.perf_counter() - t0
 stats = avg.round_stats
 assert not stats.running, stats
-p = avg.average_now(p)
+p = avg.params(state)  # one exact average over the processes
 acc = accuracy(p)
 # After the exact average every process holds the same model, up to x + (m - x) rounding.
 flat = np.concatenate(
@@ -144,7 +144,7 @@ say(
     f"abort_s={abort_s:.3f} train_s={time.perf_counter() - start:.1f}"
 )
 assert acc >= baseline - 0.02, (acc, baseline)
-avg.abort()  # idempotent
+avg.close()  # idempotent
 jax.distributed.shutdown()
 say("OK")
 sys.exit(0)

@@ -95,31 +95,6 @@ def optimizer(name: str, mesh):
     raise ValueError(f"train_worker: unknown algorithm {name!r}; use one of {sorted(ALGORITHMS)}")
 
 
-def _error_feedback_step(tx, mesh, params):
-    """A step whose optimizer state holds per-device residuals (see transforms.state_specs)."""
-    import jax
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    from jax_bytegrad.sharding import shard_state, state_specs
-
-    axes = ("node", "local")
-    state = shard_state(tx.init(params), mesh)
-    specs = state_specs(state)
-
-    def per_device(params, state, batch):
-        grads = jax.grad(loss_fn)(jax.lax.pcast(params, axes, to="varying"), batch)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, 0.0
-
-    step = jax.jit(
-        jax.shard_map(
-            per_device, mesh=mesh, in_specs=(P(), specs, P(axes)), out_specs=(P(), specs, P())
-        )
-    )
-    return step, state
-
-
 def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarray]:
     """Runs the steps of `name` on `mesh`; returns the params on this process's first device.
 
@@ -129,19 +104,16 @@ def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarra
 
     import jax_bytegrad
 
-    tx = optimizer(name, mesh)
-    params = init_params()
-    p = jax_bytegrad.replicate(params, mesh)
-    if "_ef" in name:
-        step, s = _error_feedback_step(tx, mesh, params)
-    else:
-        step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
-        s = jax_bytegrad.replicate(tx.init(params), mesh)
+    # qadam() as one optax transformation: both phases in one program, its collectives inside
+    # a lax.cond, across processes (the step builders pick phases on the host instead).
+    step = jax_bytegrad.data_parallel_step(loss_fn, optimizer(name, mesh), mesh)
+    state = step.init(init_params())  # error feedback's residuals are placed per device here
     rows = GLOBAL_BATCH // nproc
     for t in range(ALGORITHMS[name]):
         x, y = global_batch(t)
         mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
-        p, s, _ = step(p, s, jax_bytegrad.shard_batch(mine, mesh))
+        state, _ = step(state, jax_bytegrad.shard_batch(mine, mesh))
+        p, s = state.params, state.opt_state
         out = {}
         for k, leaf in p.items():
             shards = [np.asarray(sh.data) for sh in leaf.addressable_shards]

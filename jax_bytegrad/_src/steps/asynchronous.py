@@ -36,22 +36,28 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import checks, stats
 from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
-from jax_bytegrad._src.parallel import data_parallel_step, shard_batch
+from jax_bytegrad._src.sharding import replicate
+from jax_bytegrad._src.steps.base import TrainState, TrainStep, host_copy
+from jax_bytegrad._src.steps.data_parallel import data_parallel_step
 from jax_bytegrad._src.transforms import gradient_allreduce
 
 # Private helpers -------------------------------------------------------------------------
 
+# The averagers still running; one exit hook stops them all, so that no process leaves its
+# peers waiting in a collective when the interpreter exits.
+_RUNNING: "weakref.WeakSet[_Averager]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for averager in list(_RUNNING):
+        averager.stop(timeout=averager.exit_timeout)
+
 
 def _first_local_device(mesh: Mesh, process: int):
     return min((d for d in mesh.devices.flat if d.process_index == process), key=lambda d: d.id)
-
-
-def _stop_at_exit(ref) -> None:
-    averager = ref()
-    if averager is not None:
-        averager.stop(timeout=averager.exit_timeout)
 
 
 def _local_mesh(mesh: Mesh, axes: tuple[str, str]) -> Mesh:
@@ -173,6 +179,7 @@ class _Averager:
             self._error = e
 
     def start(self) -> None:
+        _RUNNING.add(self)
         self._stop_requested.clear()
         self._thread = threading.Thread(target=self._loop, name="async_model_average", daemon=True)
         self._thread.start()
@@ -190,6 +197,7 @@ class _Averager:
                 "leaves the others waiting in the averaging collective)"
             )
         self._thread = None
+        _RUNNING.discard(self)
         self.raise_error()
 
     def raise_error(self) -> None:
@@ -210,51 +218,39 @@ class _Averager:
             return AsyncModelAverageState(self._rounds, self._last_ms, self._thread is not None)
 
 
-class AsyncModelAverage:
+class AsyncModelAverage(TrainStep):
     """Local training plus asynchronous model averaging between processes (Bagua's algorithm).
 
-    Build it with ``async_model_average(...)``. Then, in every process::
+    Build it with ``async_model_average(...)``; it is a ``TrainStep``. In every process::
 
-        params, opt_state = avg.init(params, opt_state)
-        for batch in data:            # this process's own batch
-            params, opt_state, loss = avg.step(params, opt_state, batch)
-        avg.abort()                   # collective: every process calls it
-        params = avg.average_now(params)   # optional: one synchronous, exact average
+        state = step.init(params)
+        for batch in data:                    # this process's own batch
+            state, metrics = step(state, batch)
+        step.close()                          # collective: every process calls it
+        params = step.params(state)           # one synchronous, exact average
 
-    ``step`` runs a synchronous full-precision data-parallel step over every device for the
-    first ``warmup_steps`` steps, then local steps (gradients averaged only over this
-    process's devices) while the background thread averages the model.
+    The first ``warmup_steps`` steps are synchronous full-precision data-parallel steps over
+    every device; after them, local steps (gradients averaged only over this process's
+    devices) while the background thread averages the model.
     """
 
-    def __init__(
-        self,
-        loss_fn,
-        optimizer,
-        mesh,
-        *,
-        sync_interval_ms,
-        warmup_steps,
-        has_aux,
-        node_axis,
-        local_axis,
-        exit_timeout=60.0,
-    ):
-        self.mesh = mesh
+    phases = ("step", "averaging")
+
+    def __init__(self, loss_fn, optimizer, mesh, *, sync_interval_ms, warmup_steps, has_aux,
+                 axes, flatten, exit_timeout=60.0):  # fmt: skip
+        super().__init__("async", mesh, loss_fn, has_aux=has_aux, flatten=flatten)
         self.sync_interval_ms = sync_interval_ms
         self.warmup_steps = warmup_steps
-        self.step_id = 0
-        self._axes = (node_axis, local_axis)
-        self.local_mesh = _local_mesh(mesh, self._axes)
-        self._sync_tx = optax.chain(
-            gradient_allreduce(node_axis=node_axis, local_axis=local_axis), optimizer
-        )
-        kwargs = dict(has_aux=has_aux, donate=False, node_axis=node_axis, local_axis=local_axis)
-        self._global_step = data_parallel_step(loss_fn, self._sync_tx, mesh, **kwargs)
-        self._local_step = data_parallel_step(loss_fn, self._sync_tx, self.local_mesh, **kwargs)
-        self._averager = _Averager(mesh, node_axis, sync_interval_ms, exit_timeout)
-        atexit.register(_stop_at_exit, weakref.ref(self._averager))
+        self._axes = axes
+        self.local_mesh = _local_mesh(mesh, axes)
+        tx = optax.chain(gradient_allreduce(node_axis=axes[0], local_axis=axes[1]), optimizer)
+        kwargs = dict(has_aux=has_aux, donate=False, node_axis=axes[0], local_axis=axes[1])
+        self._global = data_parallel_step(self.loss_fn, tx, mesh, **kwargs)
+        self._local = data_parallel_step(self.loss_fn, tx, self.local_mesh, **kwargs)
+        self._averager = _Averager(mesh, axes[0], sync_interval_ms, exit_timeout)
 
-    # Params placement ------------------------------------------------------------------
+    def _inner(self, taken: int):
+        return self._global if taken < self.warmup_steps else self._local
 
     def _to_local(self, tree):
         sharding = NamedSharding(self.local_mesh, P())
@@ -267,84 +263,72 @@ class AsyncModelAverage:
 
         return jax.tree.map(move, tree)
 
-    def _local_batch(self, batch):
-        sharding = NamedSharding(self.local_mesh, P(self._axes))
-        return jax.tree.map(lambda x: jax.device_put(np.asarray(x), sharding), batch)
-
-    def _start_averaging(self) -> None:
-        if self.sync_interval_ms > 0 and not self._averager.running:
+    def _init(self, params):
+        if self.warmup_steps > 0:
+            return self._global.init(params)
+        state = self._local.init(params)
+        if self.sync_interval_ms > 0:
+            self._averager.publish(state.params)
             self._averager.start()
-
-    # Public API ------------------------------------------------------------------------
-
-    def init(self, params, opt_state=None, *, start: bool = False):
-        """Places ``params`` (the same on every process) and the optimizer state for ``step``.
-
-        Args:
-          params: the initial parameters, identical on every process.
-          opt_state: optional optimizer state; by default ``optimizer.init(params)``.
-          start: start the background averaging now (every process must), rather than at
-            the first step after warm-up. Ignored during warm-up.
-
-        Returns:
-          ``(params, opt_state)``, replicated over the whole mesh during warm-up and over
-          this process's devices afterwards.
-        """
-        if opt_state is None:
-            opt_state = self._sync_tx.init(params)
-        if self.step_id < self.warmup_steps:
-            sharding = NamedSharding(self.mesh, P())
-            place = lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x))
-            return jax.tree.map(place, (params, opt_state))
-        placed = self._to_local((params, opt_state))
-        if start and self.sync_interval_ms > 0 and not self._averager.running:
-            self._averager.publish(placed[0])
-            self._averager.start()
-        return placed
+        return state
 
     def pull(self, params):
-        """Adds the finished averaging rounds' ``mean(s) - s`` to ``params``.
-
-        ``step`` calls it; call it yourself after ``abort()`` to take in the last round.
-        """
+        """Adds the finished averaging rounds' ``mean(s) - s`` to ``params``."""
         pending = self._averager.take()
         if pending is None:
             return params
         delta = self._to_local(unflatten_like(pending, params))
         return jax.tree.map(lambda x, d: x + d, params, delta)
 
-    def step(self, params, opt_state, batch):
+    def step(self, state, batch):
         """One train step on this process's ``batch`` (numpy or process-local arrays).
 
-        Returns:
-          ``(params, opt_state, loss[, aux])``: ``loss`` is the mean over all devices during
-          warm-up and over this process's devices afterwards.
+        ``metrics["loss"]`` is the mean over all devices during warm-up and over this
+        process's devices afterwards.
         """
+        if self._closed:
+            raise RuntimeError("async: this train step was closed; build a new one")
         self._averager.raise_error()
-        if self.step_id < self.warmup_steps:
-            out = self._global_step(params, opt_state, shard_batch(batch, self.mesh))
-            self.step_id += 1
-            return out
-        if self.step_id == self.warmup_steps:
+        taken = int(state.step)
+        if taken < self.warmup_steps:
+            return self._global.step(state, batch)
+        params, opt_state = state.params, state.opt_state
+        if taken == self.warmup_steps:
             params, opt_state = self._to_local((params, opt_state))
         params = self.pull(params)
-        out = self._local_step(params, opt_state, self._local_batch(batch))
-        self._averager.publish(out[0])
-        if self.step_id == self.warmup_steps:
-            self._start_averaging()
-        self.step_id += 1
-        return out
+        state, metrics = self._local.step(TrainState(state.step, params, opt_state, {}), batch)
+        self._averager.publish(state.params)
+        if taken == self.warmup_steps and self.sync_interval_ms > 0:
+            self._averager.start()
+        return state, metrics
 
-    def lower(self, params, opt_state, batch):
-        """Lowers the program the next ``step`` runs, for ``communication_stats``.
+    __call__ = step
 
-        The background averaging runs outside it: a float32 all-reduce of the whole model
-        over processes per round.
-        """
-        if self.step_id < self.warmup_steps:
-            return self._global_step.lower(params, opt_state, shard_batch(batch, self.mesh))
-        params, opt_state = self._to_local((params, opt_state))
-        return self._local_step.lower(params, opt_state, self._local_batch(batch))
+    def lower(self, state, batch):
+        """Lowers the program the next step runs; the background averaging runs outside it
+        (``lower_averaging``)."""
+        taken = int(state.step)
+        if taken < self.warmup_steps:
+            return self._global.lower(state, batch)
+        params, opt_state = self._to_local((state.params, state.opt_state))
+        return self._local.lower(TrainState(state.step, params, opt_state, {}), batch)
+
+    def lower_averaging(self):
+        """Lowers one averaging round's program; it runs on one device per process, along
+        a mesh axis named after the node axis."""
+        return self._averager.lower()
+
+    def communication_stats(self, state, batch):
+        """``{"step": ..., "averaging": ...}``: the local step, and one averaging round (a
+        float32 all-reduce of the model between processes). Each program is laid out over a
+        mesh of its own (this process's devices; one device per process)."""
+        return {
+            "step": stats.communication_stats(self.lower(state, batch)),
+            "averaging": stats.communication_stats(self.lower_averaging()),
+        }
+
+    def phase_counts(self, state):
+        return {"step": int(state.step), "averaging": self._averager.stats().rounds}
 
     def abort(self, timeout: float | None = 300.0) -> None:
         """Stops the background averaging; a collective call, made by every process.
@@ -361,14 +345,11 @@ class AsyncModelAverage:
 
     def resume(self) -> None:
         """Restarts the background averaging after ``abort``; every process must call it."""
-        if not self._averager.running and self.step_id > self.warmup_steps:
+        if not self._averager.running and self.sync_interval_ms > 0:
             self._averager.start()
 
     def average_now(self, params):
-        """One synchronous, exact average over processes: call it after ``abort`` on every process.
-
-        Returns:
-          ``params`` with pending rounds applied, then replaced by their mean over processes.
+        """One synchronous, exact average over processes, after ``abort``, on every process.
 
         Raises:
           RuntimeError: while the background thread runs (call ``abort()`` first).
@@ -376,24 +357,37 @@ class AsyncModelAverage:
         if self._averager.running:
             raise RuntimeError(
                 "async_model_average: average_now() while the averaging thread runs would "
-                "interleave two collectives; call abort() first"
+                "interleave two collectives; call abort() (or close()) first"
             )
         params = self.pull(params)
         self._averager.publish(params)
         self._averager.round(False)
         return self.pull(params)
 
-    def lower_averaging(self):
-        """Lowers one averaging round's program (for ``communication_stats``); runs nothing.
-
-        It runs on one device per process, along a mesh axis named after ``node_axis``.
-        """
-        return self._averager.lower()
+    def _params(self, state):
+        """The exact average of the processes' models, replicated over the whole mesh. A
+        collective: every process calls it, after ``close()``."""
+        if not self._closed:
+            raise RuntimeError(
+                "async: params(state) averages the model over processes once, exactly, which "
+                "cannot run beside the background averaging; call step.close() first (on "
+                "every process)"
+            )
+        params = state.params
+        if int(state.step) >= self.warmup_steps:
+            params = self.average_now(self._to_local(params))
+        return replicate(host_copy(params), self.mesh)
 
     @property
     def round_stats(self) -> AsyncModelAverageState:
         """Rounds done, the latest round's time and whether the thread runs."""
         return self._averager.stats()
+
+    def close(self) -> None:
+        """Stops the background averaging (a collective: every process calls it)."""
+        if not self._closed:
+            self.abort()
+        super().close()
 
 
 def async_model_average(
@@ -407,6 +401,7 @@ def async_model_average(
     has_aux: bool = False,
     node_axis: str = "node",
     local_axis: str = "local",
+    flatten: bool = False,
 ) -> AsyncModelAverage:
     """Builds Bagua's asynchronous model averaging: local steps, averaged in the background.
 
@@ -426,10 +421,11 @@ def async_model_average(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       node_axis: the mesh axis between processes.
       local_axis: the mesh axis within a process.
+      flatten: keep the params and optimizer state as one float32 vector.
 
     Returns:
-      An ``AsyncModelAverage`` with ``init``, ``step``, ``pull``, ``abort``, ``resume`` and
-      ``average_now``.
+      An ``AsyncModelAverage``, a ``TrainStep`` with ``abort``, ``resume`` and
+      ``round_stats`` besides.
 
     Raises:
       ValueError: for a bad ``peer_selection_mode``, ``sync_interval_ms`` or
@@ -439,12 +435,11 @@ def async_model_average(
       >>> import jax.numpy as jnp, optax, jax_bytegrad
       >>> from jax_bytegrad.experimental import async_model_average
       >>> mesh = jax_bytegrad.make_mesh(1, 1)
-      >>> avg = async_model_average(lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1),
-      ...                           mesh, sync_interval_ms=10)
-      >>> w, s = avg.init(jnp.ones(4))
-      >>> w, s, loss = avg.step(w, s, jnp.ones((8, 4)))
-      >>> avg.abort()
-      >>> float(loss)
+      >>> step = async_model_average(lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1),
+      ...                            mesh, sync_interval_ms=10)
+      >>> state, metrics = step(step.init(jnp.ones(4)), jnp.ones((8, 4)))
+      >>> step.close()
+      >>> float(metrics["loss"])
       1.0
 
     References:
@@ -452,11 +447,10 @@ def async_model_average(
       Lian et al., "Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML 2018.
     """
     where = "async_model_average"
-    if peer_selection_mode != "all":
-        raise ValueError(f"{where}: peer_selection_mode must be 'all', got {peer_selection_mode!r}")
-    _checks.non_negative_int(sync_interval_ms, "sync_interval_ms", where)
-    _checks.non_negative_int(warmup_steps, "warmup_steps", where)
-    _checks.mesh_axes(mesh, node_axis, local_axis, where)
+    checks.one_of(peer_selection_mode, ("all",), "peer_selection_mode", where)
+    checks.integer(sync_interval_ms, "sync_interval_ms", where, minimum=0)
+    checks.integer(warmup_steps, "warmup_steps", where, minimum=0)
+    checks.mesh_axes(mesh, node_axis, local_axis, where)
     grid = np.asarray(mesh.devices)
     if mesh.axis_names.index(node_axis) != 0:
         grid = grid.T
@@ -475,6 +469,6 @@ def async_model_average(
         sync_interval_ms=int(sync_interval_ms),
         warmup_steps=int(warmup_steps),
         has_aux=has_aux,
-        node_axis=node_axis,
-        local_axis=local_axis,
+        axes=(node_axis, local_axis),
+        flatten=flatten,
     )

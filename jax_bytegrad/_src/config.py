@@ -1,0 +1,165 @@
+"""How gradients cross the mesh: one frozen ``SyncConfig``, and error feedback's residual state.
+
+Every compressed sync (``bytegrad``, ``qadam``'s momentum exchange, ``compressed_mean``) is
+described by the same eleven settings. They are validated here, once, when the config is
+built; the factories keep their flat keyword arguments (the optax convention) and build one.
+
+References:
+  Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+
+from jax_bytegrad._src import checks
+
+# Big enough that each collective runs at link speed, small enough that a 25M-parameter
+# model gets a few buckets whose communication can overlap the next one's quantize.
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+# Bytes per message of the exchanges between nodes (codes, per peer); see docs/performance.md.
+DEFAULT_MESSAGE_BYTES = 256 * 2**10
+BITS = (8, 4)
+# Elements per quantization block, per code width; see "4-bit block size" in RESULTS.md.
+DEFAULT_BLOCK_SIZES = {8: 1024, 4: 512}
+# Kernels tile a block's (packed) codes as whole rows of 128 bytes.
+MIN_BLOCK_SIZE = 128
+
+Implementation = Literal["xla", "pallas", "pallas_interpret"]
+Rounding = Literal["nearest", "stochastic"]
+Bits = Literal[8, 4]
+Wire = Literal["scatter_gather", "allreduce"]
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+ROUNDINGS = ("nearest", "stochastic")
+WIRES = ("scatter_gather", "allreduce")
+
+
+def check_block_size(block_size, where: str, bits: int = 8) -> int:
+    """Validates ``block_size`` for ``bits``; returns it, or the default for None."""
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZES[bits]
+    smallest = MIN_BLOCK_SIZE * 8 // bits
+    if not checks.is_int(block_size) or block_size < smallest or block_size & (block_size - 1):
+        packing = "" if bits == 8 else f" for {bits}-bit codes (two per byte, 128 bytes)"
+        raise ValueError(
+            f"{where}: block_size must be a power of two >= {smallest}, got {block_size!r}{packing}"
+        )
+    return int(block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """The settings of a compressed gradient sync over a ("node", "local") mesh.
+
+    Built by ``bytegrad``, ``qadam`` and ``compressed_mean`` from their keyword arguments,
+    and validated once, here. Frozen and hashable.
+
+    Attributes:
+      node_axis: mesh axis between nodes (slow links): the compressed hop.
+      local_axis: mesh axis within a node (fast links): float32.
+      hierarchical: reduce-scatter within the node before the compressed hop; False
+        compresses over both axes as one group (L times more bytes between nodes).
+      bits: bits per code between nodes, 8 or 4 (packed two per byte).
+      block_size: elements per quantization block, a power of two >= 128 (>= 256 at 4
+        bits); None is resolved to ``DEFAULT_BLOCK_SIZES[bits]``.
+      bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
+      message_bytes: bytes per message of the exchanges between nodes; None for one
+        message per peer. It changes the speed, never the result.
+      rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
+      implementation: quantization kernels: ``"xla"``, ``"pallas"``,
+        ``"pallas_interpret"``, or None for the best available.
+      error_feedback: keep each device's compression errors and add them back next step.
+      wire: ``"scatter_gather"`` (all_to_all of codes, then all_gather) or ``"allreduce"``
+        (an integer sum of codes on a grid the nodes agree on first).
+
+    Raises:
+      ValueError: for a bad value, naming it and ``where`` (an init-only argument: the
+        function that builds the config, for the message).
+
+    Examples:
+      >>> from jax_bytegrad import SyncConfig
+      >>> SyncConfig(bits=4).block_size
+      512
+      >>> SyncConfig(bits=3)
+      Traceback (most recent call last):
+      ValueError: SyncConfig: bits must be one of 8, 4, got 3
+    """
+
+    node_axis: str = "node"
+    local_axis: str = "local"
+    hierarchical: bool = True
+    bits: Bits = 8
+    block_size: int | None = None
+    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES
+    rounding: Rounding = "nearest"
+    implementation: Implementation | None = None
+    error_feedback: bool = False
+    wire: Wire = "scatter_gather"
+    where: dataclasses.InitVar[str] = "SyncConfig"
+
+    def __post_init__(self, where: str) -> None:
+        checks.axis_names(self.node_axis, self.local_axis, where)
+        checks.boolean(self.hierarchical, "hierarchical", where)
+        checks.one_of(self.bits, BITS, "bits", where)
+        block_size = check_block_size(self.block_size, where, self.bits)
+        object.__setattr__(self, "block_size", block_size)
+        checks.integer(self.bucket_bytes, "bucket_bytes", where, or_none=True)
+        checks.integer(self.message_bytes, "message_bytes", where, or_none=True)
+        checks.one_of(self.rounding, ROUNDINGS, "rounding", where)
+        if self.implementation is not None:
+            checks.one_of(self.implementation, IMPLEMENTATIONS, "implementation", where)
+        checks.boolean(self.error_feedback, "error_feedback", where)
+        checks.one_of(self.wire, WIRES, "wire", where)
+
+    @property
+    def axes(self) -> tuple[str, str]:
+        """``(node_axis, local_axis)``."""
+        return (self.node_axis, self.local_axis)
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+    def mesh_shape(self, mesh, where: str) -> tuple[int, int] | None:
+        """(nodes, devices per node) of ``mesh`` along this config's axes, or None without a
+        mesh; error feedback sizes its residuals by it, so it needs one."""
+        if self.error_feedback and mesh is None:
+            raise ValueError(
+                f"{where}: error_feedback=True keeps residuals per device, sized by the mesh; "
+                "pass mesh=... (the mesh the step runs on)"
+            )
+        return None if mesh is None else checks.mesh_axes(mesh, *self.axes, where)
+
+    def replace(self, **changes) -> "SyncConfig":
+        """A copy with some settings changed, validated again."""
+        return dataclasses.replace(self, **changes)
+
+
+class Residuals(tuple):
+    """Error feedback's state: one ``(send, mean)`` pair of float32 vectors per bucket.
+
+    ``send`` holds what a device's first compression left unsent, ``mean`` what the
+    requantize of its averaged chunk left unsent. Inside ``shard_map`` each device holds its
+    own; outside, each is the concatenation of every device's in mesh order, sharded over
+    ``(node_axis, local_axis)``. ``state_specs`` finds these by type, wherever they sit in an
+    optimizer state. Flattens like a plain tuple, with the same key paths, so a checkpoint
+    holding tuples restores into it.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, pairs=()):
+        return super().__new__(cls, tuple(pairs))
+
+    def __repr__(self) -> str:
+        return f"Residuals({tuple(self)!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    Residuals,
+    lambda r: ([(jax.tree_util.SequenceKey(i), pair) for i, pair in enumerate(r)], None),
+    lambda _, pairs: Residuals(pairs),
+    flatten_func=lambda r: (tuple(r), None),
+)

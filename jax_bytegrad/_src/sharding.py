@@ -1,0 +1,176 @@
+"""The ("node", "local") mesh, and placing params, batches and optimizer state on it.
+
+Nodes map to JAX processes by default, so the "node" axis is the slow one (Gan et al., "Bagua:
+Scaling up Distributed Learning with System Relaxations", VLDB 2022).
+"""
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.config import Residuals
+
+AXES = ("node", "local")
+
+
+def make_mesh(num_nodes: int | None = None, devices_per_node: int | None = None) -> Mesh:
+    """Builds a 2-D ``Mesh`` with axes ("node", "local").
+
+    With several JAX processes, each process is a node by default and its local devices
+    form that node's row, so "node" collectives are the ones that cross hosts. A process
+    may also hold several nodes (``devices_per_node`` dividing its device count). With a
+    single process, the devices are split as asked; by default they form one node.
+
+    Args:
+      num_nodes: rows of the mesh; defaults to the process count (or what the device count
+        and ``devices_per_node`` imply).
+      devices_per_node: columns of the mesh; defaults to the devices per process.
+
+    Returns:
+      A ``jax.sharding.Mesh`` of shape (num_nodes, devices_per_node), with Auto axis types
+      so that ``jax.jit`` places inputs as ``shard_map`` expects.
+
+    Raises:
+      ValueError: for non-positive sizes, more devices than exist, or (with several
+        processes) a node that would span two processes.
+
+    Examples:
+      >>> import jax_bytegrad
+      >>> jax_bytegrad.make_mesh(1, 1).axis_names
+      ('node', 'local')
+    """
+    checks.integer(num_nodes, "num_nodes", "make_mesh", or_none=True)
+    checks.integer(devices_per_node, "devices_per_node", "make_mesh", or_none=True)
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    processes = jax.process_count()
+    per_process = len(devices) // processes
+    if devices_per_node is None:
+        if num_nodes is None:
+            devices_per_node = per_process
+        elif len(devices) % num_nodes:
+            raise ValueError(
+                f"make_mesh: {len(devices)} devices do not split into {num_nodes} nodes; "
+                "pass devices_per_node=..."
+            )
+        else:
+            devices_per_node = len(devices) // num_nodes
+    if num_nodes is None:
+        num_nodes = max(1, len(devices) // devices_per_node)
+    wanted = num_nodes * devices_per_node
+    if wanted > len(devices):
+        raise ValueError(
+            f"make_mesh: {num_nodes} nodes x {devices_per_node} devices needs {wanted} devices, "
+            f"but only {len(devices)} exist. On CPU, ask for more before JAX first uses a "
+            f'device: jax.config.update("jax_num_cpu_devices", {wanted}) at the top of the '
+            f"script, or XLA_FLAGS=--xla_force_host_platform_device_count={wanted}"
+        )
+    if processes > 1 and (wanted != len(devices) or per_process % devices_per_node):
+        raise ValueError(
+            f"make_mesh: with {processes} processes of {per_process} devices each, a mesh of "
+            f"{num_nodes} x {devices_per_node} would leave devices out or split a node "
+            "across processes; use devices_per_node dividing the devices per process"
+        )
+    grid = np.array(devices[:wanted], dtype=object).reshape(num_nodes, devices_per_node)
+    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def replicate(tree, mesh: Mesh):
+    """Places a pytree (same value on every process) replicated on every device of ``mesh``."""
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+
+
+def _local_batch_shards(mesh: Mesh, axes: tuple[str, str]) -> int:
+    """How many slices of the batch this process's devices hold: its distinct positions along
+    ``axes`` (a mesh with another axis, say "model", holds each slice on several devices)."""
+    grid = np.moveaxis(np.asarray(mesh.devices), [mesh.axis_names.index(a) for a in axes], [0, 1])
+    mine = {
+        index[:2]
+        for index, device in np.ndenumerate(grid)
+        if device.process_index == jax.process_index()
+    }
+    return len(mine)
+
+
+def shard_batch(
+    tree, mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local", where: str = ""
+):
+    """Splits this process's part of a batch over its devices along the leading axis.
+
+    With one process this is the whole batch; with several, each process passes its own
+    rows and the global batch is their concatenation in process order. Arrays already
+    sharded this way pass as they are.
+
+    Raises:
+      ValueError: for a leaf whose leading dimension does not split over this process's
+        devices of the mesh.
+    """
+    sharding = NamedSharding(mesh, P((node_axis, local_axis)))
+    leaves = jax.tree.leaves(tree)
+    if leaves and all(
+        isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim) for x in leaves
+    ):
+        return tree
+    slices = _local_batch_shards(mesh, (node_axis, local_axis))
+    checks.batch_splits(tree, slices, where or "shard_batch", owner="this process in the mesh")
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
+
+
+def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"):
+    """``shard_map`` specs for an optimizer state: residuals per device, the rest replicated.
+
+    Args:
+      opt_state: an optax state (or its ``jax.eval_shape``), e.g. from ``tx.init``.
+      node_axis: the mesh axis between nodes.
+      local_axis: the mesh axis within a node.
+
+    Returns:
+      A pytree like ``opt_state`` of ``PartitionSpec``: ``P((node_axis, local_axis))`` for
+      every leaf of error feedback's ``Residuals`` (wherever they sit in the state), ``P()``
+      elsewhere.
+
+    Examples:
+      >>> import jax.numpy as jnp, jax_bytegrad
+      >>> from jax_bytegrad.sharding import state_specs
+      >>> mesh = jax_bytegrad.make_mesh(1, 1)
+      >>> tx = jax_bytegrad.bytegrad(error_feedback=True, mesh=mesh)
+      >>> state_specs(tx.init({"w": jnp.ones(3)})).residuals
+      Residuals(((P(('node', 'local'),), P(('node', 'local'),)),))
+    """
+    per_device = P((node_axis, local_axis))
+
+    def specs(node):
+        if isinstance(node, Residuals):
+            return jax.tree.map(lambda _: per_device, node)
+        return P()
+
+    return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, Residuals))
+
+
+def shard_state(opt_state, mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local"):
+    """Places an optimizer state (same value on every process) on ``mesh`` per ``state_specs``.
+
+    Replicated leaves are copied to every device; each device gets its own slice of the
+    error-feedback residuals.
+
+    Args:
+      opt_state: an optax state, e.g. from ``tx.init``.
+      mesh: the ("node", "local") mesh of the step.
+      node_axis: the mesh axis between nodes.
+      local_axis: the mesh axis within a node.
+
+    Returns:
+      The state as global arrays sharded as ``state_specs`` says.
+    """
+    specs = state_specs(opt_state, node_axis=node_axis, local_axis=local_axis)
+
+    def place(x, spec):
+        sharding = NamedSharding(mesh, spec)
+        if spec == P():
+            return jax.make_array_from_process_local_data(sharding, x)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+    return jax.tree.map(place, opt_state, specs)

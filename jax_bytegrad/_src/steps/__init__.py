@@ -1,0 +1,1 @@
+"""Train steps: one protocol (``base.TrainStep``), one module per family of algorithms."""

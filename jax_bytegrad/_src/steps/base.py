@@ -1,0 +1,282 @@
+"""One protocol for every train step: ``init``, ``step``, ``params``, ``lower``,
+``communication_stats``, ``phase_counts`` and ``close``.
+
+Follows Bagua's algorithm interface (Gan et al., "Bagua: Scaling up Distributed Learning with
+System Relaxations", VLDB 2022), where every algorithm plugs into the same training loop. Here
+every builder (``data_parallel_step``, ``decentralized_step``,
+``low_precision_decentralized_step``, ``experimental.async_model_average``) returns a
+``TrainStep``; the state it carries is a ``TrainState``.
+
+A step whose communication changes from step to step (QAdam's warm-up and compressed phases,
+decentralized SGD's gossip rounds) compiles one program per phase and picks it on the host from
+the step count. No collective sits inside a ``lax.cond`` and each program fuses whole; the
+multi-process test ``tests/test_multiprocess.py`` also shows that QAdam's one-program form,
+with its collectives inside a ``lax.cond``, does not deadlock XLA:CPU under load.
+"""
+
+import collections
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh
+
+from jax_bytegrad._src import checks, stats
+from jax_bytegrad._src.sharding import shard_batch
+
+
+class TrainState(NamedTuple):
+    """What a train step carries from one step to the next; a pytree.
+
+    Orbax checkpoints it as it is (``StandardCheckpointer().save(path, state)``) and restores
+    it onto ``step.init(params)`` as the target, for every algorithm but ``async`` (whose
+    processes hold different models by design: checkpoint ``step.params(state)`` instead).
+
+    Attributes:
+      step: steps taken, a 0-d int64 numpy array (host side: the step picks the program of
+        each phase from it without a device round trip).
+      params: the parameters: replicated for ``gradient_allreduce``, ``bytegrad``, ``qadam``
+        and ``async``; one copy per device, stacked on a leading axis, for the decentralized
+        pair (``step.params(state)`` averages them).
+      opt_state: the optimizer state, laid out like ``params`` (it holds ByteGrad's and
+        QAdam's own state; error-feedback residuals are sharded per device).
+      extra: the algorithm's state beyond those two, by name (the peers' weights of
+        ``low_precision_decentralized``); empty for the others.
+    """
+
+    step: np.ndarray
+    params: optax.Params
+    opt_state: optax.OptState
+    extra: dict[str, Any]
+
+
+# How far communication_stats looks for a step of each phase (QAdam's warm-up can be long).
+_PHASE_SEARCH = 1 << 24
+
+
+def count(n: int) -> np.ndarray:
+    """A step count as ``TrainState`` holds it."""
+    return np.asarray(n, np.int64)
+
+
+def host_copy(tree):
+    """A host copy of ``tree``: a donating step must not consume the caller's buffers
+    (``device_put`` of a host array may alias it)."""
+    return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+
+
+@functools.cache
+def _has_compile_option(name: str, value) -> bool:
+    """Whether this jaxlib's XLA:CPU accepts compile option ``name``; asked once per process.
+
+    XLA drops options between releases and rejects unknown ones ("No such compile option"),
+    so an option is passed only where a tiny program compiles with it.
+    """
+    try:
+        x = jax.device_put(np.float32(0), jax.local_devices(backend="cpu")[0])
+        jax.jit(lambda x: x + 1).lower(x).compile({name: value})
+    except Exception:  # noqa: BLE001 - any refusal means "do not pass it"
+        return False
+    return True
+
+
+def compiler_options(mesh: Mesh) -> dict | None:
+    """XLA options for the train steps this library compiles over ``mesh``.
+
+    On CPU, XLA's fusion emitters compiled the bucket decode, fused into a parameter whose
+    rows do not line up with the 1024-value quantization blocks, to a slow element-wise
+    loop; with the classic emitters a ByteGrad step of a 25M-parameter MLP took 763 ms
+    instead of 5544 ms (benchmarks/RESULTS.md, "Network"). JAX releases whose XLA no longer
+    has the option get none. Other platforms need nothing.
+    """
+    if next(iter(mesh.devices.flat)).platform != "cpu":
+        return None
+    option = ("xla_cpu_use_fusion_emitters", False)
+    return dict([option]) if _has_compile_option(*option) else None
+
+
+class StepsInFlight:
+    """Keeps at most one train step in flight on XLA:CPU with several devices.
+
+    XLA:CPU runs every simulated device's share of a program on one shared thread pool.
+    Dispatching steps without waiting queues many programs' collectives on it; on a host
+    with fewer cores than devices a rendezvous can then miss a participant for 40 s, and
+    XLA aborts the process ("Termination timeout for all reduce"). 200 unblocked ByteGrad
+    steps of a 0.8M-parameter MLP on a 2 x 4 mesh did so on 2 cores; waiting for the
+    previous step before dispatching the next ran them in 12 s. The wait costs nothing
+    there (the cores are busy anyway) and is skipped on other platforms, where queuing
+    steps keeps the accelerator fed.
+    """
+
+    def __init__(self, mesh: Mesh):
+        devices = list(mesh.devices.flat)
+        self.enabled = len(devices) > 1 and devices[0].platform == "cpu"
+        self._last = None
+
+    def wait(self) -> None:
+        """Blocks until the step dispatched last has finished."""
+        last, self._last = self._last, None
+        if last is not None and not last.is_deleted():
+            last.block_until_ready()
+
+    def track(self, out) -> None:
+        """Remembers a step's output; every output of one program is ready together."""
+        if self.enabled:
+            leaves = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+            self._last = leaves[-1] if leaves else None
+
+
+class TrainStep:
+    """A train step; the same calls for every algorithm.
+
+    ``state = step.init(params)``, then ``state, metrics = step(state, batch)`` (or
+    ``step.step(state, batch)``), ``step.params(state)`` for the model, ``step.lower(state,
+    batch)``, ``step.communication_stats(state, batch)``, ``step.phase_counts(state)``, and
+    ``step.close()`` (or use it as a context manager). ``batch`` is this process's rows of
+    the global batch (the whole batch with one process), as numpy or jax arrays, or arrays
+    already sharded over the mesh by ``shard_batch``. ``metrics`` is ``{"loss": ...}`` (plus
+    ``"aux"`` when the loss function has aux).
+
+    Subclasses give the programs: ``_build(key)`` returns the jitted program of a phase,
+    ``_inputs(state, batch)`` its arguments, ``_outputs(state, out)`` the new state and
+    metrics, and ``_phase(steps_taken)`` the phase of a step as ``(name, program key)``.
+    """
+
+    def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, has_aux: bool, flatten: bool):
+        checks.boolean(has_aux, "has_aux", algorithm)
+        checks.boolean(flatten, "flatten", algorithm)
+        self.algorithm = algorithm
+        self.mesh = mesh
+        self.has_aux = has_aux
+        self.flatten = flatten
+        self._unravel = None
+        self.loss_fn = self._flat_loss(loss_fn) if flatten else loss_fn
+        self._programs: dict[Any, Any] = {}
+        self._in_flight = StepsInFlight(mesh)
+        self._closed = False
+
+    # What subclasses give. --------------------------------------------------------------
+
+    phases: tuple[str, ...] = ("step",)
+
+    def _phase(self, steps_taken: int) -> tuple[str, Any]:
+        return "step", "step"
+
+    def _init(self, params) -> TrainState:
+        raise NotImplementedError
+
+    def _build(self, key):
+        raise NotImplementedError
+
+    def _inputs(self, state: TrainState, batch) -> tuple:
+        raise NotImplementedError
+
+    def _outputs(self, state: TrainState, out) -> tuple[TrainState, dict[str, Any]]:
+        raise NotImplementedError
+
+    def _params(self, state: TrainState):
+        return state.params
+
+    # The protocol. ------------------------------------------------------------------------
+
+    def _flat_loss(self, loss_fn):
+        # Bagua's flattened layout: the params (so the gradient and optimizer state) as one
+        # vector; the loss function still sees the pytree.
+        return lambda flat, batch: loss_fn(self._unravel(flat), batch)
+
+    def init(self, params: optax.Params) -> TrainState:
+        """The state to start from: ``params`` (the same on every process) placed, and the
+        optimizer's and algorithm's state initialized on the mesh."""
+        if self.flatten:
+            params, self._unravel = ravel_pytree(jax.device_get(params))
+        return self._init(params)
+
+    def program(self, state: TrainState):
+        """The jitted program the next ``step(state, batch)`` runs."""
+        _, key = self._phase(int(state.step))
+        if key not in self._programs:
+            self._programs[key] = self._build(key)
+        return self._programs[key]
+
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+        """One train step: ``(state, batch) -> (state, metrics)``."""
+        if self._closed:
+            raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
+        inputs = self._inputs(state, batch)
+        program = self.program(state)
+        checks.not_deleted(inputs[:-1], self.algorithm)
+        self._in_flight.wait()
+        out = program(*inputs)
+        self._in_flight.track(out)
+        return self._outputs(state, out)
+
+    __call__ = step
+
+    def params(self, state: TrainState) -> optax.Params:
+        """The model to evaluate or checkpoint, replicated over the mesh, as a pytree."""
+        params = self._params(state)
+        return params if self._unravel is None else self._unravel(params)
+
+    def lower(self, state: TrainState, batch):
+        """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing."""
+        inputs = self._inputs(state, batch)
+        return self.program(state).lower(*inputs)
+
+    def communication_stats(self, state: TrainState, batch) -> dict[str, stats.CommunicationStats]:
+        """Bytes each device sends per step, for each phase; compiles, runs nothing.
+
+        Returns:
+          ``{phase: CommunicationStats}``: ``{"step": ...}`` for a step with one program;
+          QAdam's ``{"warmup": ..., "compressed": ...}``; the decentralized pair's
+          ``{"gossip": ...}`` plus ``"local"`` when some steps do not communicate.
+          ``phase_counts`` says how often each has run.
+        """
+        inputs = self._inputs(state, batch)
+        out = {}
+        for taken in self._phase_examples():
+            name, key = self._phase(taken)
+            if key not in self._programs:
+                self._programs[key] = self._build(key)
+            lowered = self._programs[key].lower(*inputs)
+            out[name] = stats.communication_stats(lowered, mesh=self.mesh)
+        return out
+
+    def _phase_examples(self) -> list[int]:
+        """One step count of each phase: the first, searching forward."""
+        found: dict[str, int] = {}
+        for taken in range(_PHASE_SEARCH):
+            found.setdefault(self._phase(taken)[0], taken)
+            if len(found) == len(self.phases):
+                return sorted(found.values())
+        raise RuntimeError(
+            f"{self.algorithm}: phases {sorted(set(self.phases) - set(found))} do not occur in "
+            f"the first {_PHASE_SEARCH} steps"
+        )
+
+    def phase_counts(self, state: TrainState) -> dict[str, int]:
+        """How many of the steps taken up to ``state`` ran each phase.
+
+        Multiplying each phase's bytes (``communication_stats``) by its count gives the
+        traffic of the run so far.
+        """
+        counts = collections.Counter(self._phase(i)[0] for i in range(int(state.step)))
+        return {name: counts.get(name, 0) for name in self.phases}
+
+    def close(self) -> None:
+        """Releases what the step holds (async: stops the background averaging, on every
+        process). Calling it again does nothing."""
+        self._closed = True
+
+    def __enter__(self) -> "TrainStep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def global_batch(batch, mesh: Mesh, axes: tuple[str, str]):
+    """This process's rows as a batch sharded over every device; sharded arrays pass as is."""
+    return shard_batch(batch, mesh, node_axis=axes[0], local_axis=axes[1], where="train step")

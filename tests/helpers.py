@@ -1,0 +1,83 @@
+"""Helpers shared by the tests: tree comparisons, replica checks and small training data."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def assert_trees_all_close(actual, expected, *, rtol=0.0, atol=0.0):
+    """Asserts two pytrees have the same structure and leaves that agree within tolerance."""
+    actual_leaves, actual_def = jax.tree.flatten(actual)
+    expected_leaves, expected_def = jax.tree.flatten(expected)
+    assert actual_def == expected_def, f"tree structures differ: {actual_def} vs {expected_def}"
+    for a, e in zip(actual_leaves, expected_leaves, strict=True):
+        a = np.asarray(a)
+        e = np.asarray(e)
+        assert a.shape == e.shape, f"shapes differ: {a.shape} vs {e.shape}"
+        assert a.dtype == e.dtype, f"dtypes differ: {a.dtype} vs {e.dtype}"
+        np.testing.assert_allclose(
+            a.astype(np.float64) if a.dtype.kind == "V" or "bfloat16" in str(a.dtype) else a,
+            e.astype(np.float64) if e.dtype.kind == "V" or "bfloat16" in str(e.dtype) else e,
+            rtol=rtol,
+            atol=atol,
+        )
+
+
+def assert_trees_all_equal(actual, expected):
+    """Asserts two pytrees are bit-identical."""
+    assert_trees_all_close(actual, expected, rtol=0.0, atol=0.0)
+
+
+def assert_replicas_bit_identical(tree, devices: int | None = None):
+    """Asserts every leaf holds the same bits on every addressable device (PRNG keys too)."""
+    for leaf in jax.tree.leaves(tree):
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        if devices is not None:
+            assert len(shards) == devices
+        for other in shards[1:]:
+            np.testing.assert_array_equal(other, shards[0])
+
+
+_COMPILES = [0]
+
+
+def _count_compile(event, duration, **kwargs):
+    del duration, kwargs
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+class JitStep:
+    """``data_parallel_step``'s sharded form under one ``jax.jit`` of the test's own.
+
+    ``step(params, opt_state, batch) -> (params, opt_state, loss[, aux])`` on placed params
+    and state and a sharded batch, nothing donated; ``compiles`` counts the programs XLA
+    built during its calls (a phase switch that recompiled would show here).
+    """
+
+    def __init__(self, loss_fn, tx, mesh, *, has_aux: bool = False):
+        import jax_bytegrad
+
+        self._step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, has_aux=has_aux)
+        self._jitted = None
+        self.compiles = 0
+
+    def _fn(self, opt_state):
+        if self._jitted is None:
+            self._jitted = jax.jit(self._step.sharded(opt_state))
+        return self._jitted
+
+    def __call__(self, params, opt_state, batch):
+        before = _COMPILES[0]
+        out = self._fn(opt_state)(params, opt_state, batch)
+        jax.block_until_ready(out)
+        self.compiles += _COMPILES[0] - before
+        return out
+
+    def lower(self, params, opt_state, batch):
+        return self._fn(opt_state).lower(params, opt_state, batch)
