@@ -142,9 +142,11 @@ def _max_code(bits: int) -> float:
 
 
 def _parts(block_rows: int, bits: int) -> list[slice]:
-    """The row ranges of a block whose codes share a byte: the whole block at 8 bits, its
-    first and second halves at 4 bits. Each part is loaded and stored through its own ref
-    slice, so no register value is ever sliced or concatenated."""
+    """Row ranges of a block whose codes share bytes: all rows at 8 bits, two halves at 4.
+
+    Each part is loaded and stored through its own ref slice, so no value in registers is
+    ever sliced or concatenated.
+    """
     if bits == 8:
         return [slice(None)]
     half = block_rows // 2
@@ -156,8 +158,7 @@ def _pack(codes, bits: int):
     if bits == 8:
         return codes[0].astype(jnp.uint8)
     low, high = codes
-    # Exact: small integers. Float arithmetic keeps integer shifts, which Mosaic GPU
-    # rejects on 8-bit types, out of the kernel.
+    # Exact on small integers, and free of the 8-bit integer shifts Mosaic GPU rejects.
     return (low + 16.0 * high).astype(jnp.uint8)
 
 
