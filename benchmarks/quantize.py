@@ -36,8 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_bytegrad import _reference  # noqa: E402
-from jax_bytegrad._src.codecs import pallas as _pallas
+from jax_bytegrad._src.codecs import CODECS  # noqa: E402
+from jax_bytegrad._src.codecs import pallas as _pallas  # noqa: E402
 
 HEADER_BYTES = 8
 
@@ -68,25 +68,12 @@ def _copy_bandwidth(size: int, repeats: int) -> float:
 
 
 def _ops(impl: str, bits: int):
-    if impl == "xla":
-        quantize = jax.jit(lambda x: _reference.quantize_blocks(x, bits=bits))
-        dequantize = jax.jit(lambda c, h: _reference.dequantize_blocks(c, h, bits=bits))
+    codec = CODECS[impl]
+    quantize = jax.jit(lambda x: codec.quantize_blocks(x, bits=bits))
+    dequantize = jax.jit(lambda c, h: codec.dequantize_blocks(c, h, bits=bits))
 
-        def average(weight):
-            return jax.jit(
-                lambda c, h: _reference.average_requantize(c, h, weight=weight, bits=bits)
-            )
-
-    else:
-
-        def quantize(x):
-            return _pallas.quantize_blocks(x, bits=bits)
-
-        def dequantize(c, h):
-            return _pallas.dequantize_blocks(c, h, bits=bits)
-
-        def average(weight):
-            return lambda c, h: _pallas.average_requantize(c, h, weight=weight, bits=bits)
+    def average(weight):
+        return jax.jit(lambda c, h: codec.average_requantize(c, h, weight=weight, bits=bits))
 
     return quantize, dequantize, average
 

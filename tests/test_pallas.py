@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from helpers import assert_trees_all_equal
 
+from jax_bytegrad._src import codecs as _codecs
 from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad._src.codecs import reference as _reference
 
@@ -166,6 +167,41 @@ def test_floor_and_ceil_spellings_are_exact():
         np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
     nan = np.asarray(_pallas._floor(jnp.asarray([jnp.nan], jnp.float32)))
     assert np.isnan(nan).all()
+
+
+def test_four_bit_pack_and_unpack_cover_every_byte():
+    codes = jnp.arange(256, dtype=jnp.uint8).reshape(2, 128)
+    low, high = _pallas._unpack(codes, 4)
+    np.testing.assert_array_equal(np.asarray(low), np.arange(256).reshape(2, 128) & 15)
+    np.testing.assert_array_equal(np.asarray(high), np.arange(256).reshape(2, 128) >> 4)
+    packed = _pallas._pack([low, high], 4)
+    assert packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(codes))
+
+
+# The kernels implementation=None checks first on a GPU; "interpret" shows that the check
+# accepts kernels that follow the reference, "compiled" that the GPU's kernels pass it.
+CHECKED_KERNELS = [
+    kernel
+    for bits in (8, 4)
+    for kernel in (
+        _codecs.Kernel("quantize_blocks", bits, 1024),
+        _codecs.Kernel("quantize_blocks", bits, 512, dtype="bfloat16", stochastic=True),
+        _codecs.Kernel("dequantize_blocks", bits, 2048),
+        _codecs.Kernel("average_requantize", bits, 1024, chunks=2, weight=0.5),
+        _codecs.Kernel("average_requantize", bits, 256, stochastic=True, chunks=4, weight=0.25),
+    )
+]
+
+
+@pytest.mark.parametrize("interpret", MODES)
+@pytest.mark.parametrize(
+    "kernel", CHECKED_KERNELS, ids=[str(k).replace(" ", "") for k in CHECKED_KERNELS]
+)
+def test_kernels_pass_the_automatic_check(kernel, interpret, monkeypatch):
+    if interpret:
+        monkeypatch.setitem(_codecs.CODECS, "pallas", _codecs.CODECS["pallas_interpret"])
+    assert _codecs.check(kernel, jax.devices()[0]) is None
 
 
 def test_is_supported_is_false_off_gpu():

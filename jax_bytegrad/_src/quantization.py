@@ -2,13 +2,13 @@
 
 Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., VLDB 2022), and adds a
 4-bit grid packed two codes per byte, as ZeRO++'s qgZ sends gradients. The numeric
-semantics live in ``_reference.py``; this module validates arguments, lays arrays out as
-blocks, and dispatches to the XLA reference or the Pallas GPU kernels in ``_pallas.py``.
+semantics live in ``codecs/reference.py``; this module validates arguments, lays arrays out
+as blocks, and dispatches each block function to a codec of ``codecs`` (the XLA reference,
+the compiled Mosaic GPU kernels or the interpreted ones), chosen per kernel for
+``implementation=None``.
 """
 
 import dataclasses
-import functools
-import warnings
 from typing import Literal
 
 import jax
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import codecs as _codecs
 from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad._src.codecs import reference as _reference
 
@@ -107,62 +108,38 @@ def check_key(stochastic: bool, key, where: str) -> None:
         )
 
 
-@functools.cache
-def _pallas_compiles() -> bool:
-    """Whether the compiled kernels build on this machine; checked once, on first use.
+def resolve_implementation(implementation: Implementation | None) -> Implementation | None:
+    """Validates ``implementation``; returns what to dispatch on.
 
-    The automatic choice must not break a GPU user's step if a JAX release changes what
-    Mosaic GPU lowers, so a failure here picks XLA and says so in a warning. An explicit
-    ``implementation="pallas"`` never takes this path: it raises the compiler's error.
+    ``"xla"``, ``"pallas"`` and ``"pallas_interpret"`` come back as they are; None stays None:
+    each kernel is then chosen when it is dispatched (``codecs.select``). ``"pallas"`` is
+    refused here only on a GPU that Mosaic GPU does not support; elsewhere (a CPU host
+    lowering or exporting for CUDA, say) it is lowered as asked, and lowering it for a
+    platform other than CUDA raises ``NotImplementedError`` then.
+
+    Raises:
+      ValueError: for an unknown implementation.
+      NotImplementedError: for ``"pallas"`` where the default backend is a GPU older than
+        Hopper, or not an NVIDIA one.
     """
-    block = 2 * MIN_BLOCK_SIZE  # the smallest block both widths accept
-    x = jax.ShapeDtypeStruct((4, block), jnp.float32)
-    header = jax.ShapeDtypeStruct((4, HEADER_WIDTH), jnp.float32)
-    headers = jax.ShapeDtypeStruct((2, 4, HEADER_WIDTH), jnp.float32)
-    try:
-        for bits in _reference.BITS:
-            codes = jax.ShapeDtypeStruct((4, block * bits // 8), jnp.uint8)
-            chunks = jax.ShapeDtypeStruct((2, 4, block * bits // 8), jnp.uint8)
-            common = dict(interpret=False, bits=bits)
-            jax.jit(
-                functools.partial(_pallas.quantize_blocks, stochastic=False, key=None, **common)
-            ).lower(x).compile()
-            jax.jit(functools.partial(_pallas.dequantize_blocks, **common)).lower(
-                codes, header
-            ).compile()
-            jax.jit(
-                functools.partial(
-                    _pallas.average_requantize, weight=0.5, stochastic=False, key=None, **common
-                )
-            ).lower(chunks, headers).compile()
-    except Exception as error:  # noqa: BLE001 - any compiler failure means "not available"
-        warnings.warn(
-            "jax_bytegrad: the Pallas quantization kernels failed to compile here "
-            f"({error!r:.300}); using the XLA implementation. Pass implementation='xla' to "
-            "silence this, or implementation='pallas' to see the full error.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
-    return True
-
-
-def resolve_implementation(implementation: Implementation | None) -> Implementation:
-    """Returns the implementation to run: the one asked for, or the best available."""
-    if implementation is None:
-        return "pallas" if _pallas.is_supported() and _pallas_compiles() else "xla"
-    if implementation == "pallas" and not _pallas.is_supported():
-        raise NotImplementedError(
-            f"implementation='pallas' needs a supported GPU; the default backend is "
-            f"{jax.default_backend()!r}. Pass implementation='xla' (or 'pallas_interpret' "
-            "to run the kernel in the Pallas interpreter)"
-        )
-    if implementation not in ("xla", "pallas", "pallas_interpret"):
+    if implementation is not None and implementation not in tuple(_codecs.CODECS):
         raise ValueError(
             "implementation must be 'xla', 'pallas', 'pallas_interpret' or None, "
             f"got {implementation!r}"
         )
+    if implementation == "pallas" and jax.default_backend() == "gpu" and not _pallas.is_supported():
+        raise NotImplementedError(
+            "implementation='pallas' needs an NVIDIA GPU of compute capability >= 9.0 (Hopper "
+            f"or newer); this one is {jax.devices()[0].device_kind!r}. Pass "
+            "implementation='xla' (or None for the best available)"
+        )
     return implementation
+
+
+def _codec(implementation: Implementation | None, kernel: _codecs.Kernel) -> _codecs.Codec:
+    if implementation is None:
+        return _codecs.select(kernel)
+    return _codecs.CODECS[implementation]
 
 
 def quantize_blocks(
@@ -171,29 +148,26 @@ def quantize_blocks(
     stochastic: bool = False,
     key: jax.Array | None = None,
     bits: int = 8,
-    implementation: Implementation = "xla",
+    implementation: Implementation | None = "xla",
 ) -> tuple[jax.Array, jax.Array]:
-    """Quantizes rows of a (num_blocks, block_size) array; see ``_reference``."""
-    if implementation == "xla":
-        return _reference.quantize_blocks(x, stochastic=stochastic, key=key, bits=bits)
-    return _pallas.quantize_blocks(
-        x,
-        stochastic=stochastic,
-        key=key,
-        bits=bits,
-        interpret=implementation == "pallas_interpret",
+    """Quantizes rows of a (num_blocks, block_size) array; see ``codecs/reference.py``."""
+    kernel = _codecs.Kernel(
+        "quantize_blocks", bits, x.shape[1], dtype=jnp.dtype(x.dtype).name, stochastic=stochastic
     )
+    codec = _codec(implementation, kernel)
+    return codec.quantize_blocks(x, stochastic=stochastic, key=key, bits=bits)
 
 
 def dequantize_blocks(
-    codes: jax.Array, header: jax.Array, *, bits: int = 8, implementation: Implementation = "xla"
+    codes: jax.Array,
+    header: jax.Array,
+    *,
+    bits: int = 8,
+    implementation: Implementation | None = "xla",
 ) -> jax.Array:
-    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see ``_reference``."""
-    if implementation == "xla":
-        return _reference.dequantize_blocks(codes, header, bits=bits)
-    return _pallas.dequantize_blocks(
-        codes, header, bits=bits, interpret=implementation == "pallas_interpret"
-    )
+    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see the reference."""
+    kernel = _codecs.Kernel("dequantize_blocks", bits, codes.shape[-1] * 8 // bits)
+    return _codec(implementation, kernel).dequantize_blocks(codes, header, bits=bits)
 
 
 def average_requantize(
@@ -204,21 +178,19 @@ def average_requantize(
     stochastic: bool = False,
     key: jax.Array | None = None,
     bits: int = 8,
-    implementation: Implementation = "xla",
+    implementation: Implementation | None = "xla",
 ) -> tuple[jax.Array, jax.Array]:
-    """Fused decode of n chunks, weighted sum in float32, and re-encode; see ``_reference``."""
-    if implementation == "xla":
-        return _reference.average_requantize(
-            codes, header, weight=weight, stochastic=stochastic, key=key, bits=bits
-        )
-    return _pallas.average_requantize(
-        codes,
-        header,
-        weight=weight,
+    """Fused decode of n chunks, weighted sum in float32, and re-encode; see the reference."""
+    kernel = _codecs.Kernel(
+        "average_requantize",
+        bits,
+        codes.shape[-1] * 8 // bits,
         stochastic=stochastic,
-        key=key,
-        bits=bits,
-        interpret=implementation == "pallas_interpret",
+        chunks=codes.shape[0],
+        weight=float(weight),
+    )
+    return _codec(implementation, kernel).average_requantize(
+        codes, header, weight=weight, stochastic=stochastic, key=key, bits=bits
     )
 
 
@@ -228,7 +200,7 @@ def average_blocks(
     *,
     weight: float,
     bits: int = 8,
-    implementation: Implementation = "xla",
+    implementation: Implementation | None = "xla",
 ) -> jax.Array:
     """Decodes n chunks and sums them times ``weight`` in float32: the fused op's first half.
 
@@ -252,7 +224,7 @@ def quantize_with_feedback(
     stochastic: bool = False,
     key: jax.Array | None = None,
     bits: int = 8,
-    implementation: Implementation = "xla",
+    implementation: Implementation | None = "xla",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Quantizes rows of ``x + residual``; returns codes, header and the new residual.
 
@@ -304,9 +276,12 @@ def quantize(
         for ``DEFAULT_BLOCK_SIZES[bits]``.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; needs ``key``).
       key: a PRNG key, for stochastic rounding only.
-      implementation: ``"xla"``, ``"pallas"`` (compiled GPU kernel), ``"pallas_interpret"``
-        (the same kernel in the Pallas interpreter, any backend), or None for the best
-        available: Pallas on a supported GPU, XLA elsewhere.
+      implementation: ``"xla"``, ``"pallas"`` (the kernel compiled by Mosaic GPU, for NVIDIA
+        GPUs of compute capability >= 9.0; it also lowers and exports for CUDA from a host
+        without a GPU), ``"pallas_interpret"`` (the same kernel in the Pallas interpreter,
+        any backend), or None for the best available, per kernel: XLA except on a supported
+        GPU, where each compiled kernel is used once it has reproduced XLA on a small input
+        (see ``docs/gpu.md``).
 
     Returns:
       A ``QuantizedArray`` holding uint8 codes (num_blocks, block_size * bits // 8), the
@@ -315,7 +290,9 @@ def quantize(
     Raises:
       ValueError: for a non-float dtype, a bad ``bits``, ``block_size`` or ``rounding``, or a
         missing or superfluous ``key``.
-      NotImplementedError: for ``implementation="pallas"`` where no supported GPU is.
+      NotImplementedError: for ``implementation="pallas"`` on a GPU older than Hopper, or
+        when the computation is lowered for a platform other than CUDA (running it on a
+        CPU, say).
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad
@@ -371,7 +348,7 @@ def dequantize(q: QuantizedArray, *, implementation: Implementation | None = Non
 
     Raises:
       ValueError: if ``q`` is not a ``QuantizedArray``.
-      NotImplementedError: for ``implementation="pallas"`` where no supported GPU is.
+      NotImplementedError: as in ``quantize``.
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad

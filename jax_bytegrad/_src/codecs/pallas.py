@@ -1,55 +1,54 @@
-"""Pallas GPU kernels for block-wise 8- and 4-bit min-max quantization (backend: Mosaic GPU).
+"""Pallas kernels for block-wise 8- and 4-bit min-max quantization, compiled by Mosaic GPU.
 
 Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., "Bagua: Scaling up
-Distributed Learning with System Relaxations", VLDB 2022). ``_reference.py`` owns the
-semantics; each kernel here computes the same formulas in the same order, so the codes and
-headers match the reference bit for bit on the same input (and the same PRNG key: the
+Distributed Learning with System Relaxations", VLDB 2022). ``reference.py`` owns the
+semantics; each kernel here computes the same formulas in the same order, so in interpret
+mode the codes and headers equal the jitted reference bit for bit (the tests check it). The
 stochastic-rounding uniforms are drawn with ``jax.random.uniform(key, shape, float32)``
-outside the kernel and streamed in).
+outside the kernel, as the reference draws them, and streamed in.
 
-Backend: **Mosaic GPU**, launched with ``plgpu.kernel`` and an ``plgpu.emit_pipeline`` per
-program. Why:
+Backend: Mosaic GPU, launched with ``plgpu.kernel`` and one ``plgpu.emit_pipeline`` per
+program (TMA copies of the program's tile into shared memory and back). The lowering
+semantics are pinned to Warpgroup: it is the default from JAX 0.11 and lowers these kernels
+on every supported JAX, where the Lane semantics of JAX 0.10 reject TMA copies of fewer than
+128 bytes (a small header tile). Mosaic GPU needs an NVIDIA GPU of compute capability >= 9.0
+(Hopper or newer); ``is_supported()`` checks exactly that.
 
-* JAX 0.11 deprecated the Triton backend of Pallas ("will be removed in a future version";
-  the changelog points GPU users to Mosaic GPU), so a Triton kernel would not survive the
-  JAX 0.12 the project must keep working on.
-* JAX 0.10.2 deprecated ``pl.pallas_call`` on Mosaic GPU in favour of ``plgpu.kernel``, so
-  the compiled path uses ``plgpu.kernel`` directly.
-* Mosaic GPU needs Hopper or newer (compute capability >= 9.0); the lent machines are H100
-  and H200. ``is_supported()`` checks exactly that.
+``plgpu.kernel`` has no interpret mode for TMA pipelines, so the kernel bodies are functions
+of block refs, and two small launchers run them: ``pl.pallas_call(..., interpret=True)`` on
+any backend (the tests), and ``plgpu.kernel`` on the GPU. The compiled launcher sits in a
+``lax.platform_dependent`` whose only branch is CUDA: it lowers for CUDA from any host (AOT
+lowering and ``jax.export`` work on a CPU machine), and lowering it for any other platform
+raises ``NotImplementedError``.
 
-``plgpu.kernel`` has no interpret mode on CPU, so the kernel *bodies* are backend-neutral
-functions of block refs, and two small launchers run them: ``pl.pallas_call(...,
-interpret=True)`` on any backend (the tests), and ``plgpu.kernel`` + ``plgpu.emit_pipeline``
-(TMA copies of each program's tile into shared memory and back) on the GPU. The body only
-uses operations that Mosaic GPU lowers in its lane semantics: ``floor``, ``ceil`` and
-``isfinite`` are spelled with ``round`` (half to even), comparisons and ``abs``; each spelling
-is exact, so results do not change.
+What Mosaic GPU lowers shapes the bodies:
+
+* No ``floor``, ``ceil`` or ``isfinite`` lowering: they are spelled with ``round`` (half to
+  even), comparisons and ``abs``; each spelling is exact.
+* A value in registers is never sliced or concatenated (``vector.extract`` and
+  ``vector_concat`` need a tiled layout, and a block loaded from shared memory has a strided
+  one). The two halves of a 4-bit block are loaded and stored through their own ref slices.
+* No shifts on 8-bit integers: 4-bit codes are packed as ``low + 16 * high`` and unpacked
+  with a floor, in float32, where every value involved is a small exact integer.
 
 Layout: each block of ``block_size`` values is viewed as ``(block_size // 128, 128)`` (a free
 reshape) so that no copy has a dimension longer than the 256 elements a TMA box allows. A
 program owns ``rows`` consecutive blocks (``_Tiles``); it walks them one at a time, loads the
-block once into registers, reduces min and max there, and writes codes plus the two header
+block into registers, reduces min and max there, and writes codes plus the two header
 floats. The header leaves the kernel as a flat ``(2 * num_blocks,)`` float32 array (TMA needs
 16-byte rows; a ``(rows, 2)`` tile has 8) and is reshaped to ``(num_blocks, 2)`` for free.
-At 4 bits a block's codes are packed into ``(block_size // 256, 128)`` bytes: row r of the
-first half of the block goes to the low nibbles of row r, row r of the second half to the high
-nibbles, which is ``_reference``'s packing (value j with value j + block_size // 2) spelled in
-whole rows. When no power of two >= 2 divides the block count, the inputs are padded by one
-block, and the padding is dropped from the outputs (a copy, for odd block counts only).
+At 4 bits a block's codes are ``(block_size // 256, 128)`` bytes: row r of the first half of
+the block goes to the low nibbles of row r, row r of the second half to the high nibbles,
+which is the reference's packing (value j with value j + block_size // 2) in whole rows.
+When no power of two >= 2 divides the block count, the inputs are padded by one block, and
+the padding is dropped from the outputs (a copy, for odd block counts only).
 
-Memory traffic per element: quantize reads 4 B (2 B for bfloat16/float16) and writes 1 B
-(plus 4 B of uniforms for stochastic rounding); dequantize reads 1 B and writes 4 B;
-average_requantize reads n B and writes 1 B; headers add 8 B per block each way. At 4 bits
-every code byte above is half a byte.
-
-Float rounding: on CPU (interpret mode) codes and headers equal the *jitted* reference
-exactly; the tests check that. Under ``jax.jit`` XLA rewrites ``hi / 255`` into
-``hi * (1 / 255)`` and may contract multiply-adds into FMAs, so even the eager and jitted
-reference can differ by an ulp in a scale. The compiled Mosaic GPU kernel divides with IEEE
-``div.rn`` and rounds each operation, so against XLA on the GPU a scale may differ by an ulp,
-and a value within one float rounding of a code boundary may get a code one apart: codes may
-differ by at most 1 there. Both are the documented semantics up to float rounding.
+Float rounding: under ``jax.jit`` XLA rewrites ``hi / 255`` into ``hi * (1 / 255)`` and may
+contract multiply-adds, so even the eager and jitted reference can differ by an ulp in a
+scale. The compiled kernel divides with IEEE ``div.rn`` and rounds each operation, so against
+XLA on a GPU a scale may differ by an ulp, and a value within one float rounding of a code
+boundary may get a code one apart. Both are the documented semantics up to float rounding;
+the per-kernel check in ``codecs/__init__.py`` allows exactly that much.
 """
 
 import dataclasses
@@ -60,8 +59,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
-# Mirrors _reference: keeps |zero| <= 2**23 so that code - zero is an exact float32 integer.
+# Mirrors reference.py: keeps |zero| <= 2**23 so that code - zero is an exact float32 integer.
 _SCALE_FLOOR = 2.0**-23
 _F32_MAX = float(np.finfo(np.float32).max)
 # Lanes per row of a block: the 128 threads of a warpgroup, and <= the 256-element TMA box.
@@ -133,25 +134,41 @@ def _isfinite(v):
     return jnp.abs(v) <= _F32_MAX
 
 
-# --- Kernel bodies: the _reference formulas, one block (row) at a time. -----------------
+# --- Kernel bodies: the reference formulas, one block (row of the tile) at a time. --------
 
 
 def _max_code(bits: int) -> float:
     return float(2**bits - 1)
 
 
-def _pack(codes, bits: int):
-    """(R, 128) codes -> (R * bits // 8, 128) bytes: first half of rows low, second high."""
+def _parts(block_rows: int, bits: int) -> list[slice]:
+    """Row ranges of a block whose codes share bytes: all rows at 8 bits, two halves at 4.
+
+    Each part is loaded and stored through its own ref slice, so no value in registers is
+    ever sliced or concatenated.
+    """
     if bits == 8:
-        return codes
-    half = codes.shape[0] // 2
-    return codes[:half] | (codes[half:] << 4)
+        return [slice(None)]
+    half = block_rows // 2
+    return [slice(0, half), slice(half, block_rows)]
+
+
+def _pack(codes, bits: int):
+    """Float32 codes of each part -> uint8 bytes: the first half's code in the low nibble."""
+    if bits == 8:
+        return codes[0].astype(jnp.uint8)
+    low, high = codes
+    # Exact on small integers, and free of the 8-bit integer shifts Mosaic GPU rejects.
+    return (low + 16.0 * high).astype(jnp.uint8)
 
 
 def _unpack(codes, bits: int):
+    """uint8 bytes -> float32 codes of each part; the inverse of ``_pack``."""
+    codes = codes.astype(jnp.float32)
     if bits == 8:
-        return codes
-    return jnp.concatenate([codes & 15, codes >> 4], axis=0)
+        return [codes]
+    high = _floor(codes * (1.0 / 16.0))
+    return [codes - 16.0 * high, high]
 
 
 def _scale_and_zero(lo, hi, stochastic: bool, bits: int):
@@ -171,11 +188,7 @@ def _scale_and_zero(lo, hi, stochastic: bool, bits: int):
     return scale, zero, inv_scale
 
 
-def _encode_block(x, u, stochastic: bool, bits: int):
-    """Quantizes one float32 block held in registers; returns (packed codes, scale, zero)."""
-    lo = jnp.min(x)
-    hi = jnp.max(x)
-    scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic, bits)
+def _codes(x, u, zero, inv_scale, stochastic: bool, bits: int):
     y = x * inv_scale
     if stochastic:
         floor = _floor(y)
@@ -183,20 +196,24 @@ def _encode_block(x, u, stochastic: bool, bits: int):
     else:
         y = jnp.round(y)
     y = jnp.where(jnp.isnan(y), 0.0, y)
-    codes = jnp.clip(y + zero, 0.0, _max_code(bits)).astype(jnp.uint8)
-    return _pack(codes, bits), scale, zero
+    return jnp.clip(y + zero, 0.0, _max_code(bits))
 
 
-def _decode_block(codes, scale, zero, bits: int):
-    x = (_unpack(codes, bits).astype(jnp.float32) - zero) * scale
-    return jnp.clip(x, -_F32_MAX, _F32_MAX)
+def _decode(codes, scale, zero):
+    return jnp.clip((codes - zero) * scale, -_F32_MAX, _F32_MAX)
 
 
-def _encode_row(i, x, u_ref, codes_ref, header_ref, stochastic: bool, bits: int) -> None:
-    """Encodes block ``x`` into row ``i``: its codes, then its scale and zero in the header."""
-    u = u_ref[i] if stochastic else None
-    codes, scale, zero = _encode_block(x, u, stochastic, bits)
-    codes_ref[i] = codes
+def _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic: bool, bits: int) -> None:
+    """Encodes block ``i``, given as float32 ``values`` of its parts, into row ``i``."""
+    lo = functools.reduce(jnp.minimum, [jnp.min(v) for v in values])
+    hi = functools.reduce(jnp.maximum, [jnp.max(v) for v in values])
+    scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic, bits)
+    parts = _parts(codes_ref.shape[1] * 8 // bits, bits)
+    codes = [
+        _codes(v, u_ref[i, part] if stochastic else None, zero, inv_scale, stochastic, bits)
+        for v, part in zip(values, parts, strict=True)
+    ]
+    codes_ref[i] = _pack(codes, bits)
     header_ref[2 * i] = scale
     header_ref[2 * i + 1] = zero
 
@@ -206,18 +223,23 @@ def _quantize_kernel(*refs, stochastic: bool, bits: int):
         x_ref, u_ref, codes_ref, header_ref = refs
     else:
         (x_ref, codes_ref, header_ref), u_ref = refs, None
+    parts = _parts(x_ref.shape[1], bits)
 
     def body(i, carry):
-        x = x_ref[i].astype(jnp.float32)
-        _encode_row(i, x, u_ref, codes_ref, header_ref, stochastic, bits)
+        values = [x_ref[i, part].astype(jnp.float32) for part in parts]
+        _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic, bits)
         return carry
 
     lax.fori_loop(0, x_ref.shape[0], body, 0)
 
 
 def _dequantize_kernel(codes_ref, header_ref, out_ref, *, bits: int):
+    parts = _parts(out_ref.shape[1], bits)
+
     def body(i, carry):
-        out_ref[i] = _decode_block(codes_ref[i], header_ref[2 * i], header_ref[2 * i + 1], bits)
+        scale, zero = header_ref[2 * i], header_ref[2 * i + 1]
+        for part, codes in zip(parts, _unpack(codes_ref[i], bits), strict=True):
+            out_ref[i, part] = _decode(codes, scale, zero)
         return carry
 
     lax.fori_loop(0, codes_ref.shape[0], body, 0)
@@ -232,14 +254,17 @@ def _average_requantize_kernel(*refs, weight: float, stochastic: bool, bits: int
     weight = np.float32(weight)
 
     def body(i, carry):
-        # The weight is folded into each chunk's scale, as in _reference, and the chunks
+        # The weight is folded into each chunk's scale, as in the reference, and the chunks
         # are added in order 0..n-1, so the float32 sum rounds the same way.
-        total = None
+        totals = None
         for c in range(n):
             scale = header_ref[c, 2 * i] * weight
-            part = _decode_block(codes_ref[c, i], scale, header_ref[c, 2 * i + 1], bits)
-            total = part if total is None else total + part
-        _encode_row(i, total, u_ref, out_codes_ref, out_header_ref, stochastic, bits)
+            zero = header_ref[c, 2 * i + 1]
+            values = [_decode(codes, scale, zero) for codes in _unpack(codes_ref[c, i], bits)]
+            if totals is not None:
+                values = [t + v for t, v in zip(totals, values, strict=True)]
+            totals = values
+        _encode_row(i, totals, u_ref, out_codes_ref, out_header_ref, stochastic, bits)
         return carry
 
     lax.fori_loop(0, out_codes_ref.shape[0], body, 0)
@@ -276,7 +301,38 @@ def _launch(kernel, *, grid, in_specs, out_specs, out_shape, interpret):
             out_specs=[at_program(s) for s in out_specs],
         )(*gmem_refs)
 
-    return plgpu.kernel(program, out_type=out_shape, grid=(grid,), grid_names=(_GRID_AXIS,))
+    compiled = plgpu.kernel(
+        program,
+        out_type=out_shape,
+        grid=(grid,),
+        grid_names=(_GRID_AXIS,),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+    def refused(*_):
+        flag = _cuda_only_p.bind()
+        return [jnp.broadcast_to(flag.astype(s.dtype), s.shape) for s in out_shape]
+
+    return lambda *args: lax.platform_dependent(*args, cuda=compiled, default=refused)
+
+
+# Stands in for the kernel on every platform but CUDA: it traces like any op, and lowering
+# it raises, so implementation="pallas" fails clearly where it would run, and only there.
+_cuda_only_p = Primitive("jax_bytegrad_mosaic_gpu_kernel_needs_cuda")
+_cuda_only_p.def_abstract_eval(lambda: jax.core.ShapedArray((), jnp.float32))
+
+
+def _refuse_lowering(ctx):
+    del ctx
+    raise NotImplementedError(
+        "jax_bytegrad: implementation='pallas' runs compiled Mosaic GPU kernels, which need "
+        "an NVIDIA GPU of compute capability >= 9.0 (Hopper or newer), but this computation "
+        "is being lowered for another platform. Pass implementation='xla' (or None for the "
+        "best available), or 'pallas_interpret' to run the kernel in the Pallas interpreter"
+    )
+
+
+mlir.register_lowering(_cuda_only_p, _refuse_lowering)
 
 
 def _plan(num_blocks: int, block_size: int, tiles: _Tiles) -> tuple[int, int]:
@@ -394,7 +450,7 @@ def _average_requantize(codes, header, u, *, weight, stochastic, bits, interpret
 
 
 def _uniforms(key, shape):
-    # The exact draw _reference makes, so stochastic codes match it bit for bit.
+    # The exact draw the reference makes, so stochastic codes match it bit for bit.
     return jax.random.uniform(key, shape, jnp.float32)
 
 
@@ -407,7 +463,7 @@ def quantize_blocks(
     interpret: bool = False,
     tiles: _Tiles = _DEFAULT_TILES,
 ) -> tuple[jax.Array, jax.Array]:
-    """Quantizes rows of ``x`` (num_blocks, block_size); see ``_reference.quantize_blocks``."""
+    """Quantizes rows of ``x`` (num_blocks, block_size); see ``reference.quantize_blocks``."""
     num_blocks, block_size = x.shape
     if num_blocks == 0:
         return (
@@ -426,7 +482,7 @@ def dequantize_blocks(
     interpret: bool = False,
     tiles: _Tiles = _DEFAULT_TILES,
 ) -> jax.Array:
-    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see ``_reference``."""
+    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see ``reference.py``."""
     if codes.shape[0] == 0:
         return jnp.zeros((0, codes.shape[1] * 8 // bits), jnp.float32)
     return _dequantize(codes, header, bits=bits, interpret=interpret, tiles=tiles)
@@ -445,7 +501,7 @@ def average_requantize(
 ) -> tuple[jax.Array, jax.Array]:
     """One fused pass: decode n chunks, weighted float32 sum, re-encode.
 
-    See ``_reference.average_requantize``; ``codes`` is (n, num_blocks, block_size * bits // 8)
+    See ``reference.average_requantize``; ``codes`` is (n, num_blocks, block_size * bits // 8)
     and ``header`` (n, num_blocks, 2).
     """
     _, num_blocks, code_width = codes.shape

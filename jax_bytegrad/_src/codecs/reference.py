@@ -21,7 +21,7 @@ largest code (255 for 8 bits, 15 for 4 bits):
 per byte, ``(num_blocks, block_size // 2)``: byte j of a block holds value j in its low
 nibble and value j + block_size // 2 in its high nibble. Pairing the two halves of a block,
 rather than neighbours, lets a kernel that holds a block as rows of 128 lanes pack and
-unpack with whole-row slices and no lane shuffles.
+unpack with whole-row ref slices and no lane shuffles.
 
 A constant block (lo == hi) is stored as scale = lo, zero = -1 and codes 0, so it decodes
 to exactly (0 + 1) * lo; an all-zero block is the case lo == 0.

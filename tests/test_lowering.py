@@ -1,0 +1,166 @@
+"""Every Mosaic GPU kernel lowers for CUDA on this host, GPU or not, within a time bound.
+
+``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` runs Mosaic GPU's whole
+lowering, layout inference included, with no GPU and no CUDA plugin: an op or a layout that
+Mosaic GPU rejects fails here. A layout search that would take minutes fails when the bound
+runs out. What this cannot catch (the PTX stage, the numerics) is in docs/gpu.md.
+"""
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import pytest
+from test_pallas import BITS, DTYPE_IDS, DTYPES, LAYOUT_IDS, LAYOUTS
+
+import jax_bytegrad
+from jax_bytegrad._src.codecs import pallas as _pallas
+
+# One kernel lowers in about a second; a layout search that does not converge takes minutes.
+LOWERING_TIMEOUT_S = 30.0
+KERNEL_CALL = "custom_call @mosaic_gpu"
+# The layouts of test_pallas.py, plus the default tile at the block counts of its
+# non-finite (4 blocks) and extreme-magnitude (2 blocks) tests.
+ALL_LAYOUTS = [*LAYOUTS, (4, 128, _pallas._Tiles()), (2, 128, _pallas._Tiles())]
+ALL_LAYOUT_IDS = [*LAYOUT_IDS, "default4", "default2"]
+ROUNDINGS = [pytest.param(False, id="nearest"), pytest.param(True, id="stochastic")]
+KEY = jax.eval_shape(jax.random.key, 0)
+
+
+def lower_for_cuda(fn, *args) -> str:
+    """Lowers ``jax.jit(fn)`` for CUDA in a thread; fails if that takes over the bound."""
+    outcome = {}
+
+    def work():
+        try:
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            outcome["text"] = lowered.as_text()
+        except Exception as error:  # noqa: BLE001 - re-raised in the test's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    worker.join(LOWERING_TIMEOUT_S)
+    if worker.is_alive():
+        pytest.fail(f"lowering for CUDA did not finish within {LOWERING_TIMEOUT_S:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["text"]
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stochastic", ROUNDINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), ALL_LAYOUTS, ids=ALL_LAYOUT_IDS)
+def test_quantize_kernel_lowers_for_cuda(num_blocks, block_size, tiles, dtype, stochastic, bits):
+    block_size = block_size * 8 // bits
+
+    def fn(x, key):
+        return _pallas.quantize_blocks(
+            x, stochastic=stochastic, key=key if stochastic else None, bits=bits, tiles=tiles
+        )
+
+    text = lower_for_cuda(fn, spec((num_blocks, block_size), dtype), KEY)
+    assert KERNEL_CALL in text
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), ALL_LAYOUTS, ids=ALL_LAYOUT_IDS)
+def test_dequantize_kernel_lowers_for_cuda(num_blocks, block_size, tiles, bits):
+    code_width = block_size  # a layout's block size is its code width at 8 bits
+    fn = functools.partial(_pallas.dequantize_blocks, bits=bits, tiles=tiles)
+    text = lower_for_cuda(
+        fn, spec((num_blocks, code_width), jnp.uint8), spec((num_blocks, 2), jnp.float32)
+    )
+    assert KERNEL_CALL in text
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stochastic", ROUNDINGS)
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), LAYOUTS[:3], ids=LAYOUT_IDS[:3])
+def test_average_requantize_kernel_lowers_for_cuda(
+    num_blocks, block_size, tiles, n, stochastic, bits
+):
+    def fn(codes, header, key):
+        return _pallas.average_requantize(
+            codes,
+            header,
+            weight=1.0 / n,
+            stochastic=stochastic,
+            key=key if stochastic else None,
+            bits=bits,
+            tiles=tiles,
+        )
+
+    text = lower_for_cuda(
+        fn,
+        spec((n, num_blocks, block_size), jnp.uint8),
+        spec((n, num_blocks, 2), jnp.float32),
+        KEY,
+    )
+    assert KERNEL_CALL in text
+
+
+# --- The public API, as an AOT user lowers or exports it from a host without a GPU. ------
+
+PUBLIC_DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf16")]
+SHAPE = (3, 1000)  # not a whole number of blocks: the tail block is padded
+
+
+def public_quantize_array(bits, stochastic):
+    def fn(x, key):
+        return jax_bytegrad.quantize(
+            x,
+            bits=bits,
+            rounding="stochastic" if stochastic else "nearest",
+            key=key if stochastic else None,
+            implementation="pallas",
+        )
+
+    return fn
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stochastic", ROUNDINGS)
+@pytest.mark.parametrize("dtype", PUBLIC_DTYPES)
+def test_public_quantize_lowers_for_cuda(dtype, stochastic, bits):
+    text = lower_for_cuda(public_quantize_array(bits, stochastic), spec(SHAPE, dtype), KEY)
+    assert text.count(KERNEL_CALL) == 1
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("stochastic", ROUNDINGS)
+@pytest.mark.parametrize("dtype", PUBLIC_DTYPES)
+def test_public_dequantize_lowers_for_cuda(dtype, stochastic, bits):
+    # The rounding that made the codes does not change the decoder; both are lowered anyway,
+    # as a user would decode them.
+    q = jax.eval_shape(public_quantize_array(bits, stochastic), spec(SHAPE, dtype), KEY)
+    text = lower_for_cuda(lambda q: jax_bytegrad.dequantize(q, implementation="pallas"), q)
+    assert text.count(KERNEL_CALL) == 1
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_public_api_exports_for_cuda(bits):
+    def roundtrip(x):
+        q = jax_bytegrad.quantize(x, bits=bits, implementation="pallas")
+        return jax_bytegrad.dequantize(q, implementation="pallas")
+
+    exported = jax.export.export(jax.jit(roundtrip), platforms=["cuda"])(spec(SHAPE, jnp.float32))
+    assert exported.platforms == ("cuda",)
+    assert exported.out_avals[0].shape == SHAPE
+    assert exported.mlir_module().count(KERNEL_CALL) == 2
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_lowering_pallas_for_another_platform_raises_clearly(platform):
+    fn = jax.jit(lambda x: jax_bytegrad.quantize(x, implementation="pallas").codes)
+    with pytest.raises(NotImplementedError, match="being lowered for another platform"):
+        jax.export.export(fn, platforms=[platform])(spec(SHAPE, jnp.float32))
+    with pytest.raises(NotImplementedError, match="being lowered for another platform"):
+        fn.trace(spec(SHAPE, jnp.float32)).lower(lowering_platforms=(platform,))
