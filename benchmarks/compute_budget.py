@@ -62,8 +62,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from jax_bytegrad import DEFAULT_BLOCK_SIZES  # noqa: E402
 from jax_bytegrad._src.quantization import (  # noqa: E402
-    DEFAULT_BLOCK_SIZE,
     average_requantize,
     dequantize_blocks,
     quantize_blocks,
@@ -136,7 +136,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--elements", type=float, default=25.2e6)
     parser.add_argument("--nodes", default="2,4")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZES[8])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hlo", action="store_true", help="list the big fusions of each stage")
     parser.add_argument(

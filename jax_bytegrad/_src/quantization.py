@@ -9,29 +9,24 @@ the compiled Mosaic GPU kernels or the interpreted ones), chosen per kernel for
 """
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src import checks as _checks
+from jax_bytegrad._src import checks
 from jax_bytegrad._src import codecs as _codecs
 from jax_bytegrad._src.codecs import pallas as _pallas
-from jax_bytegrad._src.codecs import reference as _reference
+from jax_bytegrad._src.config import (
+    BITS,
+    ROUNDINGS,
+    Bits,
+    Implementation,
+    Rounding,
+    check_block_size,
+)
 
-Implementation = Literal["xla", "pallas", "pallas_interpret"]
-Rounding = Literal["nearest", "stochastic"]
-Bits = Literal[8, 4]
-
-# Chosen from benchmarks/quantize.py (see benchmarks/RESULTS.md): large enough that the
-# 8-byte header costs < 1% of the codes, small enough that one outlier spoils few values.
-DEFAULT_BLOCK_SIZE = 1024
-# 4 bits: see "4-bit block size" in benchmarks/RESULTS.md.
-DEFAULT_BLOCK_SIZES = {8: DEFAULT_BLOCK_SIZE, 4: 512}
-# Kernels tile a block's (packed) codes as whole rows of 128 lanes, and Pallas block shapes
-# are powers of two: 128 values at 8 bits, 256 at 4 bits.
-MIN_BLOCK_SIZE = 128
+# Floats per block header: [scale, zero point].
 HEADER_WIDTH = 2
 
 
@@ -67,35 +62,6 @@ class QuantizedArray:
     def nbytes(self) -> int:
         """Bytes of codes plus headers: what crosses the wire."""
         return self.codes.size * 1 + self.header.size * 4
-
-
-def check_bits(bits: int, where: str) -> None:
-    if bits not in _reference.BITS or isinstance(bits, bool):
-        raise ValueError(f"{where}: bits must be 8 or 4, got {bits!r}")
-
-
-def check_block_size(block_size: int | None, where: str, bits: int = 8) -> int:
-    """Validates ``block_size`` for ``bits``; returns it, or the default for None."""
-    if block_size is None:
-        return DEFAULT_BLOCK_SIZES[bits]
-    smallest = MIN_BLOCK_SIZE * 8 // bits
-    if (
-        not isinstance(block_size, int | np.integer)
-        or block_size < smallest
-        or block_size & (block_size - 1)
-    ):
-        packing = "" if bits == 8 else f" for {bits}-bit codes (two per byte, 128 bytes)"
-        raise ValueError(
-            f"{where}: block_size must be a power of two >= {smallest}, got {block_size!r}{packing}"
-        )
-    return int(block_size)
-
-
-def check_rounding(rounding: str, where: str) -> bool:
-    """Validates ``rounding``; returns whether it is stochastic."""
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"{where}: rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-    return rounding == "stochastic"
 
 
 def check_key(stochastic: bool, key, where: str) -> None:
@@ -309,14 +275,15 @@ def quantize(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     x = jnp.asarray(x)
-    if x.dtype not in _checks.FLOAT_DTYPES:
+    if x.dtype not in checks.FLOAT_DTYPES:
         raise ValueError(
             f"quantize: dtype must be float32, bfloat16 or float16, got {x.dtype}; "
             "cast the array first"
         )
-    check_bits(bits, "quantize")
+    checks.one_of(bits, BITS, "bits", "quantize")
     block_size = check_block_size(block_size, "quantize", bits)
-    stochastic = check_rounding(rounding, "quantize")
+    checks.one_of(rounding, ROUNDINGS, "rounding", "quantize")
+    stochastic = rounding == "stochastic"
     check_key(stochastic, key, "quantize")
     implementation = resolve_implementation(implementation)
     num_blocks = -(-x.size // block_size)
