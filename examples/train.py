@@ -43,6 +43,7 @@ from configs import (  # noqa: E402
     CPU_NODES,
     MODEL_DEFAULTS,
     Config,
+    qadam_warning,
 )
 from report import Progress, Result, is_main_process, log, plot_losses, results_table  # noqa: E402
 
@@ -278,6 +279,8 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
             f"--algorithm {config.algorithm}"
         )
     mesh = resolve_mesh(config)
+    if config.algorithm == "qadam" and qadam_warning(config):
+        log(qadam_warning(config))
     steps, batch_size = config.get("steps"), config.get("batch_size")
     if batch_size % mesh.size:
         raise ValueError(

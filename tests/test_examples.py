@@ -15,6 +15,7 @@ import pytest
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
+import configs  # noqa: E402
 import report  # noqa: E402
 import train  # noqa: E402
 
@@ -183,6 +184,13 @@ def test_all_six_algorithms_in_one_command_across_two_processes(tmp_path):
     # Async's inter-node bytes are its background rounds': above zero only if they ran.
     assert float(rows["async"][5].split()[0].replace(",", "")) > 0, rows["async"]
     assert (tmp_path / "cnn_loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_short_qadam_warmup_is_flagged():
+    # 30 steps give QAdam 6 warm-up steps, after which it diverged on the CNN (13% accuracy).
+    short = configs.qadam_warning(train.Config(algorithm="qadam", steps=30))
+    assert "warm-up of 6 steps (20% of 30)" in short and "--steps 50 or more" in short
+    assert configs.qadam_warning(train.Config(algorithm="qadam", steps=50)) is None
 
 
 def test_async_needs_several_processes():
