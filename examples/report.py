@@ -110,7 +110,7 @@ def results_table(results: list[Result]) -> str:
 # tellable apart.
 _COLORS = ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
 _LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)))
-_MARKERS = ("o", "s", "^", "D", "v", "x")
+_MARKERS = ("o", "s", "^", "D", "v", "X")  # filled: each gets a white edge
 
 
 def line_style(algorithm: str) -> dict:
