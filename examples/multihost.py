@@ -21,6 +21,8 @@ process 0 prints.
 import os
 import sys
 
+import jax
+
 import jax_bytegrad
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -29,7 +31,7 @@ import train  # noqa: E402
 
 def main(argv=None) -> None:
     jax_bytegrad.initialize()
-    train.run(train.parse_args(argv))
+    train.run(train.parse_args(argv, processes=jax.process_count()))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import textwrap
 
 import jax
 import numpy as np
-from configs import BASELINE
+from configs import ALGORITHMS, BASELINE
 
 
 @dataclasses.dataclass
@@ -105,30 +105,87 @@ def results_table(results: list[Result]) -> str:
     return "\n".join(rows)
 
 
-def plot_losses(results: list[Result], path: str, title: str) -> None:
-    """Writes the training-loss curves (smoothed over 10 steps) to a PNG.
+# One look per algorithm, the same in every plot: colour, line style and marker all differ, so
+# curves that lie on top of each other (bytegrad tracks gradient_allreduce closely) stay
+# tellable apart.
+_COLORS = ("black", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)))
+_MARKERS = ("o", "s", "^", "D", "v", "X")  # filled: each gets a white edge
 
-    The baseline is drawn last, dashed and black, so the curves that track it closely do not
-    hide it.
+
+def line_style(algorithm: str) -> dict:
+    """Matplotlib ``plot`` keywords for ``algorithm``: its own colour, line style and marker."""
+    names = list(ALGORITHMS)
+    i = names.index(algorithm) if algorithm in names else len(names)
+    return {
+        "color": _COLORS[i % len(_COLORS)],
+        "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+        "marker": _MARKERS[i % len(_MARKERS)],
+        # The baseline wide, the others narrow: a curve drawn over it leaves it showing.
+        "linewidth": 2.4 if algorithm == BASELINE else 1.3,
+        "markersize": 6,
+        "markeredgecolor": "white",
+        "markeredgewidth": 0.6,
+    }
+
+
+def _smooth(losses, width: int = 10) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, mean of the last ``width`` losses at each of them)."""
+    losses = np.asarray(losses, np.float64)
+    width = min(width, len(losses))
+    mean = np.convolve(losses, np.ones(width) / width, mode="valid")
+    return np.arange(width, len(losses) + 1), mean
+
+
+def plot_losses(results: list[Result], path: str, title: str):
+    """Writes the training-loss curves (10-step means) to a PNG, and returns the figure.
+
+    Top: every algorithm's loss. Bottom, when gradient_allreduce is among the results: each
+    other algorithm's loss divided by gradient_allreduce's, so algorithms whose curves overlap
+    on top are apart there. Every algorithm has its own colour, line style and marker
+    (``line_style``).
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in sorted(results, key=lambda r: r.algorithm == BASELINE):
-        losses = np.asarray(r.losses)
-        width = min(10, len(losses))
-        smooth = np.convolve(losses, np.ones(width) / width, mode="valid")
-        baseline = r.algorithm == BASELINE
-        style = {"color": "black", "linestyle": "--", "zorder": 3} if baseline else {}
-        ax.plot(np.arange(width, len(losses) + 1), smooth, label=r.algorithm, **style)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (10-step mean)")
-    ax.set_yscale("log")
-    ax.set_title(textwrap.fill(title, 80), fontsize=9)
-    ax.legend()
+    baseline = next((r for r in results if r.algorithm == BASELINE), None)
+    panels = 2 if baseline is not None and len(results) > 1 else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 3.2 * panels + 0.6), sharex=True, squeeze=False)
+    curves = {r.algorithm: _smooth(r.losses) for r in results}
+
+    def draw(ax, i, name, values):
+        steps = curves[name][0]
+        every = max(1, len(steps) // 8)
+        # Markers at staggered steps, so those of overlapping curves do not cover each other.
+        marks = (i * every // len(results), every)
+        ax.plot(steps, values, label=name, markevery=marks, **line_style(name))
+
+    top = axes[0, 0]
+    for i, r in enumerate(results):
+        draw(top, i, r.algorithm, curves[r.algorithm][1])
+    top.set_ylabel("training loss (10-step mean)")
+    top.set_yscale("log")
+    top.set_title(textwrap.fill(title, 80), fontsize=9)
+    top.legend(fontsize=8)
+    if panels == 2:
+        bottom = axes[1, 0]
+        reference = curves[BASELINE][1]
+        bottom.axhline(
+            1.0, label=BASELINE, **{**line_style(BASELINE), "marker": None, "linewidth": 1}
+        )
+        for i, r in enumerate(results):
+            if r.algorithm != BASELINE:
+                draw(bottom, i, r.algorithm, curves[r.algorithm][1] / reference)
+        bottom.set_ylabel(f"loss / {BASELINE}'s")
+        bottom.set_yscale("log")  # 0.5x and 2x equally far from 1
+        plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+        bottom.yaxis.set_major_formatter(plain)
+        bottom.yaxis.set_minor_formatter(plain)
+    axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return fig

@@ -43,6 +43,7 @@ from configs import (  # noqa: E402
     CPU_NODES,
     MODEL_DEFAULTS,
     Config,
+    qadam_warning,
 )
 from report import Progress, Result, is_main_process, log, plot_losses, results_table  # noqa: E402
 
@@ -278,6 +279,8 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
             f"--algorithm {config.algorithm}"
         )
     mesh = resolve_mesh(config)
+    if config.algorithm == "qadam" and qadam_warning(config):
+        log(qadam_warning(config))
     steps, batch_size = config.get("steps"), config.get("batch_size")
     if batch_size % mesh.size:
         raise ValueError(
@@ -357,6 +360,11 @@ def compare(config: Config, algorithms=None) -> list[Result]:
     gradient_allreduce runs first: its bytes are every other algorithm's baseline.
     """
     runnable = [n for n, a in ALGORITHMS.items() if jax.process_count() >= a.min_processes[0]]
+    if algorithms is None:
+        for name in ALGORITHMS.keys() - set(runnable):
+            needed, why = ALGORITHMS[name].min_processes
+            log(f"{name}: skipped, it needs {needed} or more processes ({why}); "
+                "examples/multihost.py under python -m jax_bytegrad.launch runs it")  # fmt: skip
     names = sorted(algorithms or runnable, key=lambda name: name != BASELINE)
     results, baseline = [], None
     for name in names:
@@ -375,13 +383,15 @@ def describe(config: Config, mesh: jax.sharding.Mesh, num_params: int | None = N
     )
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of train.py and multihost.py."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--algorithm",
         choices=list(ALGORITHMS),
         default=None,
-        help="train with one algorithm; without it, --compare runs them all",
+        help="train with one algorithm; without it, --compare runs them all (async needs "
+        "several processes: examples/multihost.py under python -m jax_bytegrad.launch)",
     )
     parser.add_argument(
         "--compare",
@@ -433,7 +443,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="time each algorithm's step under its message/bucket sizes and hierarchy first "
         "(cached in --out-dir/autotune.json)",
     )
-    return parser.parse_args(argv)  # fmt: skip
+    return parser  # fmt: skip
+
+
+def parse_args(argv=None, *, processes: int = 1) -> argparse.Namespace:
+    """The flags; a usage error (exit 2) for an algorithm that needs more than ``processes``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.algorithm is not None:
+        needed, why = ALGORITHMS[args.algorithm].min_processes
+        if processes < needed:
+            parser.error(
+                f"--algorithm {args.algorithm} needs {needed} or more processes ({why}), and "
+                f"this is {processes}; run it under the launcher: python -m jax_bytegrad.launch "
+                f"--nproc {needed} --devices-per-proc {CPU_DEVICES_PER_NODE} "
+                f"examples/multihost.py --algorithm {args.algorithm}"
+            )
+    return args
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

@@ -1,7 +1,8 @@
 """The examples train for real: every algorithm learns, and ByteGrad cuts inter-node bytes ~4x.
 
 Short runs of examples/train.py on the 2 x 4 CPU mesh of conftest.py (8 devices), in-process,
-plus the command line once and the multi-process script under the local launcher.
+plus the command line once and the multi-process script under the local launcher. Those are
+marked slow; the command line's usage errors and the loss plot's styles are not.
 """
 
 import math
@@ -14,9 +15,9 @@ import pytest
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 sys.path.insert(0, EXAMPLES)
+import configs  # noqa: E402
+import report  # noqa: E402
 import train  # noqa: E402
-
-pytestmark = pytest.mark.slow
 
 # Compressed algorithms: <= 0.25 x float32 for the codes, + 0.8% headers + bucket padding.
 COMPRESSED = ("bytegrad", "qadam", "low_precision_decentralized")
@@ -52,19 +53,49 @@ def cnn_results():
     return train.compare(config)
 
 
+@pytest.mark.slow
 def test_cnn_digits_every_algorithm(cnn_results):
     # Chance is 10%; 50 steps of batch 128 go well past the bar (QAdam: 96%).
     _check(cnn_results, min_accuracy=0.5, max_test_loss=1.5)
 
 
+@pytest.mark.slow
 def test_compare_outputs(cnn_results, tmp_path):
     table = train.results_table(cnn_results)
     assert table.count("\n") == len(cnn_results) + 1
     assert "| bytegrad |" in table
-    train.plot_losses(cnn_results, str(tmp_path / "loss.png"), "cnn")
+    fig = train.plot_losses(cnn_results, str(tmp_path / "loss.png"), "cnn")
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    _check_plot(fig, [r.algorithm for r in cnn_results])
 
 
+def _check_plot(fig, names):
+    """Every algorithm is drawn in both panels, and none looks like another."""
+    losses, ratios = fig.axes
+    drawn = {line.get_label(): line for line in losses.get_lines()}
+    assert sorted(drawn) == sorted(names)
+    for key in (lambda line: line.get_color(), lambda line: line.get_marker()):
+        looks = [key(line) for line in drawn.values()]
+        assert len(set(looks)) == len(looks), looks
+    # Below: each algorithm over gradient_allreduce, which is the line at 1.
+    assert sorted(line.get_label() for line in ratios.get_lines()) == sorted(names)
+
+
+def test_plot_styles_every_algorithm_apart(tmp_path):
+    # All six, async included: each its own colour, marker and line style, in every plot.
+    rng = np.random.default_rng(0)
+    results = [
+        train.Result(name, "cnn", list(rng.uniform(0.5, 2.0, 40)), 0.1, 0.9, 1.0, 1.0, 1.0,
+                     1.0, 10, "")
+        for name in train.ALGORITHMS
+    ]  # fmt: skip
+    fig = train.plot_losses(results, str(tmp_path / "loss.png"), "six")
+    _check_plot(fig, list(train.ALGORITHMS))
+    styles = [str(report.line_style(name)["linestyle"]) for name in train.ALGORITHMS]
+    assert len(set(styles)) == len(styles), styles
+
+
+@pytest.mark.slow
 def test_transformer_pysource_every_algorithm():
     config = train.Config(
         model="transformer", steps=12, batch_size=32, nodes=2, devices_per_node=4, progress=False
@@ -86,6 +117,7 @@ def _run(args, tmp_path, timeout=300):
     )
 
 
+@pytest.mark.slow
 def test_command_line(tmp_path):
     # The script sets XLA_FLAGS itself, for its default 2 x 4 simulated mesh.
     script = os.path.join(EXAMPLES, "train.py")
@@ -96,6 +128,7 @@ def test_command_line(tmp_path):
     assert "all-to-all" in proc.stdout  # the communication table of the compiled step
 
 
+@pytest.mark.slow
 def test_multihost_two_processes(tmp_path):
     script = os.path.join(EXAMPLES, "multihost.py")
     args = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2"]
@@ -153,6 +186,24 @@ def test_all_six_algorithms_in_one_command_across_two_processes(tmp_path):
     assert (tmp_path / "cnn_loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_short_qadam_warmup_is_flagged():
+    # 30 steps give QAdam 6 warm-up steps, after which it diverged on the CNN (13% accuracy).
+    short = configs.qadam_warning(train.Config(algorithm="qadam", steps=30))
+    assert "warm-up of 6 steps (20% of 30)" in short and "--steps 50 or more" in short
+    assert configs.qadam_warning(train.Config(algorithm="qadam", steps=50)) is None
+
+
 def test_async_needs_several_processes():
     with pytest.raises(ValueError, match="averages the model across processes"):
         train.train_and_evaluate(train.Config(algorithm="async", steps=2, progress=False))
+
+
+@pytest.mark.parametrize("script", ["train.py", "multihost.py"])
+def test_async_on_one_process_is_a_usage_error(script, tmp_path):
+    # --help offers async; alone it gets argparse's usage error, with the command that runs it.
+    proc = _run([os.path.join(EXAMPLES, script), "--algorithm", "async"], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("usage: "), proc.stderr[-3000:]
+    assert f"{script}: error: --algorithm async needs 2 or more processes" in proc.stderr
+    assert "python -m jax_bytegrad.launch --nproc 2" in proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
