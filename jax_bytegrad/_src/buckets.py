@@ -45,8 +45,7 @@ def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout
 
     A bucket closes when the next leaf would take it past ``bucket_bytes`` of float32; a
     leaf larger than that gets a bucket of its own. Whole leaves matter on XLA:CPU: a leaf
-    split across two buckets is reassembled by a concatenate fusion that ran 3x slower
-    than the rest of the sync.
+    split across two buckets is reassembled by a slow concatenate fusion.
     """
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
     dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in leaves)

@@ -127,7 +127,7 @@ def batch_splits(
     batch, devices: int, where: str = "data_parallel_step", *, owner: str = "the mesh"
 ) -> None:
     """Raises unless every batch leaf's leading dimension splits over ``devices``."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+    for path, leaf in jax.tree.leaves_with_path(batch):
         if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] % devices:
             raise ValueError(
                 f"{where}: batch leaf {jax.tree_util.keystr(path)} has shape "
@@ -138,7 +138,7 @@ def batch_splits(
 
 def not_deleted(tree, where: str) -> None:
     """Raises, naming donation, if a leaf of ``tree`` is an array a donating step consumed."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    for path, leaf in jax.tree.leaves_with_path(tree):
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
                 f"{where}: input {jax.tree_util.keystr(path)} was deleted: the step donates "

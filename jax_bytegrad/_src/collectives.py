@@ -443,20 +443,7 @@ def compressed_mean(
     """
     where = "compressed_mean"
     checks.boolean(average, "average", where)
-    config = SyncConfig(
-        node_axis=node_axis,
-        local_axis=local_axis,
-        hierarchical=hierarchical,
-        bits=bits,
-        block_size=block_size,
-        bucket_bytes=bucket_bytes,
-        message_bytes=message_bytes,
-        rounding=rounding,
-        implementation=implementation,
-        error_feedback=residuals is not None,
-        wire=wire,
-        where=where,
-    )
+    config = SyncConfig.of(where, {**locals(), "error_feedback": residuals is not None})
     if residuals is not None:
         residuals = Residuals(residuals)
     return sync_mean(tree, config, average=average, key=key, residuals=residuals, where=where)

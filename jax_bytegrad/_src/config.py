@@ -9,7 +9,8 @@ References:
 """
 
 import dataclasses
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 
@@ -112,6 +113,13 @@ class SyncConfig:
             checks.one_of(self.implementation, IMPLEMENTATIONS, "implementation", where)
         checks.boolean(self.error_feedback, "error_feedback", where)
         checks.one_of(self.wire, WIRES, "wire", where)
+
+    @classmethod
+    def of(cls, where: str, arguments: Mapping[str, Any]) -> "SyncConfig":
+        """The config of a factory's keyword arguments, e.g. ``SyncConfig.of("bytegrad",
+        locals())``: the settings it names, defaults for the others, validated for ``where``."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{k: arguments[k] for k in names if k in arguments}, where=where)
 
     @property
     def axes(self) -> tuple[str, str]:

@@ -217,7 +217,7 @@ def _check_per_device(updates, node_axis: str, local_axis: str, where: str) -> N
     axes = {node_axis, local_axis}
     averaged = [
         jax.tree_util.keystr(path)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(updates)
+        for path, leaf in jax.tree.leaves_with_path(updates)
         if jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
         and not axes <= checks.varying_axes(leaf)
     ]
@@ -389,19 +389,7 @@ def scale_by_qadam(
     _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
     if phase is not None:
         checks.one_of(phase, ("warmup", "compressed"), "phase", where)
-    config = SyncConfig(
-        node_axis=node_axis,
-        local_axis=local_axis,
-        hierarchical=hierarchical,
-        bits=bits,
-        block_size=block_size,
-        bucket_bytes=bucket_bytes,
-        message_bytes=message_bytes,
-        implementation=implementation,
-        error_feedback=error_feedback,
-        wire=wire,
-        where=where,
-    )
+    config = SyncConfig.of(where, locals())
     shape = config.mesh_shape(mesh, where)
 
     def init_fn(params):

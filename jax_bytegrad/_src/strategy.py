@@ -255,9 +255,10 @@ class Strategy:
       mesh: from ``make_mesh``; by default ``make_mesh()`` (one node per process).
       flatten: keep the params, gradient and optimizer state as one float32 vector (Bagua's
         fused optimizer; Lightning's ``BaguaStrategy(flatten=True)``); the loss function
-        still gets the pytree. It made an Adam step over 400 small leaves about 3x faster
-        on CPU. ByteGrad then sends the model as one bucket (one message per collective),
-        and mixed-dtype params are held in their common dtype.
+        still gets the pytree. XLA:CPU runs an optimizer's update as one kernel per leaf,
+        so many small leaves gain most (benchmarks/RESULTS.md, "Flattened optimizer").
+        ByteGrad then sends the model as one bucket (one message per collective), and
+        mixed-dtype params are held in their common dtype.
       **algorithm_kwargs: the algorithm's settings (``valid_kwargs(algorithm)`` lists
         them): for ``gradient_allreduce``, ``bytegrad`` and ``qadam`` those of the transform
         (``bytegrad()``, ...) and of ``data_parallel_step`` (``donate``, ``node_axis``,

@@ -120,20 +120,7 @@ def bytegrad(
       Convergence Speed", ICML 2021.
     """
     where = "bytegrad"
-    config = SyncConfig(
-        node_axis=node_axis,
-        local_axis=local_axis,
-        hierarchical=hierarchical,
-        bits=bits,
-        block_size=block_size,
-        bucket_bytes=bucket_bytes,
-        message_bytes=message_bytes,
-        rounding=rounding,
-        implementation=implementation,
-        error_feedback=error_feedback,
-        wire=wire,
-        where=where,
-    )
+    config = SyncConfig.of(where, locals())
     checks.boolean(average, "average", where)
     checks.integer(seed, "seed", where, minimum=0)
     shape = config.mesh_shape(mesh, where)

@@ -168,9 +168,9 @@ def average_requantize(
 
     The float32 sum is computed twice, once for the block ranges and once for the encode,
     instead of being written to memory in between: decoding n bytes per element is cheaper
-    than writing and re-reading 4 (on one CPU core, 36 ms -> 8 ms for 12.6M elements, most
-    of it page faults on the fresh float32 buffer). The barrier keeps XLA from merging the
-    two computations back into one stored intermediate; the values are the same.
+    than writing and re-reading 4 (benchmarks/RESULTS.md, "Sync"). The barrier keeps XLA
+    from merging the two computations back into one stored intermediate; the values are the
+    same.
     """
     lo, hi = _block_range(_weighted_sum(codes, header, weight, bits))
     codes, header, lo, hi = jax.lax.optimization_barrier((codes, header, lo, hi))

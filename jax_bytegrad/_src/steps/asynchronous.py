@@ -238,10 +238,9 @@ class AsyncModelAverage(TrainStep):
 
     def __init__(self, loss_fn, optimizer, mesh, *, sync_interval_ms, warmup_steps, has_aux,
                  axes, flatten, exit_timeout=60.0):  # fmt: skip
-        super().__init__("async", mesh, loss_fn, has_aux=has_aux, flatten=flatten)
+        super().__init__("async", mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten)
         self.sync_interval_ms = sync_interval_ms
         self.warmup_steps = warmup_steps
-        self._axes = axes
         self.local_mesh = _local_mesh(mesh, axes)
         tx = optax.chain(gradient_allreduce(node_axis=axes[0], local_axis=axes[1]), optimizer)
         kwargs = dict(has_aux=has_aux, donate=False, node_axis=axes[0], local_axis=axes[1])

@@ -86,11 +86,10 @@ def _has_compile_option(name: str, value) -> bool:
 def compiler_options(mesh: Mesh) -> dict | None:
     """XLA options for the train steps this library compiles over ``mesh``.
 
-    On CPU, XLA's fusion emitters compiled the bucket decode, fused into a parameter whose
-    rows do not line up with the 1024-value quantization blocks, to a slow element-wise
-    loop; with the classic emitters a ByteGrad step of a 25M-parameter MLP took 763 ms
-    instead of 5544 ms (benchmarks/RESULTS.md, "Network"). JAX releases whose XLA no longer
-    has the option get none. Other platforms need nothing.
+    On CPU, XLA's fusion emitters compile the bucket decode, fused into a parameter whose
+    rows do not line up with the quantization blocks, to a slow element-wise loop; the
+    classic emitters do not (benchmarks/RESULTS.md, "Network"). JAX releases whose XLA no
+    longer has the option get none. Other platforms need nothing.
     """
     if next(iter(mesh.devices.flat)).platform != "cpu":
         return None
@@ -104,11 +103,9 @@ class StepsInFlight:
     XLA:CPU runs every simulated device's share of a program on one shared thread pool.
     Dispatching steps without waiting queues many programs' collectives on it; on a host
     with fewer cores than devices a rendezvous can then miss a participant for 40 s, and
-    XLA aborts the process ("Termination timeout for all reduce"). 200 unblocked ByteGrad
-    steps of a 0.8M-parameter MLP on a 2 x 4 mesh did so on 2 cores; waiting for the
-    previous step before dispatching the next ran them in 12 s. The wait costs nothing
-    there (the cores are busy anyway) and is skipped on other platforms, where queuing
-    steps keeps the accelerator fed.
+    XLA aborts the process ("Termination timeout for all reduce"); tests/test_parallel.py
+    runs such a loop. The wait costs nothing there (the cores are busy anyway) and is
+    skipped on other platforms, where queuing steps keeps the accelerator fed.
     """
 
     def __init__(self, mesh: Mesh):
@@ -145,13 +142,13 @@ class TrainStep:
     metrics, and ``_phase(steps_taken)`` the phase of a step as ``(name, program key)``.
     """
 
-    def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, has_aux: bool, flatten: bool):
-        checks.boolean(has_aux, "has_aux", algorithm)
-        checks.boolean(flatten, "flatten", algorithm)
-        self.algorithm = algorithm
-        self.mesh = mesh
-        self.has_aux = has_aux
-        self.flatten = flatten
+    def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, axes: tuple[str, str],
+                 has_aux: bool, flatten: bool, donate: bool = False):  # fmt: skip
+        for name, value in (("has_aux", has_aux), ("flatten", flatten), ("donate", donate)):
+            checks.boolean(value, name, algorithm)
+        checks.mesh_axes(mesh, *axes, algorithm)
+        self.algorithm, self.mesh, self.has_aux, self.flatten = algorithm, mesh, has_aux, flatten
+        self._axes, self._donate = axes, donate
         self._unravel = None
         self.loss_fn = self._flat_loss(loss_fn) if flatten else loss_fn
         self._programs: dict[Any, Any] = {}
@@ -207,6 +204,7 @@ class TrainStep:
             raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
         inputs = self._inputs(state, batch)
         program = self.program(state)
+        # Before dispatch: jaxlib may crash the process on a buffer a donating step consumed.
         checks.not_deleted(inputs[:-1], self.algorithm)
         self._in_flight.wait()
         out = program(*inputs)

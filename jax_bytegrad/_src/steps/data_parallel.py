@@ -42,14 +42,13 @@ class DataParallelStep(TrainStep):
     """The ``TrainStep`` of ``data_parallel_step``: one program per optimizer phase."""
 
     def __init__(self, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate, axes, flatten):
-        super().__init__("data_parallel_step", mesh, loss_fn, has_aux=has_aux, flatten=flatten)
-        checks.boolean(donate, "donate", self.algorithm)
-        checks.mesh_axes(mesh, *axes, self.algorithm)
+        super().__init__(
+            "data_parallel_step", mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
+            donate=donate,
+        )  # fmt: skip
         self._optimizers = dict(optimizers)
         self._phase_of = phase_of
         self.phases = tuple(self._optimizers)
-        self._donate = donate
-        self._axes = axes
         self._specs = None  # the optimizer state's shard_map specs, from its structure
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:

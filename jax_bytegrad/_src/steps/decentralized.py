@@ -177,13 +177,11 @@ class _PeerStep(TrainStep):
 
     def __init__(self, algorithm, loss_fn, optimizer, mesh, *, axes, interval, rounds,
                  has_aux, donate, flatten):  # fmt: skip
-        super().__init__(algorithm, mesh, loss_fn, has_aux=has_aux, flatten=flatten)
-        checks.boolean(donate, "donate", algorithm)
+        super().__init__(
+            algorithm, mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten, donate=donate
+        )
         self.optimizer = optimizer
-        self._axes = axes
-        self._interval = interval
-        self._rounds = rounds
-        self._donate = donate
+        self._interval, self._rounds = interval, rounds
         self.phases = ("gossip", "local") if interval > 1 else ("gossip",)
 
     def _phase(self, steps_taken):
