@@ -29,6 +29,9 @@ whole buckets), e.g. 18.9 MB for a 25.2M-parameter model on 2 nodes of 8 devices
 (``hierarchical=False``): (1 + 1/(nL)) N.
 """
 
+import functools
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,7 +151,7 @@ def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
     return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
 
 
-def _compressed_piece(x, residual, *, group, gather_group, weight, key, codec):
+def _compressed_piece(x, residual, *, group, gather_group, weight, key, codec, all_to_all):
     """The compressed all-reduce of one message's worth of blocks.
 
     ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j over ``group``,
@@ -171,7 +174,7 @@ def _compressed_piece(x, residual, *, group, gather_group, weight, key, codec):
         codes, header, send = quantize_with_feedback(x, send.reshape(x.shape), key=keys[0], **codec)
     code_bytes = codes.shape[-1]
     message = _pack(codes, header).reshape(peers, blocks, -1)
-    codes, header = _unpack(jax.lax.all_to_all(message, group, 0, 0, tiled=True), code_bytes)
+    codes, header = _unpack(all_to_all(message, group), code_bytes)
     if residual is None:
         codes, header = average_requantize(codes, header, weight=weight, key=keys[1], **codec)
     else:
@@ -203,6 +206,7 @@ def _compressed_sum_flat(
     codec,
     message_bytes,
     residual,
+    wire="scatter_gather",
 ):
     """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
 
@@ -214,8 +218,11 @@ def _compressed_sum_flat(
     collectives one at a time, in program order, but a piece's quantize, average and decode
     only wait for their own data, so they can run while other pieces are on the wire, as far
     as free cores allow (docs/performance.md). Blocks are coded independently, so with
-    nearest rounding the result does not depend on the split.
+    nearest rounding the result does not depend on the split. ``wire="ring"`` sends the
+    all_to_all as ppermute shifts (``wire.ring_all_to_all``), with the same result.
     """
+    from jax_bytegrad._src import wire as _wire  # wire builds on this module's helpers
+
     if hierarchical:
         group, group_size = node_axis, n
         if local > 1:
@@ -245,6 +252,7 @@ def _compressed_sum_flat(
                 weight=weight,
                 key=None if key is None else jax.random.fold_in(key, i),
                 codec=codec,
+                all_to_all=_wire.all_to_all(wire, None),
             )
             for i, blocks in enumerate(
                 message_slices(x.shape[1], block_size * codec["bits"] // 8, message_bytes)
@@ -270,36 +278,51 @@ def residual_sizes(
     bits: Bits = 8,
     block_size: int | None = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    wire: Literal["scatter_gather", "allreduce", "ring"] = "scatter_gather",
 ) -> tuple[tuple[int, int], ...]:
     """Per-device residual lengths of error feedback, one (send, mean) pair per bucket.
 
     ``send`` holds what the first compression left unsent: the device's share of its node's
     sum (hierarchical) or of its own bucket (flat); ``mean`` what the requantize of the
     device's averaged chunk left unsent, 1/n (1/(nL) flat) of that. Both are 0 where
-    nothing is compressed (one node, hierarchical).
+    nothing is compressed (one node, hierarchical). With ``wire="allreduce"`` there is one
+    compression, so ``mean`` is 0.
 
     Args:
       tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``), as one device has it.
       num_nodes: size of the node axis.
       devices_per_node: size of the local axis.
-      hierarchical, bits, block_size, bucket_bytes: as given to ``compressed_mean``.
+      hierarchical, bits, block_size, bucket_bytes, wire: as given to ``compressed_mean``.
 
     Returns:
       One (send, mean) pair of per-device lengths per bucket.
 
     Raises:
-      ValueError: for a bad ``block_size``.
+      ValueError: for a bad ``block_size`` or ``wire``.
 
     Examples:
       >>> import jax.numpy as jnp
       >>> residual_sizes({"w": jnp.ones(1000)}, num_nodes=2, devices_per_node=4, bits=4)
       ((1024, 512),)
+      >>> residual_sizes({"w": jnp.ones(1000)}, num_nodes=2, devices_per_node=4,
+      ...                wire="allreduce")
+      ((2048, 0),)
     """
+    from jax_bytegrad._src import wire as _wire  # wire builds on this module's helpers
+
+    _wire.check_wire(wire, "residual_sizes")
     block_size = check_block_size(block_size, "residual_sizes", bits)
     leaves = jax.tree.leaves(tree)
     layout = bucketing.make_layout(
         leaves, bucket_bytes=bucket_bytes, granularity=num_nodes * devices_per_node * block_size
     )
+    if wire == "allreduce":
+        return _wire.residual_sizes(
+            layout.padded_sizes,
+            num_nodes=num_nodes,
+            devices_per_node=devices_per_node,
+            hierarchical=hierarchical,
+        )
     group_size = num_nodes if hierarchical else num_nodes * devices_per_node
     sizes = []
     for padded in layout.padded_sizes:
@@ -340,6 +363,7 @@ def compressed_mean(
     key: jax.Array | None = None,
     implementation: Implementation | None = None,
     residuals=None,
+    wire: Literal["scatter_gather", "allreduce", "ring"] = "scatter_gather",
 ):
     """Averages a pytree over all devices, 8- or 4-bit compressed between nodes (ByteGrad).
 
@@ -368,6 +392,13 @@ def compressed_mean(
       implementation: quantization kernels to use (see ``quantize``).
       residuals: None (no error feedback), or this device's residuals from
         ``init_residuals`` (same tree structure and settings) or from the previous call.
+      wire: how codes cross between nodes. ``"scatter_gather"`` (default): all_to_all to
+        each block's owner, which averages and requantizes, then all_gather (ByteGrad).
+        ``"allreduce"``: every device quantizes onto a grid the group agrees on (one pmax
+        of the block bounds) and the codes are summed by an integer psum, which Gloo runs at
+        line rate; fewer levels per device (255 // nodes at 8 bits, uint16 past 8 nodes;
+        4 bits up to 2 nodes), one residual (see ``jax_bytegrad._src.wire``). ``"ring"``:
+        scatter-gather with the all_to_all as ppermute shifts, the same result.
 
     Returns:
       A pytree like ``tree`` holding the mean (or sum), typed as replicated over both axes;
@@ -375,7 +406,8 @@ def compressed_mean(
 
     Raises:
       ValueError: outside ``shard_map``, for an axis name the mesh lacks, for bad ``bits``,
-        ``block_size``, ``rounding``, ``key``, ``bucket_bytes`` or ``message_bytes``, or for
+        ``block_size``, ``rounding``, ``key``, ``bucket_bytes``, ``message_bytes`` or
+        ``wire``, for 4 bits with ``wire="allreduce"`` over more than 2 nodes, or for
         ``residuals`` that do not fit this tree and mesh.
 
     Examples:
@@ -390,7 +422,10 @@ def compressed_mean(
     References:
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
+    from jax_bytegrad._src import wire as _wire  # wire builds on this module's helpers
+
     check_bits(bits, "compressed_mean")
+    _wire.check_wire(wire, "compressed_mean")
     block_size = check_block_size(block_size, "compressed_mean", bits)
     stochastic = check_rounding(rounding, "compressed_mean")
     check_key(stochastic, key, "compressed_mean")
@@ -405,14 +440,20 @@ def compressed_mean(
         leaves, bucket_bytes=bucket_bytes, granularity=n * local * block_size
     )
     if residuals is not None:
-        _check_residuals(residuals, leaves, n, local, hierarchical, bits, block_size, bucket_bytes)
+        _check_residuals(
+            residuals, leaves, n, local, hierarchical, bits, block_size, bucket_bytes, wire
+        )
     weight = 1.0 / (n * local) if average else 1.0
     if key is not None:
         # Independent rounding on every device; the result is gathered, so still identical.
         key = jax.random.fold_in(key, jax.lax.axis_index((node_axis, local_axis)))
+    if wire == "allreduce":
+        sum_flat = _wire.allreduce_sum_flat
+    else:
+        sum_flat = functools.partial(_compressed_sum_flat, wire=wire)
     reduced, kept = [], []
     for i, bucket in enumerate(bucketing.to_buckets(leaves, layout)):
-        bucket, residual = _compressed_sum_flat(
+        bucket, residual = sum_flat(
             bucket,
             node_axis=node_axis,
             local_axis=local_axis,
@@ -432,7 +473,9 @@ def compressed_mean(
     return mean if residuals is None else (mean, tuple(kept))
 
 
-def _check_residuals(residuals, leaves, n, local, hierarchical, bits, block_size, bucket_bytes):
+def _check_residuals(
+    residuals, leaves, n, local, hierarchical, bits, block_size, bucket_bytes, wire
+):
     want = residual_sizes(
         leaves,
         num_nodes=n,
@@ -441,6 +484,7 @@ def _check_residuals(residuals, leaves, n, local, hierarchical, bits, block_size
         bits=bits,
         block_size=block_size,
         bucket_bytes=bucket_bytes,
+        wire=wire,
     )
     try:
         got = tuple((int(send.size), int(mean.size)) for send, mean in residuals)
