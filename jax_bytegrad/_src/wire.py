@@ -41,9 +41,15 @@ Widths, from the group size g (``allreduce_width``): 8-bit codes go as uint8 wit
 L = 255 // g levels while g <= 8 (31 levels or more), as uint16 with L = 65535 // g beyond
 (twice the bytes); 4-bit codes go packed two per byte with L = 15 // g while g <= 2 (the sum
 of g nibbles stays below 16, so the byte-wise sum does not carry), and are refused beyond.
-Measured error of the mean (RESULTS.md): with uint8 it is 1.3-1.5x the scatter-gather
-wire's at 2 nodes and 3.7-6.8x at 8, still below that of the 4-bit scatter-gather wire,
-which trains within a point of float32; at 16 nodes it would pass it.
+The rule, from the measured error of the mean (benchmarks/RESULTS.md, "Widths"): uint8
+while its error stays below half that of the 4-bit scatter-gather wire, which trains within
+a point of float32. It is 1.3-1.5x the 8-bit scatter-gather wire's at 2 nodes, 3.8-6.8x at
+8 (0.071 against 0.167), and would be 0.151 at 16.
+
+XLA:CPU contracts a product that feeds an add into one fused multiply-add when both land in
+one fusion, and copies small per-block computations into every fusion that reads them; so
+no product here feeds an add (exact halves, or a clip in between), or the bits would depend
+on the fusions and so on the message split.
 
 Error feedback keeps one residual per device: what its codes failed to carry,
 ``x + residual - (code - zero) * scale``. Summed over the group, the residuals and the
@@ -239,11 +245,9 @@ def _grid(bounds: jax.Array, levels: int, stochastic: bool):
     hi, lo = bounds[:, 0:1], -bounds[:, 1:2]
     steps = levels - 1 if stochastic else levels
     magnitude = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
-    # XLA:CPU contracts a product feeding an add into one fused multiply-add wherever the
-    # two land in one fusion, and XLA copies these few ops into each fusion that reads
-    # them: no product here may feed an add, or the bits would depend on the fusions (and
-    # so on the message split). The halves are exact products, so a contracted
-    # hi * 0.5 - lo * 0.5 rounds the same; they keep +-3e38 in one block from overflowing.
+    # No product may feed an add (module docstring): the halves are exact products, so a
+    # contracted hi * 0.5 - lo * 0.5 rounds the same; they keep +-3e38 in one block from
+    # overflowing.
     span = hi - lo
     span = jnp.where(
         jnp.isfinite(span),
@@ -264,7 +268,9 @@ def _grid(bounds: jax.Array, levels: int, stochastic: bool):
 
 def _encode(x, scale, zero, inv_scale, levels: int, uniforms):
     """Codes of ``x`` (blocks, block_size) on the grid, as float32 integers in [0, levels]."""
-    y = x * inv_scale
+    # |y| <= 2**23 + levels on the grid: the clip changes no value, and keeps the product
+    # from being contracted with ``y - floor`` (module docstring).
+    y = jnp.clip(x * inv_scale, np.float32(-(2.0**24)), np.float32(2.0**24))
     if uniforms is None:
         y = jnp.round(y)
     else:
@@ -295,7 +301,7 @@ def _integer_piece(x, *, scale, zero, inv_scale, group, group_size, width, weigh
     kept = None
     if feedback:
         # The clip stands between the product and the subtraction: no fused multiply-add
-        # (see ``_grid``), the same residual for any split.
+        # (module docstring), the same residual for any split.
         kept = x - jnp.clip((codes - zero) * scale, -_F32_MAX, _F32_MAX)
     total = _from_wire(jax.lax.psum(_to_wire(codes, width), group), width)
     # sum - g * zero is exact in int32 (|zero| <= 2**23 + 1, g * levels < 2**16); the one
