@@ -16,9 +16,10 @@ keeps what its two compressions failed to send, its share of the node's sum befo
 all_to_all and its averaged chunk before the requantize, and adds it to the next step's
 value at the same point; ``init_residuals`` sizes that state.
 
-Every device decodes the same codes, so all replicas end bit-identical. No ``psum`` ever
-runs on integer codes (it would wrap around), and no device gathers all n quantized
-gradients (O(n) memory and traffic). Unlike Bagua, which funnels a node's traffic through
+Every device decodes the same codes, so all replicas end bit-identical. No ``psum`` runs
+on these codes (they would wrap around; ``wire="allreduce"``, in ``wire.py``, sums codes
+made with headroom instead), and no device gathers all n quantized gradients (O(n) memory
+and traffic). Unlike Bagua, which funnels a node's traffic through
 one leader GPU, all L devices of a node share the inter-node hop.
 
 Inter-node bytes per device: 2 (n-1)/n N/L (codes) plus headers at 8 bits, half that at
