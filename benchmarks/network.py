@@ -9,6 +9,10 @@ Usage (root; without root it says so and exits 0)::
 
     python benchmarks/network.py --hosts 2 --rates 1gbit,10gbit --plot network.png
     python benchmarks/network.py --cleanup   # remove what a crashed run left behind
+    python benchmarks/network.py --prefix bgw ...   # a second run at the same time
+
+The table gives each op's median step, its ratio to ``psum_f32`` in the same run, the bytes
+the host put on its link per step and the rate that makes (Mbit/s), and the ring bound.
 
 The timed operations are registered by name in ``benchmarks/_network_ops.py`` (a builder
 ``(mesh, num_params) -> (jitted_fn, args)`` that runs in every worker process; ``--ops`` picks
