@@ -105,8 +105,9 @@ def ring_all_to_all(x: jax.Array, axis, *, message_bytes: int | None = None) -> 
     """``jax.lax.all_to_all(x, axis, 0, 0, tiled=True)`` as n - 1 ppermute shifts.
 
     Shift s sends row me + s of ``x`` to device me + s and receives device me - s's row for
-    this device. At 3 or more devices no shift but n / 2 is a swap, so every link carries one
-    direction at a time; through Gloo a swap gets about half a link.
+    this device. Each device then sends to one peer and receives from another, except at
+    s = n / 2 (n even, and every shift at n = 2), where pairs swap: through Gloo a swap gets
+    about half a link (benchmarks/RESULTS.md, "Integer wire and rings").
 
     Args:
       x: shape (n, ...), n the size of ``axis``: row j goes to device j.
