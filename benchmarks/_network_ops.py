@@ -11,9 +11,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jax_bytegrad._src.collectives import DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
-from jax_bytegrad._src.quantization import DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZES, HEADER_WIDTH
+from jax_bytegrad import DEFAULT_BLOCK_SIZES, DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
+from jax_bytegrad._src.quantization import HEADER_WIDTH
+from jax_bytegrad._src.wire import message_slices
 from jax_bytegrad.sharding import AXES
+
+DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES[8]
 
 DEFAULT_OPS = ("psum_f32", "psum_bf16")
 BASELINE_OP = "psum_f32"
@@ -170,7 +173,6 @@ def _bytegrad_wire(mesh, num_params):
     import jax
 
     from jax_bytegrad import replicate
-    from jax_bytegrad._src.collectives import message_slices
 
     n = mesh.shape["node"] * mesh.shape["local"]
     blocks = -(-num_params // (DEFAULT_BLOCK_SIZE * n)) * n
@@ -270,13 +272,13 @@ register("probe_compute")(lambda mesh, n: _overlap_probe(mesh, n, wire=False, co
 register("probe_both")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, compute=True))
 
 
-@register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
-def _qadam_compressed(mesh, num_params):
-    """One `scale_by_qadam` update past warm-up: local momentum, 8-bit compressed mean, Adam."""
+def _qadam_compressed(mesh, num_params, **sizes):
+    """One `scale_by_qadam` update past warm-up, as the Strategy compiles it (the compressed
+    phase's own program): local momentum, 8-bit compressed mean, Adam."""
     from jax_bytegrad import ScaleByQAdamState, replicate, scale_by_qadam
 
     warmup = 4
-    tx = scale_by_qadam(warmup_steps=warmup, **_sizes())
+    tx = scale_by_qadam(warmup_steps=warmup, phase="compressed", **sizes)
     zeros = np.zeros(num_params, np.float32)
     # count = warmup_steps: the step taken is warmup_steps + 1, the compressed phase.
     state = ScaleByQAdamState(
@@ -285,6 +287,237 @@ def _qadam_compressed(mesh, num_params):
     state = replicate(state, mesh)
 
     return _per_device_builder(mesh, tx.update, local_gradient(mesh, num_params, np.float32), state)
+
+
+register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
+    lambda mesh, n: _qadam_compressed(mesh, n, **_sizes())
+)
+register("qadam_ar8_compressed", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _qadam_compressed(mesh, n, wire="allreduce", **_wire_sizes("allreduce"))
+)
+
+
+# The integer all-reduce wire and the ring wire (jax_bytegrad._src.wire) ----------------------
+# The integer wire's psum runs at line rate in one message and loses rate when split (see the
+# psum_u8:KB patterns), so its ops send one message per bucket unless `op:KB` says otherwise.
+
+
+def _wire_sizes(wire: str) -> dict:
+    sizes = _sizes()
+    if wire == "allreduce" and SIZES["message_kb"] is None:
+        sizes["message_bytes"] = None
+    return sizes
+
+
+def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "nearest",
+               feedback: bool = False):  # fmt: skip
+    """`compressed_mean(wire=...)` of each host's own gradient, as `bytegrad_sync` times it."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_bytegrad import SyncConfig, compressed_mean, replicate
+    from jax_bytegrad._src.collectives import residual_sizes
+
+    kwargs = dict(wire=wire, bits=bits, rounding=rounding, **_wire_sizes(wire))
+    grads = local_gradient(mesh, num_params, np.float32)
+    key = replicate(np.asarray(jax.random.key_data(jax.random.key(0))), mesh)
+    residuals = ()
+    if feedback:
+        n, local = mesh.shape["node"], mesh.shape["local"]
+        shape = jax.ShapeDtypeStruct((num_params,), np.float32)
+        config = SyncConfig(bits=bits, wire=wire, bucket_bytes=kwargs["bucket_bytes"])
+        sharding = NamedSharding(mesh, P(AXES))
+        residuals = tuple(
+            tuple(
+                jax.make_array_from_process_local_data(
+                    sharding, np.zeros((local * size,), np.float32), (n * local * size,)
+                )
+                for size in pair
+            )
+            for pair in residual_sizes(shape, config, (n, local))
+        )
+
+    def body(g, key_data, residuals):
+        key = None
+        if rounding == "stochastic":
+            key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0)
+        out = compressed_mean(g[0], key=key, residuals=residuals if feedback else None, **kwargs)
+        return out if feedback else (out, residuals)
+
+    res_specs = jax.tree.map(lambda _: P(AXES), residuals)
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(AXES, None), P(), res_specs),
+            out_specs=(P(), res_specs),
+        )
+    )
+    return fn, (grads, key, residuals)
+
+
+register("ar8_sync", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce")
+)
+register("ar8_sync_sr", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", rounding="stochastic")
+)
+register("ar8_sync_ef", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", feedback=True)
+)
+register("ar4_sync", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])(
+    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", bits=4)
+)
+register("ring_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
+    lambda mesh, n: _wire_sync(mesh, n, wire="ring")
+)
+
+
+@register("train_ar8", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)
+def _train_ar8(mesh, num_params):
+    """`train_bytegrad` with the integer all-reduce wire: the sync inside the train step."""
+    import optax
+
+    from jax_bytegrad import bytegrad
+
+    tx = optax.chain(bytegrad(wire="allreduce", **_wire_sizes("allreduce")), optax.adam(1e-4))
+    return _train_builder(mesh, num_params, tx)
+
+
+@register("train_ar4", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])
+def _train_ar4(mesh, num_params):
+    import optax
+
+    from jax_bytegrad import bytegrad
+
+    kwargs = dict(wire="allreduce", bits=4, **_wire_sizes("allreduce"))
+    return _train_builder(mesh, num_params, optax.chain(bytegrad(**kwargs), optax.adam(1e-4)))
+
+
+# Wire patterns: one collective pattern alone on per-device buffers, no compute ----------------
+# Each host holds its own buffer (varying); the result stays on the devices (out_specs over both
+# axes), so nothing but the collectives runs. `op:KB` cuts each collective into messages of KB
+# KiB (0: one message). Names give the dtype; sizes are in bytes of the 25.2M-parameter case:
+# N bytes = one uint8 code per parameter.
+
+
+def _buffer(mesh, size: int, dtype):
+    """A (devices, size) array sharded over both axes: each device's own buffer."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n_local = mesh.devices.shape[1]
+    data = np.broadcast_to((np.arange(size) % 3).astype(dtype), (n_local, size))
+    sharding = NamedSharding(mesh, P(AXES, None))
+    return jax.make_array_from_process_local_data(sharding, data, (mesh.devices.size, size))
+
+
+def _pattern_builder(mesh, body, size: int, dtype):
+    """jit(shard_map(body)) on each device's own buffer of `size` elements of `dtype`."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    fn = jax.jit(
+        jax.shard_map(
+            lambda x: jax.tree.map(lambda y: y[None], body(x[0])),
+            mesh=mesh,
+            in_specs=P(AXES, None),
+            out_specs=P(AXES),
+        )
+    )
+    return fn, (_buffer(mesh, size, dtype),)
+
+
+def _pieces(x, message_bytes):
+    """`x` (flat) cut into consecutive messages of about `message_bytes` (None: one)."""
+    return [x[p] for p in message_slices(x.size, x.dtype.itemsize, message_bytes)]
+
+
+def _psum_pattern(mesh, size, dtype, reduce="psum"):
+    import jax
+    import jax.numpy as jnp
+
+    op = {"psum": jax.lax.psum, "pmax": jax.lax.pmax}[reduce]
+    message_bytes = _sizes()["message_bytes"]
+
+    def body(x):
+        return jnp.concatenate([op(p, AXES) for p in _pieces(x, message_bytes)])
+
+    return _pattern_builder(mesh, body, size, dtype)
+
+
+# The same 25.2 MB per host (N bytes) in each dtype: XLA:CPU and Gloo's integer all-reduce.
+for _name, _dtype, _itemsize in (
+    ("psum_u8", np.uint8, 1),
+    ("psum_i8", np.int8, 1),
+    ("psum_u16", np.uint16, 2),
+    ("psum_i32", np.int32, 4),
+    ("psum_f32_n", np.float32, 4),
+):
+    register(_name, wire_bytes_per_param=1)(
+        lambda mesh, n, _d=_dtype, _i=_itemsize: _psum_pattern(mesh, n // _i, _d)
+    )
+# Two float32 values per 1024-value block: the allreduce wire's agreement on block ranges.
+register("pmax_ranges", wire_bytes_per_param=8 / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _psum_pattern(mesh, 2 * -(-n // DEFAULT_BLOCK_SIZE), np.float32, "pmax")
+)
+
+
+@register("shift_u8")
+def _shift_u8(mesh, num_params):
+    """One ppermute shift by +1 of N bytes: at 2 hosts a swap, at 3+ a ring (one-way per link)."""
+    from jax_bytegrad._src.wire import split_ppermute
+
+    n = mesh.devices.size
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    message_bytes = _sizes()["message_bytes"]
+    return _pattern_builder(
+        mesh, lambda x: split_ppermute(x, AXES, perm, message_bytes), num_params, np.uint8
+    )
+
+
+def _exchange_pattern(mesh, num_params, exchange: str):
+    """The scatter-gather wire's two exchanges of uint8 codes, N bytes per host in all."""
+    import jax
+
+    from jax_bytegrad._src import wire
+
+    n = mesh.devices.size
+    chunk = -(-num_params // n)
+    message_bytes = _sizes()["message_bytes"]
+
+    def body(x):
+        if exchange == "all_to_all":
+            rows = x.reshape(n, chunk)
+            return [
+                jax.lax.all_to_all(rows[:, p], AXES, 0, 0, tiled=True)
+                for p in message_slices(chunk, 1, message_bytes)
+            ]
+        if exchange == "ring_all_to_all":
+            return wire.ring_all_to_all(x.reshape(n, chunk), AXES, message_bytes=message_bytes)
+        mine = x[:chunk]
+        if exchange == "all_gather":
+            return [jax.lax.all_gather(p, AXES, axis=0) for p in _pieces(mine, message_bytes)]
+        return wire.ring_all_gather(mine, AXES, n, message_bytes=message_bytes)
+
+    return _pattern_builder(mesh, body, n * chunk, np.uint8)
+
+
+# all_to_all: each host sends (K-1)/K N bytes; all_gather: each host's N/K to every other.
+register("a2a_u8", wire_bytes_per_param=0.5)(
+    lambda mesh, n: _exchange_pattern(mesh, n, "all_to_all")
+)
+register("a2a_ring_u8", wire_bytes_per_param=0.5)(
+    lambda mesh, n: _exchange_pattern(mesh, n, "ring_all_to_all")
+)
+register("ag_u8", wire_bytes_per_param=0.5)(
+    lambda mesh, n: _exchange_pattern(mesh, n, "all_gather")
+)
+register("ag_ring_u8", wire_bytes_per_param=0.5)(
+    lambda mesh, n: _exchange_pattern(mesh, n, "ring_all_gather")
+)
 
 
 # Full train steps of a ~25M-parameter float32 MLP (num_params sets its width) ------------------
@@ -326,18 +559,21 @@ def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
 
     from jax_bytegrad import data_parallel_step, replicate, shard_batch
 
-    params = _mlp_init(num_params)
-    state = tx.init(params)
-    if qadam_warmup is not None:  # past warm-up, so every timed step is a compressed one
-        state = (state[0]._replace(count=np.asarray(qadam_warmup, np.int32)), *state[1:])
+    # One phase per transformation (QAdam: the compressed one alone, so every timed step is
+    # a compressed one), nothing donated: every timed call starts from the same state.
+    step = data_parallel_step(_mlp_loss, tx, mesh, donate=False)
+    state = step.init(_mlp_init(num_params))
+    if qadam_warmup is not None:  # past warm-up: the count a compressed step sees
+        qadam_state = state.opt_state[0]
+        count = replicate(np.asarray(qadam_warmup, np.int32), mesh)
+        state = state._replace(opt_state=(qadam_state._replace(count=count), *state.opt_state[1:]))
     rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
     rng = np.random.default_rng(1 + jax.process_index())
     batch = (
         rng.standard_normal((rows, _MLP_IN), np.float32),
         rng.standard_normal((rows, _MLP_OUT), np.float32),
     )
-    step = data_parallel_step(_mlp_loss, tx, mesh, donate=False)
-    return step, (replicate(params, mesh), replicate(state, mesh), shard_batch(batch, mesh))
+    return step, (state, shard_batch(batch, mesh))
 
 
 @register("train_local")
@@ -348,7 +584,8 @@ def _train_local(mesh, num_params):
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jax_bytegrad._src.parallel import compiler_options, replicate, shard_batch
+    from jax_bytegrad import replicate, shard_batch
+    from jax_bytegrad._src.steps.base import compiler_options
 
     tx = optax.adam(1e-4)
     params = _mlp_init(num_params)
@@ -396,7 +633,7 @@ def _train_qadam(mesh, num_params):
     from jax_bytegrad import qadam
 
     warmup = 4
-    tx = qadam(1e-4, warmup_steps=warmup, **_sizes())
+    tx = qadam(1e-4, warmup_steps=warmup, phase="compressed", **_sizes())
     return _train_builder(mesh, num_params, tx, qadam_warmup=warmup)
 
 
@@ -423,8 +660,8 @@ def _decentralized_builder(mesh, num_params, build):
     cell = [train.init(_mlp_init(num_params))]
 
     def fn():
-        cell[0], loss = train.step(cell[0], batch)
-        return loss
+        cell[0], metrics = train(cell[0], batch)
+        return metrics["loss"]
 
     # One program per gossip round: compile them all before timing.
     for _ in range(mesh.devices.size):

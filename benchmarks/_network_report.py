@@ -32,16 +32,25 @@ def ring_bound_ms(op: str, hosts: int, num_params: int, mbit: float) -> float | 
     return 1e3 * sent * 8 / (mbit * 1e6)
 
 
+def mbit_per_s(row: dict) -> float:
+    """What one host put on its link per second of the op's median step (measured tx bytes)."""
+    return row["tx_mb"] * 8 / row["median_ms"] * 1e3 if row["median_ms"] else float("nan")
+
+
 def table(rows: list[dict]) -> str:
-    head = "| hosts | link | operation | median ms | vs float32 | MB sent/host | ring bound ms |"
-    lines = [head, "|---:|---|---|---:|---:|---:|---:|"]
+    head = (
+        "| hosts | link | operation | median ms | vs float32 | MB sent/host | Mbit/s "
+        "| ring bound ms |"
+    )
+    lines = [head, "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         bound = "" if r["bound_ms"] is None else f"{r['bound_ms']:.0f}"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
         lines.append(
             f"| {r['hosts']} | {rate_label(r['mbit'])}"
             f"{' + ' + format(r['delay_ms'], 'g') + ' ms' if r['delay_ms'] else ''} | "
-            f"{r['op']} | {r['median_ms']:.1f} | {ratio} | {r['tx_mb']:.1f} | {bound} |"
+            f"{r['op']} | {r['median_ms']:.1f} | {ratio} | {r['tx_mb']:.1f} | "
+            f"{mbit_per_s(r):.0f} | {bound} |"
         )
     return "\n".join(lines)
 

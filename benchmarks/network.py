@@ -9,6 +9,10 @@ Usage (root; without root it says so and exits 0)::
 
     python benchmarks/network.py --hosts 2 --rates 1gbit,10gbit --plot network.png
     python benchmarks/network.py --cleanup   # remove what a crashed run left behind
+    python benchmarks/network.py --prefix bgw ...   # a second run at the same time
+
+The table gives each op's median step, its ratio to ``psum_f32`` in the same run, the bytes
+the host put on its link per step and the rate that makes (Mbit/s), and the ring bound.
 
 The timed operations are registered by name in ``benchmarks/_network_ops.py`` (a builder
 ``(mesh, num_params) -> (jitted_fn, args)`` that runs in every worker process; ``--ops`` picks
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import sys
@@ -168,6 +173,11 @@ def main(argv=None) -> int:
         help="workers on 4 KiB pages (default, as the launcher: glibc.malloc.hugetlb=1)",
     )
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers and exit")
+    parser.add_argument(
+        "--prefix",
+        default=None,
+        help="name prefix of the namespaces (default bgn; a second run at once needs its own)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -183,13 +193,15 @@ def main(argv=None) -> int:
 
     import _netns
 
+    args.prefix = args.prefix or _netns.PREFIX
+
     if not _netns.have_root():
         print(
             "network benchmark: needs root (and ip, tc, unshare) to build namespace hosts; skipped"
         )
         return 0
     if args.cleanup:
-        removed = _netns.cleanup()
+        removed = _netns.cleanup(args.prefix)
         print(f"removed {removed}" if removed else "nothing to clean up")
         return 0
     hosts = [int(h) for h in args.hosts.split(",") if h]
@@ -204,10 +216,12 @@ def main(argv=None) -> int:
     rows = []
     try:
         for k in hosts:
-            with _netns.Cluster(k) as cluster:
+            with _netns.Cluster(k, prefix=args.prefix) as cluster:
                 for mbit in rates:
-                    print(f"== {k} hosts, {report.rate_label(mbit)}", flush=True)
+                    load = os.getloadavg()[0]
+                    print(f"== {k} hosts, {report.rate_label(mbit)}, load {load:.2f}", flush=True)
                     result = _run_config(cluster, args, mbit)
+                    print(f"   load average after: {os.getloadavg()[0]:.2f}", flush=True)
                     base = result.get(BASELINE_OP)
                     base = statistics.median(base["steps_s"]) if base else None
                     for op in args.ops:
@@ -225,7 +239,7 @@ def main(argv=None) -> int:
         print("interrupted; namespaces removed", file=sys.stderr)
         return 130
     finally:
-        _netns.cleanup()  # also what an interrupted Cluster.__exit__ may have missed
+        _netns.cleanup(args.prefix)  # also what an interrupted Cluster.__exit__ may have missed
 
     print(f"\n{args.num_params / 1e6:g}M parameters, {args.steps} timed steps after {args.warmup}")
     print(report.table(rows))

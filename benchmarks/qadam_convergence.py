@@ -144,9 +144,8 @@ def train(
     params = init_params(jax.random.key(seed), d_model=d_model, layers=layers, context=context)
     # optax.adam's bias correction needs standard promotion (tests run with strict).
     with jax.numpy_dtype_promotion("standard"):
-        state = tx.init(params)
-        params, state = jax_bytegrad.replicate((params, state), mesh)
         step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh)
+        state = step.init(params)
         evaluate = jax.jit(
             jax.shard_map(
                 lambda p, b: jax.lax.pmean(loss_fn(p, b), AXES),
@@ -157,12 +156,10 @@ def train(
         )
         losses = []
         for batch in batches(train_data, steps, batch_size, context, seed + 1):
-            params, state, loss = step(params, state, jax_bytegrad.shard_batch(batch, mesh))
-            # One step in flight at a time: with 8 host devices on few cores, queued steps
-            # can starve a device thread that a collective of the running step waits for.
-            losses.append(float(loss))
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
         val = [
-            evaluate(params, jax_bytegrad.shard_batch(b, mesh))
+            evaluate(state.params, jax_bytegrad.shard_batch(b, mesh))
             for b in batches(val_data, eval_batches, 64, context, seed + 2)
         ]
     return np.asarray(losses), float(np.mean(jax.device_get(val)))

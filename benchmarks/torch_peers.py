@@ -130,6 +130,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per op")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument(
+        "--prefix", default="bgt", help="name prefix of the namespaces (one per concurrent run)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--op", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -140,7 +143,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.path.insert(0, str(REPO))
     import _netns
-    from network import _parse_rate, _rate_label
+    from _network_report import parse_rate, rate_label
 
     if not _netns.have_root():
         print("torch peers benchmark: needs root (and ip, tc, unshare); skipped")
@@ -152,19 +155,19 @@ def main(argv=None) -> int:
     rows = []
     try:
         for k in (int(h) for h in args.hosts.split(",") if h):
-            with _netns.Cluster(k) as cluster:
-                for mbit in (_parse_rate(r) for r in args.rates.split(",") if r):
+            with _netns.Cluster(k, prefix=args.prefix) as cluster:
+                for mbit in (parse_rate(r) for r in args.rates.split(",") if r):
                     cluster.shape(mbit)
                     for op in ops:
                         times = _run(cluster, args, op)
                         med = 1e3 * statistics.median(times)
-                        print(f"{k} hosts, {_rate_label(mbit)}, {op}: median {med:.1f} ms")
+                        print(f"{k} hosts, {rate_label(mbit)}, {op}: median {med:.1f} ms")
                         rows.append({"hosts": k, "mbit": mbit, "op": op, "median_ms": med})
     finally:
-        _netns.cleanup()
+        _netns.cleanup(args.prefix)
     print("\n| hosts | link | operation | median ms |\n|---:|---|---|---:|")
     for r in rows:
-        print(f"| {r['hosts']} | {_rate_label(r['mbit'])} | {r['op']} | {r['median_ms']:.1f} |")
+        print(f"| {r['hosts']} | {rate_label(r['mbit'])} | {r['op']} | {r['median_ms']:.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

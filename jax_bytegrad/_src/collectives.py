@@ -35,6 +35,7 @@ import numpy as np
 
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks
+from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.config import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MESSAGE_BYTES,
@@ -46,13 +47,7 @@ from jax_bytegrad._src.config import (
     Wire,
 )
 from jax_bytegrad._src.quantization import (
-    HEADER_WIDTH,
-    average_blocks,
-    average_requantize,
     check_key,
-    dequantize_blocks,
-    quantize_blocks,
-    quantize_with_feedback,
     resolve_implementation,
 )
 
@@ -84,165 +79,6 @@ def axis_sizes(node_axis: str, local_axis: str, where: str) -> tuple[int, int]:
     return sizes[0], sizes[1]
 
 
-def gather_invariant(x: jax.Array, axis) -> jax.Array:
-    """Tiled all_gather whose result is typed as replicated over ``axis`` (one value)."""
-    return jax.lax.all_gather(x, axis, axis=0, tiled=True, to="invarying")
-
-
-def scatter_flat(flat: jax.Array, axis, parts: int) -> jax.Array:
-    """Sums a flat vector over ``axis``, each device keeping its 1/``parts`` (zero-padded)."""
-    flat = jnp.pad(flat, (0, -flat.size % parts))
-    return jax.lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
-
-
-def gather_flat(part: jax.Array, axis, size: int, *, invariant: bool = True) -> jax.Array:
-    """Undoes ``scatter_flat``'s split: the ``parts`` gathered over ``axis``, padding dropped.
-
-    With ``invariant`` the result is typed as one value over ``axis``; otherwise it stays
-    varying, as per-device state must.
-    """
-    if invariant:
-        return gather_invariant(part, axis)[:size]
-    return jax.lax.all_gather(part, axis, axis=0, tiled=True)[:size]
-
-
-def message_slices(blocks: int, block_bytes: int, message_bytes: int | None) -> list[slice]:
-    """Consecutive block ranges of about ``message_bytes`` each (at least one block)."""
-    per = blocks if message_bytes is None else max(1, message_bytes // block_bytes)
-    return [slice(start, min(start + per, blocks)) for start in range(0, blocks, per)]
-
-
-def split_ppermute(tree, axis, perm, message_bytes: int | None):
-    """``jax.lax.ppermute`` of every leaf of ``tree``, sent in messages of ``message_bytes``.
-
-    The same result as one ``ppermute`` per leaf, bit for bit: only the message size changes.
-    """
-
-    def send(x):
-        if message_bytes is None or x.size * x.dtype.itemsize <= message_bytes:
-            return jax.lax.ppermute(x, axis, perm)
-        flat = x.reshape(-1)
-        pieces = message_slices(flat.size, x.dtype.itemsize, message_bytes)
-        return jnp.concatenate([jax.lax.ppermute(flat[p], axis, perm) for p in pieces]).reshape(
-            x.shape
-        )
-
-    return jax.tree.map(send, tree)
-
-
-def _pack(codes: jax.Array, header: jax.Array) -> jax.Array:
-    """Each block's codes and header bytes in one uint8 row, so that both go in one message."""
-    header_bytes = jax.lax.bitcast_convert_type(header, jnp.uint8)
-    return jnp.concatenate([codes, header_bytes.reshape(*header.shape[:-1], -1)], axis=-1)
-
-
-def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
-    """Inverse of ``_pack``: the codes and the float32 header of each row."""
-    header_bytes = message[..., code_bytes:].reshape(*message.shape[:-1], HEADER_WIDTH, 4)
-    return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
-
-
-def _compressed_piece(x, residual, *, group, gather_group, weight, key, codec):
-    """The compressed all-reduce of one message's worth of blocks.
-
-    ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j over ``group``,
-    which owns those blocks of the mean. The averaged codes come back over ``gather_group``
-    (the same devices, possibly named by more axes, which it marks the result replicated
-    over). Each block's codes travel with its header, one message per peer and direction.
-    Returns the decoded mean of all of ``x``, same shape, and the new residuals: None
-    without error feedback, else, for ``residual`` = (send, mean) of shapes ``x.shape`` and
-    ``x.shape[1:]``, what each compression left unsent. ``codec`` holds the ``stochastic``,
-    ``bits`` and ``implementation`` arguments of the codec's functions.
-    """
-    peers, blocks, block_size = x.shape
-    keys = (None, None) if key is None else jax.random.split(key)
-    bits, impl = codec["bits"], codec["implementation"]
-    x = x.reshape(peers * blocks, block_size)
-    if residual is None:
-        codes, header = quantize_blocks(x, key=keys[0], **codec)
-    else:
-        send, mean = residual
-        codes, header, send = quantize_with_feedback(x, send.reshape(x.shape), key=keys[0], **codec)
-    code_bytes = codes.shape[-1]
-    message = _pack(codes, header).reshape(peers, blocks, -1)
-    codes, header = _unpack(jax.lax.all_to_all(message, group, 0, 0, tiled=True), code_bytes)
-    if residual is None:
-        codes, header = average_requantize(codes, header, weight=weight, key=keys[1], **codec)
-    else:
-        total = average_blocks(codes, header, weight=weight, bits=bits, implementation=impl)
-        codes, header, mean = quantize_with_feedback(total, mean, key=keys[1], **codec)
-        residual = (send.reshape(peers, blocks, block_size), mean)
-    message = jax.lax.all_gather(_pack(codes, header), gather_group, axis=0, to="invarying")
-    codes, header = _unpack(message, code_bytes)
-    decoded = dequantize_blocks(
-        codes.reshape(peers * blocks, -1),
-        header.reshape(peers * blocks, -1),
-        bits=bits,
-        implementation=impl,
-    )
-    return decoded.reshape(peers, blocks, block_size), residual
-
-
-def _compressed_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
-    """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
-
-    Returns the reduced bucket and the new residuals (None without error feedback; see
-    ``residual_sizes`` for their shapes).
-
-    ``n`` and ``local`` are the sizes of the node and local axes. Between nodes the
-    bucket goes as independent pieces of ``message_bytes`` of codes per peer. XLA runs the
-    collectives one at a time, in program order, but a piece's quantize, average and decode
-    only wait for their own data, so they can run while other pieces are on the wire, as far
-    as free cores allow (docs/performance.md). Blocks are coded independently, so with
-    nearest rounding the result does not depend on the split.
-    """
-    node_axis, local_axis = config.axes
-    block_size, hierarchical = config.block_size, config.hierarchical
-    if hierarchical:
-        group, group_size = node_axis, n
-        if local > 1:
-            x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
-        # With one device per node, gathering over both axes reaches the same devices and
-        # leaves the result replicated: a separate size-1 gather would copy the whole bucket.
-        gather_group = node_axis if local > 1 else (node_axis, local_axis)
-    else:
-        group = gather_group = (node_axis, local_axis)
-        group_size = n * local
-    if group_size == 1:
-        # No slow hop to compress: the honest result is the plain float32 one.
-        x = x * jnp.float32(weight)
-        if hierarchical:
-            # Size-1 gathers move no bytes; they only mark the value as replicated.
-            x = gather_invariant(gather_invariant(x, node_axis), local_axis)
-    else:
-        x = x.reshape(group_size, -1, block_size)
-        if residual is not None:
-            residual = (residual[0].reshape(x.shape), residual[1].reshape(x.shape[1:]))
-        pieces = [
-            _compressed_piece(
-                x[:, blocks],
-                None if residual is None else (residual[0][:, blocks], residual[1][blocks]),
-                group=group,
-                gather_group=gather_group,
-                weight=weight,
-                key=None if key is None else jax.random.fold_in(key, i),
-                codec=codec,
-            )
-            for i, blocks in enumerate(
-                message_slices(x.shape[1], block_size * config.bits // 8, config.message_bytes)
-            )
-        ]
-        x = jnp.concatenate([decoded for decoded, _ in pieces], axis=1).reshape(-1)
-        if residual is not None:
-            residual = (
-                jnp.concatenate([kept[0] for _, kept in pieces], axis=1).reshape(-1),
-                jnp.concatenate([kept[1] for _, kept in pieces], axis=0).reshape(-1),
-            )
-        if hierarchical and local > 1:
-            x = gather_invariant(x, local_axis)
-    return x, residual
-
-
 def residual_sizes(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> tuple:
     """Per-device residual lengths of error feedback, one (send, mean) pair per bucket.
 
@@ -271,12 +107,7 @@ def residual_sizes(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> tup
         bucket_bytes=config.bucket_bytes,
         granularity=nodes * per_node * config.block_size,
     )
-    group_size = nodes if config.hierarchical else nodes * per_node
-    sizes = []
-    for padded in layout.padded_sizes:
-        send = padded // per_node if config.hierarchical else padded
-        sizes.append((0, 0) if group_size == 1 else (send, send // group_size))
-    return tuple(sizes)
+    return wires.residual_sizes(layout.padded_sizes, config, mesh_shape)
 
 
 def mesh_residuals(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> Residuals:
@@ -333,8 +164,6 @@ def sync_mean(
     Returns the mean (or sum) pytree; with ``residuals``, the pair (mean, new residuals).
     """
     check_key(config.stochastic, key, where)
-    if config.wire != "scatter_gather":
-        raise NotImplementedError(f"{where}: wire={config.wire!r} is not available yet")
     codec = dict(
         stochastic=config.stochastic,
         bits=config.bits,
@@ -356,7 +185,7 @@ def sync_mean(
         key = jax.random.fold_in(key, jax.lax.axis_index(config.axes))
     reduced, kept = [], []
     for i, bucket in enumerate(bucketing.to_buckets(leaves, layout)):
-        bucket, residual = _compressed_sum_flat(
+        bucket, residual = wires.sum_flat(
             bucket,
             config,
             n=n,
@@ -478,8 +307,8 @@ def full_precision_mean(
         if jnp.dtype(x.dtype) == jax.dtypes.float0:
             return x
         if hierarchical and local > 1 and x.size:
-            part = jax.lax.psum(scatter_flat(x.reshape(-1), local_axis, local), node_axis)
-            total = gather_flat(part, local_axis, x.size).reshape(x.shape)
+            part = jax.lax.psum(wires.scatter_flat(x.reshape(-1), local_axis, local), node_axis)
+            total = wires.gather_flat(part, local_axis, x.size).reshape(x.shape)
         else:
             total = jax.lax.psum(x, (node_axis, local_axis))
         return total / np.asarray(devices, x.dtype) if average else total

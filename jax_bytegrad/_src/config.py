@@ -30,10 +30,10 @@ MIN_BLOCK_SIZE = 128
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 Rounding = Literal["nearest", "stochastic"]
 Bits = Literal[8, 4]
-Wire = Literal["scatter_gather", "allreduce"]
+Wire = Literal["scatter_gather", "allreduce", "ring"]
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 ROUNDINGS = ("nearest", "stochastic")
-WIRES = ("scatter_gather", "allreduce")
+WIRES = ("scatter_gather", "allreduce", "ring")
 
 
 def check_block_size(block_size, where: str, bits: int = 8) -> int:
@@ -65,14 +65,21 @@ class SyncConfig:
       block_size: elements per quantization block, a power of two >= 128 (>= 256 at 4
         bits); None is resolved to ``DEFAULT_BLOCK_SIZES[bits]``.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
-      message_bytes: bytes per message of the exchanges between nodes; None for one
-        message per peer. It changes the speed, never the result.
+      message_bytes: bytes per message of the pairwise exchanges between nodes (the
+        scatter-gather and ring wires); None for one message per peer. It changes the speed,
+        never the result. The all-reduce wire sends one psum per bucket: an all-reduce cut
+        into messages only runs slower (benchmarks/RESULTS.md), so ``bucket_bytes`` sizes it.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
       implementation: quantization kernels: ``"xla"``, ``"pallas"``,
         ``"pallas_interpret"``, or None for the best available.
       error_feedback: keep each device's compression errors and add them back next step.
-      wire: ``"scatter_gather"`` (all_to_all of codes, then all_gather) or ``"allreduce"``
-        (an integer sum of codes on a grid the nodes agree on first).
+      wire: how codes cross between nodes. ``"scatter_gather"``: an all_to_all of codes to
+        each block's owner, which averages and requantizes, then an all_gather (Bagua's
+        ByteGrad). ``"allreduce"``: every device quantizes onto a grid the group agrees on
+        (one pmax of the block bounds) with headroom, and the codes are summed by one
+        integer psum per bucket (fewer levels per device: 255 // g at 8 bits for a group of
+        g <= 8, uint16 beyond; 4 bits for g <= 2; one residual per device).
+        ``"ring"``: scatter-gather with the all_to_all as ppermute shifts; the same result.
 
     Raises:
       ValueError: for a bad value, naming it and ``where`` (an init-only argument: the
@@ -138,7 +145,17 @@ class SyncConfig:
                 f"{where}: error_feedback=True keeps residuals per device, sized by the mesh; "
                 "pass mesh=... (the mesh the step runs on)"
             )
-        return None if mesh is None else checks.mesh_axes(mesh, *self.axes, where)
+        if mesh is None:
+            return None
+        nodes, per_node = checks.mesh_axes(mesh, *self.axes, where)
+        group = nodes if self.hierarchical else nodes * per_node
+        if self.wire == "allreduce" and self.bits == 4 and group > 2:
+            raise ValueError(
+                f"{where}: wire='allreduce' sums 4-bit codes over at most 2 nodes (their "
+                f"nibbles must not carry); this mesh sums over {group}. Pass bits=8, or "
+                "wire='scatter_gather' for 4 bits"
+            )
+        return nodes, per_node
 
     def replace(self, **changes) -> "SyncConfig":
         """A copy with some settings changed, validated again."""
