@@ -3,13 +3,14 @@
 Trains one of the examples' models (``examples/models.py``: ``--model cnn`` on
 scikit-learn's digits, ``--model transformer``, the character transformer on Python source)
 from the same initialisation and the same batches once per variant, on a 2 x 4 mesh of
-("node", "local") CPU devices, with each model's default batch size and learning rate
+("node", "local") CPU devices (``--mesh 4x2`` or ``8x1`` for more nodes), with each model's default batch size and learning rate
 (``examples/configs.py``). Prints one markdown table: final test accuracy and loss, and the
 bytes each device sends between nodes per step, read by ``communication_stats`` from the
 compiled step, with their ratio to gradient_allreduce's. The variants (``VARIANTS``) are
 gradient_allreduce (float32, hierarchical: the strongest baseline) and ByteGrad at 8 and 4
 bits, each with and without error feedback, all followed by Adam; and QAdam (the examples'
-settings: 20% float32 warm-up, eps 1e-5) at 8 bits, 4 bits and 4 bits with error feedback.
+settings: 20% float32 warm-up, eps 1e-5) at 8 bits, 4 bits and 4 bits with error feedback;
+and ByteGrad and QAdam on the integer all-reduce wire (``wire="allreduce"``).
 QAdam's bytes are those of a step after warm-up.
 
     python benchmarks/bits_convergence.py --steps 300 --seeds 0,1
@@ -59,18 +60,20 @@ def _allreduce(mesh, config: Config):
     return optax.chain(sync, optax.adam(config.get("learning_rate")))
 
 
-def _bytegrad(bits: int, error_feedback: bool):
+def _bytegrad(bits: int, error_feedback: bool, wire: str = "scatter_gather"):
     def build(mesh, config: Config):
-        sync = jax_bytegrad.bytegrad(bits=bits, error_feedback=error_feedback, mesh=mesh)
+        sync = jax_bytegrad.bytegrad(
+            bits=bits, error_feedback=error_feedback, mesh=mesh, wire=wire
+        )
         return optax.chain(sync, optax.adam(config.get("learning_rate")))
 
     return build
 
 
-def _qadam(bits: int, error_feedback: bool):
+def _qadam(bits: int, error_feedback: bool, wire: str = "scatter_gather"):
     def build(mesh, config: Config):
         kwargs = ALGORITHMS["qadam"].kwargs(config)  # the examples' QAdam settings
-        return qadam(**kwargs, bits=bits, error_feedback=error_feedback, mesh=mesh)
+        return qadam(**kwargs, bits=bits, error_feedback=error_feedback, mesh=mesh, wire=wire)
 
     return build
 
@@ -85,6 +88,10 @@ VARIANTS = {
     "qadam 8-bit": _qadam(8, False),
     "qadam 4-bit": _qadam(4, False),
     "qadam 4-bit + EF": _qadam(4, True),
+    # The integer all-reduce wire (wire="allreduce"): 255 // nodes levels per node.
+    "bytegrad allreduce 8-bit": _bytegrad(8, False, "allreduce"),
+    "bytegrad allreduce 8-bit + EF": _bytegrad(8, True, "allreduce"),
+    "qadam allreduce 8-bit": _qadam(8, False, "allreduce"),
 }
 
 
@@ -210,9 +217,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names")
+    parser.add_argument(
+        "--mesh",
+        default=f"{CPU_NODES}x{CPU_DEVICES_PER_NODE}",
+        help="nodes x devices per node of the 8 CPU devices, e.g. 4x2 or 8x1",
+    )
     args = parser.parse_args(argv)
-    ensure_cpu_threads(CPU_NODES * CPU_DEVICES_PER_NODE)
-    mesh = jax_bytegrad.make_mesh(CPU_NODES, CPU_DEVICES_PER_NODE)
+    nodes, per_node = (int(v) for v in args.mesh.split("x"))
+    ensure_cpu_threads(nodes * per_node)
+    mesh = jax_bytegrad.make_mesh(nodes, per_node)
     names = [n.strip() for n in args.variants.split(",")]
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:

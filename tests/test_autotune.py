@@ -16,6 +16,7 @@ from conftest import requires_gloo
 from helpers import assert_trees_all_equal
 
 import jax_bytegrad
+from jax_bytegrad._src.wire import allreduce_width
 from jax_bytegrad._src import autotune as autotune_module
 
 REPO = Path(__file__).parent.parent
@@ -124,11 +125,45 @@ def test_buckets_before_messages_finds_the_swept_best():
     # Messages first stops at 608.6 ms (4 MiB messages suit 32 MiB buckets, not 4 MiB ones).
     best, _ = _swept(("message_bytes", "bucket_bytes"))
     assert SWEPT_MS[best["bucket_bytes"], best["message_bytes"]] == 608.6
-    assert list(autotune_module._default_space(_strategy())) == [
-        "bucket_bytes",
-        "hierarchical",
-        "message_bytes",
-    ]
+    space = autotune_module._default_space(_strategy())
+    assert list(space) == ["wire", "bucket_bytes", "hierarchical", "message_bytes"]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, kwargs, wires",
+    [
+        ((2, 4), {}, ("scatter_gather", "allreduce")),
+        ((4, 2), {}, ("scatter_gather", "allreduce", "ring")),
+        ((4, 2), {"bits": 4}, ("scatter_gather", "ring")),
+        ((2, 4), {"bits": 4}, ("scatter_gather", "allreduce")),
+        ((2, 4), {"bits": 4, "hierarchical": False}, ("scatter_gather", "ring")),
+    ],
+    ids=["2x4", "4x2", "4x2-4bit", "2x4-4bit", "2x4-4bit-flat"],
+)
+def test_the_wires_searched_are_those_that_run_on_the_mesh(mesh_shape, kwargs, wires):
+    mesh = jax_bytegrad.make_mesh(*mesh_shape)
+    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, **kwargs)
+    assert autotune_module._default_space(strategy)["wire"] == wires
+
+
+def test_message_size_is_not_searched_again_on_the_integer_wire():
+    # One psum per bucket: message sizes there compile to the same program.
+    space = {"wire": ("scatter_gather", "allreduce"), "message_bytes": (256, 512, None)}
+    start = {"wire": "scatter_gather", "message_bytes": 256}
+    search = autotune_module._Search(space, start, max_trials=16)
+    allreduce = [c for c in search.candidates if c["wire"] == "allreduce"]
+    assert allreduce == [{"wire": "allreduce", "message_bytes": 256}]
+    assert len(search.candidates) == 4
+    tried = _drive(search, lambda c: 1.0 if c["wire"] == "allreduce" else 2.0)
+    assert len(tried) == 4 and search.best()["wire"] == "allreduce"
+
+
+def test_the_auto_wire_starts_from_the_wire_it_runs():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, bucket_bytes=4 * MIB)
+    strategy = strategy.replace(wire="auto")
+    space, start = autotune_module._with_start(strategy, {"wire": ("scatter_gather", "ring")})
+    assert start == {"wire": "allreduce"} and space["wire"][0] == "allreduce"
 
 
 def test_failed_trials_are_never_best():
@@ -170,7 +205,7 @@ def test_tunes_real_steps_and_returns_a_ready_strategy(capsys):
 
 def test_default_space_per_algorithm_and_mesh():
     bytegrad = autotune_module._default_space(_strategy())
-    assert set(bytegrad) == {"message_bytes", "bucket_bytes", "hierarchical"}
+    assert set(bytegrad) == {"wire", "message_bytes", "bucket_bytes", "hierarchical"}
     one_per_node = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(8, 1))
     assert "hierarchical" not in autotune_module._default_space(one_per_node)
     chosen = autotune_module._default_space(_strategy(message_bytes=None))
@@ -206,18 +241,18 @@ def test_a_configuration_that_fails_is_skipped_with_a_warning():
 
 
 def test_a_configuration_that_fails_to_compile_is_skipped(monkeypatch):
-    from jax_bytegrad._src import collectives
+    from jax_bytegrad._src import wire
 
-    slices = collectives.message_slices
+    slices = wire.message_slices
 
     def out_of_memory_at_1kib(blocks, block_bytes, message_bytes):
         if message_bytes == KIB:
             raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
         return slices(blocks, block_bytes, message_bytes)
 
-    monkeypatch.setattr(collectives, "message_slices", out_of_memory_at_1kib)
+    monkeypatch.setattr(wire, "message_slices", out_of_memory_at_1kib)
     with pytest.warns(UserWarning, match="RESOURCE_EXHAUSTED"):
-        result = _tune(_strategy(), space={"message_bytes": [KIB, None]})
+        result = _tune(_strategy(wire="scatter_gather"), space={"message_bytes": [KIB, None]})
     assert [t.config["message_bytes"] for t in result.trials if t.error] == [KIB]
     assert result.config["message_bytes"] != KIB
 
@@ -304,8 +339,11 @@ def test_every_tunable_setting_keeps_the_average_within_the_quantization_bound(b
     for name, values in space.items():
         for value in values:
             got, placed = _one_step(_strategy(bits=bits, **{name: value}))
-            for k in got:  # two roundings (node sum, then average), each half a level
-                bound = 2 * grad_scale[k] / levels + 1e-6
+            # Scatter-gather: two roundings (node sum, then average), each half a level. The
+            # integer wire: one, on a grid of fewer levels per node (headroom for the sum).
+            steps = levels if value != "allreduce" else allreduce_width(bits, 2).levels
+            for k in got:
+                bound = 2 * grad_scale[k] / steps + 1e-6
                 err = np.abs(got[k] - exact[k]).max()
                 assert err <= bound, (name, value, k, err, bound)
             # Replicas stay bit-identical on all 8 devices.

@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 
 from jax_bytegrad._src import buckets, checks
 from jax_bytegrad._src import strategy as strategy_lib
+from jax_bytegrad._src.config import SyncConfig
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
 # None (one message per peer) runs at about half the link rate through Gloo (benchmarks/
@@ -44,15 +45,42 @@ from jax_bytegrad._src import strategy as strategy_lib
 MESSAGE_BYTES = (64 * 2**10, 128 * 2**10, 256 * 2**10, 512 * 2**10, 2**20, 4 * 2**20, None)
 BUCKET_BYTES = (4 * 2**20, 16 * 2**20, 32 * 2**20, 128 * 2**20, None)
 HIERARCHICAL = (True, False)
+# Wires: which run on a mesh is filtered by ``_wires``.
+WIRES = ("scatter_gather", "allreduce", "ring")
 
 _VALUES = {
     "message_bytes": MESSAGE_BYTES,
     "bucket_bytes": BUCKET_BYTES,
     "hierarchical": HIERARCHICAL,
+    "wire": WIRES,
 }
 
 
 # Private helpers -------------------------------------------------------------------------
+
+
+def _group_size(strat) -> int:
+    """How many devices sum the compressed codes: the nodes, or all devices when flat."""
+    nodes = strat.mesh.shape[strat.setting("node_axis")]
+    local = strat.mesh.shape[strat.setting("local_axis")]
+    return nodes if strat.setting("hierarchical") else nodes * local
+
+
+def _wires(strat) -> tuple[str, ...]:
+    """The wires worth timing on this mesh: the ring only from 3 nodes (at 2 every shift is
+    the all_to_all's swap), the integer wire only where its codes fit (4 bits: 2 nodes)."""
+    group = _group_size(strat)
+    keep = {"scatter_gather": True, "ring": group >= 3}
+    keep["allreduce"] = strat.setting("bits") == 8 or group <= 2
+    return tuple(w for w in WIRES if keep[w])
+
+
+def _concrete(strat, config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with ``wire="auto"`` replaced by the wire it runs on this mesh."""
+    if config.get("wire") != "auto":
+        return dict(config)
+    sync = SyncConfig(bits=strat.setting("bits"), wire="auto")
+    return {**config, "wire": sync.wire_for(_group_size(strat))}
 
 
 def _default_space(strat) -> dict[str, tuple]:
@@ -63,7 +91,7 @@ def _default_space(strat) -> dict[str, tuple]:
             continue  # one device per node: both forms run the same program
         if name in strat.kwargs:
             continue  # the user chose it
-        space[name] = _VALUES[name]
+        space[name] = _wires(strat) if name == "wire" else _VALUES[name]
     return space
 
 
@@ -86,7 +114,7 @@ def _check_space(strat, space: Mapping[str, Sequence]) -> dict[str, tuple]:
 def _with_start(strat, space: Mapping[str, tuple]) -> tuple[dict[str, tuple], dict[str, Any]]:
     """The space, with the configuration the strategy would run untuned added to it, and
     that configuration: the untuned step is always one of the trials."""
-    start = {name: strat.setting(name) for name in space}
+    start = _concrete(strat, {name: strat.setting(name) for name in space})
     space = {n: v if start[n] in v else (start[n], *v) for n, v in space.items()}
     return space, start
 
@@ -269,7 +297,14 @@ class _Search:
 
     def __init__(self, space, start, max_trials):
         points = itertools.product(*space.values())
-        self.candidates = [dict(zip(space, v, strict=True)) for v in points]
+        # The integer wire sends one psum per bucket: its configurations that differ only in
+        # message size compile to the same program, so only the start's message size is kept.
+        self.candidates = [
+            config
+            for config in (dict(zip(space, v, strict=True)) for v in points)
+            if config.get("wire") != "allreduce"
+            or config.get("message_bytes") == start.get("message_bytes")
+        ]
         self.exhaustive = len(self.candidates) <= max_trials
         if self.exhaustive:
             start_at = self.candidates.index(start)
@@ -300,6 +335,8 @@ class _Search:
 
     def next_index(self) -> int:
         for config in self._order:
+            if config not in self.candidates:
+                continue  # a twin of a kept configuration
             index = self.candidates.index(config)
             if index not in self.scores:
                 return index
@@ -337,8 +374,9 @@ def autotune(
       batches: this process's batches, as ``train_step`` takes them; the first
         ``1 + warmup_steps + steps_per_trial`` are drawn once and reused by every trial.
       space: ``{setting: candidate values}``; by default the algorithm's system settings:
-        ``message_bytes`` (``MESSAGE_BYTES``), ``bucket_bytes`` (``BUCKET_BYTES``) and, with
-        more than one device per node, ``hierarchical``, for ByteGrad and QAdam;
+        ``wire`` (those of ``WIRES`` that run on the mesh), ``bucket_bytes``
+        (``BUCKET_BYTES``), ``hierarchical`` (with more than one device per node) and
+        ``message_bytes`` (``MESSAGE_BYTES``), for ByteGrad and QAdam;
         ``hierarchical`` for gradient_allreduce; ``message_bytes`` for the decentralized
         pair. Any keyword the strategy takes may be given (``block_size``, ...).
       max_trials: the most configurations to measure. A space with at most this many points

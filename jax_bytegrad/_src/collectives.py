@@ -239,11 +239,14 @@ def compressed_mean(
       block_size: quantization block size (see ``quantize``); None for the default of
         ``bits``.
       bucket_bytes: float32 bytes per bucket; None puts everything in one bucket.
-      message_bytes: bytes per message of the exchanges between nodes (codes, per peer);
-        None sends one message per peer. Results do not depend on it, only speed does.
+      message_bytes: bytes per message of the pairwise exchanges between nodes (codes,
+        per peer); None sends one message per peer. Results do not depend on it, only speed
+        does. The all-reduce wire sends one psum per bucket.
       rounding: ``"nearest"`` or ``"stochastic"`` (needs ``key``).
-      wire: how codes cross the node axis: ``"scatter_gather"`` (all_to_all, then
-        all_gather) or ``"allreduce"`` (see ``SyncConfig``).
+      wire: how codes cross the node axis: ``"scatter_gather"`` (all_to_all to each
+        block's owner, then all_gather), ``"allreduce"`` (every device quantizes onto a grid
+        the group agrees on, and one integer psum sums the codes), ``"ring"`` or ``"auto"``
+        (see ``SyncConfig``).
       key: PRNG key for stochastic rounding.
       implementation: quantization kernels to use (see ``quantize``).
       residuals: None (no error feedback), or this device's ``Residuals``, from the

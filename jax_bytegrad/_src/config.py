@@ -30,10 +30,13 @@ MIN_BLOCK_SIZE = 128
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 Rounding = Literal["nearest", "stochastic"]
 Bits = Literal[8, 4]
-Wire = Literal["scatter_gather", "allreduce", "ring"]
+Wire = Literal["auto", "scatter_gather", "allreduce", "ring"]
 IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 ROUNDINGS = ("nearest", "stochastic")
-WIRES = ("scatter_gather", "allreduce", "ring")
+WIRES = ("auto", "scatter_gather", "allreduce", "ring")
+# The largest group of devices whose 8-bit codes ``wire="auto"`` sums on the integer wire:
+# uint8 headroom leaves 255 // 8 = 31 levels each there (benchmarks/RESULTS.md, "Widths").
+AUTO_ALLREDUCE_GROUP = 8
 
 
 def check_block_size(block_size, where: str, bits: int = 8) -> int:
@@ -73,7 +76,11 @@ class SyncConfig:
       implementation: quantization kernels: ``"xla"``, ``"pallas"``,
         ``"pallas_interpret"``, or None for the best available.
       error_feedback: keep each device's compression errors and add them back next step.
-      wire: how codes cross between nodes. ``"scatter_gather"``: an all_to_all of codes to
+      wire: how codes cross between nodes. ``"auto"``: ``"allreduce"`` for 8-bit
+        codes summed over at most 8 devices (the nodes, or every device with
+        ``hierarchical=False``), the fastest wire measured at 2-4 hosts on 1 and 10 Gbit/s
+        (benchmarks/RESULTS.md, "Integer wire and rings"); ``"scatter_gather"`` otherwise.
+        ``"scatter_gather"`` (default): an all_to_all of codes to
         each block's owner, which averages and requantizes, then an all_gather (Bagua's
         ByteGrad). ``"allreduce"``: every device quantizes onto a grid the group agrees on
         (one pmax of the block bounds) with headroom, and the codes are summed by one
@@ -156,6 +163,14 @@ class SyncConfig:
                 "wire='scatter_gather' for 4 bits"
             )
         return nodes, per_node
+
+    def wire_for(self, group_size: int) -> Wire:
+        """The wire that runs for a group of ``group_size`` summing devices: ``wire``, with
+        ``"auto"`` resolved."""
+        if self.wire != "auto":
+            return self.wire
+        allreduce = self.bits == 8 and group_size <= AUTO_ALLREDUCE_GROUP
+        return "allreduce" if allreduce else "scatter_gather"
 
     def replace(self, **changes) -> "SyncConfig":
         """A copy with some settings changed, validated again."""

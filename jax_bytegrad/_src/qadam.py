@@ -356,7 +356,8 @@ def scale_by_qadam(
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
-      wire: ``"scatter_gather"`` or ``"allreduce"`` (see ``SyncConfig``).
+      wire: how codes cross between nodes: ``"scatter_gather"``, ``"allreduce"`` (an
+        integer sum), ``"ring"`` or ``"auto"`` (see ``SyncConfig``).
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
       phase: None (default) picks the phase from the step count inside the program, so
         both phases' communication sits in one ``lax.cond``. ``"warmup"`` or
@@ -511,7 +512,8 @@ def qadam(
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
-      wire: ``"scatter_gather"`` or ``"allreduce"`` (see ``SyncConfig``).
+      wire: how codes cross between nodes: ``"scatter_gather"``, ``"allreduce"`` (an
+        integer sum), ``"ring"`` or ``"auto"`` (see ``SyncConfig``).
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
       phase: None, ``"warmup"`` or ``"compressed"``: see ``scale_by_qadam``.
 

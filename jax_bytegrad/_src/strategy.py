@@ -170,13 +170,13 @@ REGISTRY: dict[str, Algorithm] = {
     ),
     "bytegrad": Algorithm(
         settings={**_SYNC, **_STEP},
-        tunable=("bucket_bytes", "hierarchical", "message_bytes"),
+        tunable=("wire", "bucket_bytes", "hierarchical", "message_bytes"),
         build=_build_bytegrad,
         check=_check_bytegrad,
     ),
     "qadam": Algorithm(
         settings={**_QADAM, **_STEP},
-        tunable=("bucket_bytes", "hierarchical", "message_bytes"),
+        tunable=("wire", "bucket_bytes", "hierarchical", "message_bytes"),
         build=_build_qadam,
         takes_optimizer=False,
         check=_check_qadam,

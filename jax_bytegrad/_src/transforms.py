@@ -93,7 +93,8 @@ def bytegrad(
       message_bytes: bytes per message of the exchanges between nodes; None for one message
         per peer. It changes the speed, never the result.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
-      wire: ``"scatter_gather"`` or ``"allreduce"`` (see ``SyncConfig``).
+      wire: how codes cross between nodes: ``"scatter_gather"``, ``"allreduce"`` (an
+        integer sum), ``"ring"`` or ``"auto"`` (see ``SyncConfig``).
       seed: seeds the PRNG key for stochastic rounding.
       implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
 

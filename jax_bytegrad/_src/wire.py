@@ -582,7 +582,9 @@ def sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     """The all-reduce of one flat float32 bucket over ``config``'s wire; its length is a
     multiple of devices x block. Returns the reduced bucket, typed as replicated over both
     axes, and the new residuals (None without error feedback; ``residual_sizes``)."""
-    flat_sum = allreduce_sum_flat if config.wire == "allreduce" else scatter_gather_sum_flat
+    group_size = n if config.hierarchical else n * local
+    allreduce = config.wire_for(group_size) == "allreduce"
+    flat_sum = allreduce_sum_flat if allreduce else scatter_gather_sum_flat
     return flat_sum(
         x, config, n=n, local=local, weight=weight, key=key, codec=codec, residual=residual
     )
@@ -599,11 +601,12 @@ def residual_sizes(padded_sizes, config: SyncConfig, mesh_shape: tuple[int, int]
     """
     nodes, per_node = mesh_shape
     group_size = nodes if config.hierarchical else nodes * per_node
+    one_residual = config.wire_for(group_size) == "allreduce"
     sizes = []
     for padded in padded_sizes:
         send = padded // per_node if config.hierarchical else padded
         if group_size == 1:
             sizes.append((0, 0))
         else:
-            sizes.append((send, 0 if config.wire == "allreduce" else send // group_size))
+            sizes.append((send, 0 if one_residual else send // group_size))
     return tuple(sizes)
