@@ -62,9 +62,7 @@ def _allreduce(mesh, config: Config):
 
 def _bytegrad(bits: int, error_feedback: bool, wire: str = "scatter_gather"):
     def build(mesh, config: Config):
-        sync = jax_bytegrad.bytegrad(
-            bits=bits, error_feedback=error_feedback, mesh=mesh, wire=wire
-        )
+        sync = jax_bytegrad.bytegrad(bits=bits, error_feedback=error_feedback, mesh=mesh, wire=wire)
         return optax.chain(sync, optax.adam(config.get("learning_rate")))
 
     return build
