@@ -4,8 +4,8 @@ Trains one of the examples' models (``examples/models.py``: ``--model cnn`` on
 scikit-learn's digits, ``--model transformer``, the character transformer on Python source)
 from the same initialisation and the same batches once per variant, on a 2 x 4 mesh of
 ("node", "local") CPU devices (``--mesh 4x2`` or ``8x1`` for more nodes), with each model's
-default batch size and learning rate (``examples/configs.py``). Prints one markdown table: final test accuracy and loss, and the
-bytes each device sends between nodes per step, read by ``communication_stats`` from the
+default batch size and learning rate (``examples/configs.py``). Prints one markdown table:
+final test accuracy and loss, and the bytes each device sends between nodes per step, read by ``communication_stats`` from the
 compiled step, with their ratio to gradient_allreduce's. The variants (``VARIANTS``) are
 gradient_allreduce (float32, hierarchical: the strongest baseline) and ByteGrad at 8 and 4
 bits, each with and without error feedback, all followed by Adam; and QAdam (the examples'
