@@ -5,8 +5,8 @@ scikit-learn's digits, ``--model transformer``, the character transformer on Pyt
 from the same initialisation and the same batches once per variant, on a 2 x 4 mesh of
 ("node", "local") CPU devices (``--mesh 4x2`` or ``8x1`` for more nodes), with each model's
 default batch size and learning rate (``examples/configs.py``). Prints one markdown table:
-final test accuracy and loss, and the bytes each device sends between nodes per step, read by ``communication_stats`` from the
-compiled step, with their ratio to gradient_allreduce's. The variants (``VARIANTS``) are
+final test accuracy and loss, and the bytes each device sends between nodes per step, read
+by ``communication_stats`` from the compiled step, with their ratio to gradient_allreduce's. The variants (``VARIANTS``) are
 gradient_allreduce (float32, hierarchical: the strongest baseline) and ByteGrad at 8 and 4
 bits, each with and without error feedback, all followed by Adam; and QAdam (the examples'
 settings: 20% float32 warm-up, eps 1e-5) at 8 bits, 4 bits and 4 bits with error feedback;
