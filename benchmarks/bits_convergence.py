@@ -1,17 +1,17 @@
 """Test accuracy and loss with 8- and 4-bit ByteGrad and QAdam, with and without error feedback.
 
-Trains one of the examples' models (``examples/models.py``: ``--model cnn`` on
-scikit-learn's digits, ``--model transformer``, the character transformer on Python source)
-from the same initialisation and the same batches once per variant, on a 2 x 4 mesh of
-("node", "local") CPU devices (``--mesh 4x2`` or ``8x1`` for more nodes), with each model's
-default batch size and learning rate (``examples/configs.py``). Prints one markdown table:
-final test accuracy and loss, and the bytes each device sends between nodes per step, read
-by ``communication_stats`` from the compiled step, with their ratio to gradient_allreduce's. The variants (``VARIANTS``) are
-gradient_allreduce (float32, hierarchical: the strongest baseline) and ByteGrad at 8 and 4
+Trains one of the examples' models (``examples/models.py``: ``--model cnn`` on scikit-learn's
+digits, ``--model transformer``, the character transformer on Python source) from the same
+initialisation and the same batches once per variant, on a 2 x 4 mesh of ("node", "local") CPU
+devices (``--mesh 4x2`` or ``8x1`` for more nodes), with each model's default batch size and
+learning rate (``examples/configs.py``). Prints one markdown table: final test accuracy and
+loss, and the bytes each device sends between nodes per step, read by ``communication_stats``
+from the compiled step, with their ratio to gradient_allreduce's. The variants (``VARIANTS``)
+are gradient_allreduce (float32, hierarchical: the strongest baseline) and ByteGrad at 8 and 4
 bits, each with and without error feedback, all followed by Adam; and QAdam (the examples'
-settings: 20% float32 warm-up, eps 1e-5) at 8 bits, 4 bits and 4 bits with error feedback;
-and ByteGrad and QAdam on the integer all-reduce wire (``wire="allreduce"``).
-QAdam's bytes are those of a step after warm-up.
+settings: 20% float32 warm-up, eps 1e-5) at 8 bits, 4 bits and 4 bits with error feedback; and
+ByteGrad and QAdam on the integer all-reduce wire (``wire="allreduce"``). QAdam's bytes are
+those of a step after warm-up.
 
     python benchmarks/bits_convergence.py --steps 300 --seeds 0,1
     python benchmarks/bits_convergence.py --model transformer --steps 600
