@@ -16,6 +16,7 @@ from conftest import requires_gloo
 from helpers import assert_trees_all_equal
 
 import jax_bytegrad
+from jax_bytegrad import SyncConfig
 from jax_bytegrad._src import autotune as autotune_module
 from jax_bytegrad._src.wire import allreduce_width
 
@@ -341,7 +342,10 @@ def test_every_tunable_setting_keeps_the_average_within_the_quantization_bound(b
             got, placed = _one_step(_strategy(bits=bits, **{name: value}))
             # Scatter-gather: two roundings (node sum, then average), each half a level. The
             # integer wire: one, on a grid of fewer levels per node (headroom for the sum).
-            steps = levels if value != "allreduce" else allreduce_width(bits, 2).levels
+            strategy = _strategy(bits=bits, **{name: value})
+            group = 2 if strategy.setting("hierarchical") else 8
+            wire = SyncConfig(bits=bits, wire=strategy.setting("wire")).wire_for(group)
+            steps = levels if wire != "allreduce" else allreduce_width(bits, group).levels
             for k in got:
                 bound = 2 * grad_scale[k] / steps + 1e-6
                 err = np.abs(got[k] - exact[k]).max()

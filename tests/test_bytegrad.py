@@ -18,7 +18,9 @@ BLOCK = 256
 
 
 def per_device_mean(mesh, tree, **kwargs):
-    """Runs compressed_mean on per-device slices of ``tree`` (leading axis = device)."""
+    """Runs compressed_mean on per-device slices of ``tree`` (leading axis = device), on the
+    scatter-gather wire unless told otherwise (tests/test_wire.py covers the others)."""
+    kwargs = {"wire": "scatter_gather", **kwargs}
 
     def body(t):
         return jax_bytegrad.compressed_mean(jax.tree.map(lambda x: x[0], t), **kwargs)

@@ -155,7 +155,9 @@ def mesh():
 @pytest.mark.parametrize("bits", BITS)
 def test_replicas_stay_bit_identical_over_20_steps(mesh, bits):
     tx = optax.chain(
-        jax_bytegrad.bytegrad(bits=bits, error_feedback=True, mesh=mesh, block_size=256),
+        jax_bytegrad.bytegrad(
+            bits=bits, error_feedback=True, mesh=mesh, block_size=256, wire="scatter_gather"
+        ),
         optax.sgd(0.1, momentum=0.9),
     )
     for params, state in run(tx, mesh, 20):  # noqa: B007 - the last state is checked below

@@ -149,10 +149,13 @@ def test_autotune_across_two_processes_then_from_the_cache(tmp_path):
     args += ["--no-progress", "--batch-size", "32", "--out-dir", str(tmp_path)]
     proc = _run(args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    # One device per node, and the CNN is one bucket at every bucket size: message size is
-    # what there is to tune (7 sizes).
+    # One device per node, and the CNN is one bucket at every bucket size: the wire and, on
+    # the scatter-gather wire, the message size are what there is to tune (1 + 7 trials: the
+    # integer wire sends one psum per bucket, whatever the message size).
     trials = (tmp_path / "autotune_cnn_bytegrad.md").read_text()
-    assert trials.count("| bucket_bytes=32MiB message_bytes=") == 7 and "chosen" in trials
+    assert trials.count("| wire=scatter_gather bucket_bytes=32MiB message_bytes=") == 7
+    assert trials.count("| wire=allreduce bucket_bytes=32MiB message_bytes=") == 1
+    assert "chosen" in trials
     assert proc.stdout.count("autotune was") == 1  # process 0 reports tuning's share
     cache = (tmp_path / "autotune.json").read_text()
     assert "bytegrad mesh=node=2,local=1 processes=2" in cache

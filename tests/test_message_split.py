@@ -1,4 +1,8 @@
-"""Exchanges between nodes split into messages of ``message_bytes``: same results, same bytes."""
+"""Exchanges between nodes split into messages of ``message_bytes``: same results, same bytes.
+
+The pairwise exchanges of the scatter-gather wire; the integer wire sends one psum per bucket
+(tests/test_wire.py).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +34,9 @@ def _grads(devices: int, seed: int):
 
 def _mean_fn(mesh, **kwargs):
     def body(tree):
-        return jax_bytegrad.compressed_mean(jax.tree.map(lambda x: x[0], tree), **kwargs)
+        return jax_bytegrad.compressed_mean(
+            jax.tree.map(lambda x: x[0], tree), wire="scatter_gather", **kwargs
+        )
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
 
@@ -79,6 +85,7 @@ def test_stochastic_rounding_split_keeps_replicas_identical_and_close():
             message_bytes=BLOCK,
             rounding="stochastic",
             key=jax.random.key(0),
+            wire="scatter_gather",
         )
         # Per device, so that replicas can be compared.
         return jax.tree.map(lambda x: jax.lax.pcast(x, AXES, to="varying")[None], mean)
@@ -100,7 +107,9 @@ def test_qadam_compressed_phase_does_not_depend_on_the_split():
     params = [g[0] for g in grads]
     results = []
     for message_bytes in (None, BLOCK):
-        tx = scale_by_qadam(warmup_steps=1, block_size=BLOCK, message_bytes=message_bytes)
+        tx = scale_by_qadam(
+            warmup_steps=1, block_size=BLOCK, message_bytes=message_bytes, wire="scatter_gather"
+        )
         state = tx.init(params)
         state = state._replace(count=jnp.asarray(1, jnp.int32))  # past warm-up: compressed
 
@@ -126,7 +135,10 @@ def test_split_train_step_has_no_float32_gradient_all_reduce():
     def loss_fn(p, batch):
         return jnp.mean((batch @ p["w"] + p["b"][None]) ** 2)
 
-    tx = optax.chain(jax_bytegrad.bytegrad(block_size=BLOCK, message_bytes=BLOCK), optax.sgd(0.1))
+    tx = optax.chain(
+        jax_bytegrad.bytegrad(block_size=BLOCK, message_bytes=BLOCK, wire="scatter_gather"),
+        optax.sgd(0.1),
+    )
     step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
     batch = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
     stats = jax_bytegrad.communication_stats(step, step.init(params), batch)

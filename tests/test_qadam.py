@@ -201,6 +201,8 @@ def test_momentum_is_the_compressed_mean_of_local_momenta(mesh):
 
 
 def compile_step(mesh, tx):
+    """Compiles the one-program data-parallel step of ``tx`` (build it with the
+    scatter-gather wire for the all_to_all / all_gather rows below)."""
     params = jax_bytegrad.replicate(init_params(), mesh)
     state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
     batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
@@ -213,7 +215,9 @@ def compiled_step(mesh, request):
 
     With a refresh, a refresh step takes the warm-up branch: still one conditional.
     """
-    return compile_step(mesh, qadam(1e-2, warmup_steps=5, nu_refresh_interval=request.param))
+    return compile_step(
+        mesh, qadam(1e-2, warmup_steps=5, nu_refresh_interval=request.param, wire="scatter_gather")
+    )
 
 
 def _node_bytes(stats, kind=None, dtype=None):
@@ -288,10 +292,19 @@ def test_refresh_adds_no_collective_to_the_step(mesh, growth):
     """
     from jax_bytegrad.profiling import communication_stats
 
-    frozen = communication_stats(compile_step(mesh, qadam(1e-2, warmup_steps=5)), mesh=mesh)
+    frozen = communication_stats(
+        compile_step(mesh, qadam(1e-2, warmup_steps=5, wire="scatter_gather")), mesh=mesh
+    )
     refresh = communication_stats(
         compile_step(
-            mesh, qadam(1e-2, warmup_steps=5, nu_refresh_interval=3, nu_refresh_growth=growth)
+            mesh,
+            qadam(
+                1e-2,
+                warmup_steps=5,
+                nu_refresh_interval=3,
+                nu_refresh_growth=growth,
+                wire="scatter_gather",
+            ),
         ),
         mesh=mesh,
     )

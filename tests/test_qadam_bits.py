@@ -80,7 +80,7 @@ def test_four_bit_momentum_sends_an_eighth_of_the_float32_bytes(mesh):
         )
 
     def node_bytes(**kwargs):
-        tx = qadam(1e-2, warmup_steps=2, mesh=mesh, **kwargs)
+        tx = qadam(1e-2, warmup_steps=2, mesh=mesh, wire="scatter_gather", **kwargs)
         step = jax_bytegrad.data_parallel_step(batch_loss, tx, mesh, donate=False)
         batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
         stats = jax_bytegrad.communication_stats(step, step.init(params), batch, mesh=mesh)

@@ -208,21 +208,25 @@ def test_qadam_traffic_per_phase():
     assert {r.dtype for r in phases["warmup"].rows if r.axes == "node"} == {"f32"}
     assert "u8" in {r.dtype for r in phases["compressed"].rows if r.axes == "node"}
     # Each phase is its own program: the warm-up sends no codes, the compressed phase no
-    # float32 gradient between nodes (only the loss and accuracy means, two scalars).
+    # float32 gradient between nodes (only the loss and accuracy means, and the integer
+    # wire's block bounds: 8 bytes per 1024 values).
     assert "u8" not in {r.dtype for r in phases["warmup"].rows}
-    compressed_f32 = [r for r in phases["compressed"].rows if r.dtype == "f32" and "node" in r.axes]
-    assert sum(r.payload_bytes for r in compressed_f32) == 2 * 4, phases["compressed"]
+    node = [r for r in phases["compressed"].rows if "node" in r.axes]
+    codes = sum(r.payload_bytes for r in node if r.dtype == "u8")
+    f32 = sum(r.payload_bytes for r in node if r.dtype == "f32")
+    assert 0 < f32 <= 2 * 4 + codes * 8 / 1024 * 1.01, phases["compressed"]
     assert not phases["warmup"].branches and not phases["compressed"].branches  # no lax.cond
     for batch in _batches(3):
         state, _ = step(state, batch)
     assert step.phase_counts(state) == {"warmup": 2, "compressed": 1}
 
 
-def test_async_averages_from_init_until_close():
+def test_async_averages_from_the_first_step_until_close():
     step = _strategy("async").train_step(_loss, optax.adam(1e-2), has_aux=True)
     state = step.init(_params())
-    assert step.round_stats.running  # started by init, before any step
+    assert not step.round_stats.running  # the first local step starts it, once it has run
     state, _ = step(state, _batches(1)[0])
+    assert step.round_stats.running
     phases = step.communication_stats(state, _batches(1)[0])
     assert set(phases) == {"step", "averaging"}
     assert [r.kind for r in phases["averaging"].rows if r.dtype == "f32"] == ["all-reduce"]

@@ -371,7 +371,7 @@ def test_bad_wire_and_mismatched_residuals_are_refused():
     mesh = _mesh(2, 4)
     sizes = residual_sizes(
         jax.ShapeDtypeStruct((SIZE,), jnp.float32),
-        SyncConfig(block_size=BLOCK, bucket_bytes=None),
+        SyncConfig(block_size=BLOCK, bucket_bytes=None, wire="scatter_gather"),
         (2, 4),
     )
     scatter_gather = [(jnp.zeros(send), jnp.zeros(mean)) for send, mean in sizes]

@@ -2,31 +2,15 @@
 
 Follows Bagua's ByteGrad and GradientAllReduce (Gan et al., "Bagua: Scaling up Distributed
 Learning with System Relaxations", VLDB 2022). Everything here runs inside ``jax.shard_map``
-on per-device values. The compressed path, per flat bucket:
+on per-device values. A pytree's float leaves are cast to float32 and laid out in flat
+buckets (``buckets.py``); each bucket is summed by the wire of the ``SyncConfig``
+(``wire.py``: Bagua's scatter-gather of codes, an integer all-reduce of codes on a shared
+grid, or the scatter-gather as ppermute rings), and the buckets are unflattened back into the
+leaves' own dtypes. Every device decodes the same codes, so all replicas end bit-identical.
 
-    psum_scatter over local (float32)      -> this device owns 1/L of its node's sum
-    quantize the owned shard as n chunks   -> all_to_all over node (uint8 + headers)
-    decode n chunks, weighted sum, encode  -> one fused op, this device's chunk of the mean
-    all_gather over node (uint8 + headers) -> decode: the whole owned shard
-    all_gather over local (float32)        -> the whole bucket
-
-Codes are 8 bits (Bagua's ByteGrad) or 4 bits packed two per byte (as ZeRO++'s qgZ sends
-gradients). With error feedback (as in 1-bit Adam's worker and server errors), each device
-keeps what its two compressions failed to send, its share of the node's sum before the
-all_to_all and its averaged chunk before the requantize, and adds it to the next step's
-value at the same point; ``residual_sizes`` sizes that state.
-
-Every device decodes the same codes, so all replicas end bit-identical. No ``psum`` ever
-runs on integer codes (it would wrap around), and no device gathers all n quantized
-gradients (O(n) memory and traffic). Unlike Bagua, which funnels a node's traffic through
-one leader GPU, all L devices of a node share the inter-node hop.
-
-Inter-node bytes per device: 2 (n-1)/n N/L (codes) plus headers at 8 bits, half that at
-4 bits, against 8 (n-1)/n N/L for a float32 ring all-reduce of an N-element gradient.
-
-Error feedback's memory per device, hierarchical: (1 + 1/n) N/L float32 values (N padded to
-whole buckets), e.g. 18.9 MB for a 25.2M-parameter model on 2 nodes of 8 devices; flat
-(``hierarchical=False``): (1 + 1/(nL)) N.
+With error feedback (as in 1-bit Adam's worker and server errors), each device keeps what its
+compressions failed to send and adds it back at the same point next step; ``residual_sizes``
+sizes that state, per bucket.
 """
 
 import jax
@@ -46,10 +30,7 @@ from jax_bytegrad._src.config import (
     SyncConfig,
     Wire,
 )
-from jax_bytegrad._src.quantization import (
-    check_key,
-    resolve_implementation,
-)
+from jax_bytegrad._src.quantization import check_key, resolve_implementation
 
 
 def _mesh_axis_names() -> tuple[str, ...]:
@@ -213,7 +194,7 @@ def compressed_mean(
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     rounding: Rounding = "nearest",
-    wire: Wire = "scatter_gather",
+    wire: Wire = "auto",
     key: jax.Array | None = None,
     implementation: Implementation | None = None,
     residuals=None,

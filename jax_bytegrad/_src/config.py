@@ -76,11 +76,11 @@ class SyncConfig:
       implementation: quantization kernels: ``"xla"``, ``"pallas"``,
         ``"pallas_interpret"``, or None for the best available.
       error_feedback: keep each device's compression errors and add them back next step.
-      wire: how codes cross between nodes. ``"auto"``: ``"allreduce"`` for 8-bit
+      wire: how codes cross between nodes. ``"auto"`` (default): ``"allreduce"`` for 8-bit
         codes summed over at most 8 devices (the nodes, or every device with
         ``hierarchical=False``), the fastest wire measured at 2-4 hosts on 1 and 10 Gbit/s
         (benchmarks/RESULTS.md, "Integer wire and rings"); ``"scatter_gather"`` otherwise.
-        ``"scatter_gather"`` (default): an all_to_all of codes to
+        ``"scatter_gather"``: an all_to_all of codes to
         each block's owner, which averages and requantizes, then an all_gather (Bagua's
         ByteGrad). ``"allreduce"``: every device quantizes onto a grid the group agrees on
         (one pmax of the block bounds) with headroom, and the codes are summed by one
@@ -111,7 +111,7 @@ class SyncConfig:
     rounding: Rounding = "nearest"
     implementation: Implementation | None = None
     error_feedback: bool = False
-    wire: Wire = "scatter_gather"
+    wire: Wire = "auto"
     where: dataclasses.InitVar[str] = "SyncConfig"
 
     def __post_init__(self, where: str) -> None:

@@ -310,7 +310,7 @@ def scale_by_qadam(
     block_size: int | None = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
-    wire: Wire = "scatter_gather",
+    wire: Wire = "auto",
     implementation: Implementation | None = None,
     phase: Phase | None = None,
 ) -> optax.GradientTransformation:
@@ -476,7 +476,7 @@ def qadam(
     block_size: int | None = None,
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
-    wire: Wire = "scatter_gather",
+    wire: Wire = "auto",
     implementation: Implementation | None = None,
     phase: Phase | None = None,
 ) -> optax.GradientTransformation:

@@ -59,7 +59,7 @@ def bytegrad(
     bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     rounding: Rounding = "nearest",
-    wire: Wire = "scatter_gather",
+    wire: Wire = "auto",
     seed: int = 0,
     implementation: Implementation | None = None,
 ) -> optax.GradientTransformation:

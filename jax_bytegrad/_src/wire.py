@@ -1,9 +1,22 @@
-"""Wires between nodes for ``compressed_mean``: an integer all-reduce, and ring patterns.
+"""The wires between nodes: how one flat float32 bucket's codes are summed over the mesh.
 
-The scatter-gather wire of ``collectives`` (Bagua's ByteGrad) sends each node's codes to
-their owner with an all_to_all and the averaged codes back with an all_gather. Through Gloo
-on CPU hosts, pairwise exchanges reach only part of a link while an all-reduce runs at line
-rate (benchmarks/RESULTS.md, "Integer wire and rings"). This module adds:
+``wire="scatter_gather"`` is Bagua's ByteGrad (Gan et al., VLDB 2022), per flat bucket:
+
+    psum_scatter over local (float32)      -> this device owns 1/L of its node's sum
+    quantize the owned shard as n chunks   -> all_to_all over node (uint8 + headers)
+    decode n chunks, weighted sum, encode  -> one fused op, this device's chunk of the mean
+    all_gather over node (uint8 + headers) -> decode: the whole owned shard
+    all_gather over local (float32)        -> the whole bucket
+
+No device gathers all n quantized gradients (O(n) memory and traffic), and, unlike Bagua,
+which funnels a node's traffic through one leader GPU, all L devices of a node share the
+inter-node hop. Bytes between nodes per device: 2 (n-1)/n N/L of codes plus headers at 8
+bits, half that at 4, against 8 (n-1)/n N/L for a float32 ring all-reduce. With error
+feedback each device keeps what its two compressions left unsent: (1 + 1/n) N/L float32
+values per device, hierarchical; (1 + 1/(nL)) N flat.
+
+Through Gloo on CPU hosts, pairwise exchanges reach only part of a link while an all-reduce
+runs at line rate (benchmarks/RESULTS.md, "Integer wire and rings"), hence the two others:
 
 ``wire="allreduce"`` (the THC and IntSGD family: Li et al., "THC: Accelerating Distributed
 Deep Learning Using Tensor Homomorphic Compression", NSDI 2024; Mishchenko et al., "IntSGD:

@@ -231,7 +231,9 @@ class AsyncModelAverage(TrainStep):
 
     The first ``warmup_steps`` steps are synchronous full-precision data-parallel steps over
     every device; after them, local steps (gradients averaged only over this process's
-    devices) while the background thread averages the model.
+    devices) while the background thread averages the model, from the end of the first local
+    step on. Only that thread may issue collectives across processes meanwhile: a program of
+    your own that does (an evaluation over the whole mesh) must wait for ``close()``.
     """
 
     phases = ("step", "averaging")
@@ -265,11 +267,7 @@ class AsyncModelAverage(TrainStep):
     def _init(self, params):
         if self.warmup_steps > 0:
             return self._global.init(params)
-        state = self._local.init(params)
-        if self.sync_interval_ms > 0:
-            self._averager.publish(state.params)
-            self._averager.start()
-        return state
+        return self._local.init(params)
 
     def pull(self, params):
         """Adds the finished averaging rounds' ``mean(s) - s`` to ``params``."""
@@ -298,6 +296,10 @@ class AsyncModelAverage(TrainStep):
         state, metrics = self._local.step(TrainState(state.step, params, opt_state, {}), batch)
         self._averager.publish(state.params)
         if taken == self.warmup_steps and self.sync_interval_ms > 0:
+            # Only after the local step has run once: a program's first run sets up its
+            # collectives' communicators, which through Gloo must not overlap a round
+            # (measured: a round started at init received the local step's bytes).
+            jax.block_until_ready(state)
             self._averager.start()
         return state, metrics
 
