@@ -123,12 +123,17 @@ CONFIGS = {
                                           error_feedback=True)),
     "ring-4x2-stochastic-ef": ((4, 2), dict(wire="ring", rounding="stochastic",
                                             error_feedback=True)),
-    "sg-flat-2x4-ef": ((2, 4), dict(hierarchical=False, error_feedback=True)),
+    "sg-flat-2x4-ef": ((2, 4), dict(wire="scatter_gather", hierarchical=False,
+                                    error_feedback=True)),
     "ar-flat-2x4": ((2, 4), dict(wire="allreduce", hierarchical=False)),
-    "sg4-2x4-ef": ((2, 4), dict(bits=4, block_size=256, error_feedback=True)),
+    "sg4-2x4-ef": ((2, 4), dict(wire="scatter_gather", bits=4, block_size=256,
+                                error_feedback=True)),
+    "auto-2x4": ((2, 4), dict()),  # the default: the integer wire
+    "sg-2x1-ef": ((2, 1), dict(wire="scatter_gather", error_feedback=True)),
     "ar4-2x4-stochastic": ((2, 4), dict(wire="allreduce", bits=4, block_size=256,
                                         rounding="stochastic")),
     "one-node-1x8-ef": ((1, 8), dict(wire="allreduce", error_feedback=True)),
+    "one-device-1x1": ((1, 1), dict(wire="scatter_gather")),
 }  # fmt: skip
 
 
@@ -145,8 +150,8 @@ def test_the_pipelined_step_gives_the_one_program_steps_bits(name):
     assert int(state.step) == int(one_state.step) == STEPS
     assert jax.tree.structure(state) == jax.tree.structure(one_state)
     assert not np.array_equal(params["w1"], _params()["w1"])  # it trained
-    assert_replicas_bit_identical(state.params, devices=8)
-    assert_replicas_bit_identical(state.opt_state[1], devices=8)
+    assert_replicas_bit_identical(state.params, devices=mesh.size)
+    assert_replicas_bit_identical(state.opt_state[1], devices=mesh.size)
     for leaf in jax.tree.leaves(state.opt_state[0].residuals):
         assert leaf.sharding.spec == P(AXES)
 

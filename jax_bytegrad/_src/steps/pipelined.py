@@ -451,10 +451,13 @@ class _Stages:
     """
 
     def __init__(self, mesh, sync: SyncConfig, layout, *, average: bool, step=None):
+        self.n, self.local = (mesh.shape[a] for a in sync.axes)
+        # The wire this mesh runs ("auto" resolved), as the one-program step picks it.
+        summing = self.n if sync.hierarchical else self.n * self.local
+        sync = sync.replace(wire=sync.wire_for(summing))
         self.sync = sync
         self.axes = sync.axes
         self.layout = layout
-        self.n, self.local = (mesh.shape[a] for a in self.axes)
         self.group = _group(sync, self.n, self.local)
         self.weight = 1.0 / (self.n * self.local) if average else 1.0
         self.codec = dict(
