@@ -684,3 +684,87 @@ def _train_lowprec_decentralized(mesh, num_params):
     from jax_bytegrad import low_precision_decentralized_step
 
     return _decentralized_builder(mesh, num_params, low_precision_decentralized_step)
+
+
+# The pipelined step (jax_bytegrad._src.steps.pipelined): the sync's codec beside its wire ------
+# `op@MB` sets the bucket size, which is also the size of the pieces the pipeline sends.
+
+
+def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
+                    feedback: bool = False):  # fmt: skip
+    """The sync of `_wire_sync`, pipelined: each bucket piece's exchange on the wire while the
+    next piece is encoded and the one before decoded, in programs of their own."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_bytegrad import SyncConfig, replicate
+    from jax_bytegrad._src.collectives import residual_sizes
+    from jax_bytegrad._src.steps.pipelined import _PipelinedMean
+
+    config = SyncConfig(wire=wire, rounding=rounding, error_feedback=feedback, **_wire_sizes(wire))
+    grads = local_gradient(mesh, num_params, np.float32)
+    key = None
+    if rounding == "stochastic":
+        key = replicate(jax.random.fold_in(jax.random.key(0), 0), mesh)
+    residuals = None
+    if feedback:
+        n, local = mesh.shape["node"], mesh.shape["local"]
+        sharding = NamedSharding(mesh, P(AXES))
+        shape = jax.ShapeDtypeStruct((num_params,), np.float32)
+        residuals = tuple(
+            tuple(
+                jax.make_array_from_process_local_data(
+                    sharding, np.zeros((local * size,), np.float32), (n * local * size,)
+                )
+                for size in pair
+            )
+            for pair in residual_sizes(shape, config, (n, local))
+        )
+    mean = _PipelinedMean(mesh, config)
+    return (lambda: mean(grads, key, residuals)), ()
+
+
+register("pipelined_sync_ar8", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce")
+)
+register("pipelined_sync_ar8_sr", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce", rounding="stochastic")
+)
+register("pipelined_sync_ar8_ef", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce", feedback=True)
+)
+register("pipelined_sync_sg", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
+    lambda mesh, n: _pipelined_sync(mesh, n, wire="scatter_gather")
+)
+
+
+def _train_pipelined(mesh, num_params, *, wire: str, **settings):
+    """`train_ar8` / `train_bytegrad` as `pipelined_step` builds them (Adam after the sync)."""
+    import jax
+    import optax
+
+    from jax_bytegrad import SyncConfig, pipelined_step, shard_batch
+
+    config = SyncConfig(wire=wire, **_wire_sizes(wire), **settings)
+    # Nothing donated: every timed call starts from the same state.
+    step = pipelined_step(_mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=False)
+    state = step.init(_mlp_init(num_params))
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    rng = np.random.default_rng(1 + jax.process_index())
+    batch = (
+        rng.standard_normal((rows, _MLP_IN), np.float32),
+        rng.standard_normal((rows, _MLP_OUT), np.float32),
+    )
+    return step, (state, shard_batch(batch, mesh))
+
+
+register("train_pipelined_ar8", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _train_pipelined(mesh, n, wire="allreduce")
+)
+register("train_pipelined_ar8_ef", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+    lambda mesh, n: _train_pipelined(mesh, n, wire="allreduce", error_feedback=True)
+)
+register("train_pipelined_sg", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
+    lambda mesh, n: _train_pipelined(mesh, n, wire="scatter_gather")
+)

@@ -25,7 +25,7 @@ def rate_label(mbit: float) -> str:
 
 
 def ring_bound_ms(op: str, hosts: int, num_params: int, mbit: float) -> float | None:
-    op = op.partition(":")[0]
+    op = op.partition(":")[0].partition("@")[0]
     if op not in WIRE_BYTES_PER_PARAM or hosts < 2 or not mbit:
         return None
     sent = 2 * (hosts - 1) / hosts * num_params * WIRE_BYTES_PER_PARAM[op]

@@ -11,6 +11,9 @@ Usage (root; without root it says so and exits 0)::
     python benchmarks/network.py --cleanup   # remove what a crashed run left behind
     python benchmarks/network.py --prefix bgw ...   # a second run at the same time
 
+``op:KB`` runs an op with messages of KB KiB, ``op@MB`` with buckets of MB MiB, beside the
+other ops of the same run (``op@MB:KB`` both).
+
 The table gives each op's median step, its ratio to ``psum_f32`` in the same run, the bytes
 the host put on its link per step and the rate that makes (Mbit/s), and the ring bound.
 
@@ -68,11 +71,14 @@ def _worker(args) -> int:
     )
     built = {}
     for name in args.ops:
-        op, _, message_kb = name.partition(":")
-        if message_kb:  # "op:KB" runs op with messages of KB KiB, in the same run as the others
-            SIZES["message_kb"] = float(message_kb)
+        op, message_kb, bucket_mb = _parse_op(name)
+        # "op:KB" / "op@MB" run op with messages of KB KiB / buckets of MB MiB, in the same run
+        if message_kb is not None:
+            SIZES["message_kb"] = message_kb
+        if bucket_mb is not None:
+            SIZES["bucket_mb"] = bucket_mb
         built[name] = OPS[op](mesh, args.num_params)
-        SIZES["message_kb"] = args.message_kb
+        SIZES.update(bucket_mb=args.bucket_mb, message_kb=args.message_kb)
         fn, fn_args = built[name]
         for _ in range(args.warmup):
             jax.block_until_ready(fn(*fn_args))
@@ -105,6 +111,17 @@ def _worker(args) -> int:
         Path(args.out).write_text(json.dumps(results))
     jax.distributed.shutdown()
     return 0
+
+
+def _parse_op(name: str) -> tuple[str, float | None, float | None]:
+    """``op[@MB][:KB]`` -> (op, message KiB or None, bucket MiB or None)."""
+    name, _, message_kb = name.partition(":")
+    op, _, bucket_mb = name.partition("@")
+    return (
+        op,
+        float(message_kb) if message_kb else None,
+        float(bucket_mb) if bucket_mb else None,
+    )
 
 
 def _tx_bytes(dev: str = "eth0") -> int | None:
@@ -146,7 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--ops",
         default=",".join(DEFAULT_OPS),
-        help="comma-separated op names; op:KB sets its message size",
+        help="comma-separated op names; op:KB sets its message size, op@MB its bucket size",
     )
     parser.add_argument("--num-params", type=int, default=DEFAULT_NUM_PARAMS)
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median is reported)")
@@ -182,7 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
-    unknown = [o for o in args.ops if o.partition(":")[0] not in OPS]
+    unknown = [o for o in args.ops if _parse_op(o)[0] not in OPS]
     if unknown:
         parser.error(f"unknown op(s) {unknown}; registered: {sorted(OPS)}")
     if args.steps < 1 or args.warmup < 0:

@@ -43,6 +43,7 @@ from jax_bytegrad._src.steps.decentralized import (
     low_precision_decentralized_step as low_precision_decentralized_step,
 )
 from jax_bytegrad._src.steps.decentralized import shift_one_schedule as shift_one_schedule
+from jax_bytegrad._src.steps.pipelined import pipelined_step as pipelined_step
 from jax_bytegrad._src.strategy import ALGORITHMS as ALGORITHMS
 from jax_bytegrad._src.strategy import Strategy as Strategy
 from jax_bytegrad._src.strategy import valid_kwargs as valid_kwargs
@@ -85,6 +86,7 @@ __all__ = [
     "initialize",
     "low_precision_decentralized_step",
     "make_mesh",
+    "pipelined_step",
     "profiling",
     "qadam",
     "quantize",

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks, qadam, sharding, transforms
 from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES, SyncConfig
-from jax_bytegrad._src.steps import asynchronous, decentralized
+from jax_bytegrad._src.steps import asynchronous, decentralized, pipelined
 from jax_bytegrad._src.steps.base import TrainStep
 from jax_bytegrad._src.steps.data_parallel import data_parallel_step
 
@@ -79,6 +79,18 @@ def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux) -> Tra
 
 
 def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+    if s.setting("pipeline"):
+        return pipelined.pipelined_step(
+            loss_fn,
+            optimizer,
+            s.mesh,
+            sync=SyncConfig.of("bytegrad", s.kwargs),
+            average=s.setting("average"),
+            seed=s.setting("seed"),
+            has_aux=has_aux,
+            donate=s.setting("donate"),
+            flatten=s.flatten,
+        )
     sync = transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
     tx = optax.chain(sync, optimizer)
     return data_parallel_step(
@@ -150,6 +162,7 @@ class Algorithm:
 
 def _check_bytegrad(s: "Strategy") -> None:
     transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
+    checks.boolean(s.setting("pipeline"), "pipeline", "Strategy('bytegrad')")
 
 
 def _check_gradient_allreduce(s: "Strategy") -> None:
@@ -169,7 +182,9 @@ REGISTRY: dict[str, Algorithm] = {
         check=_check_gradient_allreduce,
     ),
     "bytegrad": Algorithm(
-        settings={**_SYNC, **_STEP},
+        # pipeline: the step as several programs, the sync's codec beside its wire
+        # (steps/pipelined.py); off, one program (data_parallel_step).
+        settings={**_SYNC, **_STEP, "pipeline": False},
         tunable=("wire", "bucket_bytes", "hierarchical", "message_bytes"),
         build=_build_bytegrad,
         check=_check_bytegrad,

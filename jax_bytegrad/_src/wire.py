@@ -223,6 +223,63 @@ def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
     return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
 
 
+def _piece_keys(key):
+    """The two rounding keys of one message piece (its quantize and its requantize)."""
+    return (None, None) if key is None else jax.random.split(key)
+
+
+def sg_encode(x, send, *, key, codec):
+    """The scatter-gather wire's first stage: quantize one piece for its owners.
+
+    ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
+    block_size): row j goes to peer j. Returns the message, each block's codes with its
+    header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
+    ``codec`` holds the ``stochastic``, ``bits`` and ``implementation`` arguments of the
+    codec's functions; ``key`` is the piece's key (None for nearest rounding).
+    """
+    peers, blocks, block_size = x.shape
+    x = x.reshape(peers * blocks, block_size)
+    key = _piece_keys(key)[0]
+    if send is None:
+        codes, header = quantize_blocks(x, key=key, **codec)
+    else:
+        codes, header, send = quantize_with_feedback(x, send.reshape(x.shape), key=key, **codec)
+        send = send.reshape(peers, blocks, block_size)
+    return _pack(codes, header).reshape(peers, blocks, -1), send
+
+
+def sg_average(received, mean, *, weight, key, codec, block_size):
+    """The second stage: average the received pieces and requantize this device's chunk.
+
+    ``received`` is the all_to_all of ``sg_encode``'s messages, (peers, blocks, bytes);
+    ``mean`` error feedback's residual of the requantize, (blocks, block_size), or None.
+    Returns the message to gather, (blocks, bytes), and the new ``mean`` residual.
+    """
+    bits, impl = codec["bits"], codec["implementation"]
+    codes, header = _unpack(received, block_size * bits // 8)
+    key = _piece_keys(key)[1]
+    if mean is None:
+        codes, header = average_requantize(codes, header, weight=weight, key=key, **codec)
+    else:
+        total = average_blocks(codes, header, weight=weight, bits=bits, implementation=impl)
+        codes, header, mean = quantize_with_feedback(total, mean, key=key, **codec)
+    return _pack(codes, header), mean
+
+
+def sg_decode(gathered, *, codec, block_size):
+    """The last stage: decode the gathered averages, (peers, blocks, bytes), to float32
+    values of shape (peers, blocks, block_size)."""
+    peers, blocks = gathered.shape[:2]
+    codes, header = _unpack(gathered, block_size * codec["bits"] // 8)
+    decoded = dequantize_blocks(
+        codes.reshape(peers * blocks, -1),
+        header.reshape(peers * blocks, -1),
+        bits=codec["bits"],
+        implementation=codec["implementation"],
+    )
+    return decoded.reshape(peers, blocks, block_size)
+
+
 def _scatter_gather_piece(x, residual, *, group, gather_group, weight, key, codec, all_to_all):
     """The compressed all-reduce of one message's worth of blocks.
 
@@ -232,36 +289,24 @@ def _scatter_gather_piece(x, residual, *, group, gather_group, weight, key, code
     over). Each block's codes travel with its header, one message per peer and direction.
     Returns the decoded mean of all of ``x``, same shape, and the new residuals: None
     without error feedback, else, for ``residual`` = (send, mean) of shapes ``x.shape`` and
-    ``x.shape[1:]``, what each compression left unsent. ``codec`` holds the ``stochastic``,
-    ``bits`` and ``implementation`` arguments of the codec's functions.
+    ``x.shape[1:]``, what each compression left unsent. The stages between the collectives
+    (``sg_encode``, ``sg_average``, ``sg_decode``) are also what the pipelined step runs as
+    programs of their own.
     """
-    peers, blocks, block_size = x.shape
-    keys = (None, None) if key is None else jax.random.split(key)
-    bits, impl = codec["bits"], codec["implementation"]
-    x = x.reshape(peers * blocks, block_size)
-    if residual is None:
-        codes, header = quantize_blocks(x, key=keys[0], **codec)
-    else:
-        send, mean = residual
-        codes, header, send = quantize_with_feedback(x, send.reshape(x.shape), key=keys[0], **codec)
-    code_bytes = codes.shape[-1]
-    message = _pack(codes, header).reshape(peers, blocks, -1)
-    codes, header = _unpack(all_to_all(message, group), code_bytes)
-    if residual is None:
-        codes, header = average_requantize(codes, header, weight=weight, key=keys[1], **codec)
-    else:
-        total = average_blocks(codes, header, weight=weight, bits=bits, implementation=impl)
-        codes, header, mean = quantize_with_feedback(total, mean, key=keys[1], **codec)
-        residual = (send.reshape(peers, blocks, block_size), mean)
-    message = jax.lax.all_gather(_pack(codes, header), gather_group, axis=0, to="invarying")
-    codes, header = _unpack(message, code_bytes)
-    decoded = dequantize_blocks(
-        codes.reshape(peers * blocks, -1),
-        header.reshape(peers * blocks, -1),
-        bits=bits,
-        implementation=impl,
+    block_size = x.shape[-1]
+    send, mean = (None, None) if residual is None else residual
+    message, send = sg_encode(x, send, key=key, codec=codec)
+    message, mean = sg_average(
+        all_to_all(message, group),
+        mean,
+        weight=weight,
+        key=key,
+        codec=codec,
+        block_size=block_size,
     )
-    return decoded.reshape(peers, blocks, block_size), residual
+    gathered = jax.lax.all_gather(message, gather_group, axis=0, to="invarying")
+    decoded = sg_decode(gathered, codec=codec, block_size=block_size)
+    return decoded, None if residual is None else (send, mean)
 
 
 def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
@@ -473,21 +518,68 @@ def _from_wire(total: jax.Array, width: Width) -> jax.Array:
     return total.astype(jnp.int32)
 
 
-def _integer_piece(x, *, scale, zero, inv_scale, group, group_size, width, weight, uniforms,
+def integer_bounds(x: jax.Array, block_size: int) -> jax.Array:
+    """The integer wire's first stage: each block's [max, -min] of the flat vector ``x``
+    (after adding the residual), shape (blocks, 2); the group then agrees on them with one
+    ``pmax``."""
+    return _bounds(x.reshape(-1, block_size))
+
+
+def integer_encode(x, bounds, *, block_size, width, stochastic, seed, first_block=0,
                    feedback):  # fmt: skip
-    """Quantize, sum and decode one message's worth of blocks; also what the codes missed."""
-    codes = _encode(x, scale, zero, inv_scale, width.levels, uniforms)
+    """The integer wire's second stage: codes of the flat vector ``x`` on the group's grid.
+
+    Args:
+      x: this device's values (residual added), a whole number of blocks.
+      bounds: the group's ``pmax`` of ``integer_bounds`` for these blocks.
+      block_size: values per block.
+      width: ``allreduce_width`` of the group.
+      stochastic: the grid of stochastic rounding (``seed`` draws the dither).
+      seed: None (nearest rounding), or this device's (2,) uint32 seed.
+      first_block: the index of ``x``'s first block in its bucket: the dither is a function
+        of the element's index in the bucket, so any split of a bucket sends the same codes.
+      feedback: also return what the codes missed (error feedback's new residual).
+
+    Returns:
+      The codes as the wire sends them (``width``'s dtype, or packed nibbles), flat per
+      block row, and the flat residual (None without ``feedback``).
+    """
+    blocks = x.reshape(-1, block_size)
+    scale, zero, inv_scale = _grid(bounds, width.levels, stochastic)
+    uniforms = None
+    if seed is not None:
+        rows = jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 0)
+        if first_block:
+            rows = rows + np.uint32(first_block)
+        index = rows * np.uint32(block_size) + jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 1)
+        uniforms = dither(seed, index)
+    codes = _encode(blocks, scale, zero, inv_scale, width.levels, uniforms)
     kept = None
     if feedback:
         # The clip stands between the product and the subtraction: no fused multiply-add
         # (module docstring), the same residual for any split.
-        kept = x - jnp.clip((codes - zero) * scale, -_F32_MAX, _F32_MAX)
-    total = _from_wire(jax.lax.psum(_to_wire(codes, width), group), width)
+        kept = (blocks - jnp.clip((codes - zero) * scale, -_F32_MAX, _F32_MAX)).reshape(-1)
+    return _to_wire(codes, width), kept
+
+
+def integer_decode(total, bounds, *, width, group_size, weight, stochastic) -> jax.Array:
+    """The integer wire's last stage: ``weight`` times the decoded sum of the group's codes.
+
+    ``total`` is the ``psum`` of ``integer_encode``'s codes, ``bounds`` the same as there.
+    Returns the flat float32 values.
+    """
+    scale, zero, _ = _grid(bounds, width.levels, stochastic)
+    total = _from_wire(total, width)
     # sum - g * zero is exact in int32 (|zero| <= 2**23 + 1, g * levels < 2**16); the one
     # rounding to float32 and the one product are the same on every device.
     offset = (np.int32(group_size) * zero.astype(jnp.int32)).astype(jnp.int32)
     decoded = (total - offset).astype(jnp.float32) * (scale * np.float32(weight))
-    return jnp.clip(decoded, -_F32_MAX, _F32_MAX), kept
+    return jnp.clip(decoded, -_F32_MAX, _F32_MAX).reshape(-1)
+
+
+def dither_seed(key: jax.Array) -> jax.Array:
+    """The (2,) uint32 seed of ``dither`` from a device's PRNG key for one bucket."""
+    return jax.random.bits(key, (2,), jnp.uint32)
 
 
 def integer_sum(
@@ -505,7 +597,9 @@ def integer_sum(
     """``weight`` times the sum over ``group`` of the flat vectors ``x``, as integer codes.
 
     One psum per call: an all-reduce cut into messages only runs slower through Gloo
-    (benchmarks/RESULTS.md, "Integer wire and rings"), so the bucket is the message.
+    (benchmarks/RESULTS.md, "Integer wire and rings"), so the bucket is the message. The
+    stages between the collectives (``integer_bounds``, ``integer_encode``,
+    ``integer_decode``) are also what the pipelined step runs as programs of their own.
 
     Args:
       x: this device's flat float32 vector; its length a multiple of ``block_size``.
@@ -525,29 +619,21 @@ def integer_sum(
     width = allreduce_width(bits, group_size)
     if residual is not None:
         x = x + residual
-    blocks = x.reshape(-1, block_size)
-    bounds = jax.lax.pmax(_bounds(blocks), group)
-    scale, zero, inv_scale = _grid(bounds, width.levels, stochastic)
-    uniforms = None
-    if key is not None:
-        seed = jax.random.bits(key, (2,), jnp.uint32)
-        index = jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 0) * np.uint32(
-            block_size
-        ) + jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 1)
-        uniforms = dither(seed, index)
-    total, missed = _integer_piece(
-        blocks,
-        scale=scale,
-        zero=zero,
-        inv_scale=inv_scale,
-        group=group,
-        group_size=group_size,
+    bounds = jax.lax.pmax(integer_bounds(x, block_size), group)
+    codes, kept = integer_encode(
+        x,
+        bounds,
+        block_size=block_size,
         width=width,
-        weight=weight,
-        uniforms=uniforms,
+        stochastic=stochastic,
+        seed=None if key is None else dither_seed(key),
         feedback=residual is not None,
     )
-    return total.reshape(-1), None if residual is None else missed.reshape(-1)
+    total = jax.lax.psum(codes, group)
+    decoded = integer_decode(
+        total, bounds, width=width, group_size=group_size, weight=weight, stochastic=stochastic
+    )
+    return decoded, kept
 
 
 def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):

@@ -1,0 +1,112 @@
+"""The pipelined ByteGrad step on several processes over Gloo (loopback).
+
+Each test starts ``python -m jax_bytegrad.launch --nproc 2`` on
+``tests/_mp_scripts/pipelined_worker.py``, which checks in every process that the pipelined
+step gives the one-program step's bits over Gloo, and that a loop of the user's that raises
+stops the step's thread and leaves no collective in flight. Here: both processes hold the
+same parameters, and they match one process's 8 devices on the same mesh.
+
+Two layouts: 2 processes x 4 devices (each process runs its programs over its 4 devices one
+at a time), and 2 processes x 1 device, the layout where the wire programs of the dispatch
+thread and the compute programs of the caller's thread run at once, there under load.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import requires_gloo
+
+import jax_bytegrad
+
+SCRIPTS = Path(__file__).parent / "_mp_scripts"
+REPO = Path(__file__).parent.parent
+WORKER = SCRIPTS / "pipelined_worker.py"
+STEPS = 4
+
+pytestmark = [pytest.mark.slow, requires_gloo]
+
+
+def _load_worker():
+    spec = importlib.util.spec_from_file_location("pipelined_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+worker = _load_worker()
+
+
+def _launch(out_dir: Path, devices: int, steps: int, *, timeout: int = 500) -> str:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.pop("XLA_FLAGS", None)  # the device count comes from --devices-per-proc
+    env.pop("NPROC", None)  # and the launcher sizes XLA:CPU's threads for it
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc",
+         str(devices), "--timeout", str(timeout - 10), str(WORKER), str(out_dir), str(steps)],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, timeout=timeout, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    for rank in (0, 1):
+        assert f"[rank {rank}] OK" in proc.stdout, proc.stdout[-6000:]
+        for name in worker.CONFIGS:
+            line = f"[rank {rank}] {name}: the pipelined step gave the one-program step's bits"
+            assert line in proc.stdout, proc.stdout[-6000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def two_by_four(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("mp_pipelined")
+    _launch(out_dir, 4, STEPS)
+    return out_dir
+
+
+# As in tests/test_multiprocess.py: over Gloo a float32 sum over a node's 4 devices adds in
+# another order than XLA's in-process collective, so hierarchical runs agree with one
+# process to float32 rounding; the flat one (codes only between devices) bit for bit.
+ROUNDING_ATOL = 2e-6
+EXPECTED = {"ar_ef_stochastic": "rounding", "sg_ef": "rounding", "sg_flat": "bit-identical"}
+
+
+@pytest.mark.parametrize("name", sorted(worker.CONFIGS))
+def test_two_processes_of_four_devices_match_one_process(two_by_four, name):
+    ranks = [dict(np.load(two_by_four / f"{name}_rank{r}.npz")) for r in (0, 1)]
+    assert sorted(ranks[0]) == sorted(worker.init_params())
+    for key in ranks[0]:
+        np.testing.assert_array_equal(ranks[1][key], ranks[0][key], err_msg=f"{name} {key}")
+    assert jax.device_count() >= 8
+    single = worker.train(name, jax_bytegrad.make_mesh(2, 4), STEPS, check=False)
+    assert not np.array_equal(single["w1"], worker.init_params()["w1"])  # it trained
+    for key, value in single.items():
+        if EXPECTED[name] == "bit-identical":
+            np.testing.assert_array_equal(ranks[0][key], value, err_msg=f"{name} {key}")
+        else:
+            np.testing.assert_allclose(
+                ranks[0][key], value, rtol=0, atol=ROUNDING_ATOL, err_msg=f"{name} {key}"
+            )
+
+
+def test_one_device_per_process_overlaps_without_deadlock_under_load(tmp_path):
+    """2 processes x 1 device, both cores loaded by two busy loops, 30 steps of each config:
+    the wire programs (dispatch thread) and compute programs (caller's thread) run at once,
+    one collective program in flight per process, and the result is still the one-program
+    step's, bit for bit, on both processes."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        _launch(tmp_path, 1, 30, timeout=560)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    for name in worker.CONFIGS:
+        ranks = [dict(np.load(tmp_path / f"{name}_rank{r}.npz")) for r in (0, 1)]
+        for key in ranks[0]:
+            np.testing.assert_array_equal(ranks[1][key], ranks[0][key], err_msg=f"{name} {key}")
