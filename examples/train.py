@@ -329,7 +329,8 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
         )
         if checkpointer is not None:
             checkpointer.close()  # waits for the last save
-        counts = step.phase_counts(state)
+    # After close: async's count then holds every round of the run, its last one included.
+    counts = step.phase_counts(state)
     if tuned is not None:
         share = tuned.tuning_s / (time.perf_counter() - started)
         log(f"{config.algorithm}: autotune was {share:.0%} of this run's wall time")

@@ -55,6 +55,19 @@ def test_single_process_thread_starts_stops_and_resumes():
     np.testing.assert_allclose(np.asarray(w), np.asarray(state.params), rtol=1e-6)
 
 
+def _dict_loss(p, b):
+    return _loss(p["w"], b) + jnp.sum(p["b"] ** 2)
+
+
+def test_averaging_traffic_is_the_whole_model_before_any_step():
+    # communication_stats right after init, before the thread has a snapshot: one round is a
+    # float32 all-reduce of every parameter.
+    with async_model_average(_dict_loss, optax.sgd(0.1), jax_bytegrad.make_mesh(1, 2)) as avg:
+        state = avg.init({"w": jnp.ones(4), "b": jnp.ones((3, 5))})
+        averaging = avg.communication_stats(state, jnp.ones((4, 4)))["averaging"]
+    assert averaging.total_payload_bytes == 4 * (4 + 15) + 4  # the model, and the stop flag
+
+
 @pytest.mark.slow
 def test_two_processes_average_converge_and_stop_cleanly():
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -170,11 +170,11 @@ class _Averager:
 
     def _loop(self) -> None:
         try:
-            while True:
+            # The first round at once: averaging starts with local training, not an interval
+            # after it (a short run would otherwise end before its first round).
+            while not self.round(self._stop_requested.is_set()):
                 # A local abort only shortens the wait: leaving must be agreed in a round.
                 self._stop_requested.wait(self.sync_interval_ms / 1e3)
-                if self.round(self._stop_requested.is_set()):
-                    return
         except BaseException as e:  # noqa: BLE001 - surfaced by the next step() or abort()
             self._error = e
 
@@ -207,9 +207,9 @@ class _Averager:
                 f"async_model_average: the averaging thread failed: {error!r}"
             ) from error
 
-    def lower(self):
-        n = self._snapshot.size if self._snapshot is not None else 1
-        row = jax.ShapeDtypeStruct((self._nproc, n), jnp.float32, sharding=self._row_sharding)
+    def lower(self, size: int):
+        """Lowers one round's program for a model of ``size`` float32 values."""
+        row = jax.ShapeDtypeStruct((self._nproc, size), jnp.float32, sharding=self._row_sharding)
         flag = jax.ShapeDtypeStruct((self._nproc,), jnp.int32, sharding=self._row_sharding)
         return self._program.lower(row, flag)
 
@@ -314,10 +314,11 @@ class AsyncModelAverage(TrainStep):
         params, opt_state = self._to_local((state.params, state.opt_state))
         return self._local.lower(TrainState(state.step, params, opt_state, {}), batch)
 
-    def lower_averaging(self):
-        """Lowers one averaging round's program; it runs on one device per process, along
-        a mesh axis named after the node axis."""
-        return self._averager.lower()
+    def lower_averaging(self, state):
+        """Lowers one averaging round's program for ``state``'s params; it runs on one
+        device per process, along a mesh axis named after the node axis."""
+        size = jax.eval_shape(flatten_float32, state.params).size
+        return self._averager.lower(size)
 
     def communication_stats(self, state, batch):
         """``{"step": ..., "averaging": ...}``: the local step, and one averaging round (a
@@ -325,7 +326,7 @@ class AsyncModelAverage(TrainStep):
         mesh of its own (this process's devices; one device per process)."""
         return {
             "step": stats.communication_stats(self.lower(state, batch)),
-            "averaging": stats.communication_stats(self.lower_averaging()),
+            "averaging": stats.communication_stats(self.lower_averaging(state)),
         }
 
     def phase_counts(self, state):
