@@ -309,34 +309,45 @@ def _wire_sizes(wire: str) -> dict:
     return sizes
 
 
-def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "nearest",
-               feedback: bool = False):  # fmt: skip
-    """`compressed_mean(wire=...)` of each host's own gradient, as `bytegrad_sync` times it."""
+def _zero_residuals(mesh, num_params, config):
+    """Error feedback's ``Residuals`` for a ``num_params`` gradient, zero, sharded over the
+    devices as ``compressed_mean`` takes and returns them: (send, mean) per bucket."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_bytegrad import SyncConfig, compressed_mean, replicate
+    from jax_bytegrad import Residuals
     from jax_bytegrad._src.collectives import residual_sizes
+
+    n, local = mesh.shape["node"], mesh.shape["local"]
+    sharding = NamedSharding(mesh, P(AXES))
+    shape = jax.ShapeDtypeStruct((num_params,), np.float32)
+    return Residuals(
+        tuple(
+            jax.make_array_from_process_local_data(
+                sharding, np.zeros((local * size,), np.float32), (n * local * size,)
+            )
+            for size in pair
+        )
+        for pair in residual_sizes(shape, config, (n, local))
+    )
+
+
+def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "nearest",
+               feedback: bool = False):  # fmt: skip
+    """`compressed_mean(wire=...)` of each host's own gradient, as `bytegrad_sync` times it."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jax_bytegrad import SyncConfig, compressed_mean, replicate
 
     kwargs = dict(wire=wire, bits=bits, rounding=rounding, **_wire_sizes(wire))
     grads = local_gradient(mesh, num_params, np.float32)
     key = replicate(np.asarray(jax.random.key_data(jax.random.key(0))), mesh)
     residuals = ()
     if feedback:
-        n, local = mesh.shape["node"], mesh.shape["local"]
-        shape = jax.ShapeDtypeStruct((num_params,), np.float32)
         config = SyncConfig(bits=bits, wire=wire, bucket_bytes=kwargs["bucket_bytes"])
-        sharding = NamedSharding(mesh, P(AXES))
-        residuals = tuple(
-            tuple(
-                jax.make_array_from_process_local_data(
-                    sharding, np.zeros((local * size,), np.float32), (n * local * size,)
-                )
-                for size in pair
-            )
-            for pair in residual_sizes(shape, config, (n, local))
-        )
+        residuals = _zero_residuals(mesh, num_params, config)
 
     def body(g, key_data, residuals):
         key = None
@@ -695,11 +706,8 @@ def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
     """The sync of `_wire_sync`, pipelined: each bucket piece's exchange on the wire while the
     next piece is encoded and the one before decoded, in programs of their own."""
     import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     from jax_bytegrad import SyncConfig, replicate
-    from jax_bytegrad._src.collectives import residual_sizes
     from jax_bytegrad._src.steps.pipelined import _PipelinedMean
 
     config = SyncConfig(wire=wire, rounding=rounding, error_feedback=feedback, **_wire_sizes(wire))
@@ -707,20 +715,7 @@ def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
     key = None
     if rounding == "stochastic":
         key = replicate(jax.random.fold_in(jax.random.key(0), 0), mesh)
-    residuals = None
-    if feedback:
-        n, local = mesh.shape["node"], mesh.shape["local"]
-        sharding = NamedSharding(mesh, P(AXES))
-        shape = jax.ShapeDtypeStruct((num_params,), np.float32)
-        residuals = tuple(
-            tuple(
-                jax.make_array_from_process_local_data(
-                    sharding, np.zeros((local * size,), np.float32), (n * local * size,)
-                )
-                for size in pair
-            )
-            for pair in residual_sizes(shape, config, (n, local))
-        )
+    residuals = _zero_residuals(mesh, num_params, config) if feedback else None
     mean = _PipelinedMean(mesh, config)
     return (lambda: mean(grads, key, residuals)), ()
 
