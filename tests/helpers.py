@@ -1,8 +1,20 @@
-"""Helpers shared by the tests: tree comparisons, replica checks and small training data."""
+"""Helpers shared by the tests: tree comparisons, replica checks, small training data, and
+scripts loaded by path."""
+
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def load_script(path: Path):
+    """A script that is not a package module (a worker, an example), imported by its path."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def assert_trees_all_close(actual, expected, *, rtol=0.0, atol=0.0):

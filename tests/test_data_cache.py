@@ -2,7 +2,6 @@
 several processes on one file, and grain's loader with worker processes."""
 
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 from jax_bytegrad.data import CachedDataset, SqliteStore, _codec, fingerprint
 
@@ -19,14 +19,7 @@ REPO = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_mp_scripts" / "cache_worker.py"
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("cache_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script(WORKER)
 
 
 def assert_same(actual, expected):

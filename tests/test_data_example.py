@@ -1,17 +1,14 @@
 """examples/cached_data.py: cached, load-balanced step batches on the stdlib's functions."""
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 import jax_bytegrad
 
-_path = Path(__file__).parent.parent / "examples" / "cached_data.py"
-_spec = importlib.util.spec_from_file_location("cached_data", _path)
-cached_data = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cached_data)
+cached_data = load_script(Path(__file__).parent.parent / "examples" / "cached_data.py")
 
 
 @pytest.mark.parametrize("cache", ["none", "embedded"])

@@ -1,7 +1,6 @@
 """The cached dataset on Redis: real ``redis-server`` processes on free loopback ports."""
 
 import hashlib
-import importlib.util
 import pickle
 import shutil
 import warnings
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import load_script
 
 from jax_bytegrad.data import CachedDataset, RedisServer, RedisStore, _codec
 
@@ -18,11 +18,7 @@ pytestmark = pytest.mark.skipif(
     reason="no redis-server binary on PATH (Debian: apt-get install redis-server; CI installs it)",
 )
 
-_spec = importlib.util.spec_from_file_location(
-    "cache_worker", Path(__file__).parent / "_mp_scripts" / "cache_worker.py"
-)
-worker = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(worker)
+worker = load_script(Path(__file__).parent / "_mp_scripts" / "cache_worker.py")
 
 
 def _same(a, b):

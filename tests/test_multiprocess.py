@@ -7,7 +7,6 @@ non-zero is tested in tests/test_launch.py (``test_a_failing_rank_makes_the_laun
 other``), on the same 2 x 4 layout.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import requires_gloo
+from helpers import load_script
 
 import jax_bytegrad
 
@@ -28,14 +28,7 @@ WORKER = SCRIPTS / "train_worker.py"
 pytestmark = [pytest.mark.slow, requires_gloo]
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("train_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script(WORKER)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ at a time), and 2 processes x 1 device, the layout where the wire programs of th
 thread and the compute programs of the caller's thread run at once, there under load.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import requires_gloo
+from helpers import load_script
 
 import jax_bytegrad
 
@@ -32,14 +32,7 @@ STEPS = 4
 pytestmark = [pytest.mark.slow, requires_gloo]
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("pipelined_worker", WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_script(WORKER)
 
 
 def _launch(out_dir: Path, devices: int, steps: int, *, timeout: int = 500) -> str:
