@@ -103,7 +103,8 @@ def _psum_bf16(mesh, num_params):
     return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.bfloat16))
 
 
-# ByteGrad sends 1-byte codes plus a (scale, zero) float32 header per block.
+# 8-bit codes cross as 1 byte each plus two float32 per block: the scatter-gather wire's
+# (scale, zero) header, or the integer wire's (max, -min) bounds.
 _HEADER_BYTES = HEADER_WIDTH * 4
 _CODE_BYTES_PER_PARAM = 1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE
 
@@ -292,7 +293,7 @@ def _qadam_compressed(mesh, num_params, **sizes):
 register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _qadam_compressed(mesh, n, **_sizes())
 )
-register("qadam_ar8_compressed", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("qadam_ar8_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _qadam_compressed(mesh, n, wire="allreduce", **_wire_sizes("allreduce"))
 )
 
@@ -368,13 +369,13 @@ def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "n
     return fn, (grads, key, residuals)
 
 
-register("ar8_sync", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("ar8_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _wire_sync(mesh, n, wire="allreduce")
 )
-register("ar8_sync_sr", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("ar8_sync_sr", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", rounding="stochastic")
 )
-register("ar8_sync_ef", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("ar8_sync_ef", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", feedback=True)
 )
 register("ar4_sync", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])(
@@ -385,7 +386,7 @@ register("ring_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
 )
 
 
-@register("train_ar8", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)
+@register("train_ar8", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _train_ar8(mesh, num_params):
     """`train_bytegrad` with the integer all-reduce wire: the sync inside the train step."""
     import optax
@@ -720,13 +721,13 @@ def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
     return (lambda: mean(grads, key, residuals)), ()
 
 
-register("pipelined_sync_ar8", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("pipelined_sync_ar8", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce")
 )
-register("pipelined_sync_ar8_sr", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("pipelined_sync_ar8_sr", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce", rounding="stochastic")
 )
-register("pipelined_sync_ar8_ef", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("pipelined_sync_ar8_ef", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce", feedback=True)
 )
 register("pipelined_sync_sg", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
@@ -754,10 +755,10 @@ def _train_pipelined(mesh, num_params, *, wire: str, **settings):
     return step, (state, shard_batch(batch, mesh))
 
 
-register("train_pipelined_ar8", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("train_pipelined_ar8", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _train_pipelined(mesh, n, wire="allreduce")
 )
-register("train_pipelined_ar8_ef", wire_bytes_per_param=1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE)(
+register("train_pipelined_ar8_ef", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
     lambda mesh, n: _train_pipelined(mesh, n, wire="allreduce", error_feedback=True)
 )
 register("train_pipelined_sg", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
