@@ -250,9 +250,6 @@ class AsyncModelAverage(TrainStep):
         self._local = data_parallel_step(self.loss_fn, tx, self.local_mesh, **kwargs)
         self._averager = _Averager(mesh, axes[0], sync_interval_ms, exit_timeout)
 
-    def _inner(self, taken: int):
-        return self._global if taken < self.warmup_steps else self._local
-
     def _to_local(self, tree):
         sharding = NamedSharding(self.local_mesh, P())
 
