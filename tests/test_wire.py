@@ -312,8 +312,13 @@ def test_bytes_between_nodes_are_at_most_027x_float32(nodes, local, hierarchical
     )
     assert wire.bytes_on("node") <= 0.27 * fp32.bytes_on("node")
     node_rows = [r for r in wire.rows if "node" in r.axes.split("+")]
-    # Between nodes: one all-reduce of uint8 codes and one (max) of float32 block bounds.
-    assert {(r.kind, r.dtype) for r in node_rows} == {("all-reduce", "u8"), ("all-reduce", "f32")}
+    # Between nodes: one all-reduce of uint8 codes, one (max) of float32 block bounds and one
+    # (max) of int32 decode factors.
+    assert {(r.kind, r.dtype) for r in node_rows} == {
+        ("all-reduce", "u8"),
+        ("all-reduce", "f32"),
+        ("all-reduce", "s32"),
+    }
     codes = sum(r.bytes_sent for r in node_rows if r.dtype == "u8")
     assert codes >= 0.98 * wire.bytes_on("node")
 

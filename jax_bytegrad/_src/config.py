@@ -84,8 +84,9 @@ class SyncConfig:
         each block's owner, which averages and requantizes, then an all_gather (Bagua's
         ByteGrad). ``"allreduce"``: every device quantizes onto a grid the group agrees on
         (one pmax of the block bounds) with headroom, and the codes are summed by one
-        integer psum per bucket (fewer levels per device: 255 // g at 8 bits for a group of
-        g <= 8, uint16 beyond; 4 bits for g <= 2; one residual per device).
+        integer psum per bucket, then decoded with factors agreed by one more pmax (fewer
+        levels per device: 255 // g at 8 bits for a group of g <= 8, uint16 beyond; 4 bits
+        for g <= 2; one residual per device).
         ``"ring"``: scatter-gather with the all_to_all as ppermute shifts; the same result.
 
     Raises:

@@ -29,6 +29,7 @@ with ``hierarchical=False``):
     block bounds [max, -min], one pmax     -> every device has the same grid per block
     quantize onto the grid (L levels)      -> uint8 (or uint16) codes, g * L <= 2**bits - 1
     psum over the group (integers)         -> cannot overflow: headroom
+    decode factors per block, one pmax     -> the same on every device (see below)
     decode the sum                         -> the same integers, the same float ops
     all_gather over local (float32)        -> the whole bucket
 
@@ -64,6 +65,14 @@ one fusion, and copies small per-block computations into every fusion that reads
 no product here feeds an add (exact halves, or a clip in between), or the bits would depend
 on the fusions and so on the message split.
 
+That copying also costs time: the decode is fused into each optimizer pass that reads the
+mean, which walks the leaf's shape, not the blocks, so the grid's ~40 operations ran once
+per value in every such pass (2.5x the pass's time; benchmarks/RESULTS.md, "Decode
+factors"). The decode's two factors per block, ``scale * weight`` and ``g * zero``, are
+therefore computed once and go through a ``pmax`` over the group: they are the same on every
+device, so the pmax changes no bit, and XLA reads a collective's result as data instead of
+recomputing it. 8 bytes per block, as the bounds.
+
 Error feedback keeps one residual per device: what its codes failed to carry,
 ``x + residual - (code - zero) * scale``. Summed over the group, the residuals and the
 decoded sum give back the sum of ``x + residual`` exactly where float32 allows.
@@ -74,7 +83,8 @@ set to +inf there, the pmax spreads it, and every device decodes that block to N
 block, on every device, for every device's contribution, as a float32 psum would).
 
 Bytes between nodes per device (8-bit, g <= 8): 2 (g-1)/g N/L of codes plus 2 (g-1)/g
-8 N / (L block) of bounds: 0.252x a float32 ring all-reduce at 1024-value blocks.
+16 N / (L block) of bounds and decode factors: 0.254x a float32 ring all-reduce at
+1024-value blocks.
 
 ``wire="ring"``: the scatter-gather wire with its all_to_all done as g - 1 ppermute shifts
 (``ring_all_to_all``). Same codes, same result, bit for bit.
@@ -562,18 +572,32 @@ def integer_encode(x, bounds, *, block_size, width, stochastic, seed, first_bloc
     return _to_wire(codes, width), kept
 
 
-def integer_decode(total, bounds, *, width, group_size, weight, stochastic) -> jax.Array:
-    """The integer wire's last stage: ``weight`` times the decoded sum of the group's codes.
+def decode_factors(bounds, *, width, group_size, weight, stochastic) -> jax.Array:
+    """The decode's factors per block from the group's bounds, shape (blocks, 2) int32:
+    the float32 bits of ``scale * weight``, and ``g * zero``.
 
-    ``total`` is the ``psum`` of ``integer_encode``'s codes, ``bounds`` the same as there.
-    Returns the flat float32 values.
+    One int32 array, so that the group agrees on both with one exact ``pmax`` (module
+    docstring: the factors then reach every fused decode as data).
     """
     scale, zero, _ = _grid(bounds, width.levels, stochastic)
-    total = _from_wire(total, width)
-    # sum - g * zero is exact in int32 (|zero| <= 2**23 + 1, g * levels < 2**16); the one
-    # rounding to float32 and the one product are the same on every device.
+    # |zero| <= 2**23 + 1 and g <= 2**16 / levels: g * zero fits int32.
     offset = (np.int32(group_size) * zero.astype(jnp.int32)).astype(jnp.int32)
-    decoded = (total - offset).astype(jnp.float32) * (scale * np.float32(weight))
+    factor = jax.lax.bitcast_convert_type(scale * np.float32(weight), jnp.int32)
+    return jnp.concatenate([factor, offset], axis=1)
+
+
+def integer_decode(total, factors, *, width) -> jax.Array:
+    """The integer wire's last stage: ``weight`` times the decoded sum of the group's codes.
+
+    ``total`` is the ``psum`` of ``integer_encode``'s codes, ``factors`` the group's
+    ``decode_factors`` of the same blocks. Returns the flat float32 values.
+    """
+    factor = jax.lax.bitcast_convert_type(factors[:, 0:1], jnp.float32)
+    offset = factors[:, 1:2]
+    total = _from_wire(total, width)
+    # sum - g * zero is exact in int32 (g * levels < 2**16); the one rounding to float32 and
+    # the one product are the same on every device.
+    decoded = (total - offset).astype(jnp.float32) * factor
     return jnp.clip(decoded, -_F32_MAX, _F32_MAX).reshape(-1)
 
 
@@ -599,7 +623,8 @@ def integer_sum(
     One psum per call: an all-reduce cut into messages only runs slower through Gloo
     (benchmarks/RESULTS.md, "Integer wire and rings"), so the bucket is the message. The
     stages between the collectives (``integer_bounds``, ``integer_encode``,
-    ``integer_decode``) are also what the pipelined step runs as programs of their own.
+    ``decode_factors``, ``integer_decode``) are also what the pipelined step runs as programs
+    of their own.
 
     Args:
       x: this device's flat float32 vector; its length a multiple of ``block_size``.
@@ -630,10 +655,12 @@ def integer_sum(
         feedback=residual is not None,
     )
     total = jax.lax.psum(codes, group)
-    decoded = integer_decode(
-        total, bounds, width=width, group_size=group_size, weight=weight, stochastic=stochastic
+    factors = decode_factors(
+        bounds, width=width, group_size=group_size, weight=weight, stochastic=stochastic
     )
-    return decoded, kept
+    # The same on every device: the pmax changes no bit (module docstring).
+    factors = jax.lax.pmax(factors, group)
+    return integer_decode(total, factors, width=width), kept
 
 
 def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):

@@ -508,22 +508,25 @@ class _Stages:
     def _pieces(self):
         """The pieces' last values, by bucket: what the decode reads."""
         if self.integer:
-            return [[(f"total{c.tag}", f"agreed{c.bucket}") for c in cs] for cs in self.chunks]
+            return [[(f"total{c.tag}", f"factors{c.bucket}") for c in cs] for cs in self.chunks]
         return [[(f"gathered{c.tag}",) for c in cs] for cs in self.chunks]
 
     def _decode(self, c: _Chunk, *values):
         """Piece c's part of the mean from its last values (``_pieces``): flat for the
         integer wire, (peers, blocks, block) for the scatter-gather wire."""
         if self.integer:
-            total, agreed = values
-            return self._decode_sum(total, agreed[c.start : c.stop])
+            total, factors = values
+            return self._decode_sum(total, factors[c.start : c.stop])
         (gathered,) = values
         parts = [wires.sg_decode(g, codec=self.codec, block_size=self.block) for g in gathered]
         return jnp.concatenate(parts, axis=1)
 
-    def _decode_sum(self, total, bounds):
-        return wires.integer_decode(
-            total, bounds, width=self.width, group_size=self.group.size, weight=self.weight,
+    def _decode_sum(self, total, factors):
+        return wires.integer_decode(total, factors, width=self.width)
+
+    def _decode_factors(self, agreed):
+        return wires.decode_factors(
+            agreed, width=self.width, group_size=self.group.size, weight=self.weight,
             stochastic=self.stochastic,
         )  # fmt: skip
 
@@ -604,7 +607,8 @@ class _Stages:
         )  # fmt: skip
 
     def _metrics(self) -> _Program:
-        """The mean loss (and aux) over the devices; the integer wire's agreed bounds."""
+        """The mean loss (and aux) over the devices; the integer wire's agreed bounds and
+        decode factors."""
         axes, group = self.axes, self.group.axis
         agree = self.integer and not self.group.plain
 
@@ -616,7 +620,10 @@ class _Stages:
             if agree:
                 # One pmax for every bucket: the maximum is exact, so this is each bucket's.
                 cuts = np.cumsum([x.shape[0] for x in rest])[:-1].tolist()
-                outs += jnp.split(jax.lax.pmax(jnp.concatenate(rest), group), cuts)
+                agreed = jnp.split(jax.lax.pmax(jnp.concatenate(rest), group), cuts)
+                # The decode's factors: an output of this program, so the decoding programs
+                # read them as data (wire.py's pmax of them is for one program).
+                outs += [*agreed, *map(self._decode_factors, agreed)]
             return tuple(outs)
 
         inputs = ["loss_d"] if self.step else []
@@ -626,6 +633,7 @@ class _Stages:
         if agree:
             inputs += [f"bounds{b}" for b in self.buckets]
             outputs += [f"agreed{b}" for b in self.buckets]
+            outputs += [f"factors{b}" for b in self.buckets]
         return _Program("metrics", "wire", metrics, inputs, outputs)
 
     def _plain(self, b: int) -> _Program:
@@ -800,7 +808,7 @@ class _Stages:
                     out.append(self._join(parts))
             return out
 
-        # A bucket's bounds are read by each of its pieces: pass each value once.
+        # A bucket's decode factors are read by each of its pieces: pass each value once.
         unique = list(dict.fromkeys(names))
         return unique, lambda values: means([values[unique.index(n)] for n in names])
 
