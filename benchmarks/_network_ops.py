@@ -125,6 +125,8 @@ def _per_device_builder(mesh, body, grads, *extra):
 
 # --bucket-mb and --message-kb, set in each worker; None: the library's defaults.
 SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
+# --donate, set in each worker: train steps donate their state and carry it along.
+TRAIN: dict[str, bool] = {"donate": False}
 
 
 def _sizes() -> dict:
@@ -572,8 +574,9 @@ def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
     from jax_bytegrad import data_parallel_step, replicate, shard_batch
 
     # One phase per transformation (QAdam: the compressed one alone, so every timed step is
-    # a compressed one), nothing donated: every timed call starts from the same state.
-    step = data_parallel_step(_mlp_loss, tx, mesh, donate=False)
+    # a compressed one). Without --donate nothing is donated: every timed call starts from
+    # the same state.
+    step = data_parallel_step(_mlp_loss, tx, mesh, donate=TRAIN["donate"])
     state = step.init(_mlp_init(num_params))
     if qadam_warmup is not None:  # past warm-up: the count a compressed step sees
         qadam_state = state.opt_state[0]
@@ -585,7 +588,21 @@ def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
         rng.standard_normal((rows, _MLP_IN), np.float32),
         rng.standard_normal((rows, _MLP_OUT), np.float32),
     )
-    return step, (state, shard_batch(batch, mesh))
+    return _timed_step(step, state, shard_batch(batch, mesh))
+
+
+def _timed_step(step, state, batch):
+    """``(fn, args)`` that times ``step``: on the same state every call, or, with --donate,
+    on the state the call before returned (the worker waits for the state and metrics)."""
+    if not TRAIN["donate"]:
+        return step, (state, batch)
+    cell = [state]
+
+    def carried():
+        cell[0], metrics = step(cell[0], batch)
+        return cell[0], metrics
+
+    return carried, ()
 
 
 @register("train_local")
@@ -743,8 +760,7 @@ def _train_pipelined(mesh, num_params, *, wire: str, **settings):
     from jax_bytegrad import SyncConfig, pipelined_step, shard_batch
 
     config = SyncConfig(wire=wire, **_wire_sizes(wire), **settings)
-    # Nothing donated: every timed call starts from the same state.
-    step = pipelined_step(_mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=False)
+    step = pipelined_step(_mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=TRAIN["donate"])
     state = step.init(_mlp_init(num_params))
     rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
     rng = np.random.default_rng(1 + jax.process_index())
@@ -752,7 +768,7 @@ def _train_pipelined(mesh, num_params, *, wire: str, **settings):
         rng.standard_normal((rows, _MLP_IN), np.float32),
         rng.standard_normal((rows, _MLP_OUT), np.float32),
     )
-    return step, (state, shard_batch(batch, mesh))
+    return _timed_step(step, state, shard_batch(batch, mesh))
 
 
 register("train_pipelined_ar8", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(

@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _network_report as report  # noqa: E402
-from _network_ops import BASELINE_OP, DEFAULT_OPS, OPS, SIZES  # noqa: E402
+from _network_ops import BASELINE_OP, DEFAULT_OPS, OPS, SIZES, TRAIN  # noqa: E402
 
 DEFAULT_NUM_PARAMS = 25_200_000
 
@@ -60,6 +60,7 @@ def _worker(args) -> int:
 
     info = initialize()
     SIZES.update(bucket_mb=args.bucket_mb, message_kb=args.message_kb)
+    TRAIN["donate"] = args.donate
     import jax
     from jax.experimental import multihost_utils
 
@@ -147,6 +148,7 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
         for flag, value in (("--bucket-mb", args.bucket_mb), ("--message-kb", args.message_kb)):
             if value is not None:
                 worker += [flag, str(value)]
+        worker += ["--donate"] if args.donate else []
         code = cluster.launch(worker, timeout=args.timeout, hugepages=args.hugepages)
         if code != 0:
             raise SystemExit(code)
@@ -182,6 +184,12 @@ def main(argv=None) -> int:
         type=float,
         default=None,
         help="bytes per message between nodes, in KiB (default: the library's; 0: one per peer)",
+    )
+    parser.add_argument(
+        "--donate",
+        action="store_true",
+        help="train steps donate their state and carry it from step to step, as "
+        "data_parallel_step does by default (train_local excepted)",
     )
     parser.add_argument(
         "--no-hugepages",

@@ -21,8 +21,10 @@ collectives, not link savings. The bytes columns are what a real link would carr
 for one thread): for a gradient of ``--codec-size`` values (25.2M by default), the
 scatter-gather wire's quantize and decode, the uniforms of stochastic rounding from each PRNG
 implementation and from the integer wire's hash, and the integer wire's own passes (block
-bounds, quantize, decode of the sum, with and without error feedback). Median wall and CPU
-time per call; CPU time is the work itself on a shared host.
+bounds, quantize, decode of the sum, with and without error feedback), and the decode fused
+into an optimizer pass over a square leaf, as a train step runs it: with the grid computed
+in the same program (recomputed per value) and with the decode factors read as data. Median
+wall and CPU time per call; CPU time is the work itself on a shared host.
 
 ``--accuracy`` measures the error of the mean of each wire, not its time: on g nodes of one
 device (g = 2 to 32), ``||mean - exact|| / ||exact||`` for the scatter-gather wire at 8 and 4
@@ -60,6 +62,7 @@ else:
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
+import math  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -144,13 +147,9 @@ def _timed(fn, *args, repeats: int) -> tuple[float, float]:
 def _codec_pieces(size: int) -> dict:
     """Name -> (jitted fn, args) for each timed piece, on one device's `size` values."""
     from jax_bytegrad._src import wire as wire_lib
-    from jax_bytegrad._src.quantization import (
-        DEFAULT_BLOCK_SIZE,
-        dequantize_blocks,
-        quantize_blocks,
-    )
+    from jax_bytegrad._src.quantization import dequantize_blocks, quantize_blocks
 
-    block = DEFAULT_BLOCK_SIZE
+    block = jax_bytegrad.DEFAULT_BLOCK_SIZES[8]
     size = -(-size // block) * block
     x = jax.random.normal(jax.random.key(0), (size // block, block), jnp.float32)
     codes, header = jax.jit(quantize_blocks)(x)
@@ -209,6 +208,25 @@ def _codec_pieces(size: int) -> dict:
         (x, grid, seed),
     )
     pieces["ar decode of the sum"] = (jax.jit(ar_decode), (codes, grid))
+
+    # The decode fused into one Adam moment pass over a square leaf (its rows are not whole
+    # blocks), as in a train step: factors recomputed per value, or read as data.
+    side = math.isqrt(size)
+    moment = jnp.ones((side, side), jnp.float32)
+    factor_args = dict(width=width, group_size=2, weight=0.5, stochastic=False)
+
+    def moment_pass(mu, total, factors):
+        mean = wire_lib.integer_decode(total, factors, width=width)[: side * side]
+        return 0.9 * mu + 0.1 * mean.reshape(side, side)
+
+    pieces["ar decode in an Adam pass, factors computed in it"] = (
+        jax.jit(lambda mu, t, b: moment_pass(mu, t, wire_lib.decode_factors(b, **factor_args))),
+        (moment, codes, bounds),
+    )
+    pieces["ar decode in an Adam pass, factors as data"] = (
+        jax.jit(moment_pass),
+        (moment, codes, jax.jit(functools.partial(wire_lib.decode_factors, **factor_args))(bounds)),
+    )
     return pieces
 
 
