@@ -114,6 +114,8 @@ class Cluster:
     Args:
       num_hosts: Number of hosts, 1..250.
       prefix: Name prefix of every namespace and hosts file this creates.
+      pin: run host i's commands on CPU i mod (CPUs this process may use), as separate
+        machines would each have their own cores; False lets every host use every CPU.
 
     Examples:
       >>> with Cluster(2) as c:  # doctest: +SKIP
@@ -121,10 +123,11 @@ class Cluster:
       ...     subprocess.run(c.command(1, ["ping", "-c1", c.hosts[0].address]))
     """
 
-    def __init__(self, num_hosts: int, prefix: str = PREFIX):
+    def __init__(self, num_hosts: int, prefix: str = PREFIX, *, pin: bool = False):
         if not 1 <= num_hosts <= 250:
             raise ValueError(f"netns: num_hosts={num_hosts} must be in 1..250")
         self.prefix = prefix
+        self.pin = pin
         self.bridge_ns = f"{prefix}-br"
         self.hosts = [Host(i, f"{prefix}-h{i}", f"{SUBNET}.{i + 1}") for i in range(num_hosts)]
         self._up = False
@@ -201,8 +204,10 @@ class Cluster:
     def command(self, index: int, argv: Sequence[str]) -> list[str]:
         """Returns `argv` wrapped to run on host `index`: its namespace and its host name."""
         h = self.hosts[index]
+        cpus = sorted(os.sched_getaffinity(0))
+        pin = ["taskset", "-c", str(cpus[index % len(cpus)])] if self.pin else []
         return [
-            "ip", "netns", "exec", h.namespace,
+            "ip", "netns", "exec", h.namespace, *pin,
             "unshare", "--uts", "--",
             "sh", "-c", 'hostname "$0" && exec "$@"', h.hostname, *argv,
         ]  # fmt: skip

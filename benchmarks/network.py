@@ -186,6 +186,12 @@ def main(argv=None) -> int:
         help="bytes per message between nodes, in KiB (default: the library's; 0: one per peer)",
     )
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="host i runs on CPU i mod the CPU count, as separate machines have their own cores "
+        "(default: every host may use every CPU)",
+    )
+    parser.add_argument(
         "--donate",
         action="store_true",
         help="train steps donate their state and carry it from step to step, as "
@@ -241,7 +247,7 @@ def main(argv=None) -> int:
     rows = []
     try:
         for k in hosts:
-            with _netns.Cluster(k, prefix=args.prefix) as cluster:
+            with _netns.Cluster(k, prefix=args.prefix, pin=args.pin) as cluster:
                 for mbit in rates:
                     load = os.getloadavg()[0]
                     print(f"== {k} hosts, {report.rate_label(mbit)}, load {load:.2f}", flush=True)
