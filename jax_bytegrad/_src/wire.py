@@ -67,8 +67,8 @@ on the fusions and so on the message split.
 
 That copying also costs time: the decode is fused into each optimizer pass that reads the
 mean, which walks the leaf's shape, not the blocks, so the grid's ~40 operations ran once
-per value in every such pass (2.5x the pass's time; benchmarks/RESULTS.md, "Decode
-factors"). The decode's two factors per block, ``scale * weight`` and ``g * zero``, are
+per value in every such pass (1.6-2x the pass's time on one core; benchmarks/RESULTS.md,
+"Decode factors"). The decode's two factors per block, ``scale * weight`` and ``g * zero``, are
 therefore computed once and go through a ``pmax`` over the group: they are the same on every
 device, so the pmax changes no bit, and XLA reads a collective's result as data instead of
 recomputing it. 8 bytes per block, as the bounds.
