@@ -87,6 +87,11 @@ def _worker(args) -> int:
     # lands on all of them alike instead of on whichever op was running at the time.
     times = {name: [] for name in args.ops}
     tx = {name: 0 for name in args.ops}
+    if args.trace:
+        # Each host's timed steps, for Perfetto or TensorBoard (one directory per host).
+        jax.profiler.start_trace(
+            str(Path(args.trace) / f"host{info.process_id}"), create_perfetto_trace=True
+        )
     for step in range(args.steps):
         for name in args.ops:
             fn, fn_args = built[name]
@@ -98,6 +103,8 @@ def _worker(args) -> int:
             times[name].append(time.perf_counter() - t0)
             tx1 = _tx_bytes()
             tx[name] += (tx1 - tx0) if tx0 is not None and tx1 is not None else float("nan")
+    if args.trace:
+        jax.profiler.stop_trace()
     results = {}
     for name in args.ops:
         # A step ends when the slowest host has its result.
@@ -149,6 +156,7 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
             if value is not None:
                 worker += [flag, str(value)]
         worker += ["--donate"] if args.donate else []
+        worker += ["--trace", str(Path(args.trace).resolve())] if args.trace else []
         code = cluster.launch(worker, timeout=args.timeout, hugepages=args.hugepages)
         if code != 0:
             raise SystemExit(code)
@@ -202,6 +210,12 @@ def main(argv=None) -> int:
         dest="hugepages",
         action="store_false",
         help="workers on 4 KiB pages (default, as the launcher: glibc.malloc.hugetlb=1)",
+    )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="write a jax.profiler trace of each host's timed steps under this directory "
+        "(host{i}/; tracing costs time: take the medians from a run without it)",
     )
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers and exit")
     parser.add_argument(
