@@ -614,7 +614,6 @@ def _train_local(mesh, num_params):
     from jax.sharding import PartitionSpec as P
 
     from jax_bytegrad import replicate, shard_batch
-    from jax_bytegrad._src.steps.base import compiler_options
 
     tx = optax.adam(1e-4)
     params = _mlp_init(num_params)
@@ -630,10 +629,7 @@ def _train_local(mesh, num_params):
         updates, state = tx.update(grads, state, params)
         return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates))
 
-    fn = jax.jit(
-        jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXES)), out_specs=P(AXES)),
-        compiler_options=compiler_options(mesh),  # as data_parallel_step compiles
-    )
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXES)), out_specs=P(AXES)))
     args = (*replicate((params, tx.init(params)), mesh), shard_batch(batch, mesh))
     return fn, args
 

@@ -15,7 +15,6 @@ with its collectives inside a ``lax.cond``, does not deadlock XLA:CPU under load
 """
 
 import collections
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -66,35 +65,6 @@ def host_copy(tree):
     """A host copy of ``tree``: a donating step must not consume the caller's buffers
     (``device_put`` of a host array may alias it)."""
     return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
-
-
-@functools.cache
-def _has_compile_option(name: str, value) -> bool:
-    """Whether this jaxlib's XLA:CPU accepts compile option ``name``; asked once per process.
-
-    XLA drops options between releases and rejects unknown ones ("No such compile option"),
-    so an option is passed only where a tiny program compiles with it.
-    """
-    try:
-        x = jax.device_put(np.float32(0), jax.local_devices(backend="cpu")[0])
-        jax.jit(lambda x: x + 1).lower(x).compile({name: value})
-    except Exception:  # noqa: BLE001 - any refusal means "do not pass it"
-        return False
-    return True
-
-
-def compiler_options(mesh: Mesh) -> dict | None:
-    """XLA options for the train steps this library compiles over ``mesh``.
-
-    On CPU, XLA's fusion emitters compile the bucket decode, fused into a parameter whose
-    rows do not line up with the quantization blocks, to a slow element-wise loop; the
-    classic emitters do not (benchmarks/RESULTS.md, "Network"). JAX releases whose XLA no
-    longer has the option get none. Other platforms need nothing.
-    """
-    if next(iter(mesh.devices.flat)).platform != "cpu":
-        return None
-    option = ("xla_cpu_use_fusion_emitters", False)
-    return dict([option]) if _has_compile_option(*option) else None
 
 
 class StepsInFlight:

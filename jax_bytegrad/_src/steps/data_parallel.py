@@ -19,7 +19,6 @@ from jax_bytegrad._src.sharding import replicate, state_specs
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
-    compiler_options,
     count,
     global_batch,
     host_copy,
@@ -134,7 +133,6 @@ class DataParallelStep(TrainStep):
             in_shardings=in_shardings,
             out_shardings=out_shardings[: 3 + self.has_aux],
             donate_argnums=(0, 1) if self._donate else (),
-            compiler_options=compiler_options(self.mesh),
         )
 
     def _inputs(self, state, batch):

@@ -44,7 +44,6 @@ from jax_bytegrad._src.quantization import (
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
-    compiler_options,
     count,
     global_batch,
 )
@@ -229,7 +228,6 @@ class _PeerStep(TrainStep):
                 out_specs=(specs,) * (5 if has_aux else 4),
             ),
             donate_argnums=(0, 1, 2) if self._donate else (),
-            compiler_options=compiler_options(self.mesh),
         )
 
     def _inputs(self, state, batch):

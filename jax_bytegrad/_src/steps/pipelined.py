@@ -63,7 +63,6 @@ from jax_bytegrad._src.sharding import replicate, state_specs
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
-    compiler_options,
     count,
     global_batch,
     host_copy,
@@ -225,7 +224,6 @@ class _Program:
         self.jitted = jax.jit(
             jax.shard_map(self.fn, out_specs=out_specs, **mapped),
             donate_argnums=self.donate_argnums,
-            compiler_options=compiler_options(mesh),
         )
         out_avals = jax.tree.map(global_aval, out_specs, found["local"])
         return [_Value(s, a) for s, a in zip(out_specs, out_avals, strict=True)]
