@@ -83,12 +83,24 @@ def _psum_builder(mesh, grads):
     from jax.sharding import PartitionSpec as P
 
     spec = P(("node", "local"), None)
+    donate = TRAIN["donate"]
     fn = jax.jit(
         jax.shard_map(
             lambda g: jax.lax.psum(g, ("node", "local")), mesh=mesh, in_specs=spec, out_specs=spec
-        )
+        ),
+        donate_argnums=(0,) if donate else (),
     )
-    return fn, (grads,)
+    if not donate:
+        return fn, (grads,)
+    # --donate: the sum comes back in the gradient's buffer, as the syncs' means do, and is
+    # summed again by the next call.
+    cell = [grads]
+
+    def carried():
+        cell[0] = fn(cell[0])
+        return cell[0]
+
+    return carried, ()
 
 
 @register("psum_f32", wire_bytes_per_param=4)
@@ -125,7 +137,8 @@ def _per_device_builder(mesh, body, grads, *extra):
 
 # --bucket-mb and --message-kb, set in each worker; None: the library's defaults.
 SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
-# --donate, set in each worker: train steps donate their state and carry it along.
+# --donate, set in each worker: train steps donate their state and carry it along, and the
+# float32 psums and the integer and ring wires' syncs (`_wire_sync`) their gradient buffer.
 TRAIN: dict[str, bool] = {"donate": False}
 
 
@@ -360,15 +373,29 @@ def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "n
         return out if feedback else (out, residuals)
 
     res_specs = jax.tree.map(lambda _: P(AXES), residuals)
+    in_specs = (P(AXES, None), P(), res_specs)
+    if not TRAIN["donate"]:
+        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), res_specs)))
+        return fn, (grads, key, residuals)
+
+    # --donate: the gradient's buffer is donated and the mean comes back in it, as a train
+    # step reuses its buffers, instead of a fresh 100 MB output every call; the next call
+    # averages that mean (the codec's work does not depend on the values).
+    def carried_body(g, key_data, residuals):
+        mean, residuals = body(g, key_data, residuals)
+        return mean[None], residuals
+
     fn = jax.jit(
-        jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(P(AXES, None), P(), res_specs),
-            out_specs=(P(), res_specs),
-        )
+        jax.shard_map(carried_body, mesh=mesh, in_specs=in_specs, out_specs=in_specs[::2]),
+        donate_argnums=(0, 2),
     )
-    return fn, (grads, key, residuals)
+    cell = [grads, residuals]
+
+    def carried():
+        cell[0], cell[1] = fn(cell[0], key, cell[1])
+        return cell
+
+    return carried, ()
 
 
 register("ar8_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(

@@ -203,7 +203,9 @@ def main(argv=None) -> int:
         "--donate",
         action="store_true",
         help="train steps donate their state and carry it from step to step, as "
-        "data_parallel_step does by default (train_local excepted)",
+        "data_parallel_step does by default (train_local excepted); psum_f32, psum_bf16 and the "
+        "syncs of the integer and ring wires (ar8_sync, ar4_sync, ring_sync, ...) donate the "
+        "gradient and get the result back in its buffer",
     )
     parser.add_argument(
         "--no-hugepages",
