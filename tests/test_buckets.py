@@ -58,3 +58,15 @@ def test_flatten_and_unflatten_like():
     assert back["a"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(back["b"]), [0.0, 2.0, 4.0, 6.0])
     assert jax.tree.structure(back) == jax.tree.structure(tree)
+
+
+def test_bucket_parts_concatenate_to_the_buckets():
+    # A lone leaf of 1000 values comes as its 3 whole blocks of 256 and the rest, padded; a
+    # bucket of several leaves, or of whole blocks only, comes as one part.
+    leaves = leaves_of([(1000,), (10,), (6,), (2, 256)])
+    layout = buckets.make_layout(leaves, bucket_bytes=4 * 500, granularity=512)
+    assert layout.buckets == ((0,), (1, 2), (3,))
+    parts = buckets.to_bucket_parts(leaves, layout, 256)
+    assert [[p.shape[0] for p in bucket] for bucket in parts] == [[768, 256], [512], [512]]
+    for bucket_parts, bucket in zip(parts, buckets.to_buckets(leaves, layout), strict=True):
+        np.testing.assert_array_equal(jnp.concatenate(bucket_parts), bucket)

@@ -516,3 +516,51 @@ def test_integer_psum_over_gloo_keeps_replicas_bit_identical_across_processes(gl
             np.testing.assert_allclose(
                 means[0][finite], single["mean"][0][finite], rtol=0, atol=bound[finite].max()
             )
+
+
+def test_a_lone_leaf_is_encoded_where_it_lies_without_a_padded_copy():
+    # 5000 values are not whole blocks: the bucket pads them to 5120 (2 devices x 256 per
+    # granule), but only its last block is copied; the rest is read in place.
+    mesh = _mesh(2, 1)
+
+    def body(g):
+        return compressed_mean(g[0], wire="allreduce", block_size=BLOCK)[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))
+    text = fn.lower(_put(mesh, np.ones((2, 5000), np.float32))).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    assert "f32[5000]" not in entry and "f32[5120]" not in entry, entry
+    assert "f32[256]" in entry  # the padded last block
+
+
+@pytest.mark.parametrize("feedback", [False, True], ids=["plain", "feedback"])
+def test_a_bucket_in_parts_gives_the_whole_buckets_bits(feedback):
+    # Stochastic rounding draws by the value's index in the bucket, and the bounds are per
+    # block, so cutting the bucket at a block changes no code, no residual, no bit.
+    mesh = _mesh(2, 1)
+    rng = np.random.default_rng(3)
+    x = _put(mesh, rng.standard_normal((2, 8 * BLOCK), np.float32))
+    res = _put(mesh, rng.standard_normal((2, 8 * BLOCK), np.float32) * 0.01)
+    key = jax.random.key(5)
+
+    def run(cut):
+        def body(g, r, key_data):
+            g, r = g[0], r[0] if feedback else None
+            key = jax.random.wrap_key_data(key_data)
+            device = jax.random.fold_in(key, jax.lax.axis_index(AXES))
+            parts = g if cut is None else (g[:cut], g[cut:])
+            mean, kept = wire_lib.integer_sum(
+                parts, r, group=AXES, group_size=2, weight=0.5, block_size=BLOCK, key=device,
+                bits=8, stochastic=True,
+            )  # fmt: skip
+            return mean[None], (mean * 0 if kept is None else kept)[None]
+
+        fn = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P(AXES), P()), out_specs=P(AXES))
+        )
+        return [np.asarray(a) for a in fn(x, res, jax.random.key_data(key))]
+
+    whole = run(None)
+    for cut in (BLOCK, 3 * BLOCK, 7 * BLOCK):
+        for got, want in zip(run(cut), whole, strict=True):
+            np.testing.assert_array_equal(got, want)

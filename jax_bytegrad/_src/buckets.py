@@ -67,15 +67,38 @@ def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout
     return Layout(shapes, dtypes, bucketed, tuple(b for b, _ in buckets), padded)
 
 
+def _bucket(leaves, members, padded: int) -> jax.Array:
+    parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in members]
+    size = sum(part.size for part in parts)
+    parts.append(jnp.zeros(padded - size, jnp.float32))
+    return jnp.concatenate(parts)
+
+
 def to_buckets(leaves, layout: Layout) -> list[jax.Array]:
     """Concatenates each bucket's leaves as float32, zero-padded to its padded size."""
-    buckets = []
+    return [
+        _bucket(leaves, members, padded)
+        for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True)
+    ]
+
+
+def to_bucket_parts(leaves, layout: Layout, block_size: int) -> list[tuple[jax.Array, ...]]:
+    """``to_buckets``, each bucket as consecutive parts of whole blocks that concatenate to it.
+
+    A bucket of one leaf comes as two parts: the leaf's whole blocks, read where they lie, and
+    the rest of it with the padding. XLA:CPU would otherwise copy the whole leaf into the padded
+    bucket before reading it (benchmarks/RESULTS.md, "The padded bucket"). Other buckets come
+    as one part.
+    """
+    out = []
     for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True):
-        parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in members]
-        size = sum(part.size for part in parts)
-        parts.append(jnp.zeros(padded - size, jnp.float32))
-        buckets.append(jnp.concatenate(parts))
-    return buckets
+        flat = leaves[members[0]].reshape(-1).astype(jnp.float32)
+        head = flat.size // block_size * block_size
+        if len(members) > 1 or head in (0, padded):
+            out.append((_bucket(leaves, members, padded),))
+        else:
+            out.append((flat[:head], jnp.pad(flat[head:], (0, padded - flat.size))))
+    return out
 
 
 def from_buckets(buckets, leaves, layout: Layout) -> list:

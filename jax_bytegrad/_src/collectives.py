@@ -165,7 +165,7 @@ def sync_mean(
         # Independent rounding on every device; the result is gathered, so still identical.
         key = jax.random.fold_in(key, jax.lax.axis_index(config.axes))
     reduced, kept = [], []
-    for i, bucket in enumerate(bucketing.to_buckets(leaves, layout)):
+    for i, bucket in enumerate(bucketing.to_bucket_parts(leaves, layout, config.block_size)):
         bucket, residual = wires.sum_flat(
             bucket,
             config,

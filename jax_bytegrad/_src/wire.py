@@ -627,8 +627,9 @@ def integer_sum(
     of their own.
 
     Args:
-      x: this device's flat float32 vector; its length a multiple of ``block_size``.
-      residual: None, or this device's error-feedback residual, same shape as ``x``.
+      x: this device's flat float32 vector, or a tuple of consecutive parts of it
+        (``buckets.to_bucket_parts``); each a whole number of blocks.
+      residual: None, or this device's error-feedback residual, as long as ``x``.
       group: the axis name (or names) that sums.
       group_size: its size.
       weight: scales the decoded sum (1 / devices for a mean).
@@ -642,18 +643,24 @@ def integer_sum(
       (None without one).
     """
     width = allreduce_width(bits, group_size)
+    parts = x if isinstance(x, tuple) else (x,)
+    starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
     if residual is not None:
-        x = x + residual
-    bounds = jax.lax.pmax(integer_bounds(x, block_size), group)
-    codes, kept = integer_encode(
-        x,
-        bounds,
-        block_size=block_size,
-        width=width,
-        stochastic=stochastic,
-        seed=None if key is None else dither_seed(key),
-        feedback=residual is not None,
-    )
+        parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
+    bounds = jnp.concatenate([integer_bounds(part, block_size) for part in parts])
+    bounds = jax.lax.pmax(bounds, group)
+    seed = None if key is None else dither_seed(key)
+    encoded = []
+    for part, start, stop in zip(parts, starts[:-1], starts[1:], strict=True):
+        first, last = start // block_size, stop // block_size
+        encoded.append(
+            integer_encode(
+                part, bounds[first:last], block_size=block_size, width=width,
+                stochastic=stochastic, seed=seed, first_block=first, feedback=residual is not None,
+            )
+        )  # fmt: skip
+    codes = jnp.concatenate([c for c, _ in encoded])
+    kept = None if residual is None else jnp.concatenate([k for _, k in encoded])
     total = jax.lax.psum(codes, group)
     factors = decode_factors(
         bounds, width=width, group_size=group_size, weight=weight, stochastic=stochastic
@@ -675,7 +682,7 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
     hierarchical = config.hierarchical
     if hierarchical:
         if local > 1:
-            x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+            x = jax.lax.psum_scatter(_joined(x), local_axis, scatter_dimension=0, tiled=True)
         # With one device per node, summing over both axes reaches the same devices and
         # types the result replicated over both.
         group, group_size = (node_axis if local > 1 else (node_axis, local_axis)), n
@@ -683,7 +690,7 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
         group, group_size = (node_axis, local_axis), n * local
     if group_size == 1:
         # No slow hop to compress: the honest result is the plain float32 one.
-        x = x * jnp.float32(weight)
+        x = _joined(x) * jnp.float32(weight)
         if hierarchical:
             x = gather_invariant(gather_invariant(x, node_axis), local_axis)
         return x, residual
@@ -704,14 +711,25 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
     return x, None if residual is None else (send, residual[1])
 
 
+def _joined(x) -> jax.Array:
+    """A bucket given whole or as its parts (``buckets.to_bucket_parts``), as one vector."""
+    return jnp.concatenate(x) if isinstance(x, tuple) else x
+
+
 def sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     """The all-reduce of one flat float32 bucket over ``config``'s wire; its length is a
-    multiple of devices x block. Returns the reduced bucket, typed as replicated over both
-    axes, and the new residuals (None without error feedback; ``residual_sizes``)."""
+    multiple of devices x block. ``x`` may come as a tuple of its parts: the integer wire
+    reads them where they lie, the others join them. Returns the reduced bucket, typed as
+    replicated over both axes, and the new residuals (None without error feedback;
+    ``residual_sizes``)."""
     group_size = n if config.hierarchical else n * local
     allreduce = config.wire_for(group_size) == "allreduce"
-    flat_sum = allreduce_sum_flat if allreduce else scatter_gather_sum_flat
-    return flat_sum(
+    if not allreduce:
+        return scatter_gather_sum_flat(
+            _joined(x), config, n=n, local=local, weight=weight, key=key, codec=codec,
+            residual=residual,
+        )  # fmt: skip
+    return allreduce_sum_flat(
         x, config, n=n, local=local, weight=weight, key=key, codec=codec, residual=residual
     )
 
