@@ -83,7 +83,7 @@ def _psum_builder(mesh, grads):
     from jax.sharding import PartitionSpec as P
 
     spec = P(("node", "local"), None)
-    donate = TRAIN["donate"]
+    donate = BUFFERS["donate"]
     fn = jax.jit(
         jax.shard_map(
             lambda g: jax.lax.psum(g, ("node", "local")), mesh=mesh, in_specs=spec, out_specs=spec
@@ -139,7 +139,7 @@ def _per_device_builder(mesh, body, grads, *extra):
 SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
 # --donate, set in each worker: train steps donate their state and carry it along, and the
 # float32 psums and the integer and ring wires' syncs (`_wire_sync`) their gradient buffer.
-TRAIN: dict[str, bool] = {"donate": False}
+BUFFERS: dict[str, bool] = {"donate": False}
 
 
 def _sizes() -> dict:
@@ -374,7 +374,7 @@ def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "n
 
     res_specs = jax.tree.map(lambda _: P(AXES), residuals)
     in_specs = (P(AXES, None), P(), res_specs)
-    if not TRAIN["donate"]:
+    if not BUFFERS["donate"]:
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), res_specs)))
         return fn, (grads, key, residuals)
 
@@ -603,7 +603,7 @@ def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
     # One phase per transformation (QAdam: the compressed one alone, so every timed step is
     # a compressed one). Without --donate nothing is donated: every timed call starts from
     # the same state.
-    step = data_parallel_step(_mlp_loss, tx, mesh, donate=TRAIN["donate"])
+    step = data_parallel_step(_mlp_loss, tx, mesh, donate=BUFFERS["donate"])
     state = step.init(_mlp_init(num_params))
     if qadam_warmup is not None:  # past warm-up: the count a compressed step sees
         qadam_state = state.opt_state[0]
@@ -621,7 +621,7 @@ def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
 def _timed_step(step, state, batch):
     """``(fn, args)`` that times ``step``: on the same state every call, or, with --donate,
     on the state the call before returned (the worker waits for the state and metrics)."""
-    if not TRAIN["donate"]:
+    if not BUFFERS["donate"]:
         return step, (state, batch)
     cell = [state]
 
@@ -783,7 +783,7 @@ def _train_pipelined(mesh, num_params, *, wire: str, **settings):
     from jax_bytegrad import SyncConfig, pipelined_step, shard_batch
 
     config = SyncConfig(wire=wire, **_wire_sizes(wire), **settings)
-    step = pipelined_step(_mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=TRAIN["donate"])
+    step = pipelined_step(_mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=BUFFERS["donate"])
     state = step.init(_mlp_init(num_params))
     rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
     rng = np.random.default_rng(1 + jax.process_index())

@@ -48,7 +48,7 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _network_report as report  # noqa: E402
-from _network_ops import BASELINE_OP, DEFAULT_OPS, OPS, SIZES, TRAIN  # noqa: E402
+from _network_ops import BASELINE_OP, BUFFERS, DEFAULT_OPS, OPS, SIZES  # noqa: E402
 
 DEFAULT_NUM_PARAMS = 25_200_000
 
@@ -60,7 +60,7 @@ def _worker(args) -> int:
 
     info = initialize()
     SIZES.update(bucket_mb=args.bucket_mb, message_kb=args.message_kb)
-    TRAIN["donate"] = args.donate
+    BUFFERS["donate"] = args.donate
     import jax
     from jax.experimental import multihost_utils
 
