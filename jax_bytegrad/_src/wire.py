@@ -573,17 +573,19 @@ def integer_encode(x, bounds, *, block_size, width, stochastic, seed, first_bloc
 
 
 def decode_factors(bounds, *, width, group_size, weight, stochastic) -> jax.Array:
-    """The decode's factors per block from the group's bounds, shape (blocks, 2) int32:
+    """The decode's factors per block from the group's bounds, shape (2, blocks) int32:
     the float32 bits of ``scale * weight``, and ``g * zero``.
 
     One int32 array, so that the group agrees on both with one exact ``pmax`` (module
-    docstring: the factors then reach every fused decode as data).
+    docstring: the factors then reach every fused decode as data). Each factor is a
+    contiguous row: read from (blocks, 2) pairs, an Adam pass with the decode fused in took
+    1.4x as long on one core (benchmarks/RESULTS.md, "The decode's factors in rows").
     """
     scale, zero, _ = _grid(bounds, width.levels, stochastic)
     # |zero| <= 2**23 + 1 and g <= 2**16 / levels: g * zero fits int32.
     offset = (np.int32(group_size) * zero.astype(jnp.int32)).astype(jnp.int32)
     factor = jax.lax.bitcast_convert_type(scale * np.float32(weight), jnp.int32)
-    return jnp.concatenate([factor, offset], axis=1)
+    return jnp.stack([factor[:, 0], offset[:, 0]])
 
 
 def integer_decode(total, factors, *, width) -> jax.Array:
@@ -592,8 +594,8 @@ def integer_decode(total, factors, *, width) -> jax.Array:
     ``total`` is the ``psum`` of ``integer_encode``'s codes, ``factors`` the group's
     ``decode_factors`` of the same blocks. Returns the flat float32 values.
     """
-    factor = jax.lax.bitcast_convert_type(factors[:, 0:1], jnp.float32)
-    offset = factors[:, 1:2]
+    factor = jax.lax.bitcast_convert_type(factors[0], jnp.float32)[:, None]
+    offset = factors[1][:, None]
     total = _from_wire(total, width)
     # sum - g * zero is exact in int32 (g * levels < 2**16); the one rounding to float32 and
     # the one product are the same on every device.

@@ -514,7 +514,7 @@ class _Stages:
         integer wire, (peers, blocks, block) for the scatter-gather wire."""
         if self.integer:
             total, factors = values
-            return self._decode_sum(total, factors[c.start : c.stop])
+            return self._decode_sum(total, factors[:, c.start : c.stop])
         (gathered,) = values
         parts = [wires.sg_decode(g, codec=self.codec, block_size=self.block) for g in gathered]
         return jnp.concatenate(parts, axis=1)
