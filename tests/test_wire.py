@@ -363,6 +363,17 @@ def test_four_bits_over_two_nodes_packs_nibbles_within_the_bound():
     assert stats.bytes_on("node") <= 0.14 * fp32
 
 
+def test_four_bit_bytes_hold_adjacent_values_and_their_byte_sum_unpacks_to_the_code_sum():
+    width = wire_lib.allreduce_width(4, 2)
+    rng = np.random.default_rng(5)
+    a, b = (rng.integers(0, width.levels + 1, (3, 2 * BLOCK)).astype(np.float32) for _ in "ab")
+    packed = np.asarray(wire_lib._to_wire(jnp.asarray(a), width))
+    assert packed.shape == (3, BLOCK) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(packed, a[:, 0::2] + 16 * a[:, 1::2])
+    total = jnp.asarray(packed) + wire_lib._to_wire(jnp.asarray(b), width)
+    np.testing.assert_array_equal(np.asarray(wire_lib._from_wire(total, width)), a + b)
+
+
 def test_four_bits_over_more_than_two_nodes_is_refused():
     with pytest.raises(ValueError, match="4-bit codes sum over at most 2 devices.*got 4"):
         _mean(_mesh(4, 2), _data(1), wire="allreduce", bits=4, block_size=2 * BLOCK)
