@@ -21,9 +21,10 @@ collectives, not link savings. The bytes columns are what a real link would carr
 for one thread): for a gradient of ``--codec-size`` values (25.2M by default), the
 scatter-gather wire's quantize and decode, the uniforms of stochastic rounding from each PRNG
 implementation and from the integer wire's hash, and the integer wire's own passes (block
-bounds, quantize, decode of the sum, with and without error feedback), and the decode fused
+bounds, quantize, decode of the sum, with and without error feedback), the decode fused
 into an optimizer pass over a square leaf, as a train step runs it: with the grid computed
-in the same program (recomputed per value) and with the decode factors read as data. Median
+in the same program (recomputed per value) and with the decode factors read as data, and
+the integer wire's whole sync of one bucket at 8 and 4 bits (its gradient donated). Median
 wall and CPU time per call; CPU time is the work itself on a shared host.
 
 ``--accuracy`` measures the error of the mean of each wire, not its time: on g nodes of one
@@ -227,7 +228,38 @@ def _codec_pieces(size: int) -> dict:
         jax.jit(moment_pass),
         (moment, codes, jax.jit(functools.partial(wire_lib.decode_factors, **factor_args))(bounds)),
     )
+
+    # The whole integer sync of one bucket as one device of two runs it (on one device here,
+    # so the psum is a copy), its gradient donated and the mean carried into the next call,
+    # as a train step reuses its buffers.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("node",))
+    for bits in (8, 4):
+
+        def sync(g, bits=bits):
+            mean, _ = wire_lib.integer_sum(
+                g, None, group="node", group_size=2, weight=0.5, key=None, bits=bits,
+                block_size=jax_bytegrad.DEFAULT_BLOCK_SIZES[bits], stochastic=False,
+            )  # fmt: skip
+            return mean
+
+        sync = jax.jit(
+            jax.shard_map(sync, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False),
+            donate_argnums=0,
+        )
+        pieces[f"ar sync of one bucket, {bits}-bit, donated"] = (_carried(sync, x.reshape(-1)), ())
     return pieces
+
+
+def _carried(fn, x):
+    """A call of ``fn`` on what its last call returned (``x`` first): for a ``fn`` that
+    donates its argument."""
+    held = [jnp.array(x)]
+
+    def call():
+        held[0] = fn(held[0])
+        return held[0]
+
+    return call
 
 
 def _codec_costs(size: int, repeats: int) -> int:
