@@ -521,8 +521,8 @@ def _to_wire(codes: jax.Array, width: Width) -> jax.Array:
     each even-indexed value in the low nibble and the value after it in the high one.
 
     Not the codec's layout (``codecs.reference.pack``: a block's halves): XLA:CPU fuses the
-    encode into adjacent pairs 1.9x as fast as into halves (benchmarks/RESULTS.md, "4-bit
-    nibbles").
+    encode into adjacent pairs 1.9x as fast as into halves (benchmarks/RESULTS.md, "Two
+    layouts of the integer wire").
     """
     if width.bits == 4:
         pairs = codes.astype(jnp.uint8).reshape(codes.shape[0], -1, 2)
@@ -590,7 +590,7 @@ def decode_factors(bounds, *, width, group_size, weight, stochastic) -> jax.Arra
     One int32 array, so that the group agrees on both with one exact ``pmax`` (module
     docstring: the factors then reach every fused decode as data). Each factor is a
     contiguous row: read from (blocks, 2) pairs, an Adam pass with the decode fused in took
-    1.4x as long on one core (benchmarks/RESULTS.md, "The decode's factors in rows").
+    1.4x as long on one core (benchmarks/RESULTS.md, "Two layouts of the integer wire").
     """
     scale, zero, _ = _grid(bounds, width.levels, stochastic)
     # |zero| <= 2**23 + 1 and g <= 2**16 / levels: g * zero fits int32.
