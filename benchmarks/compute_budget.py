@@ -68,7 +68,7 @@ from jax_bytegrad._src.quantization import (  # noqa: E402
     dequantize_blocks,
     quantize_blocks,
 )
-from jax_bytegrad._src.stats import array_shapes, hlo_instructions  # noqa: E402
+from jax_bytegrad.profiling import array_shapes, hlo_instructions  # noqa: E402
 
 BUDGET_S = 0.1
 HEADER_BYTES = 8

@@ -8,17 +8,15 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src.stats import (
-    CommunicationStats,
-    _parse_collectives,
-    _parse_replica_groups,
-    _stats_from_hlo,
+from jax_bytegrad._src.hlo import (
     array_shapes,
     called_computations,
-    communication_stats,
     conditional_branches,
-    hlo_instructions,
+    parse_collectives,
+    parse_replica_groups,
 )
+from jax_bytegrad._src.stats import merge, stats_from_hlo
+from jax_bytegrad.profiling import CommunicationStats, communication_stats, hlo_instructions
 
 MESH_SHAPES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 MESH_IDS = [f"{n}x{m}" for n, m in MESH_SHAPES]
@@ -294,18 +292,18 @@ def test_table():
         ("mesh['a'=2,'b'=2] <=[2,2]T(1,0) {'a'}", ((0, 1), (2, 3))),
     ],
 )
-def test_parse_replica_groups(text, expected):
-    assert _parse_replica_groups(text) == expected
+def testparse_replica_groups(text, expected):
+    assert parse_replica_groups(text) == expected
 
 
 def test_parse_replica_groups_iota_matches_numpy():
     ids = np.arange(24).reshape(2, 3, 4).transpose(1, 2, 0).reshape(6, 4)
-    assert _parse_replica_groups("[6,4]<=[2,3,4]T(1,2,0)") == tuple(map(tuple, ids.tolist()))
+    assert parse_replica_groups("[6,4]<=[2,3,4]T(1,2,0)") == tuple(map(tuple, ids.tolist()))
 
 
 def test_parse_replica_groups_rejects_garbage():
     with pytest.raises(ValueError, match="cannot parse replica groups"):
-        _parse_replica_groups("[2,4]<=oops")
+        parse_replica_groups("[2,4]<=oops")
 
 
 _ASYNC_HLO = """\
@@ -344,7 +342,7 @@ ENTRY %main (param: f32[16], codes: u8[64], half: bf16[32]) -> f32[16] {
 
 
 def test_parse_async_and_variadic_hlo():
-    collectives = _parse_collectives(_ASYNC_HLO)
+    collectives = parse_collectives(_ASYNC_HLO)
     kinds = [c.kind for c in collectives]
     assert kinds == [
         "all-to-all",
@@ -355,7 +353,7 @@ def test_parse_async_and_variadic_hlo():
         "all-reduce",
         "all-reduce",
     ]
-    stats = _stats_from_hlo(_ASYNC_HLO, ALL, (2, 4))
+    stats = stats_from_hlo(_ASYNC_HLO, ALL, (2, 4))
     rows = {(r.kind, r.axes, r.dtype): (r.count, r.payload_bytes, r.bytes_sent) for r in stats.rows}
     assert rows == {
         # Variadic f32[16] + bf16[32] = 128 B over the 4 local devices.
@@ -377,9 +375,9 @@ def test_parse_async_and_variadic_hlo():
 def test_stats_from_hlo_with_device_positions():
     # HLO device i sits at mesh position positions[i]: device 1 is at (node 1, local 0).
     hlo = "  %r = f32[4]{0} all-reduce(f32[4]{0} %p), replica_groups={{0,1}}, to_apply=%add\n"
-    row = _only_row(_stats_from_hlo(hlo, ALL, (2, 2), positions=[0, 2, 1, 3]))
+    row = _only_row(stats_from_hlo(hlo, ALL, (2, 2), positions=[0, 2, 1, 3]))
     assert row.axes == "node"
-    row = _only_row(_stats_from_hlo(hlo, ALL, (2, 2)))
+    row = _only_row(stats_from_hlo(hlo, ALL, (2, 2)))
     assert row.axes == "local"
 
 
@@ -461,7 +459,7 @@ def test_hlo_instructions_and_conditional_forms():
     assert conditional_branches(instructions) == [("no.2", "yes.1")]
     assert called_computations(instructions, "yes.1") == {"yes.1", "add"}
     assert called_computations(instructions, "main") == {"main", "yes.1", "no.2", "add"}
-    stats = _stats_from_hlo(_COND_HLO, ALL, (1, 2))
+    stats = stats_from_hlo(_COND_HLO, ALL, (1, 2))
     no, yes = stats.branches[0]
     assert no.rows == () and stats.unconditional.rows == ()
     assert [(r.kind, r.axes, r.payload_bytes) for r in yes.rows] == [("all-reduce", "local", 16)]
@@ -493,3 +491,16 @@ def test_no_collectives():
     stats = communication_stats(_shard_map(lambda x: x * 2, mesh), _x())
     assert stats.rows == () and stats.total_bytes == 0 and stats.bytes_by_axis() == {}
     assert "(no collectives)" in str(stats)
+
+
+def test_merge_sums_rows_of_programs_and_sorts_them():
+    one = stats_from_hlo(_COND_HLO, ALL, (1, 2)).branches[0][1]
+    merged = merge([one, one, stats_from_hlo(_COND_HLO, ALL, (1, 2)).unconditional])
+    (row,) = merged.rows
+    assert (row.kind, row.axes, row.count) == ("all-reduce", "local", 2)
+    assert row.payload_bytes == 32 and row.bytes_sent == 2 * one.rows[0].bytes_sent
+    assert merged.branches == () and merged.unconditional is None
+    with pytest.raises(ValueError, match="over one mesh"):
+        merge([one, stats_from_hlo(_COND_HLO, ALL, (2, 1))])
+    with pytest.raises(ValueError, match="over one mesh"):
+        merge([])

@@ -308,20 +308,6 @@ def _execute(schedule: _Schedule, values: dict, wire: _Dispatcher, keep) -> dict
     return out
 
 
-def _merge_stats(all_stats: list[stats.CommunicationStats]) -> stats.CommunicationStats:
-    """The traffic of several programs that run once each per step, as one."""
-    totals: dict[tuple, list] = {}
-    for one in all_stats:
-        for row in one.rows:
-            entry = totals.setdefault((row.kind, row.axes, row.dtype), [0, 0, 0.0])
-            entry[0] += row.count
-            entry[1] += row.payload_bytes
-            entry[2] += row.bytes_sent
-    rows = tuple(stats.CollectiveTraffic(*key, *values) for key, values in totals.items())
-    first = all_stats[0]
-    return stats.CommunicationStats(rows, first.axis_names, first.axis_sizes)
-
-
 # Private helpers: the stages of one step ---------------------------------------------------
 
 
@@ -987,7 +973,7 @@ class PipelinedStep(TrainStep):
         """Bytes each device sends per step, summed over the step's programs; compiles them
         (runs nothing). Returns ``{"step": CommunicationStats}``."""
         lowered = self.lower(state, batch)
-        return {"step": _merge_stats([stats.communication_stats(x) for x in lowered.values()])}
+        return {"step": stats.merge([stats.communication_stats(x) for x in lowered.values()])}
 
     def close(self) -> None:
         """Stops the dispatch thread (after what it was given has run). Calling it again does
