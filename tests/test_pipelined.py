@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import SyncConfig
+from jax_bytegrad._src import programs
 from jax_bytegrad._src.steps import pipelined
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
 
@@ -453,11 +454,11 @@ def test_an_error_in_a_step_stops_the_rest_of_its_wire_programs():
 
     schedule = Schedule()
     schedule.tasks, schedule.last_use = tasks, {}
-    wire = pipelined._Dispatcher("test-wire")
+    wire = programs.Dispatcher("test-wire")
     try:
         threading.Timer(0.2, release.set).start()
         with pytest.raises(FloatingPointError, match="a program failed"):
-            pipelined._execute(schedule, {}, wire, keep=["a"])
+            programs.execute(schedule, {}, wire, keep=["a"])
         assert ran == ["first"]  # the second exchange never ran
         assert wire.submit(lambda: 3).result(timeout=10) == 3
     finally:
@@ -466,7 +467,7 @@ def test_an_error_in_a_step_stops_the_rest_of_its_wire_programs():
 
 
 def test_dispatcher_keeps_the_order_and_hands_back_errors():
-    wire = pipelined._Dispatcher("test-order")
+    wire = programs.Dispatcher("test-order")
     order = []
     futures = [wire.submit(order.append, i) for i in range(20)]
     bad = wire.submit(lambda: 1 / 0)

@@ -38,12 +38,7 @@ gang-schedules them), so there the programs run one after another, correct but n
 overlapped. The backward pass is not overlapped with the sync: the gradient is one program.
 """
 
-import collections
-import concurrent.futures
 import dataclasses
-import math
-import queue
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +53,7 @@ from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks, stats
 from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.config import Residuals, SyncConfig
+from jax_bytegrad._src.programs import Dispatcher, Program, Schedule, Value, aval, execute
 from jax_bytegrad._src.quantization import resolve_implementation
 from jax_bytegrad._src.sharding import replicate, state_specs
 from jax_bytegrad._src.steps.base import (
@@ -68,245 +64,6 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.transforms import ByteGradState, bytegrad
-
-# Private helpers: the dispatch thread ------------------------------------------------------
-
-
-class _Dispatcher:
-    """One thread that runs the wire programs, in the order they are submitted.
-
-    A daemon thread, so that a process whose main thread ends (or raises) never waits for
-    it; ``close`` stops it. The same thread for every step: JAX runs the programs one thread
-    dispatches one after another (its execution stream), so the wire programs never overlap
-    each other.
-    """
-
-    def __init__(self, name: str):
-        self._name = name
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = None
-        self._lock = threading.Lock()
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
-            future = concurrent.futures.Future()
-            self._queue.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                future.set_exception(e)
-
-    @property
-    def alive(self) -> bool:
-        """Whether the thread runs (it starts with the first program submitted)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
-
-    def close(self) -> None:
-        """Stops the thread once what was submitted has run."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-            if thread is not None:
-                self._queue.put(None)
-        if thread is not None:
-            thread.join()
-
-
-class _Pending:
-    """Output ``index`` of a wire program that the dispatch thread may not have run yet."""
-
-    def __init__(self, future: concurrent.futures.Future, index: int):
-        self.future, self.index = future, index
-
-    def result(self):
-        return self.future.result()[self.index]
-
-
-def _call_resolved(jitted, args):
-    return jitted(*[a.result() if isinstance(a, _Pending) else a for a in args])
-
-
-# Private helpers: programs ---------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Value:
-    """A value between programs: its ``shard_map`` spec (a tree) and global abstract value."""
-
-    spec: Any
-    aval: Any
-
-
-def _aval(x):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-
-
-class _Program:
-    """One stage as a jitted ``shard_map`` over the mesh, built from its abstract inputs.
-
-    Values between programs are per device: a value that varies over some mesh axes is
-    stacked along its first dimension over those axes (``P((node, local))``, ``P(local)``,
-    as error feedback's residuals are); one that is the same on every device is replicated
-    (``P()``). The output specs are read from each output's varying axes when the stage is
-    traced, so each value keeps the type the one-program step gives it.
-
-    Error feedback's residuals (``chains``) are threaded through the programs that read or
-    write them, donated and updated in place: ``fn(*chains, *reads, *inputs) -> (*chains,
-    *outputs)``. ``reads`` are chains it only reads. ``_link`` names each version of a chain
-    after the order the programs run in.
-
-    Args:
-      name: the program's name (``lower`` keys).
-      kind: ``"compute"`` (dispatched by the caller's thread) or ``"wire"`` (it holds
-        collectives: the dispatch thread runs it).
-      fn: the per-device function.
-      inputs, outputs: the names of its other values.
-      chains, reads: the chains it updates, and those it only reads.
-      donate: indices into ``inputs`` to donate.
-      donate_chains: donate the chains (False for a wire program: the dispatch thread
-        would then consume a buffer the caller's thread still reads).
-    """
-
-    def __init__(self, name, kind, fn, inputs=(), outputs=(), *, chains=(), reads=(),
-                 donate=(), donate_chains=True):  # fmt: skip
-        self.name, self.kind, self.fn = name, kind, fn
-        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
-        self.chains, self.reads = tuple(chains), tuple(reads)
-        self.donate, self.donate_chains = tuple(donate), donate_chains
-        self.input_names = self.output_names = self.donate_argnums = None
-        self.jitted = None
-
-    def build(self, values: list[_Value], mesh: Mesh, axes: tuple[str, str]) -> list[_Value]:
-        """Builds the jitted program for these inputs; returns its outputs' values."""
-        in_specs = tuple(v.spec for v in values)
-        avals = tuple(v.aval for v in values)
-        found = {}
-
-        def probe(*args):
-            out = self.fn(*args)
-            found["vma"] = jax.tree.map(checks.varying_axes, out)
-            found["local"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
-            return jax.tree.map(lambda x: x[None], out)
-
-        mapped = dict(mesh=mesh, in_specs=in_specs)
-        jax.eval_shape(jax.shard_map(probe, out_specs=P(axes), **mapped), *avals)
-
-        def spec_of(vma, local):
-            names = tuple(a for a in axes if a in vma)
-            if not names:
-                return P()
-            if not local.shape:
-                raise AssertionError(f"{self.name}: a per-device output must be an array")
-            return P(names if len(names) > 1 else names[0])
-
-        def global_aval(spec, local):
-            shape = local.shape
-            if spec != P():
-                names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-                shape = (shape[0] * math.prod(mesh.shape[a] for a in names), *shape[1:])
-            return jax.ShapeDtypeStruct(shape, local.dtype, sharding=NamedSharding(mesh, spec))
-
-        is_leaf = lambda x: isinstance(x, frozenset)  # noqa: E731
-        out_specs = jax.tree.map(spec_of, found["vma"], found["local"], is_leaf=is_leaf)
-        self.jitted = jax.jit(
-            jax.shard_map(self.fn, out_specs=out_specs, **mapped),
-            donate_argnums=self.donate_argnums,
-        )
-        out_avals = jax.tree.map(global_aval, out_specs, found["local"])
-        return [_Value(s, a) for s, a in zip(out_specs, out_avals, strict=True)]
-
-
-def _link(tasks: list[_Program], *, donate_state: bool) -> dict[str, str]:
-    """Names each chain's versions in the order ``tasks`` run; returns each chain's last.
-
-    Version 0 of a chain is ``{chain}@0``, a residual of the state: donated only with
-    ``donate_state``; later versions always.
-    """
-    version: dict[str, int] = collections.defaultdict(int)
-    for task in tasks:
-        names = [f"{c}@{version[c]}" for c in (*task.chains, *task.reads)]
-        donate = []
-        if task.donate_chains:
-            donate = [i for i, c in enumerate(task.chains) if version[c] or donate_state]
-        donate += [len(names) + i for i in task.donate]
-        task.input_names = (*names, *task.inputs)
-        task.donate_argnums = tuple(donate)
-        for c in task.chains:
-            version[c] += 1
-        task.output_names = (*[f"{c}@{version[c]}" for c in task.chains], *task.outputs)
-    return {c: f"{c}@{v}" for c, v in version.items()}
-
-
-class _Schedule:
-    """The programs of one step, in the order the caller's thread walks them, built from
-    the step's abstract inputs. ``values`` holds every value's spec and abstract value,
-    ``last`` the last version of each chain, ``last_use`` where each value is last read."""
-
-    def __init__(self, tasks, inputs: dict[str, _Value], mesh, axes, *, donate_state: bool):
-        self.tasks = tasks
-        self.last = _link(tasks, donate_state=donate_state)
-        self.values = dict(inputs)
-        self.last_use = {}
-        for i, task in enumerate(tasks):
-            outs = task.build([self.values[name] for name in task.input_names], mesh, axes)
-            self.values.update(zip(task.output_names, outs, strict=True))
-            self.last_use.update((name, i) for name in task.input_names)
-
-
-def _execute(schedule: _Schedule, values: dict, wire: _Dispatcher, keep) -> dict:
-    """Runs one step of ``schedule`` on the input ``values``; returns the values in ``keep``.
-
-    Compute programs are dispatched from this thread, wire programs handed to ``wire``
-    in order. Each value is dropped after its last use, so its buffer can be reused. Returns
-    once the last wire program has finished; on an error, cancels the wire programs not yet
-    started and waits for the one running before raising.
-    """
-    pending: list[concurrent.futures.Future] = []
-
-    def resolve(name):
-        value = values[name]
-        if isinstance(value, _Pending):
-            value = values[name] = value.result()
-        return value
-
-    try:
-        for i, task in enumerate(schedule.tasks):
-            if task.kind == "compute":
-                out = task.jitted(*[resolve(name) for name in task.input_names])
-                values.update(zip(task.output_names, out, strict=True))
-            else:
-                args = [values[name] for name in task.input_names]
-                future = wire.submit(_call_resolved, task.jitted, args)
-                pending.append(future)
-                outs = task.output_names
-                values.update((name, _Pending(future, j)) for j, name in enumerate(outs))
-            for name in task.input_names:
-                if schedule.last_use[name] == i and name not in keep:
-                    del values[name]
-        out = {name: resolve(name) for name in keep if name in values}
-        if pending:
-            # No collective of this step is left in flight when the caller's code runs.
-            jax.block_until_ready(pending[-1].result())
-    except BaseException:
-        for future in pending:
-            future.cancel()
-        concurrent.futures.wait(pending)
-        raise
-    return out
-
 
 # Private helpers: the stages of one step ---------------------------------------------------
 
@@ -391,7 +148,7 @@ def _chunks(sync: SyncConfig, group: _Group, local: int, padded: int, b: int) ->
     return chunks
 
 
-def _pipeline(stages: list[list[_Program]]) -> list[_Program]:
+def _pipeline(stages: list[list[Program]]) -> list[Program]:
     """The pieces' stages as a software pipeline: stage k of piece c at tick c + k.
 
     In each tick the wire programs are submitted first, the oldest piece's first (the order
@@ -413,7 +170,7 @@ class _Stages:
 
     ``buf{b}`` is the vector bucket b's group compresses (the bucket, or its shard after a
     reduce-scatter within the node); ``send{b}`` / ``mean{b}`` are its residuals, chains
-    (``_Program``) that each piece's encode updates in place. Other values are named
+    (``Program``) that each piece's encode updates in place. Other values are named
     ``{stage}{b}.{i}`` for piece i.
 
     Where the mean is decoded: as in the one-program step, so that XLA:CPU fuses the same
@@ -468,7 +225,7 @@ class _Stages:
         # unless a float32 reduce-scatter within the node comes first.
         self.bounds_in_grad = self.integer and not self.group.plain and not self.group.scatter
 
-    def tasks(self) -> list[_Program]:
+    def tasks(self) -> list[Program]:
         tasks = [self._grad()]
         if self.group.scatter:
             tasks += [self._scatter(b) for b in self.buckets]
@@ -525,7 +282,7 @@ class _Stages:
 
     # Before the pieces. ----------------------------------------------------------------------
 
-    def _grad(self) -> _Program:
+    def _grad(self) -> Program:
         """Forward, backward, the buckets; the key of the step; the integer wire's bounds."""
         axes, layout, feedback = self.axes, self.layout, self.feedback
         stochastic, block, num = self.stochastic, self.block, len(self.buckets)
@@ -568,29 +325,29 @@ class _Stages:
         outputs += ["keys"] if stochastic else []
         outputs += [f"bounds{b}" for b in self.buckets] if self.bounds_in_grad else []
         reads = [f"send{b}" for b in self.buckets] if self.bounds_in_grad and feedback else []
-        return _Program("grad", "compute", grad, inputs, outputs, reads=reads)
+        return Program("grad", "compute", grad, inputs, outputs, reads=reads)
 
-    def _scatter(self, b: int) -> _Program:
+    def _scatter(self, b: int) -> Program:
         local_axis = self.sync.local_axis
 
         def scatter(x):
             return (jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True),)
 
-        return _Program(f"scatter{b}", "wire", scatter, [f"buf{b}"], [f"shard{b}"])
+        return Program(f"scatter{b}", "wire", scatter, [f"buf{b}"], [f"shard{b}"])
 
-    def _bounds(self, b: int) -> _Program:
+    def _bounds(self, b: int) -> Program:
         block, feedback = self.block, self.feedback
 
         def bounds(*args):
             *send, x = args
             return (wires.integer_bounds(x + send[0] if feedback else x, block),)
 
-        return _Program(
+        return Program(
             f"bounds{b}", "compute", bounds, [f"shard{b}"], [f"bounds{b}"],
             reads=self._residuals(b),
         )  # fmt: skip
 
-    def _metrics(self) -> _Program:
+    def _metrics(self) -> Program:
         """The mean loss (and aux) over the devices; the integer wire's agreed bounds and
         decode factors."""
         axes, group = self.axes, self.group.axis
@@ -618,9 +375,9 @@ class _Stages:
             inputs += [f"bounds{b}" for b in self.buckets]
             outputs += [f"agreed{b}" for b in self.buckets]
             outputs += [f"factors{b}" for b in self.buckets]
-        return _Program("metrics", "wire", metrics, inputs, outputs)
+        return Program("metrics", "wire", metrics, inputs, outputs)
 
-    def _plain(self, b: int) -> _Program:
+    def _plain(self, b: int) -> Program:
         """One device per group, nothing compressed: the bucket's float32 sum, as is (error
         feedback's residuals are empty then, and stay as they are)."""
         sync = self.sync
@@ -632,14 +389,14 @@ class _Stages:
             )  # fmt: skip
             return (out,)
 
-        return _Program(f"sum{b}", "wire", total, [f"buf{b}"], [f"avg{b}"])
+        return Program(f"sum{b}", "wire", total, [f"buf{b}"], [f"avg{b}"])
 
     # The pieces. -----------------------------------------------------------------------------
 
     def _key(self, keys, b: int):
         return None if keys is None else jax.random.wrap_key_data(keys[b])
 
-    def _integer(self, c: _Chunk) -> list[_Program]:
+    def _integer(self, c: _Chunk) -> list[Program]:
         """encode -> psum (-> decode) of one piece (``wire.integer_sum``'s stages)."""
         group, width, block = self.group, self.width, self.block
         feedback, stochastic, tag = self.feedback, self.stochastic, c.tag
@@ -664,21 +421,21 @@ class _Stages:
         keys = ["keys"] if stochastic else []
         inputs = [self._source(c.bucket), f"agreed{c.bucket}", *keys]
         return [
-            _Program(
+            Program(
                 f"encode{tag}", "compute", encode, inputs, [f"codes{tag}"],
                 chains=self._residuals(c.bucket),
             ),
-            _Program(f"psum{tag}", "wire", psum, [f"codes{tag}"], [f"total{tag}"]),
+            Program(f"psum{tag}", "wire", psum, [f"codes{tag}"], [f"total{tag}"]),
             *self._piece_decode(c),
         ]  # fmt: skip
 
-    def _piece_decode(self, c: _Chunk) -> list[_Program]:
+    def _piece_decode(self, c: _Chunk) -> list[Program]:
         """After a reduce-scatter within the node: piece c's decode, beside the wire."""
         if not self.group.scatter:
             return []
         values = self._pieces()[c.bucket][c.index]
         return [
-            _Program(
+            Program(
                 f"decode{c.tag}", "compute", lambda *v: (self._decode(c, *v),), values,
                 [f"part{c.tag}"],
             )
@@ -687,7 +444,7 @@ class _Stages:
     def _source(self, b: int) -> str:
         return f"shard{b}" if self.group.scatter else f"buf{b}"
 
-    def _scatter_gather(self, c: _Chunk) -> list[_Program]:
+    def _scatter_gather(self, c: _Chunk) -> list[Program]:
         """quantize -> all_to_all -> average -> all_gather -> decode of one piece (the
         stages of ``wire._scatter_gather_piece``, for each message piece it holds)."""
         sync, group, codec, block = self.sync, self.group, self.codec, self.block
@@ -749,20 +506,20 @@ class _Stages:
         keys = ["keys"] if stochastic else []
         mean = [f"mean{b}"] if feedback else []
         return [
-            _Program(f"quantize{tag}", "compute", quantize, [self._source(b), *keys],
+            Program(f"quantize{tag}", "compute", quantize, [self._source(b), *keys],
                      [f"message{tag}"], chains=self._residuals(b)),
-            _Program(f"all_to_all{tag}", "wire", all_to_all, [f"message{tag}"],
+            Program(f"all_to_all{tag}", "wire", all_to_all, [f"message{tag}"],
                      [f"received{tag}"]),
-            _Program(f"average{tag}", "compute", average, [f"received{tag}", *keys],
+            Program(f"average{tag}", "compute", average, [f"received{tag}", *keys],
                      [f"average{tag}"], chains=mean),
-            _Program(f"all_gather{tag}", "wire", all_gather, [f"average{tag}"],
+            Program(f"all_gather{tag}", "wire", all_gather, [f"average{tag}"],
                      [f"gathered{tag}"]),
             *self._piece_decode(c),
         ]  # fmt: skip
 
     # After the pieces. -----------------------------------------------------------------------
 
-    def _gather(self, b: int) -> _Program:
+    def _gather(self, b: int) -> Program:
         """After a reduce-scatter within the node: the bucket's mean from its shards."""
         local_axis = self.sync.local_axis
 
@@ -770,7 +527,7 @@ class _Stages:
             return (wires.gather_invariant(self._join(parts), local_axis),)
 
         parts = [f"part{c.tag}" for c in self.chunks[b]]
-        return _Program(f"gather{b}", "wire", gather, parts, [f"avg{b}"])
+        return Program(f"gather{b}", "wire", gather, parts, [f"avg{b}"])
 
     def _tail(self):
         """The last program's view of the means: its input names, and a function of those
@@ -796,7 +553,7 @@ class _Stages:
         unique = list(dict.fromkeys(names))
         return unique, lambda values: means([values[unique.index(n)] for n in names])
 
-    def _update(self) -> _Program:
+    def _update(self) -> Program:
         """The optimizer on the mean gradient, and the new parameters."""
         layout, optimizer = self.layout, self.optimizer
         names, means = self._tail()
@@ -808,12 +565,12 @@ class _Stages:
             updates, inner = optimizer.update(jax.tree.unflatten(treedef, grads), inner, params)
             return optax.apply_updates(params, updates), inner
 
-        return _Program(
+        return Program(
             "update", "compute", update, [*names, "params", "inner"], ["new_params", "new_inner"],
             donate=(len(names), len(names) + 1) if self.donate else (),
         )  # fmt: skip
 
-    def _mean(self) -> _Program:
+    def _mean(self) -> Program:
         """The sync alone: the mean as a pytree like the gradient, replicated."""
         layout = self.layout
         names, means = self._tail()
@@ -822,7 +579,7 @@ class _Stages:
             leaves = [None] * len(layout.shapes)  # every leaf is a float leaf
             return (bucketing.from_buckets(means(values), leaves, layout),)
 
-        return _Program("mean", "compute", mean, names, ["mean"])
+        return Program("mean", "compute", mean, names, ["mean"])
 
 
 # The step -----------------------------------------------------------------------------------
@@ -840,11 +597,11 @@ def _state_inputs(residuals) -> dict[str, Any]:
     return out
 
 
-def _residual_names(schedule: _Schedule) -> list[str]:
+def _residual_names(schedule: Schedule) -> list[str]:
     return list(schedule.last.values())
 
 
-def _new_residuals(schedule: _Schedule, values: dict, old) -> Residuals:
+def _new_residuals(schedule: Schedule, values: dict, old) -> Residuals:
     """The residuals after a step: each chain's last version (the integer wire never
     writes its empty second one)."""
     return Residuals(
@@ -877,7 +634,7 @@ class PipelinedStep(TrainStep):
         )
         self._specs = None
         self._schedule = None
-        self._wire = _Dispatcher(f"{self.algorithm}-wire")
+        self._wire = Dispatcher(f"{self.algorithm}-wire")
 
     def _state_specs(self, opt_state):
         if self._specs is None:
@@ -901,7 +658,7 @@ class PipelinedStep(TrainStep):
             **_state_inputs(sync_state.residuals),
         }
 
-    def _plan(self, state: TrainState, batch) -> _Schedule:
+    def _plan(self, state: TrainState, batch) -> Schedule:
         """The step's programs, built (traced, not compiled) from the abstract inputs."""
         if self._schedule is None:
             specs = self._state_specs(state.opt_state)
@@ -912,7 +669,7 @@ class PipelinedStep(TrainStep):
                 spec = {"params": P(), "key": P(), "inner": inner_specs}.get(name, per_device)
                 if name != "inner":
                     spec = jax.tree.map(lambda _, s=spec: s, value)
-                inputs[name] = _Value(spec, jax.tree.map(_aval, value))
+                inputs[name] = Value(spec, jax.tree.map(aval, value))
             leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
             n, local = (self.mesh.shape[a] for a in self._axes)
             layout = bucketing.make_layout(
@@ -920,7 +677,7 @@ class PipelinedStep(TrainStep):
                 granularity=n * local * self.sync.block_size,
             )  # fmt: skip
             stages = _Stages(self.mesh, self.sync, layout, average=self._average, step=self)
-            self._schedule = _Schedule(
+            self._schedule = Schedule(
                 stages.tasks(), inputs, self.mesh, self._axes, donate_state=self._donate
             )
         return self._schedule
@@ -941,7 +698,7 @@ class PipelinedStep(TrainStep):
         schedule = self._plan(state, batch)
         self._in_flight.wait()
         keep = ["new_params", "new_inner", "new_key", "loss", "aux", *_residual_names(schedule)]
-        values = _execute(schedule, self._inputs(state, batch), self._wire, keep)
+        values = execute(schedule, self._inputs(state, batch), self._wire, keep)
         self._in_flight.track(values["new_params"])
         residuals = _new_residuals(schedule, values, state.opt_state[0].residuals)
         opt_state = (ByteGradState(key=values["new_key"], residuals=residuals), values["new_inner"])
@@ -995,7 +752,7 @@ class _PipelinedMean:
 
     def __init__(self, mesh: Mesh, sync: SyncConfig, *, average: bool = True):
         self.mesh, self.sync, self.average = mesh, sync, average
-        self._wire = _Dispatcher("pipelined-mean-wire")
+        self._wire = Dispatcher("pipelined-mean-wire")
         self._schedule = None
 
     def __call__(self, grads, key=None, residuals=None):
@@ -1013,12 +770,12 @@ class _PipelinedMean:
             inputs = {}
             for name, v in values.items():
                 spec = P() if name == "key" else P(self.sync.axes)
-                inputs[name] = _Value(jax.tree.map(lambda _, s=spec: s, v), jax.tree.map(_aval, v))
-            self._schedule = _Schedule(
+                inputs[name] = Value(jax.tree.map(lambda _, s=spec: s, v), jax.tree.map(aval, v))
+            self._schedule = Schedule(
                 stages.tasks(), inputs, self.mesh, self.sync.axes, donate_state=False
             )
         schedule = self._schedule
-        out = _execute(schedule, values, self._wire, ["mean", *_residual_names(schedule)])
+        out = execute(schedule, values, self._wire, ["mean", *_residual_names(schedule)])
         mean = jax.tree.unflatten(jax.tree.structure(grads), out["mean"])
         if not self.sync.error_feedback:
             return mean

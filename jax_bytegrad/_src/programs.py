@@ -1,0 +1,263 @@
+"""A scheduler of jitted programs on two threads: compute on the caller's, collectives on one more.
+
+XLA:CPU runs the collectives of one program one after another, each blocking, but two programs
+dispatched from different threads do run at once (JAX uses the calling thread as the execution
+stream). So a step cut into programs at its collectives can put its exchanges on the wire while
+its compute goes on: the programs that hold collectives (``"wire"``) run on one ``Dispatcher``
+thread, in the order they are submitted, the same order on every process (Gloo tags every
+operation alike); the others (``"compute"``) on the caller's thread. ``Program`` builds each
+stage as a jitted ``shard_map`` from its abstract inputs, ``Schedule`` links the stages' values
+and ``execute`` runs one step of them. The pipelined step (``steps/pipelined.py``) is built on it.
+"""
+
+import collections
+import concurrent.futures
+import dataclasses
+import math
+import queue
+import threading
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src import checks
+
+# The dispatch thread ------------------------------------------------------------------------
+
+
+class Dispatcher:
+    """One thread that runs the wire programs, in the order they are submitted.
+
+    A daemon thread, so that a process whose main thread ends (or raises) never waits for
+    it; ``close`` stops it. The same thread for every step: JAX runs the programs one thread
+    dispatches one after another (its execution stream), so the wire programs never overlap
+    each other.
+    """
+
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            future = concurrent.futures.Future()
+            self._queue.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread runs (it starts with the first program submitted)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def close(self) -> None:
+        """Stops the thread once what was submitted has run."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
+
+
+class Pending:
+    """Output ``index`` of a wire program that the dispatch thread may not have run yet."""
+
+    def __init__(self, future: concurrent.futures.Future, index: int):
+        self.future, self.index = future, index
+
+    def result(self):
+        return self.future.result()[self.index]
+
+
+def call_resolved(jitted, args):
+    return jitted(*[a.result() if isinstance(a, Pending) else a for a in args])
+
+
+# Programs ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """A value between programs: its ``shard_map`` spec (a tree) and global abstract value."""
+
+    spec: Any
+    aval: Any
+
+
+def aval(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+class Program:
+    """One stage as a jitted ``shard_map`` over the mesh, built from its abstract inputs.
+
+    Values between programs are per device: a value that varies over some mesh axes is
+    stacked along its first dimension over those axes (``P((node, local))``, ``P(local)``,
+    as error feedback's residuals are); one that is the same on every device is replicated
+    (``P()``). The output specs are read from each output's varying axes when the stage is
+    traced, so each value keeps the type the one-program step gives it.
+
+    Error feedback's residuals (``chains``) are threaded through the programs that read or
+    write them, donated and updated in place: ``fn(*chains, *reads, *inputs) -> (*chains,
+    *outputs)``. ``reads`` are chains it only reads. ``link`` names each version of a chain
+    after the order the programs run in.
+
+    Args:
+      name: the program's name (``lower`` keys).
+      kind: ``"compute"`` (dispatched by the caller's thread) or ``"wire"`` (it holds
+        collectives: the dispatch thread runs it).
+      fn: the per-device function.
+      inputs, outputs: the names of its other values.
+      chains, reads: the chains it updates, and those it only reads.
+      donate: indices into ``inputs`` to donate.
+      donate_chains: donate the chains (False for a wire program: the dispatch thread
+        would then consume a buffer the caller's thread still reads).
+    """
+
+    def __init__(self, name, kind, fn, inputs=(), outputs=(), *, chains=(), reads=(),
+                 donate=(), donate_chains=True):  # fmt: skip
+        self.name, self.kind, self.fn = name, kind, fn
+        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
+        self.chains, self.reads = tuple(chains), tuple(reads)
+        self.donate, self.donate_chains = tuple(donate), donate_chains
+        self.input_names = self.output_names = self.donate_argnums = None
+        self.jitted = None
+
+    def build(self, values: list[Value], mesh: Mesh, axes: tuple[str, str]) -> list[Value]:
+        """Builds the jitted program for these inputs; returns its outputs' values."""
+        in_specs = tuple(v.spec for v in values)
+        avals = tuple(v.aval for v in values)
+        found = {}
+
+        def probe(*args):
+            out = self.fn(*args)
+            found["vma"] = jax.tree.map(checks.varying_axes, out)
+            found["local"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
+            return jax.tree.map(lambda x: x[None], out)
+
+        mapped = dict(mesh=mesh, in_specs=in_specs)
+        jax.eval_shape(jax.shard_map(probe, out_specs=P(axes), **mapped), *avals)
+
+        def spec_of(vma, local):
+            names = tuple(a for a in axes if a in vma)
+            if not names:
+                return P()
+            if not local.shape:
+                raise AssertionError(f"{self.name}: a per-device output must be an array")
+            return P(names if len(names) > 1 else names[0])
+
+        def global_aval(spec, local):
+            shape = local.shape
+            if spec != P():
+                names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+                shape = (shape[0] * math.prod(mesh.shape[a] for a in names), *shape[1:])
+            return jax.ShapeDtypeStruct(shape, local.dtype, sharding=NamedSharding(mesh, spec))
+
+        is_leaf = lambda x: isinstance(x, frozenset)  # noqa: E731
+        out_specs = jax.tree.map(spec_of, found["vma"], found["local"], is_leaf=is_leaf)
+        self.jitted = jax.jit(
+            jax.shard_map(self.fn, out_specs=out_specs, **mapped),
+            donate_argnums=self.donate_argnums,
+        )
+        out_avals = jax.tree.map(global_aval, out_specs, found["local"])
+        return [Value(s, a) for s, a in zip(out_specs, out_avals, strict=True)]
+
+
+def link(tasks: list[Program], *, donate_state: bool) -> dict[str, str]:
+    """Names each chain's versions in the order ``tasks`` run; returns each chain's last.
+
+    Version 0 of a chain is ``{chain}@0``, a residual of the state: donated only with
+    ``donate_state``; later versions always.
+    """
+    version: dict[str, int] = collections.defaultdict(int)
+    for task in tasks:
+        names = [f"{c}@{version[c]}" for c in (*task.chains, *task.reads)]
+        donate = []
+        if task.donate_chains:
+            donate = [i for i, c in enumerate(task.chains) if version[c] or donate_state]
+        donate += [len(names) + i for i in task.donate]
+        task.input_names = (*names, *task.inputs)
+        task.donate_argnums = tuple(donate)
+        for c in task.chains:
+            version[c] += 1
+        task.output_names = (*[f"{c}@{version[c]}" for c in task.chains], *task.outputs)
+    return {c: f"{c}@{v}" for c, v in version.items()}
+
+
+class Schedule:
+    """The programs of one step, in the order the caller's thread walks them, built from
+    the step's abstract inputs. ``values`` holds every value's spec and abstract value,
+    ``last`` the last version of each chain, ``last_use`` where each value is last read."""
+
+    def __init__(self, tasks, inputs: dict[str, Value], mesh, axes, *, donate_state: bool):
+        self.tasks = tasks
+        self.last = link(tasks, donate_state=donate_state)
+        self.values = dict(inputs)
+        self.last_use = {}
+        for i, task in enumerate(tasks):
+            outs = task.build([self.values[name] for name in task.input_names], mesh, axes)
+            self.values.update(zip(task.output_names, outs, strict=True))
+            self.last_use.update((name, i) for name in task.input_names)
+
+
+def execute(schedule: Schedule, values: dict, wire: Dispatcher, keep) -> dict:
+    """Runs one step of ``schedule`` on the input ``values``; returns the values in ``keep``.
+
+    Compute programs are dispatched from this thread, wire programs handed to ``wire``
+    in order. Each value is dropped after its last use, so its buffer can be reused. Returns
+    once the last wire program has finished; on an error, cancels the wire programs not yet
+    started and waits for the one running before raising.
+    """
+    pending: list[concurrent.futures.Future] = []
+
+    def resolve(name):
+        value = values[name]
+        if isinstance(value, Pending):
+            value = values[name] = value.result()
+        return value
+
+    try:
+        for i, task in enumerate(schedule.tasks):
+            if task.kind == "compute":
+                out = task.jitted(*[resolve(name) for name in task.input_names])
+                values.update(zip(task.output_names, out, strict=True))
+            else:
+                args = [values[name] for name in task.input_names]
+                future = wire.submit(call_resolved, task.jitted, args)
+                pending.append(future)
+                outs = task.output_names
+                values.update((name, Pending(future, j)) for j, name in enumerate(outs))
+            for name in task.input_names:
+                if schedule.last_use[name] == i and name not in keep:
+                    del values[name]
+        out = {name: resolve(name) for name in keep if name in values}
+        if pending:
+            # No collective of this step is left in flight when the caller's code runs.
+            jax.block_until_ready(pending[-1].result())
+    except BaseException:
+        for future in pending:
+            future.cancel()
+        concurrent.futures.wait(pending)
+        raise
+    return out
