@@ -1,5 +1,9 @@
-"""The ("node", "local") mesh, and placing params, batches and optimizer state on it."""
+"""The ("node", "local") mesh, and placing params, batches and optimizer state on it; meshes of
+deviceless GPUs to compile a cluster's step without its GPUs (``gpu_mesh``)."""
 
+from jax_bytegrad._src.gpu import GPUS as GPUS
+from jax_bytegrad._src.gpu import GpuSpec as GpuSpec
+from jax_bytegrad._src.gpu import gpu_mesh as gpu_mesh
 from jax_bytegrad._src.sharding import AXES as AXES
 from jax_bytegrad._src.sharding import make_mesh as make_mesh
 from jax_bytegrad._src.sharding import replicate as replicate
@@ -7,4 +11,14 @@ from jax_bytegrad._src.sharding import shard_batch as shard_batch
 from jax_bytegrad._src.sharding import shard_state as shard_state
 from jax_bytegrad._src.sharding import state_specs as state_specs
 
-__all__ = ["AXES", "make_mesh", "replicate", "shard_batch", "shard_state", "state_specs"]
+__all__ = [
+    "AXES",
+    "GPUS",
+    "GpuSpec",
+    "gpu_mesh",
+    "make_mesh",
+    "replicate",
+    "shard_batch",
+    "shard_state",
+    "state_specs",
+]

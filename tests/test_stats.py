@@ -268,9 +268,12 @@ def test_table():
         ["collective-permute", "local", "f32", "1", "64 B", "64 B"],
     ]
     assert [re.split(r"\s{2,}", line) for line in lines[3:6]] == expected_rows
-    assert re.split(r"\s{2,}", lines[-1]) == ["total", "3", "4.12 KiB", "2.17 KiB"]
+    table = [line for line in lines if not line.startswith("Overlap ")]
+    assert re.split(r"\s{2,}", table[-1]) == ["total", "3", "4.12 KiB", "2.17 KiB"]
     # Columns line up: every row is as wide as the header.
-    assert len({len(line) for line in lines[1:]}) <= 2
+    assert len({len(line) for line in table[1:]}) <= 2
+    # One overlap line per axis that carries traffic, after the table.
+    assert [line.split(":")[0] for line in lines[len(table) :]] == ["Overlap node", "Overlap local"]
 
 
 @pytest.mark.parametrize(
@@ -504,3 +507,70 @@ def test_merge_sums_rows_of_programs_and_sorts_them():
         merge([one, stats_from_hlo(_COND_HLO, ALL, (2, 1))])
     with pytest.raises(ValueError, match="over one mesh"):
         merge([])
+
+
+_SCHEDULED = """HloModule m, is_scheduled=true
+
+%gemm_body (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  ROOT %d = f32[4,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (p: f32[4,4], q: f32[1024]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  %q = f32[1024]{0} parameter(1)
+  %g1 = f32[4,4]{1,0} fusion(%p, %p), kind=kCustom, calls=%gemm_body
+  %ar-start = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(%q), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %g2 = f32[4,4]{1,0} fusion(%g1, %p), kind=kCustom, calls=%gemm_body
+  %g3 = f32[4,4]{1,0} dot(%g2, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar-done = f32[1024]{0} all-reduce-done(%ar-start)
+  %late = f32[1024]{0} all-reduce(%ar-done), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %local = f32[1024]{0} all-reduce(%q), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  ROOT %out = f32[4,4]{1,0} add(%g3, %g3)
+}
+"""
+
+
+def test_overlap_reads_the_schedule():
+    stats = stats_from_hlo(_SCHEDULED, ALL, (2, 4))
+    node = stats.overlap_on("node")
+    # Two node all-reduces of 4 KiB (2 (g-1)/g B = 4096 B each): the async one starts after
+    # the first gemm and is in flight over the other two; the second starts after the last.
+    assert (node.bytes_sent, node.early_bytes) == (8192.0, 4096.0)
+    assert (node.compute_ops, node.overlapped_ops) == (3, 2)
+    assert node.early_share == 0.5
+    local = stats.overlap_on("local")
+    assert (local.bytes_sent, local.early_bytes, local.overlapped_ops) == (6144.0, 0.0, 0)
+    assert "node: 50% of 8.00 KiB start before the last gemm; 2 of 3 gemms" in str(stats)
+    with pytest.raises(ValueError, match="no schedule for axis 'x'"):
+        stats.overlap_on("x")
+    assert merge([stats, stats]).overlap == ()
+
+
+def test_overlap_on_cpu_counts_traffic_that_starts_before_the_last_product():
+    mesh = _mesh(2, 4)
+
+    def fn(x, w):
+        early = jax.lax.psum(x, "node")  # needs nothing computed: may start at once
+        y = (x.reshape(4, 4) @ w) @ w
+        return early, jax.lax.psum(y, "node")  # needs the last product
+
+    x = jax.ShapeDtypeStruct((8 * 16,), jnp.float32)
+    w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    f = jax.jit(
+        jax.shard_map(
+            fn, mesh=mesh, in_specs=(P(ALL), P()), out_specs=(P(ALL), P(ALL)), check_vma=False
+        )
+    )
+    node = communication_stats(f, x, w).overlap_on("node")
+    assert node.compute_ops >= 1
+    assert node.bytes_sent == 2 * 64.0  # two psums of 16 floats over 2 nodes: 2 (g-1)/g B each
+    assert node.early_bytes <= 64.0  # the second psum can never start before the last product
+    assert node.overlapped_ops == 0  # XLA:CPU runs collectives synchronously

@@ -157,6 +157,7 @@ class Collective:
       groups: the replica groups; None for one group of all devices.
       pairs: the ``(source, target)`` pairs of a collective-permute; empty for other kinds.
       computation: the name of the computation that holds it.
+      name: the instruction's name (of the ``-start`` of an async collective).
     """
 
     kind: str
@@ -165,6 +166,44 @@ class Collective:
     groups: tuple[tuple[int, ...], ...] | None
     pairs: tuple[tuple[int, int], ...] = ()
     computation: str = ""
+    name: str = ""
+
+
+# Instructions that are matrix products or convolutions: the compute a collective can hide
+# behind (XLA:GPU's gemm fusions and cuBLAS/cuDNN calls, XLA:CPU's dots).
+_COMPUTE_OPCODES = ("dot", "convolution")
+_COMPUTE_TARGET_RE = re.compile(r'custom_call_target="[^"]*(gemm|cublas|cudnn|conv|matmul)', re.I)
+
+
+def compute_instructions(instructions: Sequence[HloInstruction]) -> set[str]:
+    """Names of the instructions that multiply matrices or convolve: ``dot`` and
+    ``convolution``, gemm and convolution library calls, and fusions that hold either."""
+    holders = {
+        i.computation
+        for i in instructions
+        if i.opcode in _COMPUTE_OPCODES or _COMPUTE_TARGET_RE.search(i.args)
+    }
+    names = set()
+    for i in instructions:
+        calls = re.search(r"\bcalls=%?([\w.\-]+)", i.args)
+        if (
+            i.opcode in _COMPUTE_OPCODES
+            or _COMPUTE_TARGET_RE.search(i.args)
+            or (i.opcode == "fusion" and calls is not None and calls.group(1) in holders)
+        ):
+            names.add(i.name)
+    return names
+
+
+def async_done(instructions: Sequence[HloInstruction]) -> dict[str, str]:
+    """For each async ``-done`` instruction, the name of the ``-start`` it completes."""
+    out = {}
+    for i in instructions:
+        if i.opcode.endswith("-done"):
+            operand = re.match(r"\s*%?([\w.\-]+)", i.args)
+            if operand is not None:
+                out[i.name] = operand.group(1)
+    return out
 
 
 def _element_bits(dtype: str) -> int:
@@ -336,5 +375,9 @@ def collectives(instructions: Sequence[HloInstruction]) -> list[Collective]:
                 iota = re.search(r"\breplica_groups=(" + _IOTA_GROUPS_RE.pattern + ")", attributes)
                 groups_text = iota.group(1) if iota else "{}"
             groups = parse_replica_groups(groups_text)
-        found.append(Collective(kind, payload, tuple(dict.fromkeys(dtypes)), groups, pairs, where))
+        found.append(
+            Collective(
+                kind, payload, tuple(dict.fromkeys(dtypes)), groups, pairs, where, instruction.name
+            )
+        )
     return found

@@ -60,6 +60,10 @@ def _first_local_device(mesh: Mesh, process: int):
     return min((d for d in mesh.devices.flat if d.process_index == process), key=lambda d: d.id)
 
 
+def _process_count(mesh: Mesh) -> int:
+    return len({d.process_index for d in mesh.devices.flat})
+
+
 def _local_mesh(mesh: Mesh, axes: tuple[str, str]) -> Mesh:
     """This process's row of ``mesh``, as a 1 x L mesh with the same axis names."""
     row = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
@@ -95,7 +99,8 @@ class _Averager:
     def __init__(self, mesh: Mesh, node_axis: str, sync_interval_ms: int, exit_timeout: float):
         self.sync_interval_ms = sync_interval_ms
         self.exit_timeout = exit_timeout
-        self._nproc = jax.process_count()
+        # The mesh's processes: jax.process_count(), or a deviceless mesh's hosts.
+        self._nproc = _process_count(mesh)
         # One device per process does the averaging: a float32 all-reduce of the whole model.
         # Its axis carries the node axis's name: each process is one node.
         firsts = [_first_local_device(mesh, p) for p in range(self._nproc)]
@@ -256,6 +261,8 @@ class AsyncModelAverage(TrainStep):
         def move(x):
             if isinstance(x, jax.Array) and x.sharding == sharding:
                 return x
+            if isinstance(x, jax.ShapeDtypeStruct):  # lowering a state_shapes state
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
             value = x.addressable_shards[0].data if isinstance(x, jax.Array) else x
             return jax.device_put(np.asarray(value), sharding)
 
@@ -265,6 +272,11 @@ class AsyncModelAverage(TrainStep):
         if self.warmup_steps > 0:
             return self._global.init(params)
         return self._local.init(params)
+
+    def _state_shapes(self, params):
+        if self.warmup_steps > 0:
+            return self._global.state_shapes(params)
+        return self._local.state_shapes(params)
 
     def pull(self, params):
         """Adds the finished averaging rounds' ``mean(s) - s`` to ``params``."""
@@ -453,12 +465,13 @@ def async_model_average(
     grid = np.asarray(mesh.devices)
     if mesh.axis_names.index(node_axis) != 0:
         grid = grid.T
-    if mesh.shape[node_axis] != jax.process_count() or any(
+    processes = _process_count(mesh)
+    if mesh.shape[node_axis] != processes or any(
         len({d.process_index for d in row}) != 1 for row in grid
     ):
         raise ValueError(
             f"{where}: each process must be exactly one node of the mesh; got "
-            f"{mesh.shape[node_axis]} nodes for {jax.process_count()} processes. Use "
+            f"{mesh.shape[node_axis]} nodes for {processes} processes. Use "
             "jax_bytegrad.make_mesh() with its defaults"
         )
     return AsyncModelAverage(

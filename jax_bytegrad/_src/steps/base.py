@@ -21,7 +21,8 @@ import jax
 import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks, stats
 from jax_bytegrad._src.sharding import shard_batch
@@ -59,6 +60,12 @@ _PHASE_SEARCH = 1 << 24
 def count(n: int) -> np.ndarray:
     """A step count as ``TrainState`` holds it."""
     return np.asarray(n, np.int64)
+
+
+def abstract(tree, sharding=None):
+    """``tree``'s leaves (arrays or ``ShapeDtypeStruct``) as ``ShapeDtypeStruct``, placed by
+    ``sharding`` (None keeps none)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def host_copy(tree):
@@ -147,6 +154,10 @@ class TrainStep:
     def _params(self, state: TrainState):
         return state.params
 
+    def _state_shapes(self, params) -> TrainState:
+        """``_init``'s result as placed ``ShapeDtypeStruct`` leaves, from abstract params."""
+        raise NotImplementedError
+
     # The protocol. ------------------------------------------------------------------------
 
     def _flat_loss(self, loss_fn):
@@ -160,6 +171,41 @@ class TrainStep:
         if self.flatten:
             params, self._unravel = ravel_pytree(jax.device_get(params))
         return self._init(params)
+
+    def state_shapes(self, params: optax.Params) -> TrainState:
+        """The ``TrainState`` that ``init(params)`` would return, as ``jax.ShapeDtypeStruct``
+        leaves with their shardings; allocates and runs nothing.
+
+        With it, ``lower`` and ``communication_stats`` compile the step for a mesh whose
+        devices are not here (``sharding.gpu_mesh``), or for a model too large to place.
+
+        Args:
+          params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` leaves.
+
+        Returns:
+          A ``TrainState`` whose array leaves are ``ShapeDtypeStruct`` (``step`` is 0).
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, optax, jax_bytegrad
+          >>> mesh = jax_bytegrad.make_mesh(1, 1)
+          >>> tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
+          >>> step = jax_bytegrad.data_parallel_step(lambda w, b: jnp.sum(w * b), tx, mesh)
+          >>> state = step.state_shapes(jax.ShapeDtypeStruct((4,), jnp.float32))
+          >>> state.params.shape, int(state.step)
+          ((4,), 0)
+        """
+        params = abstract(params)
+        if self.flatten:
+            captured = []
+
+            def ravel(tree):
+                flat, unravel = ravel_pytree(tree)
+                captured.append(unravel)  # holds shapes and dtypes only
+                return flat
+
+            params = jax.eval_shape(ravel, params)
+            self._unravel = captured[0]
+        return self._state_shapes(params)
 
     def program(self, state: TrainState):
         """The jitted program the next ``step(state, batch)`` runs."""
@@ -189,7 +235,12 @@ class TrainStep:
         return params if self._unravel is None else self._unravel(params)
 
     def lower(self, state: TrainState, batch):
-        """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing."""
+        """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing.
+
+        ``state`` may be ``state_shapes(params)`` and ``batch`` a pytree of
+        ``jax.ShapeDtypeStruct`` (the global batch): ``.compile()`` on the result then
+        compiles for the mesh, whether its devices are here or not (``sharding.gpu_mesh``).
+        """
         inputs = self._inputs(state, batch)
         return self.program(state).lower(*inputs)
 
@@ -246,5 +297,13 @@ class TrainStep:
 
 
 def global_batch(batch, mesh: Mesh, axes: tuple[str, str]):
-    """This process's rows as a batch sharded over every device; sharded arrays pass as is."""
+    """This process's rows as a batch sharded over every device; sharded arrays pass as is,
+    and a batch of ``jax.ShapeDtypeStruct`` (to lower or compile a step) is the global batch,
+    given the batch's sharding."""
+    leaves = jax.tree.leaves(batch)
+    if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        sharding = NamedSharding(mesh, P(axes))
+        checks.batch_splits(batch, mesh.shape[axes[0]] * mesh.shape[axes[1]], "train step",
+                            owner="the devices of the mesh")  # fmt: skip
+        return abstract(batch, sharding)
     return shard_batch(batch, mesh, node_axis=axes[0], local_axis=axes[1], where="train step")

@@ -14,11 +14,13 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.sharding import replicate, state_specs
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
+    abstract,
     count,
     global_batch,
     host_copy,
@@ -35,6 +37,26 @@ def _unsynced(updates, opt_state, specs, axes) -> list[str]:
         for (path, leaf), replicated in zip(leaves, shared, strict=True)
         if replicated and checks.varying_axes(leaf) & set(axes)
     ]
+
+
+def gradient_order(grad_fn, params, batch) -> tuple[int, ...] | None:
+    """The params' leaf indices in the order ``grad_fn``'s backward pass produces their
+    gradients (ties: last leaf first), read from its jaxpr; None if it cannot be traced again.
+
+    The sync of each bucket of the gradient runs in this order (``buckets.ready_order``), so
+    that the first bucket to cross between nodes is the first one complete.
+    """
+    try:
+        jaxpr = jax.make_jaxpr(grad_fn)(params, batch).jaxpr
+    except Exception:  # noqa: BLE001 - a loss that cannot be traced twice keeps the default
+        return None
+    produced = {}
+    for index, equation in enumerate(jaxpr.eqns):
+        for var in equation.outvars:
+            produced[id(var)] = index
+    leaves = len(jax.tree.leaves(params))
+    ranks = [produced.get(id(var), -1) for var in jaxpr.outvars[-leaves:]]
+    return tuple(sorted(range(leaves), key=lambda i: (ranks[i], -i)))
 
 
 class DataParallelStep(TrainStep):
@@ -67,13 +89,20 @@ class DataParallelStep(TrainStep):
     def _shardings(self, specs):
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
 
-    def _init(self, params) -> TrainState:
-        params = replicate(host_copy(params), self.mesh)
+    def _init_program(self, params):
+        """The optimizer's init, jitted to place its state where it lives: replicated state
+        on every device, residuals per device."""
         init = next(iter(self._optimizers.values())).init
         specs = self._state_specs(jax.eval_shape(init, params))
-        # Born where they live: replicated state on every device, residuals per device.
-        opt_state = jax.jit(init, out_shardings=self._shardings(specs))(params)
-        return TrainState(count(0), params, opt_state, {})
+        return jax.jit(init, out_shardings=self._shardings(specs))
+
+    def _init(self, params) -> TrainState:
+        params = replicate(host_copy(params), self.mesh)
+        return TrainState(count(0), params, self._init_program(params)(params), {})
+
+    def _state_shapes(self, params) -> TrainState:
+        params = abstract(params, NamedSharding(self.mesh, P()))
+        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
 
     def per_device(self, phase: str | None = None) -> Callable:
         """The un-jitted, un-mapped step of one device, for a ``shard_map`` of your own:
@@ -89,9 +118,11 @@ class DataParallelStep(TrainStep):
         def step(params, opt_state, batch):
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce.
-            out, grads = grad_fn(jax.lax.pcast(params, axes, to="varying"), batch)
+            varying = jax.lax.pcast(params, axes, to="varying")
+            out, grads = grad_fn(varying, batch)
             loss, aux = out if has_aux else (out, None)
-            updates, opt_state = optimizer.update(grads, opt_state, params)
+            with bucketing.gradient_order(gradient_order(grad_fn, varying, batch)):
+                updates, opt_state = optimizer.update(grads, opt_state, params)
             unsynced = _unsynced(updates, opt_state, self._state_specs(opt_state), axes)
             if unsynced:
                 raise ValueError(

@@ -44,6 +44,7 @@ from jax_bytegrad._src.quantization import (
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
+    abstract,
     count,
     global_batch,
 )
@@ -190,6 +191,26 @@ class _PeerStep(TrainStep):
 
     def _extra(self, params) -> dict[str, Any]:
         return {}
+
+    def _extra_shapes(self, params) -> dict[str, Any]:
+        """One device's ``_extra``, as ``ShapeDtypeStruct`` leaves."""
+        return {}
+
+    def _state_shapes(self, params):
+        _check_float_params(params, self.algorithm)
+        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
+        sharding = NamedSharding(self.mesh, P(self._axes))
+
+        def stacked(tree):
+            return abstract(
+                jax.tree.map(lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype), tree),
+                sharding,
+            )
+
+        opt_state = jax.eval_shape(self.optimizer.init, params)
+        return TrainState(
+            count(0), stacked(params), stacked(opt_state), stacked(self._extra_shapes(params))
+        )
 
     def _init(self, params):
         _check_float_params(params, self.algorithm)
@@ -388,6 +409,11 @@ class _LowPrecision(_PeerStep):
         self._parts = self.mesh.shape[self._axes[1]] if hierarchical else 1
         self._block_size, self._implementation = block_size, implementation
         self._message_bytes = message_bytes
+
+    def _extra_shapes(self, params):
+        size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+        shard = jax.ShapeDtypeStruct((-(-size // self._parts),), jnp.float32)
+        return dict.fromkeys(_RING_KEYS, shard)
 
     def _extra(self, params):
         flat = np.asarray(flatten_float32(params))

@@ -59,6 +59,7 @@ from jax_bytegrad._src.sharding import replicate, state_specs
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
+    abstract,
     count,
     global_batch,
     host_copy,
@@ -641,12 +642,18 @@ class PipelinedStep(TrainStep):
             self._specs = state_specs(opt_state, node_axis=self._axes[0], local_axis=self._axes[1])
         return self._specs
 
-    def _init(self, params) -> TrainState:
-        params = replicate(host_copy(params), self.mesh)
+    def _init_program(self, params):
         specs = self._state_specs(jax.eval_shape(self._chain.init, params))
         shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
-        opt_state = jax.jit(self._chain.init, out_shardings=shardings)(params)
-        return TrainState(count(0), params, opt_state, {})
+        return jax.jit(self._chain.init, out_shardings=shardings)
+
+    def _init(self, params) -> TrainState:
+        params = replicate(host_copy(params), self.mesh)
+        return TrainState(count(0), params, self._init_program(params)(params), {})
+
+    def _state_shapes(self, params) -> TrainState:
+        params = abstract(params, NamedSharding(self.mesh, P()))
+        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
 
     def _inputs(self, state: TrainState, batch) -> dict[str, Any]:
         sync_state, inner = state.opt_state
