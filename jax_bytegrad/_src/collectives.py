@@ -8,6 +8,15 @@ buckets (``buckets.py``); each bucket is summed by the wire of the ``SyncConfig`
 grid, or the scatter-gather as ppermute rings), and the buckets are unflattened back into the
 leaves' own dtypes. Every device decodes the same codes, so all replicas end bit-identical.
 
+The buckets cross between nodes in the order the backward pass completes them
+(``buckets.ready_order``), each bucket's exchange between nodes tied to the previous one's
+by an ``optimization_barrier``: bucket b + 1's compressed chain (block bounds, codes, decode
+factors) waits for bucket b's, and for nothing else than its own gradient. Without that tie,
+XLA:GPU's combiners merge every bucket's bounds, codes and factors into one collective each,
+which needs the whole gradient, and its scheduler runs them stage by stage after the last
+gradient; with it, each bucket's exchange runs while the backward pass computes the next
+bucket (benchmarks/RESULTS.md, "Overlap on GPU"). The tie changes no value.
+
 With error feedback (as in 1-bit Adam's worker and server errors), each device keeps what its
 compressions failed to send and adds it back at the same point next step; ``residual_sizes``
 sizes that state, per bucket.
@@ -164,10 +173,16 @@ def sync_mean(
     if key is not None:
         # Independent rounding on every device; the result is gathered, so still identical.
         key = jax.random.fold_in(key, jax.lax.axis_index(config.axes))
-    reduced, kept = [], []
-    for i, bucket in enumerate(bucketing.to_bucket_parts(leaves, layout, config.block_size)):
-        bucket, residual = wires.sum_flat(
-            bucket,
+    parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
+    shards, kept = [None] * len(parts), [None] * len(parts)
+    previous = None
+    for i in bucketing.ready_order(layout):
+        if previous is not None:
+            # The buckets cross between nodes one after another, in the order the backward
+            # pass completes them (module docstring).
+            parts[i], _ = jax.lax.optimization_barrier((parts[i], previous))
+        shards[i], kept[i] = wires.sum_shard(
+            parts[i],
             config,
             n=n,
             local=local,
@@ -176,8 +191,8 @@ def sync_mean(
             codec=codec,
             residual=None if residuals is None else residuals[i],
         )
-        reduced.append(bucket)
-        kept.append(residual)
+        previous = shards[i]
+    reduced = [wires.gather_shard(shard, config, local) for shard in shards]
     mean = jax.tree.unflatten(treedef, bucketing.from_buckets(reduced, leaves, layout))
     return mean if residuals is None else (mean, Residuals(kept))
 

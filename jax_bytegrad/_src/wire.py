@@ -322,7 +322,7 @@ def _scatter_gather_piece(x, residual, *, group, gather_group, weight, key, code
 def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
 
-    Returns the reduced bucket and the new residuals (None without error feedback; see
+    Returns ``sum_shard``'s shard and the new residuals (None without error feedback; see
     ``residual_sizes`` for their shapes).
 
     ``n`` and ``local`` are the sizes of the node and local axes. Between nodes the
@@ -350,8 +350,7 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, cod
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
         if hierarchical:
-            # Size-1 gathers move no bytes; they only mark the value as replicated.
-            x = gather_invariant(gather_invariant(x, node_axis), local_axis)
+            x = _plain_shard(x, node_axis, local_axis, local)
     else:
         x = x.reshape(group_size, -1, block_size)
         if residual is not None:
@@ -377,8 +376,6 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, cod
                 jnp.concatenate([kept[0] for _, kept in pieces], axis=1).reshape(-1),
                 jnp.concatenate([kept[1] for _, kept in pieces], axis=0).reshape(-1),
             )
-        if hierarchical and local > 1:
-            x = gather_invariant(x, local_axis)
     return x, residual
 
 
@@ -684,9 +681,9 @@ def integer_sum(
 
 
 def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
-    """The integer wire's all-reduce of one flat float32 bucket (``_compressed_sum_flat``'s
-    contract): its length a multiple of devices x block; returns the reduced bucket, typed
-    as replicated over both axes, and the new residuals, None without error feedback, else
+    """The integer wire's all-reduce of one flat float32 bucket (``sum_shard``'s
+    contract): its length a multiple of devices x block; returns ``sum_shard``'s shard and
+    the new residuals, None without error feedback, else
     (send, mean) with ``mean`` empty (one compression, so one residual; ``residual_sizes``).
     ``codec["implementation"]`` is not used: this codec is jnp, which XLA fuses on every
     backend.
@@ -705,7 +702,7 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
         # No slow hop to compress: the honest result is the plain float32 one.
         x = _joined(x) * jnp.float32(weight)
         if hierarchical:
-            x = gather_invariant(gather_invariant(x, node_axis), local_axis)
+            x = _plain_shard(x, node_axis, local_axis, local)
         return x, residual
     send = None if residual is None else residual[0]
     x, send = integer_sum(
@@ -719,9 +716,15 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
         bits=config.bits,
         stochastic=config.stochastic,
     )
-    if hierarchical and local > 1:
-        x = gather_invariant(x, local_axis)
     return x, None if residual is None else (send, residual[1])
+
+
+def _plain_shard(x, node_axis, local_axis, local: int) -> jax.Array:
+    """A shard summed by nobody else (one node), typed as the wires' shards are: replicated
+    over the node axis, and over the local one where no gather within the node follows.
+    Size-1 gathers move no bytes; they only mark the value as replicated."""
+    x = gather_invariant(x, node_axis)
+    return gather_invariant(x, local_axis) if local == 1 else x
 
 
 def _joined(x) -> jax.Array:
@@ -729,12 +732,17 @@ def _joined(x) -> jax.Array:
     return jnp.concatenate(x) if isinstance(x, tuple) else x
 
 
-def sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
-    """The all-reduce of one flat float32 bucket over ``config``'s wire; its length is a
-    multiple of devices x block. ``x`` may come as a tuple of its parts: the integer wire
-    reads them where they lie, the others join them. Returns the reduced bucket, typed as
-    replicated over both axes, and the new residuals (None without error feedback;
-    ``residual_sizes``)."""
+def sum_shard(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
+    """The part of a flat float32 bucket's all-reduce that crosses between nodes, over
+    ``config``'s wire; the bucket's length is a multiple of devices x block. ``x`` may come
+    as a tuple of its parts: the integer wire reads them where they lie, the others join
+    them.
+
+    Returns this device's shard of the reduced bucket (all of it without a reduce-scatter
+    within the node), typed as replicated over the devices that summed it, and the new
+    residuals (None without error feedback; ``residual_sizes``). ``gather_shard`` makes it
+    the whole bucket.
+    """
     group_size = n if config.hierarchical else n * local
     allreduce = config.wire_for(group_size) == "allreduce"
     if not allreduce:
@@ -745,6 +753,23 @@ def sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     return allreduce_sum_flat(
         x, config, n=n, local=local, weight=weight, key=key, codec=codec, residual=residual
     )
+
+
+def gather_shard(shard: jax.Array, config: SyncConfig, local: int) -> jax.Array:
+    """``sum_shard``'s shard as the whole reduced bucket, typed as replicated over both
+    axes: a float32 all_gather within the node after a reduce-scatter there."""
+    if config.hierarchical and local > 1:
+        return gather_invariant(shard, config.local_axis)
+    return shard
+
+
+def sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
+    """The all-reduce of one flat float32 bucket: ``sum_shard`` then ``gather_shard``.
+    Returns the reduced bucket, typed as replicated over both axes, and the new residuals."""
+    shard, residual = sum_shard(
+        x, config, n=n, local=local, weight=weight, key=key, codec=codec, residual=residual
+    )
+    return gather_shard(shard, config, local), residual
 
 
 def residual_sizes(padded_sizes, config: SyncConfig, mesh_shape: tuple[int, int]) -> tuple:
