@@ -509,12 +509,13 @@ def test_merge_sums_rows_of_programs_and_sorts_them():
         merge([])
 
 
-_SCHEDULED = """HloModule m, is_scheduled=true
+_SCHEDULED = (
+    """HloModule m, is_scheduled=true
 
 %gemm_body (a: f32[4,4], b: f32[4,4]) -> f32[4,4] {
   %a = f32[4,4]{1,0} parameter(0)
   %b = f32[4,4]{1,0} parameter(1)
-  ROOT %d = f32[4,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %d = f32[4,4]{1,0} dot(%a, %b), @DOT
 }
 
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -527,15 +528,19 @@ ENTRY %main (p: f32[4,4], q: f32[1024]) -> f32[4,4] {
   %p = f32[4,4]{1,0} parameter(0)
   %q = f32[1024]{0} parameter(1)
   %g1 = f32[4,4]{1,0} fusion(%p, %p), kind=kCustom, calls=%gemm_body
-  %ar-start = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(%q), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %ar-start = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(%q), channel_id=1, @NODE
   %g2 = f32[4,4]{1,0} fusion(%g1, %p), kind=kCustom, calls=%gemm_body
-  %g3 = f32[4,4]{1,0} dot(%g2, %p), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %g3 = f32[4,4]{1,0} dot(%g2, %p), @DOT
   %ar-done = f32[1024]{0} all-reduce-done(%ar-start)
-  %late = f32[1024]{0} all-reduce(%ar-done), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
-  %local = f32[1024]{0} all-reduce(%q), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %late = f32[1024]{0} all-reduce(%ar-done), channel_id=2, @NODE
+  %local = f32[1024]{0} all-reduce(%q), channel_id=3, @LOCAL
   ROOT %out = f32[4,4]{1,0} add(%g3, %g3)
 }
-"""
+""".replace("@NODE", "replica_groups={{0,4},{1,5},{2,6},{3,7}}, @ATTRS")
+    .replace("@LOCAL", "replica_groups={{0,1,2,3},{4,5,6,7}}, @ATTRS")
+    .replace("@ATTRS", "use_global_device_ids=true, to_apply=%add")
+    .replace("@DOT", "lhs_contracting_dims={1}, rhs_contracting_dims={0}")
+)
 
 
 def test_overlap_reads_the_schedule():
