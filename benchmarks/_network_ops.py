@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jax_bytegrad import DEFAULT_BLOCK_SIZES, DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
+from jax_bytegrad._src.collective_ops import message_slices
 from jax_bytegrad._src.quantization import HEADER_WIDTH
-from jax_bytegrad._src.wire import message_slices
 from jax_bytegrad.sharding import AXES
 
 DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES[8]
@@ -509,7 +509,7 @@ register("pmax_ranges", wire_bytes_per_param=8 / DEFAULT_BLOCK_SIZE)(
 @register("shift_u8")
 def _shift_u8(mesh, num_params):
     """One ppermute shift by +1 of N bytes: at 2 hosts a swap, at 3+ a ring (one-way per link)."""
-    from jax_bytegrad._src.wire import split_ppermute
+    from jax_bytegrad._src.collective_ops import split_ppermute
 
     n = mesh.devices.size
     perm = [(i, (i + 1) % n) for i in range(n)]
@@ -523,7 +523,7 @@ def _exchange_pattern(mesh, num_params, exchange: str):
     """The scatter-gather wire's two exchanges of uint8 codes, N bytes per host in all."""
     import jax
 
-    from jax_bytegrad._src import wire
+    from jax_bytegrad._src import collective_ops
 
     n = mesh.devices.size
     chunk = -(-num_params // n)
@@ -537,11 +537,13 @@ def _exchange_pattern(mesh, num_params, exchange: str):
                 for p in message_slices(chunk, 1, message_bytes)
             ]
         if exchange == "ring_all_to_all":
-            return wire.ring_all_to_all(x.reshape(n, chunk), AXES, message_bytes=message_bytes)
+            return collective_ops.ring_all_to_all(
+                x.reshape(n, chunk), AXES, message_bytes=message_bytes
+            )
         mine = x[:chunk]
         if exchange == "all_gather":
             return [jax.lax.all_gather(p, AXES, axis=0) for p in _pieces(mine, message_bytes)]
-        return wire.ring_all_gather(mine, AXES, n, message_bytes=message_bytes)
+        return collective_ops.ring_all_gather(mine, AXES, n, message_bytes=message_bytes)
 
     return _pattern_builder(mesh, body, n * chunk, np.uint8)
 

@@ -148,6 +148,7 @@ def _timed(fn, *args, repeats: int) -> tuple[float, float]:
 def _codec_pieces(size: int) -> dict:
     """Name -> (jitted fn, args) for each timed piece, on one device's `size` values."""
     from jax_bytegrad._src import wire as wire_lib
+    from jax_bytegrad._src.codecs import integer
     from jax_bytegrad._src.quantization import dequantize_blocks, quantize_blocks
 
     block = jax_bytegrad.DEFAULT_BLOCK_SIZES[8]
@@ -155,9 +156,9 @@ def _codec_pieces(size: int) -> dict:
     x = jax.random.normal(jax.random.key(0), (size // block, block), jnp.float32)
     codes, header = jax.jit(quantize_blocks)(x)
     keys = {impl: jax.random.key(1, impl=impl) for impl in ("threefry2x32", "rbg", "unsafe_rbg")}
-    width = wire_lib.allreduce_width(8, 2)
-    bounds = jax.jit(wire_lib._bounds)(x)
-    grid = jax.jit(functools.partial(wire_lib._grid, levels=width.levels, stochastic=True))(bounds)
+    width = integer.allreduce_width(8, 2)
+    bounds = jax.jit(integer.block_bounds)(x)
+    grid = jax.jit(functools.partial(integer.grid, levels=width.levels, stochastic=True))(bounds)
     seed = jnp.asarray([1234567, 89101112], jnp.uint32)
 
     def index(shape):
@@ -166,11 +167,11 @@ def _codec_pieces(size: int) -> dict:
 
     def ar_encode(x, grid, uniforms):
         scale, zero, inv = grid
-        return wire_lib._encode(x, scale, zero, inv, width.levels, uniforms).astype(jnp.uint8)
+        return integer.encode(x, scale, zero, inv, width.levels, uniforms).astype(jnp.uint8)
 
     def ar_feedback(x, grid, uniforms):
         scale, zero, inv = grid
-        codes = wire_lib._encode(x, scale, zero, inv, width.levels, uniforms)
+        codes = integer.encode(x, scale, zero, inv, width.levels, uniforms)
         return codes.astype(jnp.uint8), x - (codes - zero) * scale
 
     def ar_decode(total, grid):
@@ -192,20 +193,20 @@ def _codec_pieces(size: int) -> dict:
             (key,),
         )
     pieces["uniforms: integer hash dither"] = (
-        jax.jit(lambda s: wire_lib.dither(s, index(x.shape))),
+        jax.jit(lambda s: integer.dither(s, index(x.shape))),
         (seed,),
     )
-    pieces["ar block bounds"] = (jax.jit(wire_lib._bounds), (x,))
+    pieces["ar block bounds"] = (jax.jit(integer.block_bounds), (x,))
     pieces["ar quantize (nearest)"] = (
         jax.jit(lambda x, g: ar_encode(x, g, None)),
         (x, grid),
     )
     pieces["ar quantize (stochastic, hash)"] = (
-        jax.jit(lambda x, g, s: ar_encode(x, g, wire_lib.dither(s, index(x.shape)))),
+        jax.jit(lambda x, g, s: ar_encode(x, g, integer.dither(s, index(x.shape)))),
         (x, grid, seed),
     )
     pieces["ar quantize + residual (stochastic, hash)"] = (
-        jax.jit(lambda x, g, s: ar_feedback(x, g, wire_lib.dither(s, index(x.shape)))),
+        jax.jit(lambda x, g, s: ar_feedback(x, g, integer.dither(s, index(x.shape)))),
         (x, grid, seed),
     )
     pieces["ar decode of the sum"] = (jax.jit(ar_decode), (codes, grid))
@@ -217,16 +218,16 @@ def _codec_pieces(size: int) -> dict:
     factor_args = dict(width=width, group_size=2, weight=0.5, stochastic=False)
 
     def moment_pass(mu, total, factors):
-        mean = wire_lib.integer_decode(total, factors, width=width)[: side * side]
+        mean = integer.integer_decode(total, factors, width=width)[: side * side]
         return 0.9 * mu + 0.1 * mean.reshape(side, side)
 
     pieces["ar decode in an Adam pass, factors computed in it"] = (
-        jax.jit(lambda mu, t, b: moment_pass(mu, t, wire_lib.decode_factors(b, **factor_args))),
+        jax.jit(lambda mu, t, b: moment_pass(mu, t, integer.decode_factors(b, **factor_args))),
         (moment, codes, bounds),
     )
     pieces["ar decode in an Adam pass, factors as data"] = (
         jax.jit(moment_pass),
-        (moment, codes, jax.jit(functools.partial(wire_lib.decode_factors, **factor_args))(bounds)),
+        (moment, codes, jax.jit(functools.partial(integer.decode_factors, **factor_args))(bounds)),
     )
 
     # The whole integer sync of one bucket as one device of two runs it (on one device here,
@@ -297,7 +298,7 @@ def _relative_error(nodes: int, x: np.ndarray, **kwargs) -> float:
 
 
 def _accuracy(size: int = 64 * 1024) -> int:
-    from jax_bytegrad._src import wire as wire_lib
+    from jax_bytegrad._src.codecs import integer
 
     print(
         f"jax {jax.__version__}; {size} values per node, nodes of one device, nearest rounding; "
@@ -317,19 +318,19 @@ def _accuracy(size: int = 64 * 1024) -> int:
             x = x.astype(np.float32)
             sg8 = _relative_error(nodes, x)
             sg4 = _relative_error(nodes, x, bits=4)
-            width = wire_lib.allreduce_width(8, nodes)
+            width = integer.allreduce_width(8, nodes)
             ar8 = _relative_error(nodes, x, wire="allreduce")
             forced = ""
             if width.bits == 16:
-                saved = dict(wire_lib.MAX_GROUP)
-                wire_lib.MAX_GROUP[8] = nodes  # what uint8 would give: 255 // nodes levels
+                saved = dict(integer.MAX_GROUP)
+                integer.MAX_GROUP[8] = nodes  # what uint8 would give: 255 // nodes levels
                 try:
                     forced = f"{_relative_error(nodes, x, wire='allreduce'):.4f} ({255 // nodes})"
                 finally:
-                    wire_lib.MAX_GROUP.update(saved)
+                    integer.MAX_GROUP.update(saved)
             ar4 = ""
-            if nodes <= wire_lib.MAX_GROUP[4]:
-                levels4 = wire_lib.allreduce_width(4, nodes).levels
+            if nodes <= integer.MAX_GROUP[4]:
+                levels4 = integer.allreduce_width(4, nodes).levels
                 ar4 = f"{_relative_error(nodes, x, wire='allreduce', bits=4):.4f} ({levels4})"
             print(
                 f"| {nodes} | {label} | {sg8:.4f} | {ar8:.4f} (uint{width.bits}, {width.levels}) "

@@ -20,7 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import SyncConfig
+from jax_bytegrad._src import collective_ops
 from jax_bytegrad._src import wire as wire_lib
+from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.collectives import compressed_mean, full_precision_mean, residual_sizes
 from jax_bytegrad.profiling import communication_stats
 
@@ -89,7 +91,7 @@ def _data(seed, devices=8, size=SIZE):
 def test_mean_is_within_the_quantization_bound(nodes, local, hierarchical):
     x = _data(nodes)
     got = _mean(_mesh(nodes, local), x, wire="allreduce", hierarchical=hierarchical)
-    levels = wire_lib.allreduce_width(8, _group(nodes, local, hierarchical)).levels
+    levels = integer.allreduce_width(8, _group(nodes, local, hierarchical)).levels
     bound = _bound(x, nodes, local, hierarchical, levels)
     want = x.astype(np.float64).mean(0)
     error = np.abs(got[0] - want)
@@ -124,7 +126,7 @@ def test_stochastic_rounding_is_unbiased_with_its_own_draws_per_device():
     # Every device holds a block spanning [-1, 1] and otherwise a value 0.3 of a stochastic
     # grid step above 0: nearest rounding always drops it, stochastic keeps it on average.
     nodes, local = 8, 1
-    levels = wire_lib.allreduce_width(8, nodes).levels
+    levels = integer.allreduce_width(8, nodes).levels
     step = 2.0 / (levels - 1)
     value = np.float32(0.3 * step)
     x = np.full((8, SIZE), value, np.float32)
@@ -206,9 +208,9 @@ def test_sum_cannot_overflow_with_every_device_at_the_block_max(
     nodes, local, hierarchical, bits, max_group, rounding, monkeypatch
 ):
     if max_group is not None:
-        monkeypatch.setitem(wire_lib.MAX_GROUP, 8, max_group)
+        monkeypatch.setitem(integer.MAX_GROUP, 8, max_group)
     group = _group(nodes, local, hierarchical)
-    width = wire_lib.allreduce_width(bits, group)
+    width = integer.allreduce_width(bits, group)
     assert group * width.levels <= 2 ** (8 if bits == 4 else width.bits) - 1
     assert width.bits == (16 if max_group else bits)
     x = _worst_case()
@@ -234,15 +236,15 @@ def test_sum_cannot_overflow_with_every_device_at_the_block_max(
 
 def test_widths_leave_room_for_every_group_size():
     for group in range(1, 4097):
-        width = wire_lib.allreduce_width(8, group)
+        width = integer.allreduce_width(8, group)
         assert width.bits == (8 if group <= 8 else 16)
         assert group * width.levels <= 2**width.bits - 1 and width.levels >= 2
-    assert wire_lib.allreduce_width(8, 2).levels == 127
-    assert wire_lib.allreduce_width(4, 2) == wire_lib.Width(4, 7)
+    assert integer.allreduce_width(8, 2).levels == 127
+    assert integer.allreduce_width(4, 2) == integer.Width(4, 7)
     with pytest.raises(ValueError, match="4-bit codes sum over at most 2 devices.*got 3"):
-        wire_lib.allreduce_width(4, 3)
+        integer.allreduce_width(4, 3)
     with pytest.raises(ValueError, match="fewer than 2 levels"):
-        wire_lib.allreduce_width(8, 40000)
+        integer.allreduce_width(8, 40000)
 
 
 @pytest.mark.parametrize("nodes,local,hierarchical", MESHES, ids=MESH_IDS)
@@ -286,7 +288,7 @@ def test_error_feedback_loses_nothing_over_the_group(nodes, local, hierarchical)
     decoded_sum = out * (nodes * local)
     np.testing.assert_allclose(decoded_sum + new_full.sum(0), total, rtol=0, atol=1e-4)
     # Each residual is at most half a grid step: nearest rounding, nothing clipped.
-    levels = wire_lib.allreduce_width(8, g).levels
+    levels = integer.allreduce_width(8, g).levels
     blocks = (summands + old_full).reshape(g, -1, BLOCK)
     half_step = (blocks.max((0, 2)) - blocks.min((0, 2))) / levels / 2
     assert np.all(np.abs(new_full).reshape(g, -1, BLOCK) <= half_step[None, :, None] * 1.0001)
@@ -346,7 +348,7 @@ def test_the_integer_sum_is_one_psum_per_bucket_whatever_the_message_size(messag
 def test_four_bits_over_two_nodes_packs_nibbles_within_the_bound():
     x = _data(23)
     got = _mean(_mesh(2, 4), x, wire="allreduce", bits=4, block_size=BLOCK)
-    bound = _bound(x, 2, 4, True, wire_lib.allreduce_width(4, 2).levels)
+    bound = _bound(x, 2, 4, True, integer.allreduce_width(4, 2).levels)
     error = np.abs(got[0] - x.astype(np.float64).mean(0))
     assert np.all(error <= bound * (1 + 1e-4) + 1e-6 * np.abs(x).max())
     mesh = _mesh(2, 4)
@@ -364,14 +366,14 @@ def test_four_bits_over_two_nodes_packs_nibbles_within_the_bound():
 
 
 def test_four_bit_bytes_hold_adjacent_values_and_their_byte_sum_unpacks_to_the_code_sum():
-    width = wire_lib.allreduce_width(4, 2)
+    width = integer.allreduce_width(4, 2)
     rng = np.random.default_rng(5)
     a, b = (rng.integers(0, width.levels + 1, (3, 2 * BLOCK)).astype(np.float32) for _ in "ab")
-    packed = np.asarray(wire_lib._to_wire(jnp.asarray(a), width))
+    packed = np.asarray(integer.to_wire(jnp.asarray(a), width))
     assert packed.shape == (3, BLOCK) and packed.dtype == np.uint8
     np.testing.assert_array_equal(packed, a[:, 0::2] + 16 * a[:, 1::2])
-    total = jnp.asarray(packed) + wire_lib._to_wire(jnp.asarray(b), width)
-    np.testing.assert_array_equal(np.asarray(wire_lib._from_wire(total, width)), a + b)
+    total = jnp.asarray(packed) + integer.to_wire(jnp.asarray(b), width)
+    np.testing.assert_array_equal(np.asarray(integer.from_wire(total, width)), a + b)
 
 
 def test_four_bits_over_more_than_two_nodes_is_refused():
@@ -420,10 +422,10 @@ def test_ring_patterns_equal_all_to_all_and_all_gather(shape, axis):
     def body(x):
         x = x[0]
         return (
-            wire_lib.ring_all_to_all(x, axis)[None],
+            collective_ops.ring_all_to_all(x, axis)[None],
             jax.lax.all_to_all(x, axis, 0, 0, tiled=True)[None],
-            wire_lib.ring_all_to_all(x, axis, message_bytes=4)[None],
-            wire_lib.ring_all_gather(x[0], axis, n, message_bytes=7)[None],
+            collective_ops.ring_all_to_all(x, axis, message_bytes=4)[None],
+            collective_ops.ring_all_gather(x[0], axis, n, message_bytes=7)[None],
             jax.lax.all_gather(x[0], axis, axis=0)[None],
         )
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import checks
+from jax_bytegrad._src import checks, collective_ops
 from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.config import (
     DEFAULT_BUCKET_BYTES,
@@ -306,8 +306,10 @@ def full_precision_mean(
         if jnp.dtype(x.dtype) == jax.dtypes.float0:
             return x
         if hierarchical and local > 1 and x.size:
-            part = jax.lax.psum(wires.scatter_flat(x.reshape(-1), local_axis, local), node_axis)
-            total = wires.gather_flat(part, local_axis, x.size).reshape(x.shape)
+            part = jax.lax.psum(
+                collective_ops.scatter_flat(x.reshape(-1), local_axis, local), node_axis
+            )
+            total = collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
         else:
             total = jax.lax.psum(x, (node_axis, local_axis))
         return total / np.asarray(devices, x.dtype) if average else total

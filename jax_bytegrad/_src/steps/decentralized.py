@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
+from jax_bytegrad._src.collective_ops import gather_flat, scatter_flat, split_ppermute
 from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES, DEFAULT_MESSAGE_BYTES, check_block_size
 from jax_bytegrad._src.quantization import (
     Implementation,
@@ -48,7 +49,6 @@ from jax_bytegrad._src.steps.base import (
     count,
     global_batch,
 )
-from jax_bytegrad._src.wire import gather_flat, scatter_flat, split_ppermute
 
 PeerSelectionMode = Literal["all", "shift_one"]
 _RING_KEYS = ("weight", "left_peer_weight", "right_peer_weight")

@@ -25,7 +25,7 @@ one stage behind the one before it. A program of fewer than about 1000 flops (a 
 alone) runs inline on the thread that calls it, so the dispatch thread blocks in each
 exchange while the caller's thread goes on.
 
-The stages are the wire's own (``wire.integer_bounds``, ``integer_encode``,
+The stages are the wire's own (``codecs.integer.integer_bounds``, ``integer_encode``,
 ``integer_decode``; ``wire.sg_encode``, ``sg_average``, ``sg_decode``), with the same keys,
 so the step computes the same values as ``data_parallel_step`` with
 ``optax.chain(bytegrad(...), optimizer)``, bit for bit (tests/test_pipelined.py), and holds
@@ -50,8 +50,16 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import checks, stats
+from jax_bytegrad._src import checks, collective_ops, stats
 from jax_bytegrad._src import wire as wires
+from jax_bytegrad._src.codecs.integer import (
+    allreduce_width,
+    decode_factors,
+    dither_seed,
+    integer_bounds,
+    integer_decode,
+    integer_encode,
+)
 from jax_bytegrad._src.config import Residuals, SyncConfig
 from jax_bytegrad._src.programs import Dispatcher, Program, Schedule, Value, aval, execute
 from jax_bytegrad._src.quantization import resolve_implementation
@@ -141,7 +149,7 @@ def _chunks(sync: SyncConfig, group: _Group, local: int, padded: int, b: int) ->
         parts = 1 if group.plain else min(wanted, blocks)
         return [_Chunk(b, i, s, e) for i, (s, e) in enumerate(_split(blocks, parts))]
     per_peer = size // (group.size * block)
-    pieces = wires.message_slices(per_peer, block * sync.bits // 8, sync.message_bytes)
+    pieces = collective_ops.message_slices(per_peer, block * sync.bits // 8, sync.message_bytes)
     chunks = []
     for i, (s, e) in enumerate(_split(len(pieces), min(wanted, len(pieces)))):
         held = tuple((j, pieces[j]) for j in range(s, e))
@@ -212,7 +220,7 @@ class _Stages:
         self.block = sync.block_size
         self.width = None
         if self.integer and not self.group.plain:
-            self.width = wires.allreduce_width(sync.bits, self.group.size)
+            self.width = allreduce_width(sync.bits, self.group.size)
         self.buckets = range(len(layout.buckets))
         self.chunks = [
             _chunks(sync, self.group, self.local, layout.padded_sizes[b], b) for b in self.buckets
@@ -264,10 +272,10 @@ class _Stages:
         return jnp.concatenate(parts, axis=1)
 
     def _decode_sum(self, total, factors):
-        return wires.integer_decode(total, factors, width=self.width)
+        return integer_decode(total, factors, width=self.width)
 
     def _decode_factors(self, agreed):
-        return wires.decode_factors(
+        return decode_factors(
             agreed, width=self.width, group_size=self.group.size, weight=self.weight,
             stochastic=self.stochastic,
         )  # fmt: skip
@@ -315,7 +323,7 @@ class _Stages:
             if self.bounds_in_grad:
                 if feedback:
                     buckets = [x + r for x, r in zip(buckets, sends, strict=True)]
-                outs += [wires.integer_bounds(x, block) for x in buckets]
+                outs += [integer_bounds(x, block) for x in buckets]
             return tuple(outs)
 
         inputs = ["params", "key", "batch"] if self.step else ["grads"]
@@ -341,7 +349,7 @@ class _Stages:
 
         def bounds(*args):
             *send, x = args
-            return (wires.integer_bounds(x + send[0] if feedback else x, block),)
+            return (integer_bounds(x + send[0] if feedback else x, block),)
 
         return Program(
             f"bounds{b}", "compute", bounds, [f"shard{b}"], [f"bounds{b}"],
@@ -409,9 +417,9 @@ class _Stages:
             x, agreed = args.pop(0), args.pop(0)
             key = self._key(args.pop(0) if stochastic else None, c.bucket)
             x = x[s:e] if res is None else x[s:e] + res[s:e]
-            codes, kept = wires.integer_encode(
+            codes, kept = integer_encode(
                 x, agreed[c.start : c.stop], block_size=block, width=width,
-                stochastic=stochastic, seed=None if key is None else wires.dither_seed(key),
+                stochastic=stochastic, seed=None if key is None else dither_seed(key),
                 first_block=c.start, feedback=feedback,
             )  # fmt: skip
             return (codes,) if res is None else (res.at[s:e].set(kept), codes)
@@ -450,7 +458,7 @@ class _Stages:
         stages of ``wire._scatter_gather_piece``, for each message piece it holds)."""
         sync, group, codec, block = self.sync, self.group, self.codec, self.block
         feedback, stochastic, tag = self.feedback, self.stochastic, c.tag
-        exchange = wires._all_to_all(sync.wire, sync.message_bytes)
+        exchange = wires.code_exchange(sync.wire, sync.message_bytes)
         held = slice(c.start, c.stop)
 
         def piece_key(keys, j):
@@ -525,7 +533,7 @@ class _Stages:
         local_axis = self.sync.local_axis
 
         def gather(*parts):
-            return (wires.gather_invariant(self._join(parts), local_axis),)
+            return (collective_ops.gather_invariant(self._join(parts), local_axis),)
 
         parts = [f"part{c.tag}" for c in self.chunks[b]]
         return Program(f"gather{b}", "wire", gather, parts, [f"avg{b}"])

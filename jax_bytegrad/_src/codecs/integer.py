@@ -1,0 +1,302 @@
+"""The integer wire's codec: codes on a grid the group shares, which add up as integers.
+
+Follows the THC and IntSGD family (Li et al., "THC: Accelerating Distributed Deep Learning
+Using Tensor Homomorphic Compression", NSDI 2024; Mishchenko et al., "IntSGD: Adaptive
+Floatless Compression of Stochastic Gradients", ICLR 2022). Every device of a group of g
+quantizes onto the same grid per block, with headroom, so the group's codes sum exactly in one
+integer ``psum``; ``wire.integer_sum`` runs these stages around its collectives, and the
+pipelined step runs them as programs of their own.
+
+The grid of a block, from the group's lo = min and hi = max (every device computes it from
+the same pmax, so every device holds the same grid), with L levels per device:
+
+    scale = max((hi - lo) / D, max(|lo|, |hi|) * 2**-23)   D = L nearest, L - 1 stochastic
+    zero  = round(-lo / scale) (nearest), ceil(-lo / scale) (stochastic), an integer
+    code  = clip(round(x / scale) + zero, 0, L)     (stochastic: floor + (u < fraction))
+    sum   = psum(code)                               <= g * L, no wrap-around
+    mean  = (sum - g * zero) * (scale * weight)      (sum - g * zero in int32, exact)
+
+As in the min-max codec (``codecs/reference.py``), an integer zero point keeps 0 on the
+grid: a value that is 0 on every device decodes to exactly 0, and a block that is the same
+constant c everywhere has scale = c, zero = -1 and codes 0, and decodes to g * c * weight.
+Nearest rounding errs by at most scale / 2 per device; stochastic rounding is unbiased
+(D = L - 1 and ``ceil`` make the grid cover [lo, hi], so nothing is clipped). Each device
+draws its own uniforms: a 32-bit integer hash of (element index, a seed from the device's
+key), 24 bits of resolution; far cheaper on CPU than threefry, and, being a function of the
+element's index, the same for any message split.
+
+Widths, from the group size g (``allreduce_width``): 8-bit codes go as uint8 with
+L = 255 // g levels while g <= 8 (31 levels or more), as uint16 with L = 65535 // g beyond
+(twice the bytes); 4-bit codes go two per byte (adjacent values) with L = 15 // g while
+g <= 2 (the sum of g nibbles stays below 16, so the byte-wise sum does not carry), and are
+refused beyond. The rule: uint8 while the error of the mean stays below half that of the
+4-bit scatter-gather wire, which trains within a point of float32 (benchmarks/RESULTS.md,
+"Widths: levels per device against the error of the mean").
+
+XLA:CPU contracts a product that feeds an add into one fused multiply-add when both land in
+one fusion, and copies small per-block computations into every fusion that reads them; so
+no product here feeds an add (exact halves, or a clip in between), or the bits would depend
+on the fusions and so on the message split.
+
+That copying also costs time: the decode is fused into each optimizer pass that reads the
+mean, which walks the leaf's shape, not the blocks, so the grid's operations would run once
+per value in every such pass (benchmarks/RESULTS.md, "Decode factors: each block's grid once,
+not once per value"). The decode's two factors per block, ``scale * weight`` and ``g * zero``,
+are therefore computed once (``decode_factors``) and go through a ``pmax`` over the group:
+they are the same on every device, so the pmax changes no bit, and XLA reads a collective's
+result as data instead of recomputing it.
+
+Error feedback keeps one residual per device: what its codes failed to carry,
+``x + residual - (code - zero) * scale``. Summed over the group, the residuals and the
+decoded sum give back the sum of ``x + residual`` exactly where float32 allows.
+
+Non-finite values stay visible: a block holding NaN or +-inf on any device has its bound
+set to +inf there, the pmax spreads it, and every device decodes that block to NaN, the
+whole block, for every device's contribution, as a float32 psum would.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Largest group whose sum fits each width with enough levels per device (module docstring).
+MAX_GROUP = {4: 2, 8: 8}
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+# Keeps |zero| <= 2**23, as in the min-max codec.
+_SCALE_FLOOR = 2.0**-23
+
+
+@dataclasses.dataclass(frozen=True)
+class Width:
+    """How the integer wire sends codes for a group of devices.
+
+    Attributes:
+      bits: bits per code on the wire: 4 (two per byte), 8 or 16.
+      levels: L, the largest code one device sends; group size x L < 2**bits.
+    """
+
+    bits: int
+    levels: int
+
+    @property
+    def dtype(self):
+        return jnp.uint16 if self.bits == 16 else jnp.uint8
+
+
+def allreduce_width(bits: int, group_size: int) -> Width:
+    """The wire width and levels per device of the integer wire for ``group_size`` devices.
+
+    Args:
+      bits: the code width asked for, 8 or 4.
+      group_size: how many devices sum their codes (the node count, or every device with
+        ``hierarchical=False``).
+
+    Returns:
+      A ``Width``: uint8 for 8 bits up to 8 devices, uint16 beyond; packed nibbles for 4
+      bits up to 2 devices.
+
+    Raises:
+      ValueError: for 4 bits over more than 2 devices, or a group too large for uint16.
+
+    Examples:
+      >>> allreduce_width(8, 2), allreduce_width(8, 16), allreduce_width(4, 2)
+      (Width(bits=8, levels=127), Width(bits=16, levels=4095), Width(bits=4, levels=7))
+    """
+    if bits == 4 and group_size > MAX_GROUP[4]:
+        raise ValueError(
+            f"wire='allreduce': 4-bit codes sum over at most {MAX_GROUP[4]} devices (their "
+            f"nibbles must not carry), got {group_size}; pass bits=8, or wire='scatter_gather' "
+            "for 4 bits"
+        )
+    width = bits if bits == 4 or group_size <= MAX_GROUP[8] else 16
+    levels = (2**width - 1) // group_size
+    if levels < 2:
+        raise ValueError(
+            f"wire='allreduce': {group_size} devices leave fewer than 2 levels each in uint16; "
+            "pass wire='scatter_gather'"
+        )
+    return Width(width, levels)
+
+
+def _fmix32(h: jax.Array) -> jax.Array:
+    """A 32-bit integer finalizer (MurmurHash3's): every input bit flips each output bit
+    with probability about one half."""
+    h = h ^ (h >> 16)
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def dither(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """Uniforms in [0, 1) on a 2**-24 grid, one per element ``index``, from a (2,) uint32
+    seed: two rounds of an integer hash. Cheaper on CPU than ``jax.random.uniform``
+    (RESULTS.md); as a function of the index, independent of how the bucket is split.
+    """
+    h = _fmix32(index ^ seed[0])
+    h = _fmix32(h + seed[1])
+    return (h >> 8).astype(jnp.float32) * np.float32(2.0**-24)
+
+
+def block_bounds(x: jax.Array) -> jax.Array:
+    """Each row's [max, -min], both +inf for a row holding NaN or +-inf, shape (rows, 2).
+
+    Max of (x, -x) in one variadic reduce; NaN propagates through it and is then made +inf,
+    which a pmax spreads to every device (a NaN may not survive a max through Gloo).
+    """
+    hi, neg_lo = jax.lax.reduce(
+        (x, -x),
+        (np.float32(-np.inf), np.float32(-np.inf)),
+        lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])),
+        (1,),
+    )
+    bounds = jnp.stack([hi, neg_lo], axis=1)
+    finite = jnp.isfinite(hi) & jnp.isfinite(neg_lo)
+    return jnp.where(finite[:, None], bounds, np.float32(np.inf))
+
+
+def grid(bounds: jax.Array, levels: int, stochastic: bool):
+    """Scale, integer zero point and 1 / scale per block, shape (blocks, 1), from the bounds."""
+    hi, lo = bounds[:, 0:1], -bounds[:, 1:2]
+    steps = levels - 1 if stochastic else levels
+    magnitude = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+    # No product may feed an add (module docstring): the halves are exact products, so a
+    # contracted hi * 0.5 - lo * 0.5 rounds the same; they keep +-3e38 in one block from
+    # overflowing.
+    span = hi - lo
+    span = jnp.where(
+        jnp.isfinite(span),
+        span * np.float32(1 / steps),
+        (hi * np.float32(0.5) - lo * np.float32(0.5)) * np.float32(2 / steps),
+    )
+    scale = jnp.maximum(span, magnitude * np.float32(_SCALE_FLOOR))
+    inv_scale = jnp.where(scale > 0, 1.0 / scale, 0.0)
+    shift = -lo * inv_scale
+    zero = jnp.ceil(shift) if stochastic else jnp.round(shift)
+    constant = hi == lo
+    finite = jnp.isfinite(lo) & jnp.isfinite(hi)
+    scale = jnp.where(finite, jnp.where(constant, lo, scale), np.float32(np.nan))
+    zero = jnp.where(finite, jnp.where(constant, -1.0, zero), 0.0)
+    inv_scale = jnp.where(finite & ~constant, inv_scale, 0.0)
+    return scale, zero, inv_scale
+
+
+def encode(x, scale, zero, inv_scale, levels: int, uniforms):
+    """Codes of ``x`` (blocks, block_size) on the grid, as float32 integers in [0, levels]."""
+    # |y| <= 2**23 + levels on the grid: the clip changes no value, and keeps the product
+    # from being contracted with ``y - floor`` (module docstring).
+    y = jnp.clip(x * inv_scale, np.float32(-(2.0**24)), np.float32(2.0**24))
+    if uniforms is None:
+        y = jnp.round(y)
+    else:
+        floor = jnp.floor(y)
+        # Against the exact fraction, not floor(y + u): unbiased even where |y| nears 2**23.
+        y = floor + (uniforms < y - floor).astype(jnp.float32)
+    # Non-finite blocks have inv_scale = 0, so inf * 0 = NaN here; they decode via the scale.
+    y = jnp.where(jnp.isnan(y), 0.0, y)
+    return jnp.clip(y + zero, 0.0, np.float32(levels))
+
+
+def to_wire(codes: jax.Array, width: Width) -> jax.Array:
+    """(blocks, block_size) float32 codes as the wire sends them: 4-bit codes two per byte,
+    each even-indexed value in the low nibble and the value after it in the high one.
+
+    Not the codec's layout (``codecs.reference.pack``: a block's halves): XLA:CPU fuses the
+    encode into adjacent pairs 1.9x as fast as into halves (benchmarks/RESULTS.md, "Two
+    layouts of the integer wire").
+    """
+    if width.bits == 4:
+        pairs = codes.astype(jnp.uint8).reshape(codes.shape[0], -1, 2)
+        return pairs[..., 0] | (pairs[..., 1] << 4)
+    return codes.astype(width.dtype)
+
+
+def from_wire(total: jax.Array, width: Width) -> jax.Array:
+    """Inverse of ``to_wire`` on the summed codes: (blocks, block_size) int32."""
+    total = total.astype(jnp.int32)
+    if width.bits == 4:
+        nibbles = (total[..., None] >> np.array([[[0, 4]]], np.int32)) & 15
+        return nibbles.reshape(total.shape[0], -1)
+    return total
+
+
+def integer_bounds(x: jax.Array, block_size: int) -> jax.Array:
+    """The integer wire's first stage: each block's [max, -min] of the flat vector ``x``
+    (after adding the residual), shape (blocks, 2); the group then agrees on them with one
+    ``pmax``."""
+    return block_bounds(x.reshape(-1, block_size))
+
+
+def integer_encode(x, bounds, *, block_size, width, stochastic, seed, first_block=0,
+                   feedback):  # fmt: skip
+    """The integer wire's second stage: codes of the flat vector ``x`` on the group's grid.
+
+    Args:
+      x: this device's values (residual added), a whole number of blocks.
+      bounds: the group's ``pmax`` of ``integer_bounds`` for these blocks.
+      block_size: values per block.
+      width: ``allreduce_width`` of the group.
+      stochastic: the grid of stochastic rounding (``seed`` draws the dither).
+      seed: None (nearest rounding), or this device's (2,) uint32 seed.
+      first_block: the index of ``x``'s first block in its bucket: the dither is a function
+        of the element's index in the bucket, so any split of a bucket sends the same codes.
+      feedback: also return what the codes missed (error feedback's new residual).
+
+    Returns:
+      The codes as the wire sends them (``width``'s dtype, or packed nibbles), flat per
+      block row, and the flat residual (None without ``feedback``).
+    """
+    blocks = x.reshape(-1, block_size)
+    scale, zero, inv_scale = grid(bounds, width.levels, stochastic)
+    uniforms = None
+    if seed is not None:
+        rows = jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 0)
+        if first_block:
+            rows = rows + np.uint32(first_block)
+        index = rows * np.uint32(block_size) + jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 1)
+        uniforms = dither(seed, index)
+    codes = encode(blocks, scale, zero, inv_scale, width.levels, uniforms)
+    kept = None
+    if feedback:
+        # The clip stands between the product and the subtraction: no fused multiply-add
+        # (module docstring), the same residual for any split.
+        kept = (blocks - jnp.clip((codes - zero) * scale, -_F32_MAX, _F32_MAX)).reshape(-1)
+    return to_wire(codes, width), kept
+
+
+def decode_factors(bounds, *, width, group_size, weight, stochastic) -> jax.Array:
+    """The decode's factors per block from the group's bounds, shape (2, blocks) int32:
+    the float32 bits of ``scale * weight``, and ``g * zero``.
+
+    One int32 array, so that the group agrees on both with one exact ``pmax`` (module
+    docstring: the factors then reach every fused decode as data). Each factor is a
+    contiguous row: read from (blocks, 2) pairs, an Adam pass with the decode fused in took
+    1.4x as long on one core (benchmarks/RESULTS.md, "Two layouts of the integer wire").
+    """
+    scale, zero, _ = grid(bounds, width.levels, stochastic)
+    # |zero| <= 2**23 + 1 and g <= 2**16 / levels: g * zero fits int32.
+    offset = (np.int32(group_size) * zero.astype(jnp.int32)).astype(jnp.int32)
+    factor = jax.lax.bitcast_convert_type(scale * np.float32(weight), jnp.int32)
+    return jnp.stack([factor[:, 0], offset[:, 0]])
+
+
+def integer_decode(total, factors, *, width) -> jax.Array:
+    """The integer wire's last stage: ``weight`` times the decoded sum of the group's codes.
+
+    ``total`` is the ``psum`` of ``integer_encode``'s codes, ``factors`` the group's
+    ``decode_factors`` of the same blocks. Returns the flat float32 values.
+    """
+    factor = jax.lax.bitcast_convert_type(factors[0], jnp.float32)[:, None]
+    offset = factors[1][:, None]
+    total = from_wire(total, width)
+    # sum - g * zero is exact in int32 (g * levels < 2**16); the one rounding to float32 and
+    # the one product are the same on every device.
+    decoded = (total - offset).astype(jnp.float32) * factor
+    return jnp.clip(decoded, -_F32_MAX, _F32_MAX).reshape(-1)
+
+
+def dither_seed(key: jax.Array) -> jax.Array:
+    """The (2,) uint32 seed of ``dither`` from a device's PRNG key for one bucket."""
+    return jax.random.bits(key, (2,), jnp.uint32)
