@@ -1,9 +1,12 @@
-"""Every Mosaic GPU kernel lowers for CUDA on this host, GPU or not, within a time bound.
+"""Every Mosaic GPU kernel lowers for CUDA on this host, GPU or not, within a time bound, and
+compiles into an H100 executable where JAX's CUDA plugin is installed.
 
 ``jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`` runs Mosaic GPU's whole
 lowering, layout inference included, with no GPU and no CUDA plugin: an op or a layout that
 Mosaic GPU rejects fails here. A layout search that would take minutes fails when the bound
-runs out. What this cannot catch (the PTX stage, the numerics) is in docs/gpu.md.
+runs out. With the plugin (the ``cuda12`` extra), each kernel is also compiled by XLA:GPU for
+a deviceless H100 (``sharding.gpu_mesh``), the Mosaic GPU call inside the executable. What
+neither can catch (the PTX stage, the numerics) is in docs/gpu.md.
 """
 
 import functools
@@ -12,14 +15,19 @@ import threading
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import SingleDeviceSharding
 from test_pallas import BITS, DTYPE_IDS, DTYPES, LAYOUT_IDS, LAYOUTS
 
 import jax_bytegrad
 from jax_bytegrad._src.codecs import pallas as _pallas
+from jax_bytegrad.sharding import gpu_mesh
 
-# One kernel lowers in about a second; a layout search that does not converge takes minutes.
-LOWERING_TIMEOUT_S = 30.0
+# One kernel lowers in about a second and compiles for an H100 in a few more; a layout search
+# that does not converge takes minutes.
+LOWERING_TIMEOUT_S = 60.0
 KERNEL_CALL = "custom_call @mosaic_gpu"
+# How the compiled executable's HLO calls the kernel.
+COMPILED_CALL = 'custom_call_target="mosaic_gpu'
 # The layouts of test_pallas.py, plus the default tile at the block counts of its
 # non-finite (4 blocks) and extreme-magnitude (2 blocks) tests.
 ALL_LAYOUTS = [*LAYOUTS, (4, 128, _pallas._Tiles()), (2, 128, _pallas._Tiles())]
@@ -28,14 +36,33 @@ ROUNDINGS = [pytest.param(False, id="nearest"), pytest.param(True, id="stochasti
 KEY = jax.eval_shape(jax.random.key, 0)
 
 
+def _deviceless_h100():
+    """One deviceless H100, or None without JAX's CUDA plugin."""
+    try:
+        return gpu_mesh(1, 1).devices[0, 0]
+    except RuntimeError:
+        return None
+
+
+H100 = _deviceless_h100()
+
+
 def lower_for_cuda(fn, *args) -> str:
-    """Lowers ``jax.jit(fn)`` for CUDA in a thread; fails if that takes over the bound."""
+    """Lowers ``jax.jit(fn)`` for CUDA in a thread, and compiles it for an H100 where the
+    CUDA plugin is installed; fails if that takes over the bound."""
     outcome = {}
 
     def work():
         try:
             lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
             outcome["text"] = lowered.as_text()
+            if H100 is not None:
+                placed = [
+                    jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=SingleDeviceSharding(H100))
+                    for a in args
+                ]
+                compiled = jax.jit(fn).trace(*placed).lower().compile()
+                assert COMPILED_CALL in compiled.as_text(), "no Mosaic GPU call in the executable"
         except Exception as error:  # noqa: BLE001 - re-raised in the test's thread
             outcome["error"] = error
 
@@ -43,7 +70,9 @@ def lower_for_cuda(fn, *args) -> str:
     worker.start()
     worker.join(LOWERING_TIMEOUT_S)
     if worker.is_alive():
-        pytest.fail(f"lowering for CUDA did not finish within {LOWERING_TIMEOUT_S:g} s")
+        pytest.fail(
+            f"lowering (and compiling) for CUDA did not finish within {LOWERING_TIMEOUT_S:g} s"
+        )
     if "error" in outcome:
         raise outcome["error"]
     return outcome["text"]

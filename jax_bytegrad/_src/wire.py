@@ -39,6 +39,8 @@ The bytes each wire sends between nodes: benchmarks/RESULTS.md, "Bytes between n
 "Decode factors: each block's grid once, not once per value".
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -322,6 +324,7 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
         if hierarchical:
             x = _plain_shard(x, node_axis, local_axis, local)
         return x, residual
+    _warn_if_promoted(config.bits, group_size)
     send = None if residual is None else residual[0]
     x, send = integer_sum(
         x,
@@ -335,6 +338,34 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
         stochastic=config.stochastic,
     )
     return x, None if residual is None else (send, residual[1])
+
+
+_WARNED_PROMOTION: set[int] = set()
+
+
+def _traced_platform() -> str:
+    """The platform of the mesh being traced: the abstract mesh's device (JAX >= 0.11 knows
+    it inside ``shard_map``, deviceless meshes included), else the default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def _warn_if_promoted(bits: int, group_size: int) -> None:
+    """Warns, once per group size, when the integer wire's codes go as uint16 on a GPU:
+    XLA:GPU promotes 16-bit integer all-reduces to 32 bits, float32's bytes."""
+    width = allreduce_width(bits, group_size)
+    if width.bits != 16 or _traced_platform() != "gpu" or group_size in _WARNED_PROMOTION:
+        return
+    _WARNED_PROMOTION.add(group_size)
+    warnings.warn(
+        f"jax_bytegrad: wire='allreduce' sums the codes of {group_size} devices as uint16 "
+        "(more than 8 summing devices), and XLA:GPU promotes 16-bit integer all-reduces to "
+        "32 bits: this sync costs as many bytes as a float32 all-reduce here. Pass "
+        "wire='scatter_gather' (8-bit codes at any group size), or hierarchical=True with at "
+        "most 8 nodes",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _plain_shard(x, node_axis, local_axis, local: int) -> jax.Array:
