@@ -18,6 +18,7 @@ import collections
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
@@ -25,6 +26,7 @@ from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks, stats
 from jax_bytegrad._src.sharding import shard_batch
+from jax_bytegrad._src.steps.model_state import ModelState
 
 
 class TrainState(NamedTuple):
@@ -44,12 +46,19 @@ class TrainState(NamedTuple):
         QAdam's own state; error-feedback residuals are sharded per device).
       extra: the algorithm's state beyond those two, by name (the peers' weights of
         ``low_precision_decentralized``); empty for the others.
+      model_state: the model's state that is not trained (BatchNorm statistics, counters),
+        replicated, from a step built with ``model_state=...``; None otherwise.
+      rng: ``jax.random.key(rng_seed)``, replicated, from a step built with
+        ``rng_seed=...``; None otherwise. Each step's per-device keys derive from it and the
+        step count (``step_key``).
     """
 
     step: np.ndarray
     params: optax.Params
     opt_state: optax.OptState
     extra: dict[str, Any]
+    model_state: Any = None
+    rng: Any = None
 
 
 # How far communication_stats looks for a step of each phase (QAdam's warm-up can be long).
@@ -113,21 +122,25 @@ class TrainStep:
     """
 
     def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, axes: tuple[str, str],
-                 has_aux: bool, flatten: bool, donate: bool = False):  # fmt: skip
+                 has_aux: bool, flatten: bool, donate: bool = False,
+                 model: ModelState | None = None):  # fmt: skip
         for name, value in (("has_aux", has_aux), ("flatten", flatten), ("donate", donate)):
             checks.boolean(value, name, algorithm)
         checks.mesh_axes(mesh, *axes, algorithm)
+        self.model = ModelState() if model is None else model
         self.algorithm, self.mesh, self.has_aux, self.flatten = algorithm, mesh, has_aux, flatten
         self._axes, self._donate = axes, donate
         self._unravel = None
         self.loss_fn = self._flat_loss(loss_fn) if flatten else loss_fn
         self._programs: dict[Any, Any] = {}
+        self._expected: dict[Any, Any] = {}
         self._in_flight = StepsInFlight(mesh)
         self._closed = False
 
     # What subclasses give. --------------------------------------------------------------
 
     phases: tuple[str, ...] = ("step",)
+    _extra_keys: tuple[str, ...] = ()
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return "step", "step"
@@ -152,14 +165,46 @@ class TrainStep:
     def _flat_loss(self, loss_fn):
         # Bagua's flattened layout: the params (so the gradient and optimizer state) as one
         # vector; the loss function still sees the pytree.
-        return lambda flat, batch: loss_fn(self._unravel(flat), batch)
+        return lambda flat, batch, **kw: loss_fn(self._unravel(flat), batch, **kw)
 
     def init(self, params: optax.Params) -> TrainState:
         """The state to start from: ``params`` (the same on every process) placed, and the
-        optimizer's and algorithm's state initialized on the mesh."""
+        optimizer's and algorithm's state initialized on the mesh (with the model state and
+        key of a step built with ``model_state=`` or ``rng_seed=``).
+
+        Raises:
+          ValueError: for a parameter that is not floating point, naming it.
+        """
+        checks.float_params(params, self.algorithm)
         if self.flatten:
             params, self._unravel = ravel_pytree(jax.device_get(params))
-        return self._init(params)
+        state = self._init(params)
+        if not self.model.enabled:
+            return state
+        model_state, rng = self.model.place(self.mesh)
+        return state._replace(model_state=model_state, rng=rng)
+
+    def _abstract_opt_state(self, params):
+        """The optimizer state ``init`` gives for ``params`` (``jax.eval_shape``), to tell a
+        state of this step from another's; None when the step does not check."""
+        return None
+
+    def _check_state(self, state) -> None:
+        """Raises a ``ValueError`` naming both steps for a state another step made."""
+        if not isinstance(state, TrainState):
+            raise ValueError(
+                f"{self.algorithm}: state must be the TrainState that step.init(params) or a "
+                f"step returned, got {type(state).__name__}"
+            )
+        signature = jax.tree.map(lambda x: (np.shape(x), jnp.result_type(x)), state.params)
+        key = (jax.tree.structure(state.params), tuple(jax.tree.leaves(signature)))
+        if key not in self._expected:
+            self._expected[key] = self._abstract_opt_state(state.params)
+        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
+        checks.same_state(
+            state, self._expected[key], self._extra_keys, self.model,
+            where=self.algorithm, devices=devices,
+        )  # fmt: skip
 
     def program(self, state: TrainState):
         """The jitted program the next ``step(state, batch)`` runs."""
@@ -172,6 +217,7 @@ class TrainStep:
         """One train step: ``(state, batch) -> (state, metrics)``."""
         if self._closed:
             raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
+        self._check_state(state)
         inputs = self._inputs(state, batch)
         program = self.program(state)
         # Before dispatch: jaxlib may crash the process on a buffer a donating step consumed.
@@ -190,6 +236,7 @@ class TrainStep:
 
     def lower(self, state: TrainState, batch):
         """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing."""
+        self._check_state(state)
         inputs = self._inputs(state, batch)
         return self.program(state).lower(*inputs)
 
@@ -202,6 +249,7 @@ class TrainStep:
           ``{"gossip": ...}`` plus ``"local"`` when some steps do not communicate.
           ``phase_counts`` says how often each has run.
         """
+        self._check_state(state)
         inputs = self._inputs(state, batch)
         out = {}
         for taken in self._phase_examples():
