@@ -40,6 +40,13 @@ def _batches():
     return [(x[i * BATCH : (i + 1) * BATCH], y[i * BATCH : (i + 1) * BATCH]) for i in range(10)]
 
 
+@nnx.jit
+def _device_grad(model, x, y, key):
+    nnx.reseed(model, default=jax.random.fold_in(key, 0))  # the model's one stream: "default"
+    (loss, _), grad = nnx.value_and_grad(loss_fn, has_aux=True)(model, (x, y))
+    return loss, grad
+
+
 def _reference(batches, steps, tx):
     """Plain NNX on one device: each device's rows with its own dropout key (step_key), the
     gradients and the new batch statistics averaged, one optimizer update."""
@@ -53,8 +60,7 @@ def _reference(batches, steps, tx):
         for device, rows in enumerate(np.split(np.arange(BATCH), DEVICES)):
             local = nnx.clone(model)
             key = jax_bytegrad.step_key(rng, step, device)
-            nnx.reseed(local, default=jax.random.fold_in(key, 0))
-            (loss, _), grad = nnx.value_and_grad(loss_fn, has_aux=True)(local, (x[rows], y[rows]))
+            loss, grad = _device_grad(local, x[rows], y[rows], key)
             grads.append(grad)
             stats.append(nnx.state(local, nnx.BatchStat))
             shard_losses.append(loss)
@@ -114,6 +120,7 @@ def test_bytegrad_stays_within_its_bound_of_plain_nnx_training(batches):
         assert_trees_all_close(_variables(model), _variables(skipped), atol=1.5e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["qadam", "decentralized"])
 def test_other_algorithms_train_the_nnx_model(batches, algorithm):
     kwargs, tx = {}, optax.adamw(1e-2)
@@ -128,6 +135,7 @@ def test_other_algorithms_train_the_nnx_model(batches, algorithm):
     assert not np.allclose(np.asarray(model.norm.var[...]), 1.0)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_restores_the_model_and_replays_the_dropout_keys(batches, tmp_path):
     model, step, _ = _trained("gradient_allreduce", batches, 1, optax.sgd(0.1))
     saved = jax.tree.map(np.asarray, _variables(model))

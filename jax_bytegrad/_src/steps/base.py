@@ -45,20 +45,27 @@ class TrainState(NamedTuple):
       opt_state: the optimizer state, laid out like ``params`` (it holds ByteGrad's and
         QAdam's own state; error-feedback residuals are sharded per device).
       extra: the algorithm's state beyond those two, by name (the peers' weights of
-        ``low_precision_decentralized``); empty for the others.
-      model_state: the model's state that is not trained (BatchNorm statistics, counters),
-        replicated, from a step built with ``model_state=...``; None otherwise.
-      rng: ``jax.random.key(rng_seed)``, replicated, from a step built with
-        ``rng_seed=...``; None otherwise. Each step's per-device keys derive from it and the
-        step count (``step_key``).
+        ``low_precision_decentralized``), and the model state and key of a step built with
+        ``model_state=`` or ``rng_seed=`` (``"model_state"``, ``"rng"``); empty otherwise,
+        so a state without them has the layout, and restores the checkpoints, it always had.
+      model_state: (property) ``extra["model_state"]``: the model's state that is not
+        trained (BatchNorm statistics, counters), replicated; None without one.
+      rng: (property) ``extra["rng"]``: ``jax.random.key(rng_seed)``, replicated, from which
+        each step's per-device keys derive with the step count (``step_key``); None without.
     """
 
     step: np.ndarray
     params: optax.Params
     opt_state: optax.OptState
     extra: dict[str, Any]
-    model_state: Any = None
-    rng: Any = None
+
+    @property
+    def model_state(self) -> Any:
+        return self.extra.get("model_state") if isinstance(self.extra, dict) else None
+
+    @property
+    def rng(self) -> Any:
+        return self.extra.get("rng") if isinstance(self.extra, dict) else None
 
 
 # How far communication_stats looks for a step of each phase (QAdam's warm-up can be long).
@@ -181,8 +188,7 @@ class TrainStep:
         state = self._init(params)
         if not self.model.enabled:
             return state
-        model_state, rng = self.model.place(self.mesh)
-        return state._replace(model_state=model_state, rng=rng)
+        return state._replace(extra={**state.extra, **self.model.place(self.mesh)})
 
     def _abstract_opt_state(self, params):
         """The optimizer state ``init`` gives for ``params`` (``jax.eval_shape``), to tell a

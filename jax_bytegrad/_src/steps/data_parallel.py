@@ -156,9 +156,8 @@ class DataParallelStep(TrainStep):
         metrics = {"loss": out[2]}
         if self.has_aux:
             metrics["aux"] = out[3]
-        model_state = out[-1] if self.model.has_state else None
-        new = TrainState(count(int(state.step) + 1), out[0], out[1], {}, model_state, state.rng)
-        return new, metrics
+        extra = self.model.carried(state, out[-1] if self.model.has_state else None)
+        return TrainState(count(int(state.step) + 1), out[0], out[1], extra), metrics
 
 
 def data_parallel_step(

@@ -237,15 +237,15 @@ class _PeerStep(TrainStep):
 
     def _inputs(self, state, batch):
         batch = global_batch(batch, self.mesh, self._axes)
-        return (state.params, state.opt_state, state.extra, *self.model.inputs(state), batch)
+        extra = {k: state.extra[k] for k in self._extra_keys}  # the model's travel apart
+        return (state.params, state.opt_state, extra, *self.model.inputs(state), batch)
 
     def _outputs(self, state, out):
         metrics = {"loss": _device_mean(out[3])}
         if self.has_aux:
             metrics["aux"] = _device_mean(out[4])
-        model_state = out[-1] if self.model.has_state else None
-        new = TrainState(count(int(state.step) + 1), out[0], out[1], out[2], model_state, state.rng)
-        return new, metrics
+        extra = {**out[2], **self.model.carried(state, out[-1] if self.model.has_state else None)}
+        return TrainState(count(int(state.step) + 1), out[0], out[1], extra), metrics
 
     def _params(self, state):
         return consensus_params(state.params)

@@ -33,6 +33,8 @@ from jax_bytegrad._src import checks
 from jax_bytegrad._src.sharding import replicate
 
 StateSync = Literal["mean", "first"]
+# Their names in ``TrainState.extra``.
+MODEL_STATE, RNG = "model_state", "rng"
 STATE_SYNCS = ("mean", "first")
 
 
@@ -136,14 +138,21 @@ class ModelState:
                 "gradient_allreduce, bytegrad (pipeline=False), qadam or the decentralized pair"
             )
 
-    def place(self, mesh: Mesh) -> tuple[Any, Any]:
-        """``(model_state, rng)`` for a new ``TrainState``: both replicated over ``mesh``."""
-        model_state = replicate(_host_copy(self.initial), mesh) if self.has_state else None
-        rng = None
+    def place(self, mesh: Mesh) -> dict[str, Any]:
+        """What a new ``TrainState`` adds to its ``extra``: the model state and the key,
+        both replicated over ``mesh``."""
+        out = {}
+        if self.has_state:
+            out[MODEL_STATE] = replicate(_host_copy(self.initial), mesh)
         if self.has_rng:
             seed, replicated = self.seed, NamedSharding(mesh, P())
-            rng = jax.jit(lambda: jax.random.key(seed), out_shardings=replicated)()
-        return model_state, rng
+            out[RNG] = jax.jit(lambda: jax.random.key(seed), out_shardings=replicated)()
+        return out
+
+    def carried(self, state, model_state) -> dict[str, Any]:
+        """The ``extra`` entries of the state after a step: the new model state, the key."""
+        out = {MODEL_STATE: model_state} if self.has_state else {}
+        return {**out, RNG: state.rng} if self.has_rng else out
 
     def inputs(self, state) -> tuple:
         """The step program's extra inputs: the model state, then the key and the step."""
