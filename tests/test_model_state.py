@@ -243,3 +243,17 @@ def test_train_state_keeps_its_four_fields():
     state = TrainState(np.int64(0), {}, (), {})
     assert TrainState._fields == ("step", "params", "opt_state", "extra")
     assert state.model_state is None and state.rng is None
+
+
+@pytest.mark.parametrize("name", ["bytegrad", "decentralized"])
+def test_flatten_carries_the_model_state_and_key(name):
+    # flatten=True hands the loss the unflattened params and the keywords as they are.
+    strategy = _strategy(name, flatten=True)
+    kwargs = dict(model_state=_probe_state(), rng_seed=3)
+    with strategy.train_step(_probe_loss, _tx(name), **kwargs) as step:
+        state, _ = step(step.init(PARAMS), BATCH)
+    expected = [
+        jax.random.uniform(jax_bytegrad.step_key(jax.random.key(3), 0, d)) for d in range(DEVICES)
+    ]
+    np.testing.assert_allclose(np.asarray(state.model_state["draws"]), expected, rtol=1e-6)
+    assert jax.tree.map(np.shape, step.params(state)) == {"w": (256, 2)}
