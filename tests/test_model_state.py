@@ -220,6 +220,10 @@ def test_bad_model_state_arguments_are_refused():
     for other in (_strategy("bytegrad", pipeline=True), jax_bytegrad.Strategy("async")):
         with pytest.raises(ValueError, match="does not take model_state= or rng_seed="):
             other.train_step(loss, optax.sgd(0.1), rng_seed=0)
+    # Python numbers are leaves too, placed as JAX would type them.
+    with strategy.train_step(loss, optax.sgd(0.1), model_state={"n": 0, "x": 0.5}) as step:
+        placed = step.init(PARAMS).model_state
+    assert (placed["n"].dtype, placed["x"].dtype) == (jnp.int32, jnp.float32)
     # A loss that forgets to return its state says so.
     with strategy.train_step(
         loss, optax.sgd(0.1), model_state={"n": np.zeros(2, np.float32)}

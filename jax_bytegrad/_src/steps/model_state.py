@@ -58,13 +58,21 @@ def step_key(rng: jax.Array, step: int, device: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(rng, step), device)
 
 
+def _dtype(leaf):
+    """The dtype ``leaf`` gets on the devices (Python numbers included); None for no array."""
+    try:
+        return jnp.result_type(leaf)
+    except TypeError:
+        return None
+
+
 def _host_copy(tree):
-    return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+    return jax.tree.map(lambda x: np.array(x, dtype=_dtype(x), copy=True), jax.device_get(tree))
 
 
 def _check_leaves(model_state, where: str) -> None:
     for path, leaf in jax.tree.leaves_with_path(model_state):
-        dtype = getattr(leaf, "dtype", None)
+        dtype = _dtype(leaf)
         if dtype is None or not (
             jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
         ):
