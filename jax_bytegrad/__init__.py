@@ -2,8 +2,11 @@
 
 The core API lives here; a few namespaces hold the rest: ``sharding`` (the mesh and placement),
 ``distributed`` and ``launch`` (multi-process runs), ``checkpoint``, ``data``, ``profiling``
-(bytes on the wire) and ``experimental`` (async model averaging).
+(bytes on the wire), ``experimental`` (async model averaging) and ``nnx`` (Flax NNX models;
+imported on first use, since it needs Flax).
 """
+
+import importlib
 
 from jax_bytegrad import checkpoint as checkpoint
 from jax_bytegrad import distributed as distributed
@@ -43,6 +46,7 @@ from jax_bytegrad._src.steps.decentralized import (
     low_precision_decentralized_step as low_precision_decentralized_step,
 )
 from jax_bytegrad._src.steps.decentralized import shift_one_schedule as shift_one_schedule
+from jax_bytegrad._src.steps.model_state import step_key as step_key
 from jax_bytegrad._src.steps.pipelined import pipelined_step as pipelined_step
 from jax_bytegrad._src.strategy import ALGORITHMS as ALGORITHMS
 from jax_bytegrad._src.strategy import Strategy as Strategy
@@ -96,5 +100,13 @@ __all__ = [
     "shard_batch",
     "sharding",
     "shift_one_schedule",
+    "step_key",
     "valid_kwargs",
 ]
+
+
+def __getattr__(name: str):
+    # jax_bytegrad.nnx imports Flax, which the core does not need: load it when first used.
+    if name == "nnx":
+        return importlib.import_module("jax_bytegrad.nnx")
+    raise AttributeError(f"module 'jax_bytegrad' has no attribute {name!r}")

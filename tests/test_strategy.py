@@ -160,6 +160,7 @@ STRATEGY_ONLY = {"bytegrad": {"pipeline": False}}
 def test_the_registry_matches_the_builders_keyword_arguments_and_defaults(name):
     # The registry lists each setting and default once; the builders' signatures must agree.
     supplied = {"loss_fn", "optimizer", "mesh", "has_aux", "flatten", "phase", "phase_of"}
+    supplied |= {"model_state", "rng_seed", "state_sync"}  # train_step's, not the strategy's
     settings = dict(strategy_lib.REGISTRY[name].settings)
     # Settings of the strategy itself, which no builder takes: which builder to use.
     for setting, default in STRATEGY_ONLY.get(name, {}).items():

@@ -272,10 +272,10 @@ def _write_cache(path: Path, key: str, result: AutotuneResult) -> None:
 # The search ---------------------------------------------------------------------------------
 
 
-def _run_trial(strat, config, loss_fn, optimizer, has_aux, params, batches, warmup):
+def _run_trial(strat, config, loss_fn, optimizer, has_aux, params, batches, warmup, model):
     """(compile_s, per-step seconds) of one configuration on this process; raises on failure."""
     tuned = strat.replace(**config)
-    with tuned.train_step(loss_fn, optimizer, has_aux=has_aux) as step:
+    with tuned.train_step(loss_fn, optimizer, has_aux=has_aux, **model) as step:
         state = step.init(params)
         t0 = time.perf_counter()
         state, metrics = step(state, batches[0])
@@ -358,6 +358,9 @@ def autotune(
     time_budget_s: float | None = None,
     cache: str | Path | None = None,
     verbose: bool = True,
+    model_state: Any = None,
+    rng_seed: int | None = None,
+    state_sync: str = "mean",
 ) -> AutotuneResult:
     """Times a strategy's train step under several system settings and returns the fastest.
 
@@ -387,6 +390,7 @@ def autotune(
       cache: a JSON file of chosen configurations keyed by ``cache_key``; a hit skips the
         tuning, and a new result is written there (by process 0).
       verbose: print a line per trial on process 0.
+      model_state, rng_seed, state_sync: as for ``strategy.train_step``.
 
     Returns:
       An ``AutotuneResult``: ``config``, ``strategy`` (ready to use), ``trials``, ``start``,
@@ -472,8 +476,9 @@ def autotune(
         error = None
         try:
             compile_s, step_s = _run_trial(
-                strategy, config, loss_fn, optimizer, has_aux, params, batches, warmup_steps
-            )
+                strategy, config, loss_fn, optimizer, has_aux, params, batches, warmup_steps,
+                dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync),
+            )  # fmt: skip
         except Exception as e:  # a configuration that cannot run is skipped, not fatal ...
             if config == start:
                 raise  # ... but the strategy's own one is the user's step: its error is theirs

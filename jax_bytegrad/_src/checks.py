@@ -138,6 +138,9 @@ def batch_splits(
 
 def not_deleted(tree, where: str) -> None:
     """Raises, naming donation, if a leaf of ``tree`` is an array a donating step consumed."""
+    # Every step calls this: look for a deleted leaf first, and for its path only then.
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(tree)):
+        return
     for path, leaf in jax.tree.leaves_with_path(tree):
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
@@ -147,3 +150,101 @@ def not_deleted(tree, where: str) -> None:
                 "passed again. Pass the state the step returned, hand it a copy "
                 "(jax.tree.map(jnp.copy, params)), or build the step with donate=False"
             )
+
+
+def float_params(params, where: str) -> None:
+    """Raises unless every parameter leaf is floating point: the gradient of an integer is
+    undefined, and the syncs average floats."""
+    for path, leaf in jax.tree.leaves_with_path(params):
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{where}: parameter {jax.tree_util.keystr(path)} has dtype {dtype}; only "
+                "floating-point parameters can be trained and averaged; cast it "
+                "(x.astype(jnp.float32)), or carry integer state (counters, step numbers) "
+                "as model_state=... of the train step"
+            )
+
+
+def _state_types(tree) -> list[str]:
+    """The names of the optax states in an optimizer state, in order (its fingerprint)."""
+    names = []
+
+    def visit(node):
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            names.append(type(node).__name__)
+        return node
+
+    jax.tree.map(visit, tree, is_leaf=lambda x: isinstance(x, tuple) and hasattr(x, "_fields"))
+    return names
+
+
+def _made_by(state, devices: int) -> str:
+    """A guess, from its contents, at which algorithm made a train state."""
+    types = _state_types(state.opt_state)
+    if "weight" in (state.extra or {}):
+        return "a 'low_precision_decentralized' step"
+    if "ScaleByQAdamState" in types:
+        return "a 'qadam' step"
+    if "ByteGradState" in types:
+        return "a 'bytegrad' step"
+    leaves = jax.tree.leaves(state.params)
+    if leaves and all(jnp.ndim(x) >= 1 and jnp.shape(x)[0] == devices for x in leaves):
+        return "a 'decentralized' step"  # one copy of the model per device
+    if types[:1] == ["EmptyState"]:
+        return "a 'gradient_allreduce' step"
+    return "another algorithm's step"
+
+
+def _describe(opt_state) -> str:
+    return ", ".join(_state_types(opt_state)) or "no optax state"
+
+
+def _opt_state_problem(opt_state, expected) -> str | None:
+    """How ``opt_state`` differs from the abstract ``expected`` one; None if it does not."""
+    if jax.tree.structure(opt_state) != jax.tree.structure(expected):
+        return (
+            f"its optimizer state holds {_describe(opt_state)}; this step's holds "
+            f"{_describe(expected)}"
+        )
+    pairs = zip(jax.tree.leaves_with_path(opt_state), jax.tree.leaves(expected), strict=True)
+    for (path, got), want in pairs:
+        if np.shape(got) != tuple(want.shape):
+            return (
+                f"its optimizer state leaf {jax.tree_util.keystr(path)} has shape "
+                f"{np.shape(got)}, this step's {tuple(want.shape)}"
+            )
+    return None
+
+
+def same_state(state, expected, extra_keys, model, *, where: str, devices: int) -> None:
+    """Raises a ``ValueError`` naming both algorithms when ``state`` was made by another step.
+
+    ``expected`` is the abstract optimizer state this step would make for ``state.params``
+    (None: not compared; a string: what is wrong with the params themselves);
+    ``extra_keys`` the names ``state.extra`` holds; ``model`` the step's ``ModelState``.
+    """
+    problem = expected if isinstance(expected, str) else None
+    if problem is None and expected is not None:
+        problem = _opt_state_problem(state.opt_state, expected)
+    extra = sorted(k for k in state.extra or {} if k not in ("model_state", "rng"))
+    if problem is None and extra != sorted(extra_keys):
+        problem = f"its extra state holds {extra}, this step's {sorted(extra_keys)}"
+    for name, has, value in (
+        ("model_state", model.has_state, state.model_state),
+        ("rng", model.has_rng, state.rng),
+    ):
+        if problem is None and has != (value is not None):
+            built = "model_state=..." if name == "model_state" else "rng_seed=..."
+            problem = (
+                f"its {name} is {'missing' if has else 'set'}, and this step was built "
+                f"{'with' if has else 'without'} {built}"
+            )
+    if problem is None:
+        return
+    raise ValueError(
+        f"{where}: this state was made by {_made_by(state, devices)}, not by this {where!r} "
+        f"step: {problem}. Pass the state this step's init returned (state = "
+        "step.init(params)); to carry a model over to another algorithm, start from it: "
+        "new_step.init(old_step.params(old_state))"
+    )

@@ -31,6 +31,7 @@ from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES, SyncConfig
 from jax_bytegrad._src.steps import asynchronous, decentralized, pipelined
 from jax_bytegrad._src.steps.base import TrainStep
 from jax_bytegrad._src.steps.data_parallel import data_parallel_step
+from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 
 # Private helpers -------------------------------------------------------------------------
 
@@ -70,16 +71,24 @@ def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
     sync = transforms.gradient_allreduce(**_pick(s.kwargs, ("hierarchical", "average", *_AXES)))
     tx = optax.chain(sync, optimizer)
     return data_parallel_step(
-        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP)
+        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP), **model
     )
 
 
-def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+def _refuse_model(model, where: str, why: str) -> None:
+    ModelState.of(model["model_state"], model["rng_seed"], model["state_sync"], where).refuse(
+        where, why
+    )
+
+
+def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
     if s.setting("pipeline"):
+        where = "Strategy('bytegrad', pipeline=True)"
+        _refuse_model(model, where, "its programs carry the params and optimizer state only")
         return pipelined.pipelined_step(
             loss_fn,
             optimizer,
@@ -94,11 +103,11 @@ def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
     sync = transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
     tx = optax.chain(sync, optimizer)
     return data_parallel_step(
-        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP)
+        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP), **model
     )
 
 
-def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
     del optimizer  # QAdam is the optimizer
     kwargs = _pick(s.kwargs, _QADAM)
     phases = {
@@ -117,22 +126,25 @@ def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
         phase_of=phase_of,
         flatten=s.flatten,
         **_pick(s.kwargs, _STEP),
+        **model,
     )
 
 
-def _build_decentralized(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+def _build_decentralized(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
     return decentralized.decentralized_step(
-        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs
+        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs, **model
     )
 
 
-def _build_low_precision(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+def _build_low_precision(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
     return decentralized.low_precision_decentralized_step(
-        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs
+        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs, **model
     )
 
 
-def _build_async(s: "Strategy", loss_fn, optimizer, has_aux) -> TrainStep:
+def _build_async(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
+    why = "its processes train models of their own and average the params only"
+    _refuse_model(model, "Strategy('async')", why)
     return asynchronous.async_model_average(
         loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs
     )
@@ -148,7 +160,8 @@ class Algorithm:
       tunable: the settings ``autotune`` may change: those that change how bytes travel,
         not what they average to, in search order (what shapes the exchanges before how
         each is cut into messages).
-      build: ``build(strategy, loss_fn, optimizer, has_aux) -> TrainStep``.
+      build: ``build(strategy, loss_fn, optimizer, has_aux, *, model_state, rng_seed,
+        state_sync) -> TrainStep``.
       takes_optimizer: whether ``train_step`` takes an optax optimizer (QAdam is one).
       check: validates the settings at construction; raises ``ValueError``.
     """
@@ -379,6 +392,9 @@ class Strategy:
         optimizer: optax.GradientTransformation | None = None,
         *,
         has_aux: bool = False,
+        model_state: Any = None,
+        rng_seed: int | None = None,
+        state_sync: StateSync = "mean",
     ) -> TrainStep:
         """Builds the train step of this strategy's algorithm.
 
@@ -388,6 +404,17 @@ class Strategy:
           optimizer: the optax optimizer (``optax.adam(1e-3)``); the algorithm adds its own
             communication. None for ``qadam``, which is the optimizer itself.
           has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+          model_state: the model's state that is not trained (BatchNorm statistics,
+            counters), to start from. The loss function is then called ``loss_fn(params,
+            batch, model_state=...)`` and returns ``(loss, new_model_state)`` (or ``((loss,
+            aux), new_model_state)``); ``state.model_state`` carries it, replicated.
+          rng_seed: the loss function also gets ``key=``, a PRNG key that differs per device
+            and per step, derived from ``jax.random.key(rng_seed)`` (``state.rng``) and the
+            step count, so a restart from a checkpoint replays it (``step_key``).
+          state_sync: how the devices' new model states become one: ``"mean"`` over the
+            mesh (cross-replica BatchNorm; integer leaves from device 0) or ``"first"``
+            (device 0's, as DDP's ``broadcast_buffers``). Without ``model_state`` and
+            ``rng_seed`` the step is as before: nothing is added to its traffic.
 
         Returns:
           A ``TrainStep``: ``state = step.init(params)``, ``state, metrics = step(state,
@@ -398,8 +425,10 @@ class Strategy:
           taken at its own weights before the exchange.
 
         Raises:
-          ValueError: for an optimizer given to ``qadam`` or missing for the others, or
-            (decentralized and async) a bad algorithm argument.
+          ValueError: for an optimizer given to ``qadam`` or missing for the others,
+            (decentralized and async) a bad algorithm argument, a bad ``model_state``,
+            ``rng_seed`` or ``state_sync``, or either of the first two for ``async`` or
+            ``bytegrad`` with ``pipeline=True``, which do not carry them.
         """
         name = self.algorithm
         entry = _entry(name)
@@ -414,6 +443,7 @@ class Strategy:
                 f"Strategy({name!r}): optimizer must be an optax.GradientTransformation such "
                 f"as optax.adam(1e-3), got {optimizer!r}"
             )
-        step = entry.build(self, loss_fn, optimizer, has_aux)
+        model = dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync)
+        step = entry.build(self, loss_fn, optimizer, has_aux, **model)
         step.algorithm = name
         return step

@@ -253,6 +253,8 @@ class AsyncModelAverage(TrainStep):
         kwargs = dict(has_aux=has_aux, donate=False, node_axis=axes[0], local_axis=axes[1])
         self._global = data_parallel_step(self.loss_fn, tx, mesh, **kwargs)
         self._local = data_parallel_step(self.loss_fn, tx, self.local_mesh, **kwargs)
+        # A state another step made is refused by these two, in this algorithm's name.
+        self._global.algorithm = self._local.algorithm = "async"
         self._averager = _Averager(mesh, axes[0], sync_interval_ms, exit_timeout)
 
     def _to_local(self, tree):

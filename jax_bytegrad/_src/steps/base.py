@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks, stats
 from jax_bytegrad._src.sharding import shard_batch
+from jax_bytegrad._src.steps.model_state import ModelState
 
 
 class TrainState(NamedTuple):
@@ -44,13 +45,27 @@ class TrainState(NamedTuple):
       opt_state: the optimizer state, laid out like ``params`` (it holds ByteGrad's and
         QAdam's own state; error-feedback residuals are sharded per device).
       extra: the algorithm's state beyond those two, by name (the peers' weights of
-        ``low_precision_decentralized``); empty for the others.
+        ``low_precision_decentralized``), and the model state and key of a step built with
+        ``model_state=`` or ``rng_seed=`` (``"model_state"``, ``"rng"``); empty otherwise,
+        so a state without them has the layout, and restores the checkpoints, it always had.
+      model_state: (property) ``extra["model_state"]``: the model's state that is not
+        trained (BatchNorm statistics, counters), replicated; None without one.
+      rng: (property) ``extra["rng"]``: ``jax.random.key(rng_seed)``, replicated, from which
+        each step's per-device keys derive with the step count (``step_key``); None without.
     """
 
     step: np.ndarray
     params: optax.Params
     opt_state: optax.OptState
     extra: dict[str, Any]
+
+    @property
+    def model_state(self) -> Any:
+        return self.extra.get("model_state") if isinstance(self.extra, dict) else None
+
+    @property
+    def rng(self) -> Any:
+        return self.extra.get("rng") if isinstance(self.extra, dict) else None
 
 
 # How far communication_stats looks for a step of each phase (QAdam's warm-up can be long).
@@ -120,21 +135,25 @@ class TrainStep:
     """
 
     def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, axes: tuple[str, str],
-                 has_aux: bool, flatten: bool, donate: bool = False):  # fmt: skip
+                 has_aux: bool, flatten: bool, donate: bool = False,
+                 model: ModelState | None = None):  # fmt: skip
         for name, value in (("has_aux", has_aux), ("flatten", flatten), ("donate", donate)):
             checks.boolean(value, name, algorithm)
         checks.mesh_axes(mesh, *axes, algorithm)
+        self.model = ModelState() if model is None else model
         self.algorithm, self.mesh, self.has_aux, self.flatten = algorithm, mesh, has_aux, flatten
         self._axes, self._donate = axes, donate
         self._unravel = None
         self.loss_fn = self._flat_loss(loss_fn) if flatten else loss_fn
         self._programs: dict[Any, Any] = {}
+        self._checked: set[Any] = set()  # the state layouts _check_state has passed
         self._in_flight = StepsInFlight(mesh)
         self._closed = False
 
     # What subclasses give. --------------------------------------------------------------
 
     phases: tuple[str, ...] = ("step",)
+    _extra_keys: tuple[str, ...] = ()
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return "step", "step"
@@ -163,14 +182,49 @@ class TrainStep:
     def _flat_loss(self, loss_fn):
         # Bagua's flattened layout: the params (so the gradient and optimizer state) as one
         # vector; the loss function still sees the pytree.
-        return lambda flat, batch: loss_fn(self._unravel(flat), batch)
+        return lambda flat, batch, **kw: loss_fn(self._unravel(flat), batch, **kw)
 
     def init(self, params: optax.Params) -> TrainState:
         """The state to start from: ``params`` (the same on every process) placed, and the
-        optimizer's and algorithm's state initialized on the mesh."""
+        optimizer's and algorithm's state initialized on the mesh (with the model state and
+        key of a step built with ``model_state=`` or ``rng_seed=``).
+
+        Raises:
+          ValueError: for a parameter that is not floating point, naming it.
+        """
+        checks.float_params(params, self.algorithm)
         if self.flatten:
             params, self._unravel = ravel_pytree(jax.device_get(params))
-        return self._init(params)
+        state = self._init(params)
+        if not self.model.enabled:
+            return state
+        return state._replace(extra={**state.extra, **self.model.place(self.mesh)})
+
+    def _abstract_opt_state(self, params):
+        """The optimizer state ``init`` gives for ``params`` (``jax.eval_shape``), to tell a
+        state of this step from another's; None when the step does not check."""
+        return None
+
+    def _check_state(self, state) -> None:
+        """Raises a ``ValueError`` naming both steps for a state another step made."""
+        if not isinstance(state, TrainState):
+            raise ValueError(
+                f"{self.algorithm}: state must be the TrainState that step.init(params) or a "
+                f"step returned, got {type(state).__name__}"
+            )
+        # Checked once per layout: the same tree and parameter shapes pass at once after.
+        key = (
+            jax.tree.structure(state),
+            tuple((np.shape(x), getattr(x, "dtype", None)) for x in jax.tree.leaves(state.params)),
+        )
+        if key in self._checked:
+            return
+        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
+        checks.same_state(
+            state, self._abstract_opt_state(state.params), self._extra_keys, self.model,
+            where=self.algorithm, devices=devices,
+        )  # fmt: skip
+        self._checked.add(key)
 
     def state_shapes(self, params: optax.Params) -> TrainState:
         """The ``TrainState`` that ``init(params)`` would return, as ``jax.ShapeDtypeStruct``
@@ -194,6 +248,7 @@ class TrainStep:
           >>> state.params.shape, int(state.step)
           ((4,), 0)
         """
+        checks.float_params(params, self.algorithm)
         params = abstract(params)
         if self.flatten:
             captured = []
@@ -205,7 +260,10 @@ class TrainStep:
 
             params = jax.eval_shape(ravel, params)
             self._unravel = captured[0]
-        return self._state_shapes(params)
+        state = self._state_shapes(params)
+        if not self.model.enabled:
+            return state
+        return state._replace(extra={**state.extra, **self.model.place_shapes(self.mesh)})
 
     def program(self, state: TrainState):
         """The jitted program the next ``step(state, batch)`` runs."""
@@ -218,6 +276,7 @@ class TrainStep:
         """One train step: ``(state, batch) -> (state, metrics)``."""
         if self._closed:
             raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
+        self._check_state(state)
         inputs = self._inputs(state, batch)
         program = self.program(state)
         # Before dispatch: jaxlib may crash the process on a buffer a donating step consumed.
@@ -241,6 +300,7 @@ class TrainStep:
         ``jax.ShapeDtypeStruct`` (the global batch): ``.compile()`` on the result then
         compiles for the mesh, whether its devices are here or not (``sharding.gpu_mesh``).
         """
+        self._check_state(state)
         inputs = self._inputs(state, batch)
         return self.program(state).lower(*inputs)
 
@@ -253,6 +313,7 @@ class TrainStep:
           ``{"gossip": ...}`` plus ``"local"`` when some steps do not communicate.
           ``phase_counts`` says how often each has run.
         """
+        self._check_state(state)
         inputs = self._inputs(state, batch)
         out = {}
         for taken in self._phase_examples():

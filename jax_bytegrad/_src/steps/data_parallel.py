@@ -25,6 +25,7 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
     host_copy,
 )
+from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 
 
 def _unsynced(updates, opt_state, specs, axes) -> list[str]:
@@ -39,15 +40,16 @@ def _unsynced(updates, opt_state, specs, axes) -> list[str]:
     ]
 
 
-def gradient_order(grad_fn, params, batch) -> tuple[int, ...] | None:
-    """The params' leaf indices in the order ``grad_fn``'s backward pass produces their
-    gradients (ties: last leaf first), read from its jaxpr; None if it cannot be traced again.
+def gradient_order(grad_fn, params, *args) -> tuple[int, ...] | None:
+    """The params' leaf indices in the order the backward pass of ``grad_fn(params, *args)``
+    (which returns the gradient last) produces their gradients (ties: last leaf first), read
+    from its jaxpr; None if it cannot be traced again.
 
     The sync of each bucket of the gradient runs in this order (``buckets.ready_order``), so
     that the first bucket to cross between nodes is the first one complete.
     """
     try:
-        jaxpr = jax.make_jaxpr(grad_fn)(params, batch).jaxpr
+        jaxpr = jax.make_jaxpr(grad_fn)(params, *args).jaxpr
     except Exception:  # noqa: BLE001 - a loss that cannot be traced twice keeps the default
         return None
     produced = {}
@@ -62,10 +64,11 @@ def gradient_order(grad_fn, params, batch) -> tuple[int, ...] | None:
 class DataParallelStep(TrainStep):
     """The ``TrainStep`` of ``data_parallel_step``: one program per optimizer phase."""
 
-    def __init__(self, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate, axes, flatten):
+    def __init__(self, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate, axes, flatten,
+                 model=None):  # fmt: skip
         super().__init__(
             "data_parallel_step", mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
-            donate=donate,
+            donate=donate, model=model,
         )  # fmt: skip
         self._optimizers = dict(optimizers)
         self._phase_of = phase_of
@@ -89,6 +92,9 @@ class DataParallelStep(TrainStep):
     def _shardings(self, specs):
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
 
+    def _abstract_opt_state(self, params):
+        return jax.eval_shape(next(iter(self._optimizers.values())).init, params)
+
     def _init_program(self, params):
         """The optimizer's init, jitted to place its state where it lives: replicated state
         on every device, residuals per device."""
@@ -109,19 +115,23 @@ class DataParallelStep(TrainStep):
         ``(params, opt_state, batch) -> (params, opt_state, loss[, aux])``.
 
         ``loss`` (and ``aux``) are means over every device. ``phase`` picks the optimizer of
-        a step with several; None for the only one.
+        a step with several; None for the only one. A step built with ``model_state=``
+        or ``rng_seed=`` takes ``(params, opt_state, *model_inputs, batch)``, the model
+        inputs being ``state.model_state``, then ``state.rng`` and the step count as uint32,
+        and returns the synced model state last.
         """
         optimizer = self._optimizers[phase if phase is not None else self.phases[0]]
-        grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
-        axes, has_aux = self._axes, self.has_aux
+        axes, has_aux, model = self._axes, self.has_aux, self.model
+        grad_fn = model.value_and_grad(self.loss_fn, has_aux, axes)
 
-        def step(params, opt_state, batch):
+        def step(params, opt_state, *rest):
+            *model_inputs, batch = rest
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce.
             varying = jax.lax.pcast(params, axes, to="varying")
-            out, grads = grad_fn(varying, batch)
-            loss, aux = out if has_aux else (out, None)
-            with bucketing.gradient_order(gradient_order(grad_fn, varying, batch)):
+            (loss, aux, model_state), grads = grad_fn(varying, batch, *model_inputs)
+            order = gradient_order(grad_fn, varying, batch, *model_inputs)
+            with bucketing.gradient_order(order):
                 updates, opt_state = optimizer.update(grads, opt_state, params)
             unsynced = _unsynced(updates, opt_state, self._state_specs(opt_state), axes)
             if unsynced:
@@ -132,10 +142,9 @@ class DataParallelStep(TrainStep):
                     "jax_bytegrad.qadam()"
                 )
             params = optax.apply_updates(params, updates)
-            loss = jax.lax.pmean(loss, axes)
-            if has_aux:
-                return params, opt_state, loss, jax.lax.pmean(aux, axes)
-            return params, opt_state, loss
+            out = (params, opt_state, jax.lax.pmean(loss, axes))
+            out += (jax.lax.pmean(aux, axes),) if has_aux else ()
+            return out + ((model_state,) if model.has_state else ())
 
         return step
 
@@ -143,38 +152,44 @@ class DataParallelStep(TrainStep):
         """The step as one ``jax.shard_map`` over the mesh, not jitted: call it inside a
         ``jax.jit`` of your own. ``opt_state`` (or its ``jax.eval_shape``) gives the specs."""
         specs = self._state_specs(opt_state)
-        out_specs = (P(), specs, P(), P()) if self.has_aux else (P(), specs, P())
+        model_specs = (P(),) * self.model.num_inputs()
+        out_specs = (P(), specs, P()) + (P(),) * (self.has_aux + self.model.has_state)
         return jax.shard_map(
             self.per_device(phase),
             mesh=self.mesh,
-            in_specs=(P(), specs, P(self._axes)),
+            in_specs=(P(), specs, *model_specs, P(self._axes)),
             out_specs=out_specs,
         )
 
     def _build(self, phase):
         specs = self._specs
+        replicated = NamedSharding(self.mesh, P())
         in_shardings = (
-            NamedSharding(self.mesh, P()),
+            replicated,
             self._shardings(specs),
+            *[replicated] * self.model.num_inputs(),
             NamedSharding(self.mesh, P(self._axes)),
         )
-        out_shardings = (*in_shardings[:2], *[NamedSharding(self.mesh, P())] * (2 + self.has_aux))
+        outputs = 1 + self.has_aux + self.model.has_state
         return jax.jit(
             self.sharded(None, phase),
             in_shardings=in_shardings,
-            out_shardings=out_shardings[: 3 + self.has_aux],
-            donate_argnums=(0, 1) if self._donate else (),
+            out_shardings=(replicated, self._shardings(specs), *[replicated] * outputs),
+            # The model state too: the step returns its new value in a buffer of its own.
+            donate_argnums=(0, 1, *[2] * self.model.has_state) if self._donate else (),
         )
 
     def _inputs(self, state, batch):
         self._state_specs(state.opt_state)
-        return state.params, state.opt_state, global_batch(batch, self.mesh, self._axes)
+        batch = global_batch(batch, self.mesh, self._axes)
+        return (state.params, state.opt_state, *self.model.inputs(state), batch)
 
     def _outputs(self, state, out):
         metrics = {"loss": out[2]}
         if self.has_aux:
             metrics["aux"] = out[3]
-        return TrainState(count(int(state.step) + 1), out[0], out[1], {}), metrics
+        extra = self.model.carried(state, out[-1] if self.model.has_state else None)
+        return TrainState(count(int(state.step) + 1), out[0], out[1], extra), metrics
 
 
 def data_parallel_step(
@@ -188,6 +203,9 @@ def data_parallel_step(
     local_axis: str = "local",
     phase_of: Callable[[int], str] | None = None,
     flatten: bool = False,
+    model_state: Any = None,
+    rng_seed: int | None = None,
+    state_sync: StateSync = "mean",
 ) -> DataParallelStep:
     """Builds a data-parallel train step over a ("node", "local") mesh.
 
@@ -203,9 +221,16 @@ def data_parallel_step(
     The step is one ``jax.jit`` with in and out shardings, donating the state's buffers;
     ``init`` places the state where the step expects it.
 
+    A model with state that is not trained (BatchNorm's statistics) or that draws random
+    numbers (dropout) opts in by keyword (docs/strategy.md, "Model state and randomness"):
+    with ``model_state=`` the loss function is called ``loss_fn(params, batch,
+    model_state=...)`` and returns ``(loss, new_model_state)``; with ``rng_seed=`` it also
+    gets ``key=``, a key of its own per device and per step.
+
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
-        computed on one device's slice of the batch.
+        computed on one device's slice of the batch; with ``model_state``/``rng_seed``,
+        ``loss_fn(params, batch, model_state=..., key=...) -> (loss, new_model_state)``.
       optimizer: an optax transformation that synchronizes the gradient first; or one per
         phase, ``{name: transformation}`` with the same state structure, with ``phase_of``
         (``qadam(phase=...)``'s two phases, for instance).
@@ -219,6 +244,15 @@ def data_parallel_step(
         a step runs, decided on the host (each phase is its own compiled program).
       flatten: keep the params, gradient and optimizer state as one float32 vector (Bagua's
         fused optimizer); the loss function still gets the pytree.
+      model_state: the model's state that is not trained, to start from (a pytree of
+        numeric arrays: batch statistics, counters); carried in ``state.model_state``,
+        replicated. None (default): the loss function takes none.
+      rng_seed: seeds ``state.rng``; the loss function then gets ``key=``, which differs
+        per device and per step (``step_key``) and replays after a restart. None: no key.
+      state_sync: how the devices' new model states become one after each step:
+        ``"mean"`` averages the float leaves over the mesh, as cross-replica BatchNorm does
+        (integer leaves come from device 0); ``"first"`` takes every leaf from device 0, as
+        DDP's ``broadcast_buffers``. One all-reduce of the state's bytes either way.
 
     Returns:
       A ``TrainStep``: ``state = step.init(params)``, ``state, metrics = step(state,
@@ -226,10 +260,12 @@ def data_parallel_step(
       ``step.sharded(opt_state)`` is the same step un-jitted, for a ``jax.jit`` of your own.
 
     Raises:
-      ValueError: for axis names the mesh lacks, several optimizers without ``phase_of``;
-        when stepping, for a batch whose leading dimension does not split over the devices,
-        a state a donating step already consumed, or an optimizer that leaves the updates
-        different on different devices.
+      ValueError: for axis names the mesh lacks, several optimizers without ``phase_of``, a
+        bad ``model_state``, ``rng_seed`` or ``state_sync``; at ``init``, for a parameter
+        that is not floating point; when stepping, for a state another step made, a batch
+        whose leading dimension does not split over the devices, a state a donating step
+        already consumed, or an optimizer that leaves the updates different on different
+        devices.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
@@ -267,4 +303,5 @@ def data_parallel_step(
         donate=donate,
         axes=(node_axis, local_axis),
         flatten=flatten,
+        model=ModelState.of(model_state, rng_seed, state_sync, where),
     )

@@ -49,6 +49,7 @@ from jax_bytegrad._src.steps.base import (
     count,
     global_batch,
 )
+from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 
 PeerSelectionMode = Literal["all", "shift_one"]
 _RING_KEYS = ("weight", "left_peer_weight", "right_peer_weight")
@@ -140,16 +141,6 @@ def _stack_per_device(tree, mesh: Mesh, axes, rows=None):
     return jax.tree.map(place, tree)
 
 
-def _check_float_params(params, where: str) -> None:
-    for path, leaf in jax.tree.leaves_with_path(params):
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
-            raise ValueError(
-                f"{where}: parameter {jax.tree_util.keystr(path)} has dtype "
-                f"{jnp.result_type(leaf)}; only float parameters can be averaged, keep "
-                "integer state outside the parameters"
-            )
-
-
 @jax.jit
 def _device_mean(tree):
     """Mean over the leading (device) axis: the per-device losses as one number."""
@@ -176,10 +167,11 @@ class _PeerStep(TrainStep):
     """
 
     def __init__(self, algorithm, loss_fn, optimizer, mesh, *, axes, interval, rounds,
-                 has_aux, donate, flatten):  # fmt: skip
+                 has_aux, donate, flatten, model=None):  # fmt: skip
         super().__init__(
-            algorithm, mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten, donate=donate
-        )
+            algorithm, mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
+            donate=donate, model=model,
+        )  # fmt: skip
         self.optimizer = optimizer
         self._interval, self._rounds = interval, rounds
         self.phases = ("gossip", "local") if interval > 1 else ("gossip",)
@@ -197,7 +189,6 @@ class _PeerStep(TrainStep):
         return {}
 
     def _state_shapes(self, params):
-        _check_float_params(params, self.algorithm)
         devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
         sharding = NamedSharding(self.mesh, P(self._axes))
 
@@ -212,8 +203,19 @@ class _PeerStep(TrainStep):
             count(0), stacked(params), stacked(opt_state), stacked(self._extra_shapes(params))
         )
 
+    def _abstract_opt_state(self, params):
+        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
+        for path, leaf in jax.tree.leaves_with_path(params):
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != devices:
+                return (
+                    f"its parameter {jax.tree_util.keystr(path)} has shape {np.shape(leaf)}, "
+                    f"not one copy per device stacked on a leading axis of {devices}"
+                )
+        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
+        opt_state = jax.eval_shape(self.optimizer.init, one)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype), opt_state)
+
     def _init(self, params):
-        _check_float_params(params, self.algorithm)
         return TrainState(
             count(0),
             _stack_per_device(params, self.mesh, self._axes),
@@ -228,38 +230,42 @@ class _PeerStep(TrainStep):
 
     def _build(self, choice):
         per_device = self._per_device(choice)
-        grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
-        has_aux = self.has_aux
+        has_aux, model = self.has_aux, self.model
+        grad_fn = model.value_and_grad(self.loss_fn, has_aux, self._axes)
 
-        def step(params, opt_state, extra, batch):
+        def step(params, opt_state, extra, *rest):
+            *model_inputs, batch = rest
             params, opt_state, extra = jax.tree.map(lambda a: a[0], (params, opt_state, extra))
-            out, grads = grad_fn(params, batch)
-            loss, aux = out if has_aux else (out, None)
+            (loss, aux, model_state), grads = grad_fn(params, batch, *model_inputs)
             updates, opt_state = self.optimizer.update(grads, opt_state, params)
             params, extra = per_device(params, updates, extra)
-            stacked = jax.tree.map(lambda a: a[None], (params, opt_state, extra, loss))
-            return (*stacked, jax.tree.map(lambda a: a[None], aux)) if has_aux else stacked
+            out = jax.tree.map(lambda a: a[None], (params, opt_state, extra, loss))
+            out += (jax.tree.map(lambda a: a[None], aux),) if has_aux else ()
+            return out + ((model_state,) if model.has_state else ())
 
         specs = P(self._axes)
+        model_specs = (P(),) * model.num_inputs()
         return jax.jit(
             jax.shard_map(
                 step,
                 mesh=self.mesh,
-                in_specs=(specs,) * 4,
-                out_specs=(specs,) * (5 if has_aux else 4),
+                in_specs=(specs,) * 3 + model_specs + (specs,),
+                out_specs=(specs,) * (4 + has_aux) + (P(),) * model.has_state,
             ),
-            donate_argnums=(0, 1, 2) if self._donate else (),
+            donate_argnums=(0, 1, 2, *[3] * model.has_state) if self._donate else (),
         )
 
     def _inputs(self, state, batch):
         batch = global_batch(batch, self.mesh, self._axes)
-        return state.params, state.opt_state, state.extra, batch
+        extra = {k: state.extra[k] for k in self._extra_keys}  # the model's travel apart
+        return (state.params, state.opt_state, extra, *self.model.inputs(state), batch)
 
     def _outputs(self, state, out):
         metrics = {"loss": _device_mean(out[3])}
         if self.has_aux:
             metrics["aux"] = _device_mean(out[4])
-        return TrainState(count(int(state.step) + 1), out[0], out[1], out[2]), metrics
+        extra = {**out[2], **self.model.carried(state, out[-1] if self.model.has_state else None)}
+        return TrainState(count(int(state.step) + 1), out[0], out[1], extra), metrics
 
     def _params(self, state):
         return consensus_params(state.params)
@@ -301,6 +307,9 @@ def decentralized_step(
     node_axis: str = "node",
     local_axis: str = "local",
     flatten: bool = False,
+    model_state: Any = None,
+    rng_seed: int | None = None,
+    state_sync: StateSync = "mean",
 ) -> TrainStep:
     """Builds a decentralized SGD (D-PSGD) train step: average weights with peers, then step.
 
@@ -327,6 +336,9 @@ def decentralized_step(
       node_axis: the mesh axis between nodes.
       local_axis: the mesh axis within a node.
       flatten: keep the params and optimizer state as one float32 vector.
+      model_state, rng_seed, state_sync: the model's state that is not trained and the
+        per-device keys, as for ``data_parallel_step``; the model state is replicated (one
+        copy for every device, synced after each step), not stacked like the params.
 
     Returns:
       A ``TrainStep``. ``state.params`` holds one copy per device (leading axis);
@@ -391,6 +403,7 @@ def decentralized_step(
         has_aux=has_aux,
         donate=donate,
         flatten=flatten,
+        model=ModelState.of(model_state, rng_seed, state_sync, where),
     )
 
 
@@ -400,6 +413,8 @@ def decentralized_step(
 class _LowPrecision(_PeerStep):
     """The ring of 8-bit differences; ``state.extra`` holds ``weight`` (w) and the replicas of
     the neighbours' (l, r), each this device's part of the flat float32 parameters."""
+
+    _extra_keys = _RING_KEYS
 
     def __init__(self, *, hierarchical, peers, block_size, implementation, message_bytes,
                  **kwargs):  # fmt: skip
@@ -487,6 +502,9 @@ def low_precision_decentralized_step(
     node_axis: str = "node",
     local_axis: str = "local",
     flatten: bool = False,
+    model_state: Any = None,
+    rng_seed: int | None = None,
+    state_sync: StateSync = "mean",
 ) -> TrainStep:
     """Builds a low-precision decentralized SGD train step: a ring exchanging 8-bit differences.
 
@@ -522,6 +540,9 @@ def low_precision_decentralized_step(
       node_axis: the mesh axis between nodes.
       local_axis: the mesh axis within a node.
       flatten: keep the params and optimizer state as one float32 vector.
+      model_state, rng_seed, state_sync: the model's state that is not trained and the
+        per-device keys, as for ``data_parallel_step``; the model state is replicated (one
+        copy for every device, synced after each step), not stacked like the params.
 
     Returns:
       A ``TrainStep``. ``state.extra`` holds ``weight``, ``left_peer_weight`` and
@@ -568,4 +589,5 @@ def low_precision_decentralized_step(
         has_aux=has_aux,
         donate=donate,
         flatten=flatten,
+        model=ModelState.of(model_state, rng_seed, state_sync, where),
     )

@@ -650,6 +650,9 @@ class PipelinedStep(TrainStep):
             self._specs = state_specs(opt_state, node_axis=self._axes[0], local_axis=self._axes[1])
         return self._specs
 
+    def _abstract_opt_state(self, params):
+        return jax.eval_shape(self._chain.init, params)
+
     def _init_program(self, params):
         specs = self._state_specs(jax.eval_shape(self._chain.init, params))
         shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
@@ -706,6 +709,7 @@ class PipelinedStep(TrainStep):
         """
         if self._closed:
             raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
+        self._check_state(state)
         batch = global_batch(batch, self.mesh, self._axes)
         self._state_specs(state.opt_state)
         # Before dispatch: jaxlib may crash the process on a buffer a donating step consumed.
@@ -732,6 +736,7 @@ class PipelinedStep(TrainStep):
           ``{program name: jax.stages.Lowered}``, in dispatch order: ``"grad"``, the wire
           and codec programs of each bucket piece, ``"update"``.
         """
+        self._check_state(state)
         batch = global_batch(batch, self.mesh, self._axes)
         self._state_specs(state.opt_state)
         schedule = self._plan(state, batch)

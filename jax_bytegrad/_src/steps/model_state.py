@@ -1,0 +1,233 @@
+"""Model state and per-device randomness for every train step: BatchNorm statistics, dropout keys.
+
+Follows how data-parallel trainers treat a model's buffers: PyTorch DDP's ``broadcast_buffers``
+(Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB
+2020) takes every buffer from rank 0 before each forward pass; cross-replica BatchNorm (Flax's
+``axis_name``, PyTorch's ``SyncBatchNorm``) averages the statistics over the replicas. A step
+built with ``model_state=`` offers both, as ``state_sync="mean"`` or ``"first"``.
+
+The loss function opts in by keyword: with ``model_state=`` given to the builder it is called
+``loss_fn(params, batch, model_state=...)`` and returns ``(out, new_model_state)``, where
+``out`` is what it returns without state (``loss``, or ``(loss, aux)`` with ``has_aux``); with
+``rng_seed=`` it also gets ``key=``, a PRNG key that differs per device and per step:
+
+    key = fold_in(fold_in(state.rng, state.step), device_index)
+
+``state.rng`` is ``jax.random.key(rng_seed)`` and never changes, so a run restarted from a
+checkpoint replays the keys of the steps it repeats. ``device_index`` is the device's index
+over both mesh axes (``jax.lax.axis_index((node_axis, local_axis))``). ``step_key`` computes
+the same key outside a step. Without either keyword the step's programs are what they were:
+no input, no output and no collective is added.
+"""
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.sharding import replicate
+
+StateSync = Literal["mean", "first"]
+# Their names in ``TrainState.extra``.
+MODEL_STATE, RNG = "model_state", "rng"
+STATE_SYNCS = ("mean", "first")
+
+
+def step_key(rng: jax.Array, step: int, device: int) -> jax.Array:
+    """The key that device ``device`` gets at step ``step`` of a step built with ``rng_seed=``.
+
+    Args:
+      rng: ``state.rng`` (``jax.random.key(rng_seed)``).
+      step: the step count the key is for (``int(state.step)`` before the step).
+      device: the device's index over both mesh axes, row-major (node, then local).
+
+    Returns:
+      A typed PRNG key, the one the loss function got as ``key=``.
+
+    Examples:
+      >>> import jax, jax_bytegrad
+      >>> key = jax_bytegrad.step_key(jax.random.key(0), 3, 5)
+      >>> key.shape, jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+      ((), True)
+    """
+    return jax.random.fold_in(jax.random.fold_in(rng, step), device)
+
+
+def _dtype(leaf):
+    """The dtype ``leaf`` gets on the devices (Python numbers included); None for no array."""
+    try:
+        return jnp.result_type(leaf)
+    except TypeError:
+        return None
+
+
+def _host_copy(tree):
+    return jax.tree.map(lambda x: np.array(x, dtype=_dtype(x), copy=True), jax.device_get(tree))
+
+
+def _check_leaves(model_state, where: str) -> None:
+    for path, leaf in jax.tree.leaves_with_path(model_state):
+        dtype = _dtype(leaf)
+        if dtype is None or not (
+            jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
+        ):
+            raise ValueError(
+                f"{where}: model_state leaf {jax.tree_util.keystr(path)} is "
+                f"{type(leaf).__name__} of dtype {dtype}; model_state holds numeric or bool "
+                "arrays (batch statistics, counters); keep PRNG keys out of it and pass "
+                "rng_seed=... for per-device keys"
+            )
+
+
+def _sync_leaf(x, axes, how: str):
+    varying = checks.varying_axes(x) & set(axes)
+    if not varying:
+        return x  # the loss left it unchanged: the same on every device already
+    missing = tuple(a for a in axes if a not in varying)
+    x = jax.lax.pcast(x, missing, to="varying") if missing else x
+    if how == "mean" and jnp.issubdtype(x.dtype, jnp.inexact):
+        return jax.lax.pmean(x, axes)
+    # Device 0's value, as DDP's broadcast_buffers: one psum of it and zeros elsewhere.
+    first = jax.lax.axis_index(axes) == 0
+    wide = x.astype(np.int32) if x.dtype == np.bool_ else x
+    total = jax.lax.psum(jnp.where(first, wide, jnp.zeros_like(wide)), axes)
+    return total.astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelState:
+    """What a step's loss function takes beyond ``(params, batch)``, and how it is carried.
+
+    Attributes:
+      initial: the model state to start from (``init`` places it replicated); None for none.
+      seed: the seed of ``state.rng``; None for no key.
+      sync: how the devices' new model states become one: ``"mean"`` averages float leaves
+        over the mesh (cross-replica BatchNorm) and takes the rest from device 0;
+        ``"first"`` takes every leaf from device 0 (DDP's ``broadcast_buffers``).
+    """
+
+    initial: Any = None
+    seed: int | None = None
+    sync: str = "mean"
+
+    @classmethod
+    def of(cls, model_state, rng_seed, state_sync, where: str) -> "ModelState":
+        """Validates the builders' three keywords; raises ``ValueError`` naming a bad one."""
+        if model_state is not None:
+            _check_leaves(model_state, where)
+            model_state = _host_copy(model_state)
+        if rng_seed is not None:
+            checks.integer(rng_seed, "rng_seed", where, minimum=0, or_none=True)
+        checks.one_of(state_sync, STATE_SYNCS, "state_sync", where)
+        return cls(model_state, rng_seed, state_sync)
+
+    @property
+    def has_state(self) -> bool:
+        return self.initial is not None
+
+    @property
+    def has_rng(self) -> bool:
+        return self.seed is not None
+
+    @property
+    def enabled(self) -> bool:
+        return self.has_state or self.has_rng
+
+    def refuse(self, where: str, why: str) -> None:
+        """Raises for a step that cannot carry model state or keys."""
+        if self.enabled:
+            raise ValueError(
+                f"{where} does not take model_state= or rng_seed= ({why}); use "
+                "gradient_allreduce, bytegrad (pipeline=False), qadam or the decentralized pair"
+            )
+
+    def place(self, mesh: Mesh) -> dict[str, Any]:
+        """What a new ``TrainState`` adds to its ``extra``: the model state and the key,
+        both replicated over ``mesh``."""
+        out = {}
+        if self.has_state:
+            out[MODEL_STATE] = replicate(_host_copy(self.initial), mesh)
+        if self.has_rng:
+            seed, replicated = self.seed, NamedSharding(mesh, P())
+            out[RNG] = jax.jit(lambda: jax.random.key(seed), out_shardings=replicated)()
+        return out
+
+    def place_shapes(self, mesh: Mesh) -> dict[str, Any]:
+        """``place``'s entries as ``jax.ShapeDtypeStruct`` leaves; allocates nothing."""
+        replicated = NamedSharding(mesh, P())
+        out = {}
+        if self.has_state:
+            out[MODEL_STATE] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=replicated),
+                self.initial,
+            )
+        if self.has_rng:
+            seed = self.seed
+            out[RNG] = jax.jit(lambda: jax.random.key(seed), out_shardings=replicated).eval_shape()
+        return out
+
+    def carried(self, state, model_state) -> dict[str, Any]:
+        """The ``extra`` entries of the state after a step: the new model state, the key."""
+        out = {MODEL_STATE: model_state} if self.has_state else {}
+        return {**out, RNG: state.rng} if self.has_rng else out
+
+    def inputs(self, state) -> tuple:
+        """The step program's extra inputs: the model state, then the key and the step."""
+        out = (state.model_state,) if self.has_state else ()
+        if self.has_rng:
+            out += (state.rng, np.uint32(int(state.step) % (1 << 32)))
+        return out
+
+    def num_inputs(self) -> int:
+        return int(self.has_state) + 2 * int(self.has_rng)
+
+    def value_and_grad(self, loss_fn, has_aux: bool, axes: tuple[str, str]):
+        """``(params, batch, *inputs) -> ((loss, aux, model_state), grads)`` for one device;
+        ``inputs`` as ``inputs`` gives them, ``model_state`` synced over ``axes`` (None
+        without state)."""
+        has_state, has_rng, where = self.has_state, self.has_rng, "train step"
+        expected = jax.tree.structure(self.initial) if has_state else None
+
+        def loss(params, batch, model_state, key):
+            kwargs = {"model_state": model_state} if has_state else {}
+            if has_rng:
+                kwargs["key"] = key
+            out = loss_fn(params, batch, **kwargs)
+            if has_state:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise ValueError(
+                        f"{where}: with model_state=..., loss_fn must return (loss, "
+                        "new_model_state) (or ((loss, aux), new_model_state) with has_aux); "
+                        f"got {type(out).__name__}"
+                    )
+                out, model_state = out
+                got = jax.tree.structure(model_state)
+                if got != expected:
+                    raise ValueError(
+                        f"{where}: loss_fn returned a model state of structure {got}, but "
+                        f"model_state= has structure {expected}; return the state it was "
+                        "given, updated"
+                    )
+            value, aux = out if has_aux else (out, None)
+            return value, (aux, model_state)
+
+        grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+        def run(params, batch, *inputs):
+            inputs = list(inputs)
+            model_state = inputs.pop(0) if has_state else None
+            key = None
+            if has_rng:
+                rng, step = inputs
+                key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(axes))
+            (value, (aux, model_state)), grads = grad_fn(params, batch, model_state, key)
+            if has_state:
+                model_state = jax.tree.map(lambda x: _sync_leaf(x, axes, self.sync), model_state)
+            return (value, aux, model_state), grads
+
+        return run
