@@ -200,3 +200,21 @@ def test_compressed_traffic_overlaps_the_backward_pass_on_h100s(name, phase):
     assert compressed.bytes_sent < baseline.bytes_sent / 3
     assert compressed.early_share >= 0.5, compressed
     assert compressed.overlapped_ops >= baseline.overlapped_ops, (compressed, baseline)
+
+
+def test_state_shapes_carries_the_model_state_and_key():
+    def loss_fn(params, batch, *, model_state, key):
+        x, y = batch
+        pred = x @ params[0] + jax.random.normal(key, y.shape) * 0.0
+        return jnp.mean((pred - y) ** 2), {"count": model_state["count"] + 1}
+
+    params = [jax.ShapeDtypeStruct((16, 16), jnp.float32)]
+    batch = (jax.ShapeDtypeStruct((32, 16), jnp.float32),) * 2
+    strategy = jbg.Strategy("bytegrad", mesh=jbg.make_mesh(2, 4))
+    kwargs = dict(model_state={"count": np.int32(0)}, rng_seed=0)
+    with strategy.train_step(loss_fn, optax.sgd(0.1), **kwargs) as step:
+        shapes = step.state_shapes(params)
+        state = step.init([jnp.ones((16, 16))])
+        assert jax.tree.structure(shapes) == jax.tree.structure(state)
+        assert shapes.extra.keys() == state.extra.keys() and len(state.extra) == 2
+        assert step.lower(shapes, batch).compile().as_text()
