@@ -188,8 +188,9 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, cod
     node_axis, local_axis = config.axes
     block_size, hierarchical = config.block_size, config.hierarchical
     exchange = code_exchange(config.wire, config.message_bytes)
+    group_size = config.group_size(n, local)
     if hierarchical:
-        group, group_size = node_axis, n
+        group = node_axis
         if local > 1:
             x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
         # With one device per node, gathering over both axes reaches the same devices and
@@ -197,7 +198,6 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, cod
         gather_group = node_axis if local > 1 else (node_axis, local_axis)
     else:
         group = gather_group = (node_axis, local_axis)
-        group_size = n * local
     if group_size == 1:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
@@ -311,14 +311,15 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
     """
     node_axis, local_axis = config.axes
     hierarchical = config.hierarchical
+    group_size = config.group_size(n, local)
     if hierarchical:
         if local > 1:
             x = jax.lax.psum_scatter(_joined(x), local_axis, scatter_dimension=0, tiled=True)
         # With one device per node, summing over both axes reaches the same devices and
         # types the result replicated over both.
-        group, group_size = (node_axis if local > 1 else (node_axis, local_axis)), n
+        group = node_axis if local > 1 else (node_axis, local_axis)
     else:
-        group, group_size = (node_axis, local_axis), n * local
+        group = (node_axis, local_axis)
     if group_size == 1:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = _joined(x) * jnp.float32(weight)
@@ -353,8 +354,7 @@ def sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     reads them where they lie, the others join them. Returns the reduced bucket, typed as
     replicated over both axes, and the new residuals (None without error feedback;
     ``residual_sizes``)."""
-    group_size = n if config.hierarchical else n * local
-    allreduce = config.wire_for(group_size) == "allreduce"
+    allreduce = config.wire_for(config.group_size(n, local)) == "allreduce"
     if not allreduce:
         return scatter_gather_sum_flat(
             _joined(x), config, n=n, local=local, weight=weight, key=key, codec=codec,
@@ -375,7 +375,7 @@ def residual_sizes(padded_sizes, config: SyncConfig, mesh_shape: tuple[int, int]
     0 where nothing is compressed (one node, hierarchical).
     """
     nodes, per_node = mesh_shape
-    group_size = nodes if config.hierarchical else nodes * per_node
+    group_size = config.group_size(nodes, per_node)
     one_residual = config.wire_for(group_size) == "allreduce"
     sizes = []
     for padded in padded_sizes:
