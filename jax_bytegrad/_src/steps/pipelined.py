@@ -196,7 +196,7 @@ class _Stages:
       layout: the buckets of the gradient.
       average: divide by the device count.
       step: the ``PipelinedStep`` whose loss and optimizer the first and last programs
-        run; None for the sync alone (``_PipelinedMean``): each device's gradient in, the
+        run; None for the sync alone (``PipelinedMean``): each device's gradient in, the
         mean out.
     """
 
@@ -740,7 +740,7 @@ class PipelinedStep(TrainStep):
         self._wire.close()
 
 
-class _PipelinedMean:
+class PipelinedMean:
     """The sync alone, pipelined: ``compressed_mean`` of each device's own gradient, called
     outside ``jit`` (for benchmarks/network.py and the tests).
 
