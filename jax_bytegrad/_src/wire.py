@@ -43,14 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs.integer import (
-    allreduce_width,
-    decode_factors,
-    dither_seed,
-    integer_bounds,
-    integer_decode,
-    integer_encode,
-)
+from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
 from jax_bytegrad._src.config import SyncConfig, Wire
 from jax_bytegrad._src.quantization import (
@@ -273,19 +266,19 @@ def integer_sum(
       The decoded weighted sum, typed as replicated over ``group``, and the new residual
       (None without one).
     """
-    width = allreduce_width(bits, group_size)
+    width = integer.allreduce_width(bits, group_size)
     parts = x if isinstance(x, tuple) else (x,)
     starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
     if residual is not None:
         parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
-    bounds = jnp.concatenate([integer_bounds(part, block_size) for part in parts])
+    bounds = jnp.concatenate([integer.integer_bounds(part, block_size) for part in parts])
     bounds = jax.lax.pmax(bounds, group)
-    seed = None if key is None else dither_seed(key)
+    seed = None if key is None else integer.dither_seed(key)
     encoded = []
     for part, start, stop in zip(parts, starts[:-1], starts[1:], strict=True):
         first, last = start // block_size, stop // block_size
         encoded.append(
-            integer_encode(
+            integer.integer_encode(
                 part, bounds[first:last], block_size=block_size, width=width,
                 stochastic=stochastic, seed=seed, first_block=first, feedback=residual is not None,
             )
@@ -293,12 +286,12 @@ def integer_sum(
     codes = jnp.concatenate([c for c, _ in encoded])
     kept = None if residual is None else jnp.concatenate([k for _, k in encoded])
     total = jax.lax.psum(codes, group)
-    factors = decode_factors(
+    factors = integer.decode_factors(
         bounds, width=width, group_size=group_size, weight=weight, stochastic=stochastic
     )
     # The same on every device: the pmax changes no bit (module docstring).
     factors = jax.lax.pmax(factors, group)
-    return integer_decode(total, factors, width=width), kept
+    return integer.integer_decode(total, factors, width=width), kept
 
 
 def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
