@@ -1,19 +1,25 @@
-"""The timed operations of ``benchmarks/network.py``, registered by name.
+"""The timed operations of ``benchmarks/network.py``: a table of ops over a few builders.
 
-A builder ``(mesh, num_params) -> (jitted_fn, args)`` runs in every worker process after
-``jax_bytegrad.initialize()``; the worker times ``jax.block_until_ready(fn(*args))``.
-``--ops`` picks builders by name. Sizes and wire formats come from the library's constants.
+Each row of ``_TABLE`` names an op, its builder and the builder's settings, and the bytes per
+parameter its all-reduce moves (for the ring-bound column; None leaves it empty). A builder
+``(mesh, num_params, **settings) -> (fn, args)`` runs in every worker process after
+``jax_bytegrad.initialize()``, gets the global mesh (axes ``("node", "local")``, Auto) and the
+parameter count; the worker times ``jax.block_until_ready(fn(*args))``. Each device holds its
+own, unreduced gradient (``local_gradient``). ``--ops`` picks ops by name. Sizes and wire
+formats come from the library's constants.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
+from _mlp import mlp_batch, mlp_init, mlp_loss
 
 from jax_bytegrad import DEFAULT_BLOCK_SIZES, DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
-from jax_bytegrad._src.collective_ops import message_slices
-from jax_bytegrad._src.quantization import HEADER_WIDTH
+from jax_bytegrad.experimental import message_slices
+from jax_bytegrad.profiling import HEADER_WIDTH
 from jax_bytegrad.sharding import AXES
 
 DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES[8]
@@ -22,39 +28,45 @@ DEFAULT_OPS = ("psum_f32", "psum_bf16")
 BASELINE_OP = "psum_f32"
 
 Builder = Callable[..., tuple[Callable, tuple]]
-OPS: dict[str, Builder] = {}
-# Bytes one host's gradient occupies on the wire, per op (for the ring bound column); optional.
-WIRE_BYTES_PER_PARAM: dict[str, float] = {}
+
+# --bucket-mb and --message-kb, set in each worker; None: the library's defaults.
+SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
+# --donate, set in each worker: train steps donate their state and carry it along, and the
+# float32 psums and the integer and ring wires' syncs (`_wire_sync`) their gradient buffer.
+BUFFERS: dict[str, bool] = {"donate": False}
+
+# 8-bit codes cross as 1 byte each plus two float32 per block: the scatter-gather wire's
+# (scale, zero) header, or the integer wire's (max, -min) bounds.
+_HEADER_BYTES = HEADER_WIDTH * 4
+_CODES_8 = 1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE
+_CODES_4 = 0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4]
+_BATCH_PER_DEVICE = 16
 
 
-def register(name: str, *, wire_bytes_per_param: float | None = None):
-    """Registers a timed operation under `name`.
+def _sizes() -> dict:
+    """The bucket and message sizes of this run, as keyword arguments of the library.
 
-    The builder runs in every worker after `jax_bytegrad.initialize()`, gets the global mesh
-    (axes ``("node", "local")``, Auto) and the parameter count, and returns ``(fn, args)``; the
-    worker times ``jax.block_until_ready(fn(*args))``. Each device should hold its own,
-    unreduced gradient (see `local_gradient`).
-
-    Args:
-      name: The name ``--ops`` selects it by.
-      wire_bytes_per_param: Bytes per parameter the op's all-reduce moves (4 for float32), for
-        the ring-bound column of the table; None leaves that column empty.
-
-    Examples:
-      >>> @register("psum_f16", wire_bytes_per_param=2)  # doctest: +SKIP
-      ... def _psum_f16(mesh, num_params):
-      ...     return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.float16))
+    Each flag gives the library's default when unset, and None (one bucket, one message per
+    peer) when 0.
     """
 
-    def deco(builder: Builder) -> Builder:
-        if name in OPS:
-            raise ValueError(f"network: op {name!r} is already registered")
-        OPS[name] = builder
-        if wire_bytes_per_param is not None:
-            WIRE_BYTES_PER_PARAM[name] = wire_bytes_per_param
-        return builder
+    def size(value, default, unit):
+        return default if value is None else None if value == 0 else int(value * unit)
 
-    return deco
+    return {
+        "bucket_bytes": size(SIZES["bucket_mb"], DEFAULT_BUCKET_BYTES, 2**20),
+        "message_bytes": size(SIZES["message_kb"], DEFAULT_MESSAGE_BYTES, 2**10),
+    }
+
+
+def _wire_sizes(wire: str) -> dict:
+    """`_sizes`, but one message per bucket for the integer wire: its psum runs at line rate
+    in one message and loses rate when split (the psum_u8:KB patterns), unless `op:KB` says
+    otherwise."""
+    sizes = _sizes()
+    if wire == "allreduce" and SIZES["message_kb"] is None:
+        sizes["message_bytes"] = None
+    return sizes
 
 
 def local_gradient(mesh, num_params: int, dtype):
@@ -78,8 +90,23 @@ def local_gradient(mesh, num_params: int, dtype):
     return jax.make_array_from_process_local_data(sharding, data, (n_dev, num_params))
 
 
-def _psum_builder(mesh, grads):
+def _host_batch(mesh):
+    """This host's batch of the MLP, placed on the mesh: its own rows on each process."""
     import jax
+
+    from jax_bytegrad import shard_batch
+
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    return shard_batch(mlp_batch(np.random.default_rng(1 + jax.process_index()), rows), mesh)
+
+
+# Builders: syncs of each host's own gradient ------------------------------------------------
+
+
+def _psum(mesh, num_params, *, dtype):
+    """The float32 (or bfloat16) all-reduce of the gradient: the baseline."""
+    import jax
+    import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
     spec = P(("node", "local"), None)
@@ -90,6 +117,7 @@ def _psum_builder(mesh, grads):
         ),
         donate_argnums=(0,) if donate else (),
     )
+    grads = local_gradient(mesh, num_params, jnp.dtype(dtype))
     if not donate:
         return fn, (grads,)
     # --donate: the sum comes back in the gradient's buffer, as the syncs' means do, and is
@@ -101,24 +129,6 @@ def _psum_builder(mesh, grads):
         return cell[0]
 
     return carried, ()
-
-
-@register("psum_f32", wire_bytes_per_param=4)
-def _psum_f32(mesh, num_params):
-    return _psum_builder(mesh, local_gradient(mesh, num_params, np.float32))
-
-
-@register("psum_bf16", wire_bytes_per_param=2)
-def _psum_bf16(mesh, num_params):
-    import jax.numpy as jnp
-
-    return _psum_builder(mesh, local_gradient(mesh, num_params, jnp.bfloat16))
-
-
-# 8-bit codes cross as 1 byte each plus two float32 per block: the scatter-gather wire's
-# (scale, zero) header, or the integer wire's (max, -min) bounds.
-_HEADER_BYTES = HEADER_WIDTH * 4
-_CODE_BYTES_PER_PARAM = 1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE
 
 
 def _per_device_builder(mesh, body, grads, *extra):
@@ -135,55 +145,19 @@ def _per_device_builder(mesh, body, grads, *extra):
     return fn, (grads, *extra)
 
 
-# --bucket-mb and --message-kb, set in each worker; None: the library's defaults.
-SIZES: dict[str, float | None] = {"bucket_mb": None, "message_kb": None}
-# --donate, set in each worker: train steps donate their state and carry it along, and the
-# float32 psums and the integer and ring wires' syncs (`_wire_sync`) their gradient buffer.
-BUFFERS: dict[str, bool] = {"donate": False}
-
-
-def _sizes() -> dict:
-    """The bucket and message sizes of this run, as keyword arguments of the library.
-
-    Each flag gives the library's default when unset, and None (one bucket, one message per
-    peer) when 0.
-    """
-
-    def size(value, default, unit):
-        return default if value is None else None if value == 0 else int(value * unit)
-
-    return {
-        "bucket_bytes": size(SIZES["bucket_mb"], DEFAULT_BUCKET_BYTES, 2**20),
-        "message_bytes": size(SIZES["message_kb"], DEFAULT_MESSAGE_BYTES, 2**10),
-    }
-
-
-@register("bytegrad_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
-def _bytegrad_sync(mesh, num_params):
+def _compressed_sync(mesh, num_params, *, bits: int):
+    """`compressed_mean` of each host's gradient with the library's default wire."""
     from jax_bytegrad import compressed_mean
 
     sizes = _sizes()
+    kwargs = {} if bits == 8 else {"bits": bits}
     return _per_device_builder(
         mesh,
-        lambda g: compressed_mean(g, **sizes),
+        lambda g: compressed_mean(g, **kwargs, **sizes),
         local_gradient(mesh, num_params, np.float32),
     )
 
 
-@register("bytegrad4_sync", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])
-def _bytegrad4_sync(mesh, num_params):
-    """`bytegrad_sync` with 4-bit codes (two per byte, 512-value blocks by default)."""
-    from jax_bytegrad import compressed_mean
-
-    sizes = _sizes()
-    return _per_device_builder(
-        mesh,
-        lambda g: compressed_mean(g, bits=4, **sizes),
-        local_gradient(mesh, num_params, np.float32),
-    )
-
-
-@register("bytegrad_wire", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _bytegrad_wire(mesh, num_params):
     """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor."""
     import jax
@@ -213,7 +187,6 @@ def _bytegrad_wire(mesh, num_params):
     return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
 
 
-@register("permute_wire", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
 def _permute_wire(mesh, num_params):
     """ByteGrad's two exchanges as K-1 ppermute shifts each (same bytes as `bytegrad_wire`)."""
     import functools
@@ -283,18 +256,14 @@ def _overlap_probe(mesh, num_params, *, wire: bool, compute: bool):
     return _per_device_builder(mesh, body, grads, replicate(codes, mesh))
 
 
-register("probe_wire")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, compute=False))
-register("probe_compute")(lambda mesh, n: _overlap_probe(mesh, n, wire=False, compute=True))
-register("probe_both")(lambda mesh, n: _overlap_probe(mesh, n, wire=True, compute=True))
-
-
-def _qadam_compressed(mesh, num_params, **sizes):
+def _qadam_compressed(mesh, num_params, *, wire: str = "auto"):
     """One `scale_by_qadam` update past warm-up, as the Strategy compiles it (the compressed
     phase's own program): local momentum, 8-bit compressed mean, Adam."""
     from jax_bytegrad import ScaleByQAdamState, replicate, scale_by_qadam
 
     warmup = 4
-    tx = scale_by_qadam(warmup_steps=warmup, phase="compressed", **sizes)
+    on_wire = {} if wire == "auto" else {"wire": wire}
+    tx = scale_by_qadam(warmup_steps=warmup, phase="compressed", **on_wire, **_wire_sizes(wire))
     zeros = np.zeros(num_params, np.float32)
     # count = warmup_steps: the step taken is warmup_steps + 1, the compressed phase.
     state = ScaleByQAdamState(
@@ -305,26 +274,6 @@ def _qadam_compressed(mesh, num_params, **sizes):
     return _per_device_builder(mesh, tx.update, local_gradient(mesh, num_params, np.float32), state)
 
 
-register("qadam_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _qadam_compressed(mesh, n, **_sizes())
-)
-register("qadam_ar8_compressed", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _qadam_compressed(mesh, n, wire="allreduce", **_wire_sizes("allreduce"))
-)
-
-
-# The integer all-reduce wire and the ring wire (jax_bytegrad._src.wire) ----------------------
-# The integer wire's psum runs at line rate in one message and loses rate when split (see the
-# psum_u8:KB patterns), so its ops send one message per bucket unless `op:KB` says otherwise.
-
-
-def _wire_sizes(wire: str) -> dict:
-    sizes = _sizes()
-    if wire == "allreduce" and SIZES["message_kb"] is None:
-        sizes["message_bytes"] = None
-    return sizes
-
-
 def _zero_residuals(mesh, num_params, config):
     """Error feedback's ``Residuals`` for a ``num_params`` gradient, zero, sharded over the
     devices as ``compressed_mean`` takes and returns them: (send, mean) per bucket."""
@@ -333,7 +282,7 @@ def _zero_residuals(mesh, num_params, config):
     from jax.sharding import PartitionSpec as P
 
     from jax_bytegrad import Residuals
-    from jax_bytegrad._src.collectives import residual_sizes
+    from jax_bytegrad.experimental import residual_sizes
 
     n, local = mesh.shape["node"], mesh.shape["local"]
     sharding = NamedSharding(mesh, P(AXES))
@@ -398,45 +347,7 @@ def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "n
     return carried, ()
 
 
-register("ar8_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce")
-)
-register("ar8_sync_sr", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", rounding="stochastic")
-)
-register("ar8_sync_ef", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", feedback=True)
-)
-register("ar4_sync", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])(
-    lambda mesh, n: _wire_sync(mesh, n, wire="allreduce", bits=4)
-)
-register("ring_sync", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _wire_sync(mesh, n, wire="ring")
-)
-
-
-@register("train_ar8", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
-def _train_ar8(mesh, num_params):
-    """`train_bytegrad` with the integer all-reduce wire: the sync inside the train step."""
-    import optax
-
-    from jax_bytegrad import bytegrad
-
-    tx = optax.chain(bytegrad(wire="allreduce", **_wire_sizes("allreduce")), optax.adam(1e-4))
-    return _train_builder(mesh, num_params, tx)
-
-
-@register("train_ar4", wire_bytes_per_param=0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4])
-def _train_ar4(mesh, num_params):
-    import optax
-
-    from jax_bytegrad import bytegrad
-
-    kwargs = dict(wire="allreduce", bits=4, **_wire_sizes("allreduce"))
-    return _train_builder(mesh, num_params, optax.chain(bytegrad(**kwargs), optax.adam(1e-4)))
-
-
-# Wire patterns: one collective pattern alone on per-device buffers, no compute ----------------
+# Builders: one collective pattern alone on per-device buffers, no compute -------------------
 # Each host holds its own buffer (varying); the result stays on the devices (out_specs over both
 # axes), so nothing but the collectives runs. `op:KB` cuts each collective into messages of KB
 # KiB (0: one message). Names give the dtype; sizes are in bytes of the 25.2M-parameter case:
@@ -476,12 +387,15 @@ def _pieces(x, message_bytes):
     return [x[p] for p in message_slices(x.size, x.dtype.itemsize, message_bytes)]
 
 
-def _psum_pattern(mesh, size, dtype, reduce="psum"):
+def _psum_pattern(mesh, num_params, *, dtype, reduce: str = "psum", bounds: bool = False):
+    """A psum (or pmax) of N bytes per host in `dtype`; with `bounds`, of two float32 values
+    per block instead: the integer wire's agreement on block ranges."""
     import jax
     import jax.numpy as jnp
 
     op = {"psum": jax.lax.psum, "pmax": jax.lax.pmax}[reduce]
     message_bytes = _sizes()["message_bytes"]
+    size = 2 * -(-num_params // DEFAULT_BLOCK_SIZE) if bounds else num_params // dtype.itemsize
 
     def body(x):
         return jnp.concatenate([op(p, AXES) for p in _pieces(x, message_bytes)])
@@ -489,27 +403,9 @@ def _psum_pattern(mesh, size, dtype, reduce="psum"):
     return _pattern_builder(mesh, body, size, dtype)
 
 
-# The same 25.2 MB per host (N bytes) in each dtype: XLA:CPU and Gloo's integer all-reduce.
-for _name, _dtype, _itemsize in (
-    ("psum_u8", np.uint8, 1),
-    ("psum_i8", np.int8, 1),
-    ("psum_u16", np.uint16, 2),
-    ("psum_i32", np.int32, 4),
-    ("psum_f32_n", np.float32, 4),
-):
-    register(_name, wire_bytes_per_param=1)(
-        lambda mesh, n, _d=_dtype, _i=_itemsize: _psum_pattern(mesh, n // _i, _d)
-    )
-# Two float32 values per 1024-value block: the allreduce wire's agreement on block ranges.
-register("pmax_ranges", wire_bytes_per_param=8 / DEFAULT_BLOCK_SIZE)(
-    lambda mesh, n: _psum_pattern(mesh, 2 * -(-n // DEFAULT_BLOCK_SIZE), np.float32, "pmax")
-)
-
-
-@register("shift_u8")
 def _shift_u8(mesh, num_params):
     """One ppermute shift by +1 of N bytes: at 2 hosts a swap, at 3+ a ring (one-way per link)."""
-    from jax_bytegrad._src.collective_ops import split_ppermute
+    from jax_bytegrad.experimental import split_ppermute
 
     n = mesh.devices.size
     perm = [(i, (i + 1) % n) for i in range(n)]
@@ -523,7 +419,7 @@ def _exchange_pattern(mesh, num_params, exchange: str):
     """The scatter-gather wire's two exchanges of uint8 codes, N bytes per host in all."""
     import jax
 
-    from jax_bytegrad._src import collective_ops
+    from jax_bytegrad.experimental import ring_all_gather, ring_all_to_all
 
     n = mesh.devices.size
     chunk = -(-num_params // n)
@@ -537,87 +433,32 @@ def _exchange_pattern(mesh, num_params, exchange: str):
                 for p in message_slices(chunk, 1, message_bytes)
             ]
         if exchange == "ring_all_to_all":
-            return collective_ops.ring_all_to_all(
-                x.reshape(n, chunk), AXES, message_bytes=message_bytes
-            )
+            return ring_all_to_all(x.reshape(n, chunk), AXES, message_bytes=message_bytes)
         mine = x[:chunk]
         if exchange == "all_gather":
             return [jax.lax.all_gather(p, AXES, axis=0) for p in _pieces(mine, message_bytes)]
-        return collective_ops.ring_all_gather(mine, AXES, n, message_bytes=message_bytes)
+        return ring_all_gather(mine, AXES, n, message_bytes=message_bytes)
 
     return _pattern_builder(mesh, body, n * chunk, np.uint8)
 
 
-# all_to_all: each host sends (K-1)/K N bytes; all_gather: each host's N/K to every other.
-register("a2a_u8", wire_bytes_per_param=0.5)(
-    lambda mesh, n: _exchange_pattern(mesh, n, "all_to_all")
-)
-register("a2a_ring_u8", wire_bytes_per_param=0.5)(
-    lambda mesh, n: _exchange_pattern(mesh, n, "ring_all_to_all")
-)
-register("ag_u8", wire_bytes_per_param=0.5)(
-    lambda mesh, n: _exchange_pattern(mesh, n, "all_gather")
-)
-register("ag_ring_u8", wire_bytes_per_param=0.5)(
-    lambda mesh, n: _exchange_pattern(mesh, n, "ring_all_gather")
-)
-
-
-# Full train steps of a ~25M-parameter float32 MLP (num_params sets its width) ------------------
-
-_MLP_IN, _MLP_OUT, _BATCH_PER_DEVICE = 1024, 1024, 16
-
-
-def _mlp_width(num_params: int) -> int:
-    """Hidden width h of in -> h -> h -> out with about `num_params` parameters."""
-    b = _MLP_IN + _MLP_OUT + 3
-    return max(8, int((-b + (b * b + 4 * num_params) ** 0.5) / 2))
-
-
-def _mlp_init(num_params: int) -> dict[str, np.ndarray]:
-    h = _mlp_width(num_params)
-    rng = np.random.default_rng(0)
-    dims = [(_MLP_IN, h), (h, h), (h, _MLP_OUT)]
-    params = {}
-    for i, (a, b) in enumerate(dims):
-        params[f"w{i}"] = (rng.standard_normal((a, b), np.float32) / np.sqrt(a)).astype(np.float32)
-        params[f"b{i}"] = np.zeros(b, np.float32)
-    return params
-
-
-def _mlp_loss(params, batch):
-    import jax
-    import jax.numpy as jnp
-
-    x, y = batch
-    for i in range(3):
-        x = x @ params[f"w{i}"] + params[f"b{i}"][None]
-        if i < 2:
-            x = jax.nn.relu(x)
-    return jnp.mean((x - y) ** 2)
+# Builders: full train steps of a ~25M-parameter float32 MLP (num_params sets its width) ------
 
 
 def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
-    import jax
 
-    from jax_bytegrad import data_parallel_step, replicate, shard_batch
+    from jax_bytegrad import data_parallel_step, replicate
 
     # One phase per transformation (QAdam: the compressed one alone, so every timed step is
     # a compressed one). Without --donate nothing is donated: every timed call starts from
     # the same state.
-    step = data_parallel_step(_mlp_loss, tx, mesh, donate=BUFFERS["donate"])
-    state = step.init(_mlp_init(num_params))
+    step = data_parallel_step(mlp_loss, tx, mesh, donate=BUFFERS["donate"])
+    state = step.init(mlp_init(num_params))
     if qadam_warmup is not None:  # past warm-up: the count a compressed step sees
         qadam_state = state.opt_state[0]
         count = replicate(np.asarray(qadam_warmup, np.int32), mesh)
         state = state._replace(opt_state=(qadam_state._replace(count=count), *state.opt_state[1:]))
-    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
-    rng = np.random.default_rng(1 + jax.process_index())
-    batch = (
-        rng.standard_normal((rows, _MLP_IN), np.float32),
-        rng.standard_normal((rows, _MLP_OUT), np.float32),
-    )
-    return _timed_step(step, state, shard_batch(batch, mesh))
+    return _timed_step(step, state, _host_batch(mesh))
 
 
 def _timed_step(step, state, batch):
@@ -634,7 +475,6 @@ def _timed_step(step, state, batch):
     return carried, ()
 
 
-@register("train_local")
 def _train_local(mesh, num_params):
     """The same train step with no sync at all (forward, backward, Adam): with `bytegrad_sync`,
     the parts that `train_bytegrad` overlaps when it takes less than their sum."""
@@ -642,56 +482,37 @@ def _train_local(mesh, num_params):
     import optax
     from jax.sharding import PartitionSpec as P
 
-    from jax_bytegrad import replicate, shard_batch
+    from jax_bytegrad import replicate
 
     tx = optax.adam(1e-4)
-    params = _mlp_init(num_params)
-    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
-    rng = np.random.default_rng(1 + jax.process_index())
-    batch = (
-        rng.standard_normal((rows, _MLP_IN), np.float32),
-        rng.standard_normal((rows, _MLP_OUT), np.float32),
-    )
+    params = mlp_init(num_params)
 
     def body(params, state, batch):
-        grads = jax.grad(_mlp_loss)(jax.lax.pcast(params, AXES, to="varying"), batch)
+        grads = jax.grad(mlp_loss)(jax.lax.pcast(params, AXES, to="varying"), batch)
         updates, state = tx.update(grads, state, params)
         return jax.tree.map(lambda x: x[None], optax.apply_updates(params, updates))
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(AXES)), out_specs=P(AXES)))
-    args = (*replicate((params, tx.init(params)), mesh), shard_batch(batch, mesh))
+    args = (*replicate((params, tx.init(params)), mesh), _host_batch(mesh))
     return fn, args
 
 
-@register("train_allreduce", wire_bytes_per_param=4)
-def _train_allreduce(mesh, num_params):
+def _train(mesh, num_params, *, algorithm: str, **settings):
+    """`data_parallel_step` of the MLP: Adam after `algorithm`'s sync (QAdam: its compressed
+    phase alone, past warm-up, so that every timed step is a compressed one)."""
     import optax
 
-    from jax_bytegrad import gradient_allreduce
+    import jax_bytegrad
 
-    return _train_builder(mesh, num_params, optax.chain(gradient_allreduce(), optax.adam(1e-4)))
-
-
-@register("train_bytegrad", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
-def _train_bytegrad(mesh, num_params):
-    import optax
-
-    from jax_bytegrad import bytegrad
-
-    tx = optax.chain(bytegrad(**_sizes()), optax.adam(1e-4))
-    return _train_builder(mesh, num_params, tx)
-
-
-@register("train_qadam", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)
-def _train_qadam(mesh, num_params):
-    from jax_bytegrad import qadam
-
-    warmup = 4
-    tx = qadam(1e-4, warmup_steps=warmup, phase="compressed", **_sizes())
-    return _train_builder(mesh, num_params, tx, qadam_warmup=warmup)
-
-
-# Decentralized training (weights, not gradients, cross the network) ------------------------------
+    if algorithm == "qadam":
+        warmup = 4
+        tx = jax_bytegrad.qadam(1e-4, warmup_steps=warmup, phase="compressed", **_sizes())
+        return _train_builder(mesh, num_params, tx, qadam_warmup=warmup)
+    if algorithm == "gradient_allreduce":
+        sync = jax_bytegrad.gradient_allreduce()
+    else:
+        sync = jax_bytegrad.bytegrad(**settings, **_wire_sizes(settings.get("wire", "auto")))
+    return _train_builder(mesh, num_params, optax.chain(sync, optax.adam(1e-4)))
 
 
 def _decentralized_builder(mesh, num_params, build):
@@ -699,19 +520,9 @@ def _decentralized_builder(mesh, num_params, build):
     import jax
     import optax
 
-    from jax_bytegrad import shard_batch
-
-    train = build(_mlp_loss, optax.sgd(1e-4), mesh)
-    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
-    rng = np.random.default_rng(1 + jax.process_index())
-    batch = shard_batch(
-        (
-            rng.standard_normal((rows, _MLP_IN), np.float32),
-            rng.standard_normal((rows, _MLP_OUT), np.float32),
-        ),
-        mesh,
-    )
-    cell = [train.init(_mlp_init(num_params))]
+    train = build(mlp_loss, optax.sgd(1e-4), mesh)
+    batch = _host_batch(mesh)
+    cell = [train.init(mlp_init(num_params))]
 
     def fn():
         cell[0], metrics = train(cell[0], batch)
@@ -723,24 +534,17 @@ def _decentralized_builder(mesh, num_params, build):
     return fn, ()
 
 
-@register("train_decentralized")
-def _train_decentralized(mesh, num_params):
-    import functools
-
-    from jax_bytegrad import decentralized_step
+def _train_decentralized(mesh, num_params, *, low_precision: bool):
+    """Decentralized SGD (shift_one peers) or its low-precision variant, weights on the wire."""
+    from jax_bytegrad import decentralized_step, low_precision_decentralized_step
 
     build = functools.partial(decentralized_step, peer_selection_mode="shift_one")
+    if low_precision:
+        build = low_precision_decentralized_step
     return _decentralized_builder(mesh, num_params, build)
 
 
-@register("train_lowprec_decentralized")
-def _train_lowprec_decentralized(mesh, num_params):
-    from jax_bytegrad import low_precision_decentralized_step
-
-    return _decentralized_builder(mesh, num_params, low_precision_decentralized_step)
-
-
-# The pipelined step (jax_bytegrad._src.steps.pipelined): the sync's codec beside its wire ------
+# Builders: the pipelined step, the sync's codec beside its wire -----------------------------
 # `op@MB` sets the bucket size, which is also the size of the pieces the pipeline sends.
 
 
@@ -751,7 +555,7 @@ def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
     import jax
 
     from jax_bytegrad import SyncConfig, replicate
-    from jax_bytegrad._src.steps.pipelined import _PipelinedMean
+    from jax_bytegrad.experimental import PipelinedMean
 
     config = SyncConfig(wire=wire, rounding=rounding, error_feedback=feedback, **_wire_sizes(wire))
     grads = local_gradient(mesh, num_params, np.float32)
@@ -759,49 +563,91 @@ def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
     if rounding == "stochastic":
         key = replicate(jax.random.fold_in(jax.random.key(0), 0), mesh)
     residuals = _zero_residuals(mesh, num_params, config) if feedback else None
-    mean = _PipelinedMean(mesh, config)
+    mean = PipelinedMean(mesh, config)
     return (lambda: mean(grads, key, residuals)), ()
-
-
-register("pipelined_sync_ar8", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce")
-)
-register("pipelined_sync_ar8_sr", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce", rounding="stochastic")
-)
-register("pipelined_sync_ar8_ef", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _pipelined_sync(mesh, n, wire="allreduce", feedback=True)
-)
-register("pipelined_sync_sg", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _pipelined_sync(mesh, n, wire="scatter_gather")
-)
 
 
 def _train_pipelined(mesh, num_params, *, wire: str, **settings):
     """`train_ar8` / `train_bytegrad` as `pipelined_step` builds them (Adam after the sync)."""
-    import jax
     import optax
 
-    from jax_bytegrad import SyncConfig, pipelined_step, shard_batch
+    from jax_bytegrad import SyncConfig, pipelined_step
 
     config = SyncConfig(wire=wire, **_wire_sizes(wire), **settings)
-    step = pipelined_step(_mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=BUFFERS["donate"])
-    state = step.init(_mlp_init(num_params))
-    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
-    rng = np.random.default_rng(1 + jax.process_index())
-    batch = (
-        rng.standard_normal((rows, _MLP_IN), np.float32),
-        rng.standard_normal((rows, _MLP_OUT), np.float32),
-    )
-    return _timed_step(step, state, shard_batch(batch, mesh))
+    step = pipelined_step(mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=BUFFERS["donate"])
+    state = step.init(mlp_init(num_params))
+    return _timed_step(step, state, _host_batch(mesh))
 
 
-register("train_pipelined_ar8", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _train_pipelined(mesh, n, wire="allreduce")
-)
-register("train_pipelined_ar8_ef", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _train_pipelined(mesh, n, wire="allreduce", error_feedback=True)
-)
-register("train_pipelined_sg", wire_bytes_per_param=_CODE_BYTES_PER_PARAM)(
-    lambda mesh, n: _train_pipelined(mesh, n, wire="scatter_gather")
-)
+# The table: name -> (builder, settings, bytes per parameter on the wire or None) -------------
+# The float32 psum sends 4 bytes per parameter; 8-bit codes 1 plus each block's header; 4-bit
+# codes half that. The all_to_all sends (K-1)/K of N bytes per host, the all_gather N/K to
+# every other host.
+
+_U8, _I8, _U16, _I32, _F32 = (np.dtype(t) for t in ("uint8", "int8", "uint16", "int32", "float32"))
+
+_TABLE: dict[str, tuple[Builder, dict, float | None]] = {
+    "psum_f32": (_psum, dict(dtype="float32"), 4),
+    "psum_bf16": (_psum, dict(dtype="bfloat16"), 2),
+    "bytegrad_sync": (_compressed_sync, dict(bits=8), _CODES_8),
+    "bytegrad4_sync": (_compressed_sync, dict(bits=4), _CODES_4),
+    "bytegrad_wire": (_bytegrad_wire, {}, _CODES_8),
+    "permute_wire": (_permute_wire, {}, _CODES_8),
+    "probe_wire": (_overlap_probe, dict(wire=True, compute=False), None),
+    "probe_compute": (_overlap_probe, dict(wire=False, compute=True), None),
+    "probe_both": (_overlap_probe, dict(wire=True, compute=True), None),
+    "qadam_compressed": (_qadam_compressed, {}, _CODES_8),
+    "qadam_ar8_compressed": (_qadam_compressed, dict(wire="allreduce"), _CODES_8),
+    "ar8_sync": (_wire_sync, dict(wire="allreduce"), _CODES_8),
+    "ar8_sync_sr": (_wire_sync, dict(wire="allreduce", rounding="stochastic"), _CODES_8),
+    "ar8_sync_ef": (_wire_sync, dict(wire="allreduce", feedback=True), _CODES_8),
+    "ar4_sync": (_wire_sync, dict(wire="allreduce", bits=4), _CODES_4),
+    "ring_sync": (_wire_sync, dict(wire="ring"), _CODES_8),
+    "train_ar8": (_train, dict(algorithm="bytegrad", wire="allreduce"), _CODES_8),
+    "train_ar4": (_train, dict(algorithm="bytegrad", wire="allreduce", bits=4), _CODES_4),
+    # The same 25.2 MB per host (N bytes) in each dtype: XLA:CPU and Gloo's integer all-reduce.
+    "psum_u8": (_psum_pattern, dict(dtype=_U8), 1),
+    "psum_i8": (_psum_pattern, dict(dtype=_I8), 1),
+    "psum_u16": (_psum_pattern, dict(dtype=_U16), 1),
+    "psum_i32": (_psum_pattern, dict(dtype=_I32), 1),
+    "psum_f32_n": (_psum_pattern, dict(dtype=_F32), 1),
+    "pmax_ranges": (
+        _psum_pattern,
+        dict(dtype=_F32, reduce="pmax", bounds=True),
+        8 / DEFAULT_BLOCK_SIZE,
+    ),
+    "shift_u8": (_shift_u8, {}, None),
+    "a2a_u8": (_exchange_pattern, dict(exchange="all_to_all"), 0.5),
+    "a2a_ring_u8": (_exchange_pattern, dict(exchange="ring_all_to_all"), 0.5),
+    "ag_u8": (_exchange_pattern, dict(exchange="all_gather"), 0.5),
+    "ag_ring_u8": (_exchange_pattern, dict(exchange="ring_all_gather"), 0.5),
+    "train_local": (_train_local, {}, None),
+    "train_allreduce": (_train, dict(algorithm="gradient_allreduce"), 4),
+    "train_bytegrad": (_train, dict(algorithm="bytegrad"), _CODES_8),
+    "train_qadam": (_train, dict(algorithm="qadam"), _CODES_8),
+    "train_decentralized": (_train_decentralized, dict(low_precision=False), None),
+    "train_lowprec_decentralized": (_train_decentralized, dict(low_precision=True), None),
+    "pipelined_sync_ar8": (_pipelined_sync, dict(wire="allreduce"), _CODES_8),
+    "pipelined_sync_ar8_sr": (
+        _pipelined_sync,
+        dict(wire="allreduce", rounding="stochastic"),
+        _CODES_8,
+    ),
+    "pipelined_sync_ar8_ef": (_pipelined_sync, dict(wire="allreduce", feedback=True), _CODES_8),
+    "pipelined_sync_sg": (_pipelined_sync, dict(wire="scatter_gather"), _CODES_8),
+    "train_pipelined_ar8": (_train_pipelined, dict(wire="allreduce"), _CODES_8),
+    "train_pipelined_ar8_ef": (
+        _train_pipelined,
+        dict(wire="allreduce", error_feedback=True),
+        _CODES_8,
+    ),
+    "train_pipelined_sg": (_train_pipelined, dict(wire="scatter_gather"), _CODES_8),
+}
+
+OPS: dict[str, Builder] = {
+    name: functools.partial(builder, **settings) for name, (builder, settings, _) in _TABLE.items()
+}
+# Bytes one host's gradient occupies on the wire, per op (for the ring bound column).
+WIRE_BYTES_PER_PARAM: dict[str, float] = {
+    name: wire for name, (_, _, wire) in _TABLE.items() if wire is not None
+}

@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _network_ops import _MLP_IN, _MLP_OUT, _mlp_init, _mlp_loss  # noqa: E402
+from _mlp import mlp_batch, mlp_init, mlp_loss  # noqa: E402
 from _network_report import parse_rate  # noqa: E402
 
 STEPS_PER_TRIAL, WARMUP = 5, 1
@@ -44,13 +44,7 @@ ROWS_PER_HOST = 16
 
 def _batches(n: int, rank: int):
     rng = np.random.default_rng(1 + rank)
-    return [
-        (
-            rng.standard_normal((ROWS_PER_HOST, _MLP_IN), np.float32),
-            rng.standard_normal((ROWS_PER_HOST, _MLP_OUT), np.float32),
-        )
-        for _ in range(n)
-    ]
+    return [mlp_batch(rng, ROWS_PER_HOST) for _ in range(n)]
 
 
 def _time_in_turns(strategies: dict, params, batches, steps: int) -> dict[str, list[float]]:
@@ -61,7 +55,7 @@ def _time_in_turns(strategies: dict, params, batches, steps: int) -> dict[str, l
 
     built = {}
     for name, strategy in strategies.items():
-        step = strategy.train_step(_mlp_loss, optax.adam(1e-4))
+        step = strategy.train_step(mlp_loss, optax.adam(1e-4))
         state = step.init(params)
         for batch in batches[:2]:  # compile, warm up
             state, _ = step(state, batch)
@@ -90,14 +84,14 @@ def _worker(args) -> int:
     import jax
     import optax
 
-    params = _mlp_init(args.num_params)
+    params = mlp_init(args.num_params)
     batches = _batches(1 + WARMUP + STEPS_PER_TRIAL, info.process_id)
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh())
     tune = dict(steps_per_trial=STEPS_PER_TRIAL, warmup_steps=WARMUP, verbose=True)
     swept = jax_bytegrad.autotune(
-        strategy, _mlp_loss, optax.adam(1e-4), params, batches, max_trials=1000, **tune
+        strategy, mlp_loss, optax.adam(1e-4), params, batches, max_trials=1000, **tune
     )
-    tuned = jax_bytegrad.autotune(strategy, _mlp_loss, optax.adam(1e-4), params, batches, **tune)
+    tuned = jax_bytegrad.autotune(strategy, mlp_loss, optax.adam(1e-4), params, batches, **tune)
     final = _time_in_turns(
         {"default": strategy, "autotuned": tuned.strategy, "exhaustive best": swept.strategy},
         params,

@@ -17,7 +17,7 @@ other ops of the same run (``op@MB:KB`` both).
 The table gives each op's median step, its ratio to ``psum_f32`` in the same run, the bytes
 the host put on its link per step and the rate that makes (Mbit/s), and the ring bound.
 
-The timed operations are registered by name in ``benchmarks/_network_ops.py`` (a builder
+The timed operations are the rows of a table in ``benchmarks/_network_ops.py`` (a builder
 ``(mesh, num_params) -> (jitted_fn, args)`` that runs in every worker process; ``--ops`` picks
 them by name); ``benchmarks/_network_report.py`` prints the table and draws the plot. This
 file holds the worker (one per host) and the driver.

@@ -1,13 +1,16 @@
-"""What a compiled step sends: bytes per collective kind, mesh axis and dtype, read from HLO."""
+"""What a compiled step sends: bytes per collective kind, mesh axis and dtype, read from HLO,
+and ``HEADER_WIDTH``, the float32 values of each block's header on the wire."""
 
 from jax_bytegrad._src.hlo import HloInstruction as HloInstruction
 from jax_bytegrad._src.hlo import array_shapes as array_shapes
 from jax_bytegrad._src.hlo import hlo_instructions as hlo_instructions
+from jax_bytegrad._src.quantization import HEADER_WIDTH as HEADER_WIDTH
 from jax_bytegrad._src.stats import CollectiveTraffic as CollectiveTraffic
 from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
 from jax_bytegrad._src.stats import communication_stats as communication_stats
 
 __all__ = [
+    "HEADER_WIDTH",
     "CollectiveTraffic",
     "CommunicationStats",
     "HloInstruction",

@@ -1,12 +1,52 @@
-"""Helpers shared by the tests: tree comparisons, replica checks, small training data, and
-scripts loaded by path."""
+"""Helpers shared by the tests: tree comparisons, replica checks, small training data,
+scripts loaded by path, and the launcher run in a subprocess."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+REPO = Path(__file__).parent.parent
+
+
+def run_launcher(*args: str, env: dict | None = None, timeout: float) -> tuple[int, str]:
+    """Runs ``python -m jax_bytegrad.launch *args`` from the repository, with ``env`` (this
+    process's environment by default) and the repository on ``PYTHONPATH``; returns its exit
+    code and its output, stdout and stderr together. ``timeout`` is a hang guard only."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_bytegrad.launch", *args],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
+        text=True,
+    )
+    return proc.returncode, proc.stdout
+
+
+def processes_with(marker: str) -> list[int]:
+    """Ids of the live processes whose command line contains ``marker`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # it exited while we looked
+            continue
+        if marker.encode() in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 def load_script(path: Path):

@@ -17,16 +17,15 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import assert_trees_all_equal
+from conftest import requires_gloo
+from helpers import REPO, assert_trees_all_equal, processes_with, run_launcher
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_launch import _processes_with, requires_gloo
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer, average_replicas, replicated_shardings
 
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
-REPO = Path(__file__).parent.parent
 WORKER = SCRIPTS / "elastic_worker.py"
 sys.path.insert(0, str(SCRIPTS))
 import elastic_worker as worker  # noqa: E402
@@ -41,23 +40,14 @@ HANG_GUARD = 600
 
 def _launch(out_dir: Path, *launcher_args: str, worker_args=()):
     marker = f"elastic-{os.getpid()}-{time.monotonic_ns()}"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env.pop("XLA_FLAGS", None)  # the device count comes from --devices-per-proc
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "4",
-         "--grace", "2", *launcher_args, str(WORKER), str(out_dir), "--marker", marker,
-         *worker_args],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=HANG_GUARD,
-        text=True,
+    # The device count comes from --devices-per-proc.
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    code, out = run_launcher(
+        "--nproc", "2", "--devices-per-proc", "4", "--grace", "2", *launcher_args, str(WORKER),
+        str(out_dir), "--marker", marker, *worker_args, env=env, timeout=HANG_GUARD,
     )  # fmt: skip
-    assert _processes_with(marker) == [], proc.stdout  # no process of the run is left
-    return proc.returncode, proc.stdout
+    assert processes_with(marker) == [], out  # no process of the run is left
+    return code, out
 
 
 def _final_params(out_dir: Path, name: str) -> list[dict]:

@@ -13,12 +13,12 @@ from pathlib import Path
 import jax
 import pytest
 from conftest import requires_gloo
+from helpers import REPO, processes_with, run_launcher
 
 from jax_bytegrad._src import distributed
 from jax_bytegrad.launch import launch
 
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
-REPO = Path(__file__).parent.parent
 
 
 _LAYOUT_VARS = (
@@ -39,19 +39,7 @@ HANG_GUARD = 300
 
 
 def _run_launcher(*args: str, env: dict | None = None) -> tuple[int, str]:
-    env = dict(os.environ if env is None else env)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-m", "jax_bytegrad.launch", *args],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        timeout=HANG_GUARD,
-        text=True,
-    )
-    return proc.returncode, proc.stdout
+    return run_launcher(*args, env=env, timeout=HANG_GUARD)
 
 
 @pytest.fixture
@@ -299,7 +287,7 @@ def test_launch_stops_the_others_when_one_fails(tmp_path):
     text = (tmp_path / "out").read_text()
     assert code == 7, text
     assert "[launch] rank 1 exited with code 7; stopped all 3 processes" in text
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_launch_timeout(tmp_path):
@@ -309,22 +297,6 @@ def test_launch_timeout(tmp_path):
 
 
 # Restarts and hangs (no JAX in the children) ------------------------------------------------------
-
-
-def _processes_with(marker: str) -> list[int]:
-    """Ids of the live processes whose command line contains `marker` (read from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:  # it exited while we looked
-            continue
-        if marker.encode() in cmdline and state != "Z":
-            found.append(int(entry.name))
-    return found
 
 
 def test_restart_count_and_report_progress(monkeypatch, tmp_path):
@@ -472,7 +444,7 @@ def test_out_of_restarts_exits_non_zero_and_leaves_no_process(tmp_path):
         "[launch] out of restarts: rank 1 was killed by signal 9; 1 of 1 restart(s) used; "
         "exiting with 137" in text
     )
-    assert _processes_with(marker) == []
+    assert processes_with(marker) == []
 
 
 def test_a_process_without_progress_is_restarted(tmp_path):

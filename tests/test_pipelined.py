@@ -30,6 +30,7 @@ from jax_bytegrad import SyncConfig
 from jax_bytegrad._src import programs
 from jax_bytegrad._src.steps import pipelined
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
+from jax_bytegrad.experimental import PipelinedMean
 
 REPO = Path(__file__).resolve().parent.parent
 AXES = ("node", "local")
@@ -220,7 +221,7 @@ def test_without_aux_the_metrics_are_the_loss():
 
 
 def test_the_sync_alone_gives_compressed_means_bits():
-    """``_PipelinedMean`` (benchmarks/network.py times it) against ``compressed_mean`` in one
+    """``PipelinedMean`` (benchmarks/network.py times it) against ``compressed_mean`` in one
     program, with error feedback's residuals."""
     from jax_bytegrad._src.collectives import residual_sizes
 
@@ -250,7 +251,7 @@ def test_the_sync_alone_gives_compressed_means_bits():
                 out_specs=(P(), specs),
             )
         )(g, key, residuals)
-        mean = pipelined._PipelinedMean(mesh, SyncConfig(error_feedback=True, **kw))
+        mean = PipelinedMean(mesh, SyncConfig(error_feedback=True, **kw))
         try:
             got = mean(g, key, residuals)
         finally:

@@ -9,14 +9,18 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src.hlo import (
-    array_shapes,
     called_computations,
     conditional_branches,
     parse_collectives,
     parse_replica_groups,
 )
 from jax_bytegrad._src.stats import merge, stats_from_hlo
-from jax_bytegrad.profiling import CommunicationStats, communication_stats, hlo_instructions
+from jax_bytegrad.profiling import (
+    CommunicationStats,
+    array_shapes,
+    communication_stats,
+    hlo_instructions,
+)
 
 MESH_SHAPES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 MESH_IDS = [f"{n}x{m}" for n, m in MESH_SHAPES]

@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
-from jax_bytegrad import SyncConfig
+from jax_bytegrad import SyncConfig, compressed_mean, full_precision_mean
 from jax_bytegrad._src import collective_ops
 from jax_bytegrad._src import wire as wire_lib
 from jax_bytegrad._src.codecs import integer
-from jax_bytegrad._src.collectives import compressed_mean, full_precision_mean, residual_sizes
+from jax_bytegrad._src.collectives import residual_sizes
 from jax_bytegrad.profiling import communication_stats
 
 pytestmark = pytest.mark.usefixtures("strict_dtypes")

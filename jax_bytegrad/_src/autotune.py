@@ -37,6 +37,7 @@ from jax.experimental import multihost_utils
 
 from jax_bytegrad._src import buckets, checks
 from jax_bytegrad._src import strategy as strategy_lib
+from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.config import SyncConfig
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
@@ -63,7 +64,7 @@ def _group_size(strat) -> int:
     """How many devices sum the compressed codes: the nodes, or all devices when flat."""
     nodes = strat.mesh.shape[strat.setting("node_axis")]
     local = strat.mesh.shape[strat.setting("local_axis")]
-    return nodes if strat.setting("hierarchical") else nodes * local
+    return SyncConfig(hierarchical=strat.setting("hierarchical")).group_size(nodes, local)
 
 
 def _wires(strat) -> tuple[str, ...]:
@@ -71,7 +72,7 @@ def _wires(strat) -> tuple[str, ...]:
     the all_to_all's swap), the integer wire only where its codes fit (4 bits: 2 nodes)."""
     group = _group_size(strat)
     keep = {"scatter_gather": True, "ring": group >= 3}
-    keep["allreduce"] = strat.setting("bits") == 8 or group <= 2
+    keep["allreduce"] = integer.fits(strat.setting("bits"), group)
     return tuple(w for w in WIRES if keep[w])
 
 

@@ -91,13 +91,19 @@ def residual_sizes(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> tup
       >>> residual_sizes({"w": jnp.ones(1000)}, SyncConfig(bits=4), (2, 4))
       ((1024, 512),)
     """
+    layout = bucket_layout(jax.tree.leaves(tree), config, mesh_shape)
+    return wires.residual_sizes(layout.padded_sizes, config, mesh_shape)
+
+
+def bucket_layout(leaves, config: SyncConfig, mesh_shape: tuple[int, int]) -> bucketing.Layout:
+    """The buckets of ``leaves`` for ``config`` on a (nodes, devices per node) mesh: each
+    padded to a whole number of blocks on every device, as every wire needs."""
     nodes, per_node = mesh_shape
-    layout = bucketing.make_layout(
-        jax.tree.leaves(tree),
+    return bucketing.make_layout(
+        leaves,
         bucket_bytes=config.bucket_bytes,
         granularity=nodes * per_node * config.block_size,
     )
-    return wires.residual_sizes(layout.padded_sizes, config, mesh_shape)
 
 
 def mesh_residuals(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> Residuals:
@@ -126,8 +132,8 @@ def _check_leaves(leaves, paths, where: str) -> None:
             )
 
 
-def _check_residuals(residuals, leaves, config: SyncConfig, mesh_shape, where: str) -> None:
-    want = residual_sizes(leaves, config, mesh_shape)
+def _check_residuals(residuals, layout, config: SyncConfig, mesh_shape, where: str) -> None:
+    want = wires.residual_sizes(layout.padded_sizes, config, mesh_shape)
     try:
         got = tuple((int(send.size), int(mean.size)) for send, mean in residuals)
     except (TypeError, ValueError, AttributeError):
@@ -164,11 +170,9 @@ def sync_mean(
     paths = [path for path, _ in paths_and_leaves]
     leaves = [leaf for _, leaf in paths_and_leaves]
     _check_leaves(leaves, paths, where)
-    layout = bucketing.make_layout(
-        leaves, bucket_bytes=config.bucket_bytes, granularity=n * local * config.block_size
-    )
+    layout = bucket_layout(leaves, config, (n, local))
     if residuals is not None:
-        _check_residuals(residuals, leaves, config, (n, local), where)
+        _check_residuals(residuals, layout, config, (n, local), where)
     weight = 1.0 / (n * local) if average else 1.0
     if key is not None:
         # Independent rounding on every device; the result is gathered, so still identical.

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import jax
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.codecs.integer import check_fits
 
 # Big enough that each collective runs at link speed, small enough that a 25M-parameter
 # model gets a few buckets whose communication can overlap the next one's quantize.
@@ -156,14 +157,14 @@ class SyncConfig:
         if mesh is None:
             return None
         nodes, per_node = checks.mesh_axes(mesh, *self.axes, where)
-        group = nodes if self.hierarchical else nodes * per_node
-        if self.wire == "allreduce" and self.bits == 4 and group > 2:
-            raise ValueError(
-                f"{where}: wire='allreduce' sums 4-bit codes over at most 2 nodes (their "
-                f"nibbles must not carry); this mesh sums over {group}. Pass bits=8, or "
-                "wire='scatter_gather' for 4 bits"
-            )
+        if self.wire == "allreduce":
+            check_fits(self.bits, self.group_size(nodes, per_node), where)
         return nodes, per_node
+
+    def group_size(self, nodes: int, per_node: int) -> int:
+        """How many devices sum the compressed codes on a mesh of ``nodes`` x ``per_node``:
+        the nodes (hierarchical: one device per node), or every device (flat)."""
+        return nodes if self.hierarchical else nodes * per_node
 
     def wire_for(self, group_size: int) -> Wire:
         """The wire that runs for a group of ``group_size`` summing devices: ``wire``, with

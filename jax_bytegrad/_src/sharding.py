@@ -149,6 +149,24 @@ def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"
     return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, Residuals))
 
 
+class StateSpecs:
+    """A step's ``state_specs``, from the first optimizer state it is called with, then kept:
+    a step's state keeps its structure from step to step.
+
+    Attributes:
+      specs: the specs, None until the first call.
+    """
+
+    def __init__(self, axes: tuple[str, str]):
+        self._axes = axes
+        self.specs = None
+
+    def __call__(self, opt_state):
+        if self.specs is None:
+            self.specs = state_specs(opt_state, node_axis=self._axes[0], local_axis=self._axes[1])
+        return self.specs
+
+
 def shard_state(opt_state, mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local"):
     """Places an optimizer state (same value on every process) on ``mesh`` per ``state_specs``.
 

@@ -45,14 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs.integer import (
-    allreduce_width,
-    decode_factors,
-    dither_seed,
-    integer_bounds,
-    integer_decode,
-    integer_encode,
-)
+from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
 from jax_bytegrad._src.config import SyncConfig, Wire
 from jax_bytegrad._src.quantization import (
@@ -190,8 +183,9 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, cod
     node_axis, local_axis = config.axes
     block_size, hierarchical = config.block_size, config.hierarchical
     exchange = code_exchange(config.wire, config.message_bytes)
+    group_size = config.group_size(n, local)
     if hierarchical:
-        group, group_size = node_axis, n
+        group = node_axis
         if local > 1:
             x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
         # With one device per node, gathering over both axes reaches the same devices and
@@ -199,7 +193,6 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, cod
         gather_group = node_axis if local > 1 else (node_axis, local_axis)
     else:
         group = gather_group = (node_axis, local_axis)
-        group_size = n * local
     if group_size == 1:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
@@ -272,19 +265,19 @@ def integer_sum(
       The decoded weighted sum, typed as replicated over ``group``, and the new residual
       (None without one).
     """
-    width = allreduce_width(bits, group_size)
+    width = integer.allreduce_width(bits, group_size)
     parts = x if isinstance(x, tuple) else (x,)
     starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
     if residual is not None:
         parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
-    bounds = jnp.concatenate([integer_bounds(part, block_size) for part in parts])
+    bounds = jnp.concatenate([integer.integer_bounds(part, block_size) for part in parts])
     bounds = jax.lax.pmax(bounds, group)
-    seed = None if key is None else dither_seed(key)
+    seed = None if key is None else integer.dither_seed(key)
     encoded = []
     for part, start, stop in zip(parts, starts[:-1], starts[1:], strict=True):
         first, last = start // block_size, stop // block_size
         encoded.append(
-            integer_encode(
+            integer.integer_encode(
                 part, bounds[first:last], block_size=block_size, width=width,
                 stochastic=stochastic, seed=seed, first_block=first, feedback=residual is not None,
             )
@@ -292,12 +285,12 @@ def integer_sum(
     codes = jnp.concatenate([c for c, _ in encoded])
     kept = None if residual is None else jnp.concatenate([k for _, k in encoded])
     total = jax.lax.psum(codes, group)
-    factors = decode_factors(
+    factors = integer.decode_factors(
         bounds, width=width, group_size=group_size, weight=weight, stochastic=stochastic
     )
     # The same on every device: the pmax changes no bit (module docstring).
     factors = jax.lax.pmax(factors, group)
-    return integer_decode(total, factors, width=width), kept
+    return integer.integer_decode(total, factors, width=width), kept
 
 
 def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
@@ -310,14 +303,15 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, r
     """
     node_axis, local_axis = config.axes
     hierarchical = config.hierarchical
+    group_size = config.group_size(n, local)
     if hierarchical:
         if local > 1:
             x = jax.lax.psum_scatter(_joined(x), local_axis, scatter_dimension=0, tiled=True)
         # With one device per node, summing over both axes reaches the same devices and
         # types the result replicated over both.
-        group, group_size = (node_axis if local > 1 else (node_axis, local_axis)), n
+        group = node_axis if local > 1 else (node_axis, local_axis)
     else:
-        group, group_size = (node_axis, local_axis), n * local
+        group = (node_axis, local_axis)
     if group_size == 1:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = _joined(x) * jnp.float32(weight)
@@ -392,8 +386,7 @@ def sum_shard(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     residuals (None without error feedback; ``residual_sizes``). ``gather_shard`` makes it
     the whole bucket.
     """
-    group_size = n if config.hierarchical else n * local
-    allreduce = config.wire_for(group_size) == "allreduce"
+    allreduce = config.wire_for(config.group_size(n, local)) == "allreduce"
     if not allreduce:
         return scatter_gather_sum_flat(
             _joined(x), config, n=n, local=local, weight=weight, key=key, codec=codec,
@@ -431,7 +424,7 @@ def residual_sizes(padded_sizes, config: SyncConfig, mesh_shape: tuple[int, int]
     0 where nothing is compressed (one node, hierarchical).
     """
     nodes, per_node = mesh_shape
-    group_size = nodes if config.hierarchical else nodes * per_node
+    group_size = config.group_size(nodes, per_node)
     one_residual = config.wire_for(group_size) == "allreduce"
     sizes = []
     for padded in padded_sizes:

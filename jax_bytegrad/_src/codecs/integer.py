@@ -85,6 +85,27 @@ class Width:
         return jnp.uint16 if self.bits == 16 else jnp.uint8
 
 
+def fits(bits: int, group_size: int) -> bool:
+    """Whether ``bits``-bit codes of ``group_size`` devices can be summed on the integer wire:
+    8-bit codes always (uint16 beyond ``MAX_GROUP[8]``), 4-bit nibbles up to ``MAX_GROUP[4]``
+    devices, whose sum must not carry from one nibble into the next."""
+    return bits != 4 or group_size <= MAX_GROUP[4]
+
+
+def check_fits(bits: int, group_size: int, where: str = "wire='allreduce'") -> None:
+    """Raises unless ``fits(bits, group_size)``, naming ``where`` and what to pass instead.
+
+    Raises:
+      ValueError: for 4-bit codes over more than ``MAX_GROUP[4]`` devices.
+    """
+    if not fits(bits, group_size):
+        raise ValueError(
+            f"{where}: 4-bit codes sum over at most {MAX_GROUP[4]} devices on wire='allreduce' "
+            f"(their nibbles must not carry), got {group_size}; pass bits=8, or "
+            "wire='scatter_gather' for 4 bits"
+        )
+
+
 def allreduce_width(bits: int, group_size: int) -> Width:
     """The wire width and levels per device of the integer wire for ``group_size`` devices.
 
@@ -104,12 +125,7 @@ def allreduce_width(bits: int, group_size: int) -> Width:
       >>> allreduce_width(8, 2), allreduce_width(8, 16), allreduce_width(4, 2)
       (Width(bits=8, levels=127), Width(bits=16, levels=4095), Width(bits=4, levels=7))
     """
-    if bits == 4 and group_size > MAX_GROUP[4]:
-        raise ValueError(
-            f"wire='allreduce': 4-bit codes sum over at most {MAX_GROUP[4]} devices (their "
-            f"nibbles must not carry), got {group_size}; pass bits=8, or wire='scatter_gather' "
-            "for 4 bits"
-        )
+    check_fits(bits, group_size)
     width = bits if bits == 4 or group_size <= MAX_GROUP[8] else 16
     levels = (2**width - 1) // group_size
     if levels < 2:

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.sharding import replicate, state_specs
+from jax_bytegrad._src.sharding import StateSpecs, replicate
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
@@ -73,7 +73,7 @@ class DataParallelStep(TrainStep):
         self._optimizers = dict(optimizers)
         self._phase_of = phase_of
         self.phases = tuple(self._optimizers)
-        self._specs = None  # the optimizer state's shard_map specs, from its structure
+        self._state_specs = StateSpecs(self._axes)
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         name = self._phase_of(steps_taken)
@@ -83,11 +83,6 @@ class DataParallelStep(TrainStep):
                 f"the optimizers' phases {self.phases}"
             )
         return name, name
-
-    def _state_specs(self, opt_state):
-        if self._specs is None:
-            self._specs = state_specs(opt_state, node_axis=self._axes[0], local_axis=self._axes[1])
-        return self._specs
 
     def _shardings(self, specs):
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
@@ -162,7 +157,7 @@ class DataParallelStep(TrainStep):
         )
 
     def _build(self, phase):
-        specs = self._specs
+        specs = self._state_specs.specs
         replicated = NamedSharding(self.mesh, P())
         in_shardings = (
             replicated,

@@ -60,10 +60,11 @@ from jax_bytegrad._src.codecs.integer import (
     integer_decode,
     integer_encode,
 )
+from jax_bytegrad._src.collectives import bucket_layout
 from jax_bytegrad._src.config import Residuals, SyncConfig
 from jax_bytegrad._src.programs import Dispatcher, Program, Schedule, Value, aval, execute
 from jax_bytegrad._src.quantization import resolve_implementation
-from jax_bytegrad._src.sharding import replicate, state_specs
+from jax_bytegrad._src.sharding import StateSpecs, replicate
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
@@ -196,15 +197,14 @@ class _Stages:
       layout: the buckets of the gradient.
       average: divide by the device count.
       step: the ``PipelinedStep`` whose loss and optimizer the first and last programs
-        run; None for the sync alone (``_PipelinedMean``): each device's gradient in, the
+        run; None for the sync alone (``PipelinedMean``): each device's gradient in, the
         mean out.
     """
 
     def __init__(self, mesh, sync: SyncConfig, layout, *, average: bool, step=None):
         self.n, self.local = (mesh.shape[a] for a in sync.axes)
         # The wire this mesh runs ("auto" resolved), as the one-program step picks it.
-        summing = self.n if sync.hierarchical else self.n * self.local
-        sync = sync.replace(wire=sync.wire_for(summing))
+        sync = sync.replace(wire=sync.wire_for(sync.group_size(self.n, self.local)))
         self.sync = sync
         self.axes = sync.axes
         self.layout = layout
@@ -641,14 +641,9 @@ class PipelinedStep(TrainStep):
         self._chain = optax.chain(
             bytegrad(mesh=mesh, average=average, seed=seed, **_sync_kwargs(sync)), optimizer
         )
-        self._specs = None
+        self._state_specs = StateSpecs(self._axes)
         self._schedule = None
         self._wire = Dispatcher(f"{self.algorithm}-wire")
-
-    def _state_specs(self, opt_state):
-        if self._specs is None:
-            self._specs = state_specs(opt_state, node_axis=self._axes[0], local_axis=self._axes[1])
-        return self._specs
 
     def _abstract_opt_state(self, params):
         return jax.eval_shape(self._chain.init, params)
@@ -689,11 +684,9 @@ class PipelinedStep(TrainStep):
                     spec = jax.tree.map(lambda _, s=spec: s, value)
                 inputs[name] = Value(spec, jax.tree.map(aval, value))
             leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
-            n, local = (self.mesh.shape[a] for a in self._axes)
-            layout = bucketing.make_layout(
-                leaves, bucket_bytes=self.sync.bucket_bytes,
-                granularity=n * local * self.sync.block_size,
-            )  # fmt: skip
+            layout = bucket_layout(
+                leaves, self.sync, self.sync.mesh_shape(self.mesh, "pipelined_step")
+            )
             stages = _Stages(self.mesh, self.sync, layout, average=self._average, step=self)
             self._schedule = Schedule(
                 stages.tasks(), inputs, self.mesh, self._axes, donate_state=self._donate
@@ -759,7 +752,7 @@ class PipelinedStep(TrainStep):
         self._wire.close()
 
 
-class _PipelinedMean:
+class PipelinedMean:
     """The sync alone, pipelined: ``compressed_mean`` of each device's own gradient, called
     outside ``jit`` (for benchmarks/network.py and the tests).
 
@@ -780,12 +773,10 @@ class _PipelinedMean:
         values = {"grads": grads, **({} if key is None else {"key": key})}
         values.update(_state_inputs(residuals))
         if self._schedule is None:
-            n, local = (self.mesh.shape[a] for a in self.sync.axes)
             leaves = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jax.tree.leaves(grads)]
-            layout = bucketing.make_layout(
-                leaves, bucket_bytes=self.sync.bucket_bytes,
-                granularity=n * local * self.sync.block_size,
-            )  # fmt: skip
+            layout = bucket_layout(
+                leaves, self.sync, self.sync.mesh_shape(self.mesh, "pipelined_step")
+            )
             stages = _Stages(self.mesh, self.sync, layout, average=self.average)
             inputs = {}
             for name, v in values.items():
