@@ -271,6 +271,22 @@ class _Search:
         return -1
 
 
+def _compares(strat, compare_uncompressed, prefer_uncompressed) -> bool:
+    """Whether to time the uncompressed step; raises where ``prefer_uncompressed`` cannot work."""
+    checks.boolean(compare_uncompressed, "compare_uncompressed", "autotune")
+    checks.boolean(prefer_uncompressed, "prefer_uncompressed", "autotune")
+    compare = compare_uncompressed and strat.algorithm in COMPARED
+    if prefer_uncompressed and not compare:
+        why = (
+            "compare_uncompressed=False times no uncompressed step; leave it True"
+            if strat.algorithm in COMPARED
+            else f"{strat.algorithm} is not compared with the uncompressed step (only "
+            f"{', '.join(COMPARED)} is); leave prefer_uncompressed False"
+        )
+        raise ValueError(f"autotune: prefer_uncompressed=True, but {why}")
+    return compare
+
+
 def _time_uncompressed(strat, loss_fn, optimizer, has_aux, params, batches, warmup, say):
     """The uncompressed step's trial (gradient_allreduce, the same optimizer), slowest process;
     a step that fails is a warning and a NaN trial, never the user's error."""
@@ -396,17 +412,7 @@ def autotune(
     checks.integer(max_trials, "max_trials", "autotune")
     checks.integer(steps_per_trial, "steps_per_trial", "autotune")
     checks.integer(warmup_steps, "warmup_steps", "autotune", minimum=0)
-    checks.boolean(compare_uncompressed, "compare_uncompressed", "autotune")
-    checks.boolean(prefer_uncompressed, "prefer_uncompressed", "autotune")
-    compare = compare_uncompressed and strategy.algorithm in COMPARED
-    if prefer_uncompressed and not compare:
-        why = (
-            "compare_uncompressed=False times no uncompressed step; leave it True"
-            if strategy.algorithm in COMPARED
-            else f"{strategy.algorithm} is not compared with the uncompressed step (only "
-            f"{', '.join(COMPARED)} is); leave prefer_uncompressed False"
-        )
-        raise ValueError(f"autotune: prefer_uncompressed=True, but {why}")
+    compare = _compares(strategy, compare_uncompressed, prefer_uncompressed)
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
     space = _distinct_buckets(strategy, params, space, start)
