@@ -49,8 +49,11 @@ def _batches(n, rows=32):
     ]
 
 
+_MESH = jax_bytegrad.make_mesh(2, 4)
+
+
 def _strategy(name="bytegrad", **kwargs):
-    return jax_bytegrad.Strategy(name, mesh=jax_bytegrad.make_mesh(2, 4), **kwargs)
+    return jax_bytegrad.Strategy(name, mesh=_MESH, **kwargs)
 
 
 def _tune(strategy, **kwargs):
@@ -199,9 +202,14 @@ def test_tunes_real_steps_and_returns_a_ready_strategy(capsys):
         state, metrics = step(step.init(_params()), _batches(1)[0])
     assert np.isfinite(float(metrics["loss"]))
     out = capsys.readouterr().out
-    assert out.count("autotune ") == 6 and "chose" in out
+    assert out.count("autotune ") == 6 + 1 and "chose" in out  # + the uncompressed step
+    assert "autotune uncompressed (gradient_allreduce): " in out and "compressed step is" in out
+    # The uncompressed step ran for real beside the trials, and the table compares with it.
+    assert result.uncompressed.config == {} and result.uncompressed.step_s > 0
+    assert result.best_step_s == best.step_s and np.isfinite(result.speedup)
     table = result.table()
-    assert table.count("\n") == 2 + 5 and "chosen" in table and "start" in table
+    assert table.count("\n") == 2 + 6 + 2 and "chosen" in table and "start" in table
+    assert "| gradient_allreduce (uncompressed) |" in table and "Compression: " in table
 
 
 def test_default_space_per_algorithm_and_mesh():
@@ -316,6 +324,138 @@ def test_bad_arguments():
 def test_a_spent_time_budget_runs_no_trial():
     result = _tune(_strategy(), space={"message_bytes": [KIB, None]}, time_budget_s=0.0)
     assert len(result.trials) == 0 and result.config == result.start
+    assert result.uncompressed is None and np.isnan(result.speedup)
+
+
+# Does compression pay? The uncompressed step beside the trials, on timings set by hand --------
+
+
+def _timed(monkeypatch, step_ms):
+    """Replaces the timing of every trial: ``step_ms(strategy, config)`` milliseconds, no
+    compile time; returns the list of (algorithm, config, optimizer) timed."""
+    timed = []
+
+    def fake(strat, config, loss_fn, optimizer, has_aux, params, batches, warmup):
+        timed.append((strat.algorithm, dict(config), optimizer))
+        return 0.0, step_ms(strat, config) / 1e3
+
+    monkeypatch.setattr(autotune_module, "_run_trial", fake)
+    return timed
+
+
+SPACE = {"message_bytes": [KIB, None]}
+
+
+def _bytegrad_ms(uncompressed):
+    by_config = {KIB: 30.0, 256 * KIB: 20.0, None: 25.0}
+    return lambda s, c: (
+        uncompressed if s.algorithm == "gradient_allreduce" else by_config[c["message_bytes"]]
+    )
+
+
+@pytest.mark.parametrize("prefer", [False, True], ids=["default", "prefer_uncompressed"])
+def test_a_compressed_step_that_pays_is_kept(monkeypatch, prefer):
+    timed = _timed(monkeypatch, _bytegrad_ms(uncompressed=50.0))
+    optimizer = optax.sgd(0.1)
+    result = jax_bytegrad.autotune(
+        _strategy(), _loss, optimizer, _params(), _batches(3), space=SPACE, steps_per_trial=2,
+        warmup_steps=0, verbose=False, prefer_uncompressed=prefer,
+    )  # fmt: skip
+    # The uncompressed step is timed after the trials, once, with the caller's own optimizer,
+    # and is not one of them.
+    assert timed[-1] == ("gradient_allreduce", {}, optimizer)
+    assert [t[0] for t in timed[:-1]] == ["bytegrad"] * 3 and len(result.trials) == 3
+    assert result.config == {"message_bytes": 256 * KIB} and result.best_step_s == 0.020
+    assert result.speedup == pytest.approx(2.5) and not result.fell_back
+    assert result.strategy.algorithm == "bytegrad"
+    assert "2.50x faster than the uncompressed one" in result.verdict()
+    rows = result.table().splitlines()
+    assert rows[2].startswith("| message_bytes=256KiB | 20.0 | 2.50x |") and "chosen" in rows[2]
+    assert rows[-3].startswith("| gradient_allreduce (uncompressed) | 50.0 | 1.00x |")
+    assert rows[-3].endswith("baseline |") and rows[-1].startswith("Compression: ")
+
+
+def test_where_compression_loses_the_result_says_so_and_may_return_the_uncompressed_step(
+    monkeypatch,
+):
+    _timed(monkeypatch, _bytegrad_ms(uncompressed=10.0))
+    kwargs = {"space": SPACE}
+    kept = _tune(_strategy(bits=4, node_axis="node"), **kwargs)
+    assert kept.speedup == pytest.approx(0.5) and not kept.fell_back
+    assert kept.strategy.algorithm == "bytegrad"  # opt-in only: the bytes saved may matter more
+    assert "2.00x slower than the uncompressed one" in kept.verdict()
+    back = _tune(_strategy(bits=4, node_axis="node"), prefer_uncompressed=True, **kwargs)
+    assert back.fell_back and back.config == {"message_bytes": 256 * KIB}
+    # gradient_allreduce on the same mesh, with the strategy's axes, not its codec settings.
+    assert back.strategy.algorithm == "gradient_allreduce"
+    assert back.strategy.kwargs == {"node_axis": "node"} and back.strategy.mesh is _MESH
+    table = back.table()
+    assert "| gradient_allreduce (uncompressed) | 10.0 | 1.00x | 0.0 | returned |" in table
+    assert "| message_bytes=256KiB | 20.0 | 0.50x | 0.0 | best compressed, start |" in table
+    assert "returned the uncompressed strategy" in table
+
+
+def test_the_uncompressed_step_keeps_the_strategys_steps_settings():
+    strategy = jax_bytegrad.Strategy(
+        "bytegrad", mesh=_MESH, flatten=True, bits=4, hierarchical=False, donate=False
+    )
+    plain = autotune_module.uncompressed_strategy(strategy)
+    assert plain.algorithm == "gradient_allreduce" and plain.flatten
+    assert plain.kwargs == {"donate": False}  # hierarchy is gradient_allreduce's own default
+
+
+def test_the_cache_remembers_whether_compression_paid(monkeypatch, tmp_path):
+    cache = tmp_path / "autotune.json"
+    timed = _timed(monkeypatch, _bytegrad_ms(uncompressed=10.0))
+    first = _tune(_strategy(), space=SPACE, cache=cache)
+    entry = json.loads(cache.read_text())[autotune_module.cache_key(_strategy(), _params())]
+    assert entry["uncompressed_step_ms"] == pytest.approx(10.0)
+    assert entry["step_ms"] == pytest.approx(20.0)
+    timed.clear()
+    again = _tune(_strategy(), space=SPACE, cache=cache, prefer_uncompressed=True)
+    assert timed == [] and again.from_cache and again.config == first.config
+    assert again.speedup == pytest.approx(0.5) and again.fell_back
+    assert again.strategy.algorithm == "gradient_allreduce"
+
+
+def test_an_uncompressed_step_that_fails_is_a_warning_and_no_fall_back(monkeypatch):
+    def step_ms(strat, config):
+        if strat.algorithm == "gradient_allreduce":
+            raise RuntimeError("RESOURCE_EXHAUSTED: float32 gradients do not fit")
+        return 20.0
+
+    _timed(monkeypatch, step_ms)
+    with pytest.warns(UserWarning, match="the uncompressed step failed: RuntimeError"):
+        result = _tune(_strategy(), space=SPACE, prefer_uncompressed=True)
+    assert "RESOURCE_EXHAUSTED" in result.uncompressed.error
+    assert np.isnan(result.speedup) and not result.fell_back
+    assert result.strategy.algorithm == "bytegrad"
+
+
+def test_compare_uncompressed_off_times_no_uncompressed_step(monkeypatch):
+    timed = _timed(monkeypatch, _bytegrad_ms(uncompressed=10.0))
+    result = _tune(_strategy(), space=SPACE, compare_uncompressed=False)
+    assert [t[0] for t in timed] == ["bytegrad"] * 3
+    assert result.uncompressed is None and np.isnan(result.speedup)
+    assert "uncompressed" not in result.table() and "chosen" in result.table()
+    assert result.verdict() == "the uncompressed step was not timed"
+
+
+@pytest.mark.parametrize(
+    "strategy, kwargs, match",
+    [
+        ("qadam", {}, "qadam is not compared with the uncompressed step"),
+        ("decentralized", {}, "decentralized is not compared"),
+        ("bytegrad", {"compare_uncompressed": False}, "compare_uncompressed=False times no"),
+        ("bytegrad", {"prefer_uncompressed": 1}, "prefer_uncompressed must be True or False"),
+    ],
+    ids=["qadam", "decentralized", "not-compared", "not-a-bool"],
+)
+def test_prefer_uncompressed_needs_an_uncompressed_step_to_compare(strategy, kwargs, match):
+    kwargs = {"prefer_uncompressed": True, **kwargs}
+    extra = {"learning_rate": 1e-3, "warmup_steps": 1} if strategy == "qadam" else {}
+    with pytest.raises(ValueError, match=match):
+        _tune(_strategy(strategy, **extra), **kwargs)
 
 
 # The math does not depend on the tuned settings ------------------------------------------------

@@ -193,6 +193,29 @@ def test_launch_sets_the_environment_and_prefixes_output(tmp_path):
     assert lines == [f"[rank {k}] {k} 3 2 127.0.0.1:23456" for k in range(3)]
 
 
+GLOO_LINE = (
+    "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : 3"
+)
+
+
+@pytest.mark.parametrize("quiet", [None, "0"], ids=["launcher-default", "quiet-off"])
+def test_launch_leaves_out_gloo_connection_lines_unless_told(tmp_path, quiet):
+    env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_VARS}
+    if quiet is not None:
+        env[distributed.QUIET_ENV] = quiet
+    lines = [GLOO_LINE.format(0, 3), "step 1", GLOO_LINE.format(1, 3), GLOO_LINE.format(2, 2)]
+    out_file = tmp_path / "out"
+    with out_file.open("wb") as out:
+        code = launch(_py(f"print({chr(10).join(lines)!r})"), nproc=2, env=env, out=out)
+    assert code == 0
+    got = out_file.read_text().splitlines()
+    for rank in (0, 1):
+        mine = [line.removeprefix(f"[rank {rank}] ") for line in got if f"[rank {rank}]" in line]
+        # A rank that connected to fewer peers than expected is news: that line always stays.
+        expected = lines if quiet == "0" else ["step 1", GLOO_LINE.format(2, 2)]
+        assert mine == expected, got
+
+
 @pytest.mark.parametrize(
     "hugepages, base, expected",
     [
@@ -531,9 +554,9 @@ def test_two_processes_by_four_devices_psum_over_gloo(quiet):
         assert f"[rank {rank}] psum over (node, local) = 52.0" in out
         assert f"[rank {rank}] psum over node = [10.0, 12.0, 14.0, 16.0]" in out
         assert f"[rank {rank}] OK" in out
-    # Gloo prints a line per connection to native stdout; under the launcher only rank 0's
-    # show, unless the launcher's environment turns that off.
-    assert "[rank 0] [Gloo] Rank 0 is connected to" in out, out
+    # Gloo prints a line per device and connection to native stdout; the launcher keeps them
+    # out of its output unless its environment turns that off.
+    assert ("[rank 0] [Gloo] Rank 0 is connected to" in out) == (quiet == "0"), out
     assert ("[rank 1] [Gloo]" in out) == (quiet == "0"), out
 
 

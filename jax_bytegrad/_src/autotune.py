@@ -18,17 +18,22 @@ go before message size, whose best value depends on the exchanges they make;
 benchmarks/RESULTS.md ("Autotune") measures the search against an exhaustive sweep. A
 model-based search (Bagua uses scikit-optimize) pays off on spaces of hundreds of points, not
 on these dozens, with a noisy score.
+
+Beside its trials, ``autotune`` times the uncompressed step: ``gradient_allreduce`` with the same
+optimizer. Compression does not always pay (on a fast link the codec's compute can cost more
+than the bytes it saves, the "no speed-up" that users of 1-bit Adam, ZeRO++ and PowerSGD
+report most often), so the result says how the best compressed step compares, and
+``prefer_uncompressed=True`` returns the uncompressed strategy where it is faster.
 """
 
 import itertools
-import json
 import math
 import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -37,6 +42,17 @@ from jax.experimental import multihost_utils
 
 from jax_bytegrad._src import buckets, checks
 from jax_bytegrad._src import strategy as strategy_lib
+from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult, Trial: its API
+    UNCOMPRESSED,
+    AutotuneResult,
+    Trial,
+    cache_key,
+    label,
+    param_count,
+    ratio,
+    read_cache,
+    write_cache,
+)
 from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.config import SyncConfig
 
@@ -48,6 +64,9 @@ BUCKET_BYTES = (4 * 2**20, 16 * 2**20, 32 * 2**20, 128 * 2**20, None)
 HIERARCHICAL = (True, False)
 # Wires: which run on a mesh is filtered by ``_wires``.
 WIRES = ("scatter_gather", "allreduce", "ring")
+# The compressed algorithms timed against the uncompressed step, gradient_allreduce with the same
+# optimizer. QAdam is its own optimizer, and its trials run inside its float32 warm-up.
+COMPARED = ("bytegrad",)
 
 _VALUES = {
     "message_bytes": MESSAGE_BYTES,
@@ -127,7 +146,7 @@ def _distinct_buckets(strat, params, space, start):
         return space
     leaves = jax.tree.leaves(params)
     if strat.flatten:  # the strategy trains one vector
-        leaves = [jax.ShapeDtypeStruct((_param_count(params),), np.float32)]
+        leaves = [jax.ShapeDtypeStruct((param_count(params),), np.float32)]
     kept, seen = [], {}
     for value in sorted(space["bucket_bytes"], key=lambda v: v != start["bucket_bytes"]):
         grouping = buckets.make_layout(leaves, bucket_bytes=value, granularity=1).buckets
@@ -145,6 +164,14 @@ def _agree(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.asarray(value, np.int32)))
 
 
+def _agree_floats(values: Sequence[float]) -> list[float]:
+    """Process 0's values, on every process."""
+    if jax.process_count() == 1:
+        return [float(v) for v in values]
+    agreed = multihost_utils.broadcast_one_to_all(np.asarray(values, np.float64))
+    return [float(v) for v in np.asarray(agreed)]
+
+
 def _worst(values: Sequence[float]) -> np.ndarray:
     """Each entry's maximum over processes (NaN, a failed trial, wins)."""
     local = np.asarray(values, np.float64)
@@ -153,121 +180,22 @@ def _worst(values: Sequence[float]) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(local)).max(axis=0)  # NaN propagates
 
 
-def _label(config: Mapping[str, Any]) -> str:
-    def show(v):
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 2**10:
-            return f"{v / 2**20:g}MiB" if v >= 2**20 else f"{v / 2**10:g}KiB"
-        return str(v)
+def uncompressed_strategy(strat):
+    """``gradient_allreduce`` on the same mesh, with the strategy's own axes, step and
+    ``flatten`` settings (hierarchy and the sync's settings are gradient_allreduce's defaults).
 
-    return " ".join(f"{k}={show(v)}" for k, v in config.items()) or "(defaults)"
-
-
-def _param_count(params) -> int:
-    return sum(int(np.size(x)) for x in jax.tree.leaves(params))
-
-
-# Results -----------------------------------------------------------------------------------
-
-
-class Trial(NamedTuple):
-    """One measured configuration.
-
-    Attributes:
-      config: the tuned settings of this trial, by ``Strategy`` keyword.
-      compile_s: seconds to build and compile the step (the first call minus a median step),
-        slowest process; NaN if the trial failed.
-      step_s: median seconds per step over the timed steps, slowest process; NaN if failed.
-      error: why the trial failed (the exception, as text), or None.
+    Examples:
+      >>> import jax_bytegrad
+      >>> from jax_bytegrad._src.autotune import uncompressed_strategy
+      >>> s = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(1, 1), bits=4)
+      >>> uncompressed_strategy(s)
+      Strategy('gradient_allreduce', mesh={'node': 1, 'local': 1})
     """
-
-    config: dict[str, Any]
-    compile_s: float
-    step_s: float
-    error: str | None = None
-
-
-class AutotuneResult(NamedTuple):
-    """What ``autotune`` found.
-
-    Attributes:
-      config: the fastest configuration (the settings that were tuned).
-      strategy: a ``Strategy`` with that configuration and the original's other settings.
-      trials: every trial in the order run (empty when the configuration came from the cache).
-      start: the configuration the strategy would have run untuned.
-      tuning_s: wall seconds ``autotune`` took, compiles included.
-      from_cache: whether ``config`` was read from the cache instead of measured.
-    """
-
-    config: dict[str, Any]
-    strategy: Any
-    trials: list[Trial]
-    start: dict[str, Any]
-    tuning_s: float
-    from_cache: bool
-
-    def table(self) -> str:
-        """The trials as a Markdown table, fastest first."""
-        rows = sorted(self.trials, key=lambda t: (math.isnan(t.step_s), t.step_s))
-        lines = [
-            "| configuration | step ms | compile s | note |",
-            "|---|---:|---:|---|",
-        ]
-        for t in rows:
-            note = []
-            if t.config == self.config:
-                note.append("chosen")
-            if t.config == self.start:
-                note.append("start")
-            if t.error:
-                note.append(f"failed: {t.error}")
-            step = "" if math.isnan(t.step_s) else f"{1e3 * t.step_s:.1f}"
-            comp = "" if math.isnan(t.compile_s) else f"{t.compile_s:.1f}"
-            lines.append(f"| {_label(t.config)} | {step} | {comp} | {', '.join(note)} |")
-        return "\n".join(lines)
-
-
-# The cache ---------------------------------------------------------------------------------
-
-
-def cache_key(strat, params) -> str:
-    """The cache's key for a strategy and model: algorithm, mesh, processes, backend,
-    parameter count and the strategy's own settings (those are not tuned)."""
-    fixed = ",".join(f"{k}={strat.kwargs[k]!r}" for k in sorted(strat.kwargs))
-    mesh = ",".join(f"{k}={v}" for k, v in strat.mesh.shape.items())
-    return (
-        f"{strat.algorithm} mesh={mesh} processes={jax.process_count()} "
-        f"backend={jax.default_backend()} params={_param_count(params)} "
-        f"flatten={strat.flatten} {fixed}"
-    ).strip()
-
-
-def _read_cache(path: Path, key: str) -> dict[str, Any] | None:
-    try:
-        entry = json.loads(path.read_text()).get(key)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        warnings.warn(f"autotune: ignoring unreadable cache {path}: {e}", stacklevel=3)
-        return None
-    return None if entry is None else entry.get("config")
-
-
-def _write_cache(path: Path, key: str, result: AutotuneResult) -> None:
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    best = min((t.step_s for t in result.trials if t.config == result.config), default=None)
-    entries[key] = {
-        "config": result.config,
-        "step_ms": None if best is None else 1e3 * best,
-        "trials": len(result.trials),
-        "saved": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
+    shared = set(strategy_lib.valid_kwargs(UNCOMPRESSED)) - set(
+        strategy_lib.tunable_settings(UNCOMPRESSED)
+    )
+    kwargs = {k: v for k, v in strat.kwargs.items() if k in shared}
+    return strategy_lib.Strategy(UNCOMPRESSED, mesh=strat.mesh, flatten=strat.flatten, **kwargs)
 
 
 # The search ---------------------------------------------------------------------------------
@@ -344,6 +272,60 @@ class _Search:
         return -1
 
 
+def _compares(strat, compare_uncompressed, prefer_uncompressed) -> bool:
+    """Whether to time the uncompressed step; raises where ``prefer_uncompressed`` cannot work."""
+    checks.boolean(compare_uncompressed, "compare_uncompressed", "autotune")
+    checks.boolean(prefer_uncompressed, "prefer_uncompressed", "autotune")
+    compare = compare_uncompressed and strat.algorithm in COMPARED
+    if prefer_uncompressed and not compare:
+        why = (
+            "compare_uncompressed=False times no uncompressed step; leave it True"
+            if strat.algorithm in COMPARED
+            else f"{strat.algorithm} is not compared with the uncompressed step (only "
+            f"{', '.join(COMPARED)} is); leave prefer_uncompressed False"
+        )
+        raise ValueError(f"autotune: prefer_uncompressed=True, but {why}")
+    return compare
+
+
+def _time_uncompressed(strat, loss_fn, optimizer, has_aux, params, batches, warmup, model, say):
+    """The uncompressed step's trial (gradient_allreduce, the same optimizer), slowest process;
+    a step that fails is a warning and a NaN trial, never the user's error."""
+    error = None
+    try:
+        compile_s, step_s = _run_trial(
+            uncompressed_strategy(strat), {}, loss_fn, optimizer, has_aux, params, batches, warmup,
+            model,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the comparison is extra; tuning goes on without it
+        compile_s = step_s = math.nan
+        error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        warnings.warn(f"autotune: the uncompressed step failed: {error}", stacklevel=3)
+    compile_s, step_s = (float(x) for x in _worst([compile_s, step_s]))
+    if error is None and math.isnan(step_s):
+        error = "failed on another process"
+    say(
+        f"autotune uncompressed ({UNCOMPRESSED}): "
+        + (f"failed ({error})" if error else f"{1e3 * step_s:.1f} ms/step, "
+           f"compile {compile_s:.1f} s")
+    )  # fmt: skip
+    return Trial({}, compile_s, step_s, error)
+
+
+def _from_cache(path, key, search):
+    """(index of the cached configuration among the candidates or -1, its step seconds, the
+    uncompressed step's seconds), as process 0 read them, on every process."""
+    hit, best_s, uncompressed_s = -1, math.nan, math.nan
+    if jax.process_index() == 0:
+        entry = read_cache(path, key) or {}
+        if entry.get("config") in search.candidates:
+            hit = search.candidates.index(entry["config"])
+            best_s = (entry.get("step_ms") or math.nan) / 1e3
+            uncompressed_s = (entry.get("uncompressed_step_ms") or math.nan) / 1e3
+    hit, best_s, uncompressed_s = _agree_floats([hit, best_s, uncompressed_s])
+    return int(hit), best_s, uncompressed_s
+
+
 def autotune(
     strategy,
     loss_fn: Callable[..., Any],
@@ -362,6 +344,8 @@ def autotune(
     model_state: Any = None,
     rng_seed: int | None = None,
     state_sync: str = "mean",
+    compare_uncompressed: bool = True,
+    prefer_uncompressed: bool = False,
 ) -> AutotuneResult:
     """Times a strategy's train step under several system settings and returns the fastest.
 
@@ -392,14 +376,24 @@ def autotune(
         tuning, and a new result is written there (by process 0).
       verbose: print a line per trial on process 0.
       model_state, rng_seed, state_sync: as for ``strategy.train_step``.
+      compare_uncompressed: for ByteGrad, also time the uncompressed step
+        (``gradient_allreduce`` with the same optimizer, on the same batches, after the
+        trials and not counted in ``max_trials``): the result's ``speedup`` and ``table()``
+        then say whether compression pays on this link.
+      prefer_uncompressed: return the uncompressed strategy (``result.fell_back``) when its
+        step was faster than the best compressed one. Off by default: the bytes saved may
+        matter more than this run's speed (a shared link, a larger job later).
 
     Returns:
       An ``AutotuneResult``: ``config``, ``strategy`` (ready to use), ``trials``, ``start``,
-      ``tuning_s``, ``from_cache``, and ``table()``.
+      ``tuning_s``, ``from_cache``, ``uncompressed``, ``best_step_s``, ``fell_back``,
+      ``speedup``, ``verdict()`` and ``table()``.
 
     Raises:
       ValueError: for async (nothing of it can be tuned without changing its math), a setting
-        the algorithm does not take, an empty candidate list, bad counts, or too few batches.
+        the algorithm does not take, an empty candidate list, bad counts, too few batches, or
+        ``prefer_uncompressed`` for an algorithm other than ByteGrad or without
+        ``compare_uncompressed``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
@@ -412,6 +406,8 @@ def autotune(
       (3, {'message_bytes': 262144})
       >>> result.strategy.kwargs["message_bytes"] in (2**16, 2**18, None)
       True
+      >>> result.uncompressed.config, result.speedup > 0  # gradient_allreduce, timed beside
+      ({}, True)
     """
     t_start = time.perf_counter()
     if strategy.algorithm == "async":
@@ -422,6 +418,7 @@ def autotune(
     checks.integer(max_trials, "max_trials", "autotune")
     checks.integer(steps_per_trial, "steps_per_trial", "autotune")
     checks.integer(warmup_steps, "warmup_steps", "autotune", minimum=0)
+    compare = _compares(strategy, compare_uncompressed, prefer_uncompressed)
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
     space = _distinct_buckets(strategy, params, space, start)
@@ -435,28 +432,36 @@ def autotune(
     say = print if verbose and jax.process_index() == 0 else (lambda *a, **k: None)
     search = _Search(space, start, max_trials)
 
-    def result(config, trials, from_cache):
+    def result(config, trials, from_cache, uncompressed=None, best_s=math.nan):
+        timed = [t.step_s for t in trials if t.config == config and not math.isnan(t.step_s)]
+        best_s = min(timed, default=best_s)
+        fell_back = (
+            prefer_uncompressed
+            and uncompressed is not None
+            and ratio(uncompressed.step_s, best_s) < 1
+        )
         return AutotuneResult(
             config=config,
-            strategy=strategy.replace(**config),
+            strategy=uncompressed_strategy(strategy) if fell_back else strategy.replace(**config),
             trials=trials,
             start=start,
             tuning_s=time.perf_counter() - t_start,
             from_cache=from_cache,
+            uncompressed=uncompressed,
+            best_step_s=best_s,
+            fell_back=fell_back,
         )
 
     path = None if cache is None else Path(cache)
     if path is not None:
         key = cache_key(strategy, params)
-        hit = -1
-        if jax.process_index() == 0:
-            cached = _read_cache(path, key)
-            if cached in search.candidates:
-                hit = search.candidates.index(cached)
-        hit = _agree(hit)
+        hit, best_s, uncompressed_s = _from_cache(path, key, search)
         if hit >= 0:
-            say(f"autotune: {_label(search.candidates[hit])} (from {path})")
-            return result(search.candidates[hit], [], True)
+            say(f"autotune: {label(search.candidates[hit])} (from {path})")
+            cached = None
+            if compare and not math.isnan(uncompressed_s):
+                cached = Trial({}, math.nan, uncompressed_s)
+            return result(search.candidates[hit], [], True, cached, best_s)
 
     if len(search.candidates) == 1:
         return result(start, [], False)
@@ -465,6 +470,7 @@ def autotune(
         f"{'exhaustive' if search.exhaustive else 'one setting at a time'}, "
         f"at most {max_trials} trials"
     )
+    model = dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync)
     trials = []
     while len(trials) < max_trials:
         index = search.next_index()
@@ -477,29 +483,35 @@ def autotune(
         error = None
         try:
             compile_s, step_s = _run_trial(
-                strategy, config, loss_fn, optimizer, has_aux, params, batches, warmup_steps,
-                dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync),
-            )  # fmt: skip
+                strategy, config, loss_fn, optimizer, has_aux, params, batches, warmup_steps, model
+            )
         except Exception as e:  # a configuration that cannot run is skipped, not fatal ...
             if config == start:
                 raise  # ... but the strategy's own one is the user's step: its error is theirs
             compile_s = step_s = math.nan
             error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            warnings.warn(f"autotune: skipped {_label(config)}: {error}", stacklevel=2)
+            warnings.warn(f"autotune: skipped {label(config)}: {error}", stacklevel=2)
         compile_s, step_s = (float(x) for x in _worst([compile_s, step_s]))
         if error is None and math.isnan(step_s):
             error = "failed on another process"
         search.scores[index] = step_s
         trials.append(Trial(config, compile_s, step_s, error))
         say(
-            f"autotune {len(trials):2d}: {_label(config)}: "
+            f"autotune {len(trials):2d}: {label(config)}: "
             + (f"failed ({error})" if error else f"{1e3 * step_s:.1f} ms/step, "
                f"compile {compile_s:.1f} s")
         )  # fmt: skip
     measured = search.best()  # None: no trial ran within the time budget
     best = measured or start
-    found = result(best, trials, False)
+    uncompressed = None
+    if compare and measured is not None:  # after the start's trial: a broken loss is raised there
+        uncompressed = _time_uncompressed(
+            strategy, loss_fn, optimizer, has_aux, params, batches, warmup_steps, model, say
+        )
+    found = result(best, trials, False, uncompressed)
     if path is not None and jax.process_index() == 0 and measured is not None:
-        _write_cache(path, key, found)
-    say(f"autotune: chose {_label(best)} in {found.tuning_s:.1f} s")
+        write_cache(path, key, found)
+    say(f"autotune: chose {label(best)} in {found.tuning_s:.1f} s")
+    if uncompressed is not None:
+        say(f"autotune: {found.verdict()}")
     return found

@@ -13,13 +13,16 @@ Usage::
 
 The launcher owns the process-wide settings of its workers, through their environment; a
 value already in the launcher's environment wins, so ``JAX_BYTEGRAD_QUIET=0 python -m
-jax_bytegrad.launch ...`` shows every rank's Gloo lines:
+jax_bytegrad.launch ...`` shows every rank's Gloo connection lines:
 
 - ``JAX_BYTEGRAD_FAIL_FAST=1``: `jax_bytegrad.initialize` makes an uncaught exception end the
   process at once (its ``fail_fast``), so that the launcher sees the failure instead of a
   process hung at exit;
 - ``JAX_BYTEGRAD_QUIET=1``: on ranks other than 0, what native code prints to stdout (Gloo's
-  connection lines) is dropped (its ``quiet``);
+  connection lines) is dropped (its ``quiet``); and the launcher drops, from every rank's
+  output, the lines where Gloo says a rank connected to as many peers as it expected
+  (``[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is :
+  3``, one per device and collective group). A line where the two counts differ is kept;
 - ``NPROC``: XLA:CPU's thread pool, sized for ``--devices-per-proc`` devices
   (`jax_bytegrad.distributed.ensure_cpu_threads`);
 - ``JAX_PLATFORMS=cpu`` and ``PYTHONUNBUFFERED=1``;
@@ -69,6 +72,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,16 +102,31 @@ EXIT_HUNG = 125
 EXIT_USAGE = 2  # Python's status for a script it cannot open, argparse's for bad arguments
 
 _PREFIX = "[launch] "
+# Gloo prints this to native stdout for each local device in each collective group it sets up,
+# on process 0 even when the launcher quiets the others (the other ranks' native stdout).
+_GLOO_CONNECTED = re.compile(
+    rb"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    rb"Expected number of connected peer ranks is : (\d+)\s*$"
+)
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 # Private helpers ----------------------------------------------------------------------------------
 
 
-def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
-    """Copies a process's output to `out` line by line, each line prefixed with its rank."""
+def _gloo_connected(line: bytes) -> bool:
+    """Whether ``line`` is Gloo's report of a rank that connected to every peer it expected."""
+    match = _GLOO_CONNECTED.match(line)
+    return match is not None and match[1] == match[2]
+
+
+def _pump(rank: int, stream, out, lock: threading.Lock, quiet: bool = False) -> None:
+    """Copies a process's output to `out` line by line, each line prefixed with its rank;
+    `quiet` drops Gloo's lines of connections that went as expected."""
     prefix = f"[rank {rank}] ".encode()
     for line in iter(stream.readline, b""):
+        if quiet and _gloo_connected(line):
+            continue
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
@@ -225,7 +244,10 @@ def _start(run: _Run, attempt: int, progress_dir: Path):
             start_new_session=True,
         )
         procs.append(p)
-        t = threading.Thread(target=_pump, args=(rank, p.stdout, run.out, run.lock), daemon=True)
+        quiet = run.env.get(QUIET_ENV) == "1"
+        t = threading.Thread(
+            target=_pump, args=(rank, p.stdout, run.out, run.lock, quiet), daemon=True
+        )
         t.start()
         pumps.append(t)
     return procs, pumps
@@ -409,6 +431,8 @@ def launch(
 
     Besides the layout, each process's environment gets ``JAX_BYTEGRAD_FAIL_FAST=1``,
     ``JAX_BYTEGRAD_QUIET=1`` and ``NPROC`` (see the module's docstring), unless `env` sets them.
+    With ``JAX_BYTEGRAD_QUIET=1``, Gloo's lines of connections that went as expected are left
+    out of `out`.
 
     Args:
       command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``, or a

@@ -347,7 +347,7 @@ def _traced_platform() -> str:
 def _warn_if_promoted(bits: int, group_size: int) -> None:
     """Warns, once per group size, when the integer wire's codes go as uint16 on a GPU:
     XLA:GPU promotes 16-bit integer all-reduces to 32 bits, float32's bytes."""
-    width = allreduce_width(bits, group_size)
+    width = integer.allreduce_width(bits, group_size)
     if width.bits != 16 or _traced_platform() != "gpu" or group_size in _WARNED_PROMOTION:
         return
     _WARNED_PROMOTION.add(group_size)

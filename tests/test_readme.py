@@ -1,0 +1,224 @@
+"""The README shows what the code produces: examples/train.py's output, its tables, their bytes.
+
+The README's output block and results tables sit between markers naming the command and the
+JAX version that produced them::
+
+    <!-- train.py ARGS output jax=0.10.2 -->   examples/train.py's whole output, fenced
+    <!-- train.py ARGS table jax=0.10.2 -->    its results table
+    <!-- end -->
+
+Two tests keep them true, both marked slow. The inter-node bytes of every table (bytes per
+step, the ratio to gradient_allreduce, the run average) are compared with what
+``communication_stats`` reads from the compiled steps: deterministic, on any JAX, and with
+nothing trained (10-40 s of CPU per model). The default command's output and table are compared
+with a fresh run of it on the JAX version they were recorded with (~1 minute on 2 cores);
+steps per second are left out, they are timings.
+
+After a change that moves the figures (a new default, an algorithm's fix), rewrite the blocks of
+the running JAX version with, from the root of the repository::
+
+    PYTHONPATH=$PWD python tests/test_readme.py                       # the CNN, ~1 minute
+    PYTHONPATH=$PWD python tests/test_readme.py --model transformer   # ~5 minutes on 2 cores
+
+once with each Python whose JAX the README records (3.11: JAX 0.10.2; 3.12: JAX 0.12).
+"""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import configs  # noqa: E402
+import report  # noqa: E402
+
+MARKER = re.compile(
+    r"<!-- train\.py (?P<args>[^>]*?) ?(?P<what>output|table) jax=(?P<version>\S+) -->\n"
+    r"(?P<body>.*?)<!-- end -->\n",
+    re.S,
+)
+# The columns of report.results_table that communication_stats decides.
+BYTE_COLUMNS = ("inter-node bytes/step", "vs gradient_allreduce", "run average")
+
+
+def blocks(text: str) -> list[re.Match]:
+    """The README's marked blocks, in order."""
+    return list(MARKER.finditer(text))
+
+
+def table_rows(table: str) -> dict[str, dict[str, str]]:
+    """``{algorithm: {column: cell}}`` of a markdown results table."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        rows[cells["algorithm"]] = cells
+    return rows
+
+
+def without_timings(text: str) -> list[str]:
+    """The lines of ``text``, the steps/s cell of each table row blanked (a timing)."""
+    return [re.sub(r"\| [\d.]+ \|$", "| - |", line.rstrip()) for line in text.strip().splitlines()]
+
+
+def run_train(args: list[str]) -> str:
+    """The stdout of ``python examples/train.py ARGS``, as a user runs it from a clean shell
+    (not this suite's XLA_FLAGS), in a fresh directory: its files go to ``runs/`` there."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env["JAX_PLATFORMS"] = "cpu"  # a GPU plugin without a GPU would print its error first
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as cwd:
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLES / "train.py"), *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
+    return proc.stdout
+
+
+def fresh_blocks(stdout: str) -> dict[str, str]:
+    """What the README's ``output`` and ``table`` blocks hold for a run that printed ``stdout``."""
+    table = "\n".join(line for line in stdout.splitlines() if line.startswith("|"))
+    return {"output": f"```\n{stdout.strip()}\n```\n", "table": f"{table}\n"}
+
+
+def rewrite(text: str, args: str, version: str, fresh: dict[str, str]) -> tuple[str, int]:
+    """``text`` with the blocks of command ``args`` on JAX ``version`` replaced; and how many."""
+    count = 0
+
+    def replace(match):
+        nonlocal count
+        if match["args"] != args or match["version"] != version:
+            return match[0]
+        count += 1
+        return match[0].replace(match["body"], fresh[match["what"]], 1)
+
+    return MARKER.sub(replace, text), count
+
+
+# The bytes of every table ------------------------------------------------------------------------
+
+
+def compiled_table(model: str) -> dict[str, dict[str, str]]:
+    """The byte columns of ``model``'s default run, from its compiled steps (nothing is run)."""
+    import train
+    from flax import nnx
+
+    config = configs.Config(model=model, nodes=2, devices_per_node=4, progress=False)
+    mesh = train.resolve_mesh(config)
+    data = train.datasets.load(config.get("dataset"))
+    net = train.models.create(
+        model, num_classes=data.num_classes, seq_len=config.seq_len, seed=config.seed
+    )
+    graphdef, params, rest = nnx.split(net, nnx.Param, ...)
+    params = jax.device_get(params)
+    loss_fn = train.make_loss_fn(graphdef, rest)
+    batch = train.window_batches(config, data, config.get("batch_size"))()
+    steps = np.asarray(config.get("steps"), np.int64)
+    results, baseline = [], None
+    for name in sorted(set(configs.ALGORITHMS) - {"async"}, key=lambda n: n != configs.BASELINE):
+        run = dataclasses.replace(config, algorithm=name)
+        with train.build_step(run, name, loss_fn, mesh) as step:
+            state = step.init(params)
+            phases = step.communication_stats(state, batch)
+            counts = step.phase_counts(state._replace(step=steps))  # reads only the count
+            per_step, average = train.node_bytes(phases, counts)
+        baseline = per_step if baseline is None else baseline
+        results.append(
+            report.Result(name, model, [0.0], 0.0, 0.0, per_step, average, baseline, 0.0, 0, "")
+        )
+    return table_rows(report.results_table(results))
+
+
+def test_the_readme_has_its_blocks():
+    # A parser that found nothing would pass every other test here.
+    found = {(m["args"], m["what"]) for m in blocks(README.read_text())}
+    assert {("", "output"), ("", "table"), ("--model transformer", "table")} <= found, found
+
+
+@pytest.mark.slow  # compiles 5 steps per model: 10-40 s of CPU
+@pytest.mark.parametrize("model", ["cnn", "transformer"])
+def test_the_readme_states_the_bytes_the_compiled_steps_send(model):
+    args = "" if model == "cnn" else f"--model {model}"
+    tables = [m for m in blocks(README.read_text()) if m["what"] == "table" and m["args"] == args]
+    assert tables, f"README.md has no table of train.py {args}"
+    compiled = compiled_table(model)
+    for match in tables:
+        stated = table_rows(match["body"])
+        assert set(stated) == set(compiled), (match["version"], set(stated))
+        for name, row in stated.items():
+            got = {c: row[c] for c in BYTE_COLUMNS}
+            want = {c: compiled[name][c] for c in BYTE_COLUMNS}
+            assert got == want, (
+                f"README.md's {model} table (JAX {match['version']}) says {name} sends {got}; the "
+                f"compiled step sends {want}. Rewrite it: see tests/test_readme.py's docstring"
+            )
+
+
+# The default command's output ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_readme_shows_what_train_py_prints():
+    recorded = {m["version"] for m in blocks(README.read_text()) if m["args"] == ""}
+    if jax.__version__ not in recorded:
+        pytest.skip(f"README.md records train.py's output on JAX {sorted(recorded)}, not this one")
+    fresh = fresh_blocks(run_train([]))
+    for match in blocks(README.read_text()):
+        if match["args"] == "" and match["version"] == jax.__version__:
+            assert without_timings(match["body"]) == without_timings(fresh[match["what"]]), (
+                f"README.md's train.py {match['what']} (JAX {jax.__version__}) is not what it "
+                "prints now; rewrite it with: PYTHONPATH=$PWD python tests/test_readme.py"
+            )
+
+
+def test_rewrite_replaces_only_the_blocks_of_this_command_and_version():
+    text = (
+        "a\n<!-- train.py table jax=1.0 -->\nold\n<!-- end -->\n"
+        "<!-- train.py table jax=2.0 -->\nother\n<!-- end -->\n"
+        "<!-- train.py --model x table jax=1.0 -->\nkept\n<!-- end -->\nb\n"
+    )
+    new, count = rewrite(text, "", "1.0", {"table": "new\n", "output": "unused\n"})
+    assert count == 1
+    assert [m["body"] for m in blocks(new)] == ["new\n", "other\n", "kept\n"]
+    assert new.startswith("a\n") and new.endswith("b\n")
+    assert without_timings("| x | 0.5 | 37.9 |") == ["| x | 0.5 | - |"]
+
+
+def main(argv: list[str]) -> int:
+    """Reruns ``examples/train.py ARGV`` and rewrites its blocks of this JAX version."""
+    args = " ".join(argv)
+    text = README.read_text()
+    new, count = rewrite(text, args, jax.__version__, fresh_blocks(run_train(argv)))
+    if count == 0:
+        versions = sorted({m["version"] for m in blocks(text) if m["args"] == args})
+        print(
+            f"README.md has no block of train.py {args or '(defaults)'} on JAX {jax.__version__}; "
+            f"it has them for JAX {versions}: run this with that Python, or add the markers",
+            file=sys.stderr,
+        )
+        return 1
+    README.write_text(new)
+    command = f"train.py {args or '(defaults)'} on JAX {jax.__version__}"
+    print(f"rewrote {count} block(s) of README.md: {command}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
