@@ -8,6 +8,7 @@ runs on the CPU mesh in every leg.
 
 import functools
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -218,3 +219,14 @@ def test_state_shapes_carries_the_model_state_and_key():
         assert jax.tree.structure(shapes) == jax.tree.structure(state)
         assert shapes.extra.keys() == state.extra.keys() and len(state.extra) == 2
         assert step.lower(shapes, batch).compile().as_text()
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_the_docs_deviceless_example_runs(capsys):
+    """docs/gpu.md's example, which test_docs.py cannot run without the plugin."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "gpu.md").read_text()
+    source = next(b for b in page.split("```python\n")[1:] if "gpu_mesh(2, 4" in b)
+    exec(compile(source.split("```")[0], "docs/gpu.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "Overlap node:" in printed and float(printed.strip().splitlines()[-1]) >= 0.5
