@@ -23,7 +23,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, stats
+from jax_bytegrad._src import checks, guard, stats
 from jax_bytegrad._src.sharding import shard_batch
 
 
@@ -179,7 +179,7 @@ class TrainStep:
         self._in_flight.wait()
         out = program(*inputs)
         self._in_flight.track(out)
-        return self._outputs(state, out)
+        return guard.watch_loss(self, self._outputs(state, out))  # warns once on divergence
 
     __call__ = step
 
