@@ -178,3 +178,22 @@ def test_bad_on_divergence_is_refused(mesh):
         state = step.init(params0())
         with pytest.raises(ValueError, match="on_divergence='loud'"):
             step(state, batch(0))
+
+
+def test_the_watch_compares_magnitudes_and_warns_once():
+    """A loss that may be negative (a log-likelihood bound) is judged by its magnitude."""
+    from jax_bytegrad._src import guard
+
+    class Step:
+        algorithm = "bytegrad"
+
+    step = Step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        for loss in [-5.0] * 10 + [-3.0, 4.0, 400.0, -499.0]:
+            guard.watch_loss(step, (None, {"loss": np.float32(loss)}))
+    with pytest.warns(DivergenceWarning, match=r"bytegrad: the training loss reached -1e\+04"):
+        guard.watch_loss(step, (None, {"loss": np.float32(-1e4)}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)  # once per step object
+        guard.watch_loss(step, (None, {"loss": np.float32(np.nan)}))

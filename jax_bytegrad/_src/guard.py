@@ -3,8 +3,8 @@
 ``watch_loss`` is what ``TrainStep.step`` calls with each step's metrics. It reads a step's loss
 only once the step has finished (``jax.Array.is_ready``), so it never makes the host wait on
 the device; a loss still in flight is read at a later call. The first non-finite loss, or one
-above ``DIVERGENCE_FACTOR`` times the largest of the first ``REFERENCE_STEPS`` losses, gets one
-``DivergenceWarning`` per step object, naming the algorithm, the likely cause and what to
+above ``DIVERGENCE_FACTOR`` times the largest of the first ``REFERENCE_STEPS`` losses (both in
+magnitude), gets one ``DivergenceWarning`` per step object, naming the algorithm, the likely cause and what to
 change. ``TrainStep.on_divergence`` set to ``"raise"`` raises ``FloatingPointError`` instead,
 ``"ignore"`` turns the watch off.
 
@@ -36,7 +36,7 @@ _ADVICE = {
     "qadam": (
         "QAdam's step is m / sqrt(v): with second_moment='frozen' (Bagua's rule) v stops at "
         "the end of the warm-up, and weights whose gradients grow later take huge steps. Use "
-        "the default second_moment='momentum', or a longer warm_up_steps, a larger eps or a "
+        "the default second_moment='momentum', or a longer warmup_steps, a larger eps or a "
         "lower learning_rate; skip_nonfinite=True skips non-finite updates"
     ),
     "bytegrad": (
@@ -78,8 +78,8 @@ def _message(algorithm: str, step: int, loss: float, reference: float) -> str:
     what = (
         f"became {loss}"
         if not math.isfinite(loss)
-        else f"reached {loss:.4g}, over {DIVERGENCE_FACTOR:g}x the largest of the first steps' "
-        f"({reference:.4g})"
+        else f"reached {loss:.4g}, over {DIVERGENCE_FACTOR:g}x the largest of the first "
+        f"{REFERENCE_STEPS} steps' ({reference:.4g})"
     )
     advice = _ADVICE.get(algorithm, _DEFAULT_ADVICE)
     return f"{algorithm}: the training loss {what} at step {step}; it is diverging. {advice}."
@@ -89,9 +89,12 @@ def _check(step_obj, watch: _Watch, step: int, loss: float) -> None:
     if watch.reported:
         return
     if step <= REFERENCE_STEPS and math.isfinite(loss):
-        watch.reference = max(watch.reference, loss)
+        watch.reference = max(watch.reference, abs(loss))
+    # Magnitudes, so that a loss that may be negative (a log-likelihood bound) compares too.
     bad = not math.isfinite(loss) or (
-        step > REFERENCE_STEPS and loss > DIVERGENCE_FACTOR * max(watch.reference, 1e-12)
+        step > REFERENCE_STEPS
+        and watch.reference > 0
+        and abs(loss) > DIVERGENCE_FACTOR * watch.reference
     )
     if not bad:
         return
