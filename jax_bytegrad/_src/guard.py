@@ -4,9 +4,9 @@
 only once the step has finished (``jax.Array.is_ready``), so it never makes the host wait on
 the device; a loss still in flight is read at a later call. The first non-finite loss, or one
 above ``DIVERGENCE_FACTOR`` times the largest of the first ``REFERENCE_STEPS`` losses (both in
-magnitude), gets one ``DivergenceWarning`` per step object, naming the algorithm, the likely cause and what to
-change. ``TrainStep.on_divergence`` set to ``"raise"`` raises ``FloatingPointError`` instead,
-``"ignore"`` turns the watch off.
+magnitude), gets one ``DivergenceWarning`` per step object, naming the algorithm, the likely
+cause and what to change. ``TrainStep.on_divergence`` set to ``"raise"`` raises
+``FloatingPointError`` instead, ``"ignore"`` turns the watch off.
 
 ``skip_nonfinite(tx)`` wraps any optax transformation, as mixed-precision loss scaling does:
 an update with a non-finite value is replaced by zeros and the wrapped state is left as it

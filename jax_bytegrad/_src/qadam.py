@@ -307,7 +307,7 @@ def scale_by_qadam(
         )
         if error_feedback:
             mu, residuals = mu
-        if second_moment in ("momentum", "momentum_max"):
+        if follows:
             nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
         return mu, nu, residuals
 
