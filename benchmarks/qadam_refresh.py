@@ -10,6 +10,7 @@ run-average inter-node bytes per step as a fraction of gradient_allreduce's.
     python benchmarks/qadam_refresh.py --model cnn
     python benchmarks/qadam_refresh.py --model cnn --variants eps
     python benchmarks/qadam_refresh.py --model transformer --steps 200 --variants short
+    python benchmarks/qadam_refresh.py --model cnn --variants rules --seeds 3
 
 Run-average bytes: the compiled step holds both branches, so its compressed branch is the
 program's inter-node bytes minus gradient_allreduce's (the float32 branch is exactly that
@@ -26,6 +27,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 
+import configs  # noqa: E402  (examples/configs.py)
 import train as example  # noqa: E402  (examples/train.py)
 
 
@@ -38,18 +40,21 @@ class Variant:
       eps: QAdam's eps (the example uses 1e-5; Adam keeps optax's 1e-8).
       interval: ``nu_refresh_interval``; None for no refresh.
       growth: ``nu_refresh_growth``.
+      rule: ``second_moment``; "frozen" (Bagua's) is what the sets before "rules" measured.
     """
 
     warmup_frac: float | None = None
     eps: float = 1e-5
     interval: int | None = None
     growth: float = 2.0
+    rule: str = "frozen"
 
     def label(self) -> str:
         if self.warmup_frac is None:
             return "adam"
         refresh = "" if self.interval is None else f", k={self.interval} g={self.growth:g}"
-        return f"qadam W={self.warmup_frac:.0%}{refresh}, eps={self.eps:g}"
+        rule = "" if self.rule == "frozen" else f", {self.rule}"
+        return f"qadam W={self.warmup_frac:.0%}{refresh}, eps={self.eps:g}{rule}"
 
 
 ADAM = Variant()
@@ -73,6 +78,17 @@ VARIANT_SETS = {
     ],
 }
 VARIANT_SETS["short"] = VARIANT_SETS["main"][:5]
+# The second-moment rules after warm-up, all with Adam's eps (issue 34).
+VARIANT_SETS["rules"] = [
+    Variant(0.2, eps=1e-8, rule="momentum"),
+    Variant(0.1, eps=1e-8, rule="momentum"),
+    Variant(0.3, eps=1e-8, rule="momentum"),
+    Variant(0.2, eps=1e-8, rule="momentum_max"),
+    Variant(0.2, eps=1e-8, rule="floor"),
+    Variant(0.2, eps=1e-8),
+]
+VARIANT_SETS["rules_short"] = VARIANT_SETS["rules"][:3]
+VARIANT_SETS["default"] = VARIANT_SETS["rules"][:1]
 
 
 def full_precision_steps(variant: Variant, steps: int) -> tuple[int, int]:
@@ -86,27 +102,22 @@ def full_precision_steps(variant: Variant, steps: int) -> tuple[int, int]:
 
 
 def register(variant: Variant, steps: int) -> str:
-    """Adds ``variant`` to the example's algorithms; returns its name there."""
-    import jax_bytegrad
-
+    """Points the example's "qadam" entry at ``variant``; returns the algorithm to run."""
     if variant.warmup_frac is None:
         return "gradient_allreduce"
-    name = variant.label()
-    warmup, refreshes = full_precision_steps(variant, steps)
-
-    @example.register(name)
-    def build(config, loss_fn, mesh):
-        tx = jax_bytegrad.qadam(
-            config.get("learning_rate"),
-            warmup_steps=warmup,
-            eps=variant.eps,
-            nu_refresh_interval=variant.interval,
-            nu_refresh_growth=variant.growth,
-        )
-        # The example's run average counts this many float32 steps: warm-up and refreshes.
-        return example._optax(tx, loss_fn, mesh, warmup + refreshes)
-
-    return name
+    warmup, _ = full_precision_steps(variant, steps)
+    settings = {
+        "warmup_steps": warmup,
+        "eps": variant.eps,
+        "second_moment": variant.rule,
+        "nu_refresh_interval": variant.interval,
+        "nu_refresh_growth": variant.growth,
+    }
+    configs.ALGORITHMS["qadam"] = configs.Algorithm(
+        lambda config: {"learning_rate": config.get("learning_rate"), **settings},
+        takes_optimizer=False,
+    )
+    return "qadam"
 
 
 def diverged(losses) -> bool:
@@ -177,7 +188,7 @@ def main(argv=None) -> None:
             start = time.perf_counter()
             result = example.train_and_evaluate(
                 dataclasses.replace(config, algorithm=name, seed=seed),
-                baseline_node_bytes=baseline,
+                baseline=baseline,
             )
             baseline = result.baseline_node_bytes
             seconds = time.perf_counter() - start

@@ -25,6 +25,10 @@ from jax_bytegrad._src.config import Residuals as Residuals
 from jax_bytegrad._src.config import SyncConfig as SyncConfig
 from jax_bytegrad._src.distributed import DistributedInfo as DistributedInfo
 from jax_bytegrad._src.distributed import initialize as initialize
+from jax_bytegrad._src.guard import DivergenceWarning as DivergenceWarning
+from jax_bytegrad._src.guard import SkipNonFiniteState as SkipNonFiniteState
+from jax_bytegrad._src.guard import skip_nonfinite as skip_nonfinite
+from jax_bytegrad._src.guard import skipped_steps as skipped_steps
 from jax_bytegrad._src.qadam import ScaleByQAdamState as ScaleByQAdamState
 from jax_bytegrad._src.qadam import qadam as qadam
 from jax_bytegrad._src.qadam import refresh_steps as refresh_steps
@@ -83,6 +87,8 @@ __all__ = [
     "data_parallel_step",
     "decentralized_step",
     "dequantize",
+    "DivergenceWarning",
+    "SkipNonFiniteState",
     "distributed",
     "experimental",
     "full_precision_mean",
@@ -100,6 +106,8 @@ __all__ = [
     "shard_batch",
     "sharding",
     "shift_one_schedule",
+    "skip_nonfinite",
+    "skipped_steps",
     "step_key",
     "valid_kwargs",
 ]

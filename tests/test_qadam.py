@@ -146,9 +146,9 @@ def test_warmup_equals_adam_on_exact_mean_gradient(mesh, schedule, weight_decay)
 # --- the compressed phase ---------------------------------------------------------------
 
 
-def test_second_moment_and_its_bias_correction_freeze_after_warmup(mesh):
+def test_frozen_second_moment_and_its_bias_correction_freeze_after_warmup(mesh):
     warmup, steps, lr, b1, b2, eps = 3, 8, 1e-2, 0.9, 0.999, 1e-8
-    tx = qadam(lr, warmup_steps=warmup, b1=b1, b2=b2, eps=eps)
+    tx = qadam(lr, warmup_steps=warmup, b1=b1, b2=b2, eps=eps, second_moment="frozen")
     _, _, _, hist = run(mesh, tx, make_batches(steps), trace=True)
     states = [qadam_state(s) for _, s in hist]
     frozen_nu = states[warmup - 1].nu
@@ -388,7 +388,13 @@ def test_refresh_beyond_the_run_is_bit_identical_to_no_refresh(mesh, growth):
 def test_refresh_steps_land_on_the_schedule_without_recompiling(mesh, interval, growth, expected):
     warmup, steps = 3, 20
     assert refresh_steps(warmup, interval, growth, steps) == expected
-    tx = qadam(1e-2, warmup_steps=warmup, nu_refresh_interval=interval, nu_refresh_growth=growth)
+    tx = qadam(
+        1e-2,
+        warmup_steps=warmup,
+        second_moment="frozen",
+        nu_refresh_interval=interval,
+        nu_refresh_growth=growth,
+    )
     params, state, step, hist = run(mesh, tx, make_batches(steps), trace=True)
     nus = [qadam_state(tx.init(init_params())).nu] + [qadam_state(s).nu for _, s in hist]
     # v moves on warm-up and refresh steps only, and stays bit-frozen on every other step.
@@ -405,7 +411,15 @@ def test_refresh_steps_land_on_the_schedule_without_recompiling(mesh, interval, 
 def test_refresh_step_is_an_adam_step_on_the_exact_mean_gradient(mesh):
     """m and v take the float32 mean gradient; v's correction counts its W + r updates."""
     warmup, interval, steps, lr, b1, b2, eps = 3, 2, 10, 1e-2, 0.9, 0.999, 1e-8
-    tx = qadam(lr, warmup_steps=warmup, b1=b1, b2=b2, eps=eps, nu_refresh_interval=interval)
+    tx = qadam(
+        lr,
+        warmup_steps=warmup,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        second_moment="frozen",
+        nu_refresh_interval=interval,
+    )
     batches = make_batches(steps)
     _, _, _, hist = run(mesh, tx, batches, trace=True)
     schedule = refresh_steps(warmup, interval, 2.0, steps)

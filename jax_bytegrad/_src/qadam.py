@@ -1,4 +1,4 @@
-"""QAdam: Adam with a frozen second moment and 8- or 4-bit compressed momentum.
+"""QAdam: Adam whose momentum crosses the network 8- or 4-bit after a float32 warm-up.
 
 Follows Bagua's QAdam (Gan et al., "Bagua: Scaling up Distributed Learning with System
 Relaxations", VLDB 2022), which builds on 1-bit Adam (Tang et al., "1-bit Adam:
@@ -13,14 +13,25 @@ Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
         update = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 
     compression (t > warmup_steps), only the momentum is communicated, 8-bit (or 4-bit):
-        m = compressed_mean(b1 m + (1 - b1) g_local)
-        v and its bias correction stay as they were at t = warmup_steps
-        update = (m / (1 - b1^t)) / (sqrt(v / (1 - b2^warmup_steps)) + eps)
+        m = compressed_mean(b1 m + (1 - b1) g_local),    m_hat = m / (1 - b1^t)
+        second_moment="momentum" (default): v = b2 v + (1 - b2) m_hat^2, and
+            update = m_hat / (sqrt(v / (1 - b2^t)) + eps)
+        second_moment="momentum_max": the same v, but v / (1 - b2^t) never falls
+        second_moment="floor": v frozen, update = m_hat / (sqrt(max(v_hat, m_hat^2)) + eps)
+        second_moment="frozen" (Bagua's): v and its bias correction stay as they were at
+            t = warmup_steps, update = m_hat / (sqrt(v / (1 - b2^warmup_steps)) + eps)
+
+    m is identical on every replica after the compressed mean, so every rule keeps the
+    replicas identical and adds no communication. A frozen v diverges where gradients grow
+    after the warm-up (steps of m / sqrt(v_frozen)); measured in benchmarks/RESULTS.md,
+    "QAdam's second moment after warm-up", the momentum rule trained as well as Adam or
+    better on every task there, with Adam's eps.
 
     refresh (optional: nu_refresh_interval=k, nu_refresh_growth=g), at the steps
     t = warmup_steps + k (1 + g + ... + g^j), j = 0, 1, ...: the warm-up step again,
         float32 mean gradient into m and v, and v's correction is 1 - b2^(number of
-        updates v has had): warmup_steps plus the refreshes so far, this one included.
+        updates v has had): t with the momentum rules; with "frozen" and "floor",
+        warmup_steps plus the refreshes so far, this one included.
 
 Beyond Bagua, ``bits=4`` sends 4-bit codes and ``error_feedback=True`` keeps, per device,
 what the momentum's two compressions left unsent and adds it back at the next compressed
@@ -36,20 +47,15 @@ know the step count on the host compile one program per phase instead (``phase="
 collective or Adam pass of the other phase sits in the program.
 """
 
-import bisect
-import functools
-import itertools
-import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, collectives
+from jax_bytegrad._src import checks, collectives, guard
 from jax_bytegrad._src.config import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MESSAGE_BYTES,
@@ -59,12 +65,13 @@ from jax_bytegrad._src.config import (
     SyncConfig,
     Wire,
 )
+from jax_bytegrad._src.qadam_schedule import Phase as Phase
+from jax_bytegrad._src.qadam_schedule import check_refresh, check_warmup_steps, refresh_counter
+from jax_bytegrad._src.qadam_schedule import phase_schedule as phase_schedule
+from jax_bytegrad._src.qadam_schedule import refresh_steps as refresh_steps
 
-_INT32_MAX = int(np.iinfo(np.int32).max)
-# Longest refresh schedule compiled into a step: growth 1.001 from k = 1 needs ~15,000.
-_MAX_REFRESH_TABLE = 1 << 16
-
-Phase = Literal["warmup", "compressed"]
+SecondMoment = Literal["momentum", "momentum_max", "floor", "frozen"]
+SECOND_MOMENTS: tuple[str, ...] = ("momentum", "momentum_max", "floor", "frozen")
 
 
 def _check_hyperparameters(b1, b2, eps, where: str) -> None:
@@ -73,133 +80,13 @@ def _check_hyperparameters(b1, b2, eps, where: str) -> None:
     checks.real(eps, "eps", where, minimum=0.0)
 
 
-def _check_warmup_steps(warmup_steps, where: str) -> None:
-    checks.integer(
-        warmup_steps,
-        "warmup_steps",
-        where,
-        maximum=_INT32_MAX,
-        why="; QAdam freezes the second moment after warm-up, so it needs at least one full "
-        "precision step (15-25% of the run is a good default)",
-    )
-
-
-def _check_refresh(interval, growth, where: str) -> None:
-    checks.integer(
-        interval,
-        "nu_refresh_interval",
-        where,
-        maximum=_INT32_MAX,
-        or_none=True,
-        why=" (the compressed steps after warm-up before the first float32 refresh of the "
-        "second moment; None: never refresh)",
-    )
-    checks.real(
-        growth,
-        "nu_refresh_growth",
-        where,
-        minimum=1.0,
-        why=" (each gap between refreshes over the previous one; 1.0: a fixed interval)",
-    )
-
-
-def _schedule(warmup_steps: int, interval: int, growth: float):
-    """Yields the refresh steps ``warmup_steps + round(k (1 + g + ... + g^j))``, forever."""
-    offset, gap = 0.0, float(interval)
-    while True:
-        offset += gap
-        # Round half up on the running sum: it grows by >= 1 per refresh, so the steps
-        # strictly increase; integer k and g give the exact sums.
-        yield warmup_steps + math.floor(offset + 0.5)
-        gap *= growth
-
-
-@functools.cache
-def _refresh_table(warmup_steps: int, interval: int, growth: float, where: str) -> np.ndarray:
-    """The refresh steps of a growing schedule up to int32's end, computed once (a few dozen
-    steps for g = 2)."""
-    table = np.fromiter(
-        itertools.islice(
-            itertools.takewhile(
-                lambda step: step <= _INT32_MAX, _schedule(warmup_steps, interval, growth)
-            ),
-            _MAX_REFRESH_TABLE + 1,
-        ),
-        np.int32,
-    )
-    if table.size > _MAX_REFRESH_TABLE:
+def _check_second_moment(second_moment, where: str) -> None:
+    if second_moment not in SECOND_MOMENTS:
         raise ValueError(
-            f"{where}: nu_refresh_growth={growth!r} with nu_refresh_interval={interval!r} "
-            f"schedules more than {_MAX_REFRESH_TABLE} refreshes; pass "
-            "nu_refresh_growth=1.0 for a fixed interval, or a growth of at least 1.001"
+            f"{where}: second_moment={second_moment!r} is not a rule QAdam knows; use one of "
+            f"{', '.join(map(repr, SECOND_MOMENTS))} ('momentum', the default, keeps v "
+            "following the averaged momentum after warm-up; 'frozen' is Bagua's)"
         )
-    return table
-
-
-def _refresh_counter(warmup_steps: int, interval: int, growth: float, where: str):
-    """``t -> (is t a refresh step, refreshes up to and including t)``, traced on device.
-
-    A fixed interval is a modulus; a growing one looks ``t`` up in the schedule, compiled in
-    as a constant, so no step's program depends on where the run stands. None when no
-    refresh fits in int32 steps.
-    """
-    if growth == 1.0:
-
-        def count(t):
-            since = jnp.maximum(t - warmup_steps, 0)
-            return (since > 0) & (since % interval == 0), since // interval
-
-        return count
-
-    table = _refresh_table(warmup_steps, interval, growth, where)
-    if table.size == 0:
-        return None  # the first refresh would fall beyond int32's last step
-
-    def count(t):
-        steps = jnp.asarray(table)  # a constant of the traced program
-        done = jnp.searchsorted(steps, t, side="right").astype(jnp.int32)
-        last = steps[jnp.maximum(done - 1, 0)]
-        return (done > 0) & (last == t), done
-
-    return count
-
-
-def phase_schedule(
-    warmup_steps: int, nu_refresh_interval: int | None = None, nu_refresh_growth: float = 2.0
-) -> Callable[[int], Phase]:
-    """The phase of every step, on the host: ``phase(steps_taken) -> "warmup" | "compressed"``.
-
-    A refresh step is a warm-up step. Step builders compile one program per phase and pick
-    it with this, so no collective sits inside a ``lax.cond`` and each program fuses whole.
-
-    Examples:
-      >>> from jax_bytegrad._src.qadam import phase_schedule
-      >>> phase = phase_schedule(2, nu_refresh_interval=3, nu_refresh_growth=1.0)
-      >>> [phase(i) for i in range(6)]
-      ['warmup', 'warmup', 'compressed', 'compressed', 'warmup', 'compressed']
-    """
-    where = "phase_schedule"
-    _check_warmup_steps(warmup_steps, where)
-    _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
-    growth = float(nu_refresh_growth)
-    table = None
-    if nu_refresh_interval is not None and growth != 1.0:
-        table = _refresh_table(warmup_steps, nu_refresh_interval, growth, where)
-
-    def phase(steps_taken: int) -> Phase:
-        t = steps_taken + 1
-        if t <= warmup_steps:
-            return "warmup"
-        if nu_refresh_interval is None:
-            return "compressed"
-        if table is None:
-            refresh = (t - warmup_steps) % nu_refresh_interval == 0
-        else:
-            i = bisect.bisect_left(table, t)
-            refresh = i < table.size and table[i] == t
-        return "warmup" if refresh else "compressed"
-
-    return phase
 
 
 def _bias_correction(moment, decay: float, count: jax.Array):
@@ -210,6 +97,28 @@ def _bias_correction(moment, decay: float, count: jax.Array):
     """
     correction = 1 - jnp.power(jnp.float32(decay), count.astype(jnp.float32))
     return jax.tree.map(lambda t: t / correction.astype(t.dtype), moment)
+
+
+def _follow_momentum(rule: str, nu, mu_hat, b2: float, count: jax.Array):
+    """``v`` after a compressed step under ``rule``, as a raw moment corrected by ``1 - b2^t``.
+
+    ``mu_hat`` is the same on every replica (the decoded mean), so this needs no
+    communication and keeps the replicas identical. ``"momentum"`` is Adam's update with
+    ``mu_hat^2`` in place of ``g^2``; ``"momentum_max"`` also keeps the bias-corrected ``v``
+    from ever falling (AMSGrad's max, on ``v_hat``), so no step exceeds the frozen rule's.
+    """
+    ema = jax.tree.map(lambda v, m: b2 * v + (1 - b2) * (m * m).astype(v.dtype), nu, mu_hat)
+    if rule == "momentum":
+        return ema
+    # v_hat(t-1) = v(t-1) / (1 - b2^(t-1)); rescaled to the correction of step t.
+    t = count.astype(jnp.float32)
+    b2_ = jnp.float32(b2)
+    keep = (1 - jnp.power(b2_, t)) / (1 - jnp.power(b2_, jnp.maximum(t - 1, 1)))
+    return jax.tree.map(lambda v, e: jnp.maximum(v * keep.astype(v.dtype), e), nu, ema)
+
+
+def _where(pred, on_true, on_false):
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def _check_per_device(updates, node_axis: str, local_axis: str, where: str) -> None:
@@ -242,8 +151,9 @@ class ScaleByQAdamState(NamedTuple):
         step while ``t <= warmup_steps``.
       mu: first moment, like the params; after warm-up the compressed mean of the
         devices' local momenta (the float32 one on a refresh step).
-      nu: second moment, like the params; frozen from step ``warmup_steps`` on, except on
-        refresh steps. How many updates it has had follows from ``count``.
+      nu: second moment, like the params; after warm-up it follows the decoded momentum,
+        or (``"frozen"``, ``"floor"``) stays as at step ``warmup_steps`` but on refresh
+        steps. How many updates it has had follows from ``count``.
       residuals: error feedback's residuals of the momentum exchange, as in
         ``ByteGradState``: one (send, mean) pair of float32 vectors per bucket, every
         device's own in mesh order (sharded over ("node", "local"); see
@@ -257,48 +167,13 @@ class ScaleByQAdamState(NamedTuple):
     residuals: Residuals = Residuals()
 
 
-def refresh_steps(
-    warmup_steps: int, nu_refresh_interval: int, nu_refresh_growth: float, num_steps: int
-) -> list[int]:
-    """The steps ``t <= num_steps`` (counted from 1) on which QAdam refreshes its ``v``.
-
-    They are ``warmup_steps + round(k (1 + g + ... + g^j))`` for ``j = 0, 1, ...``, with
-    ``k = nu_refresh_interval`` and ``g = nu_refresh_growth``: the first ``k`` steps after
-    warm-up, then gaps ``k g``, ``k g^2``, ... (halves round up). Every gap is at least 1.
-
-    Args:
-      warmup_steps: QAdam's warm-up length.
-      nu_refresh_interval: the first gap, an int >= 1.
-      nu_refresh_growth: each gap over the previous one, a float >= 1.
-      num_steps: the last step to list.
-
-    Returns:
-      The refresh steps, ascending.
-
-    Raises:
-      ValueError: for a bad interval or growth.
-
-    Examples:
-      >>> refresh_steps(10, 4, 2.0, 60)
-      [14, 22, 38]
-    """
-    where = "refresh_steps"
-    _check_warmup_steps(warmup_steps, where)
-    _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
-    return list(
-        itertools.takewhile(
-            lambda step: step <= num_steps,
-            _schedule(warmup_steps, nu_refresh_interval, nu_refresh_growth),
-        )
-    )
-
-
 def scale_by_qadam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
     *,
     warmup_steps: int,
+    second_moment: SecondMoment = "momentum",
     nu_refresh_interval: int | None = None,
     nu_refresh_growth: float = 2.0,
     node_axis: str = "node",
@@ -316,11 +191,11 @@ def scale_by_qadam(
 ) -> optax.GradientTransformation:
     """Rescales per-device gradients by QAdam, doing its own communication.
 
-    For ``warmup_steps`` steps it is Adam on the float32 mean gradient. After that the
-    second moment and its bias correction are frozen, and only the momentum crosses the
-    network: each device updates the momentum with its own gradient, and the momenta are
-    averaged with ``compressed_mean`` (8-bit between nodes, about 4x fewer bytes than a
-    float32 all-reduce; 4-bit with ``bits=4``, about 8x fewer). With
+    For ``warmup_steps`` steps it is Adam on the float32 mean gradient. After that only
+    the momentum crosses the network, and the second moment follows the decoded momentum
+    (``second_moment``; Bagua froze it). Each device updates the momentum with its own
+    gradient, and the momenta are averaged with ``compressed_mean`` (8-bit between nodes,
+    about 4x fewer bytes than a float32 all-reduce; 4-bit with ``bits=4``, about 8x fewer). With
     ``nu_refresh_interval``, a few later steps (ever further apart, see ``refresh_steps``)
     are warm-up steps again: float32 mean gradient, and the second moment updated as Adam
     would. Every replica ends the step with bit-identical updates and state (but for the
@@ -332,11 +207,16 @@ def scale_by_qadam(
       b1: decay of the first moment.
       b2: decay of the second moment (during warm-up).
       eps: added to the square root of the bias-corrected second moment.
-      warmup_steps: steps of plain Adam before compression starts, >= 1. The frozen second
-        moment must have settled by then; 15-25% of the run is a good default.
-      nu_refresh_interval: None (default) never updates the second moment after warm-up.
-        An int k >= 1 refreshes it, in float32, k steps after warm-up and then at gaps
-        growing by ``nu_refresh_growth``.
+      warmup_steps: steps of plain Adam before compression starts, >= 1; 10-30% of the
+        run is a good default.
+      second_moment: what ``v`` does after warm-up: ``"momentum"`` (default) keeps Adam's
+        update with the decoded momentum ``m_hat^2`` in place of ``g^2``;
+        ``"momentum_max"`` the same, but the bias-corrected ``v`` never falls;
+        ``"floor"`` keeps ``v`` frozen but bounds each step by the learning rate;
+        ``"frozen"`` is Bagua's (it diverges where gradients grow after warm-up).
+      nu_refresh_interval: None (default) sends no float32 step after warm-up. An int
+        k >= 1 runs the warm-up step again (float32 gradient into ``m`` and ``v``), k steps
+        after warm-up and then at gaps growing by ``nu_refresh_growth``.
       nu_refresh_growth: each gap between refreshes over the previous one, >= 1 (1.0: a
         refresh every k steps).
       node_axis: mesh axis between nodes (slow links): the compressed hop.
@@ -386,8 +266,9 @@ def scale_by_qadam(
     """
     where = "scale_by_qadam"
     _check_hyperparameters(b1, b2, eps, where)
-    _check_warmup_steps(warmup_steps, where)
-    _check_refresh(nu_refresh_interval, nu_refresh_growth, where)
+    check_warmup_steps(warmup_steps, where)
+    _check_second_moment(second_moment, where)
+    check_refresh(nu_refresh_interval, nu_refresh_growth, where)
     if phase is not None:
         checks.one_of(phase, ("warmup", "compressed"), "phase", where)
     config = SyncConfig.of(where, locals())
@@ -403,13 +284,15 @@ def scale_by_qadam(
             ),
         )
 
+    follows = second_moment in ("momentum", "momentum_max")
     refresh = (
         None
         if nu_refresh_interval is None
-        else _refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
+        else refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
     )
 
-    def full_precision(updates, mu, nu, residuals):
+    def full_precision(updates, mu, nu, residuals, count):
+        del count
         grads = collectives.full_precision_mean(
             updates, node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical
         )
@@ -417,13 +300,15 @@ def scale_by_qadam(
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
         return mu, nu, residuals
 
-    def compressed(updates, mu, nu, residuals):
+    def compressed(updates, mu, nu, residuals, count):
         local_mu = optax.tree.update_moment(updates, mu, b1, 1)
         mu = collectives.sync_mean(
             local_mu, config, residuals=residuals if error_feedback else None, where=where
         )
         if error_feedback:
             mu, residuals = mu
+        if follows:
+            nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
         return mu, nu, residuals
 
     def update_fn(updates, state, params=None):
@@ -432,23 +317,28 @@ def scale_by_qadam(
         _check_per_device(updates, node_axis, local_axis, where)
         count_inc = optax.safe_increment(state.count)
         full = count_inc <= warmup_steps
-        # v froze at step warmup_steps, and so does its correction. Bagua keeps raising the
-        # correction with t, which inflates the step by up to 1/sqrt(1 - b2^warmup_steps).
-        nu_updates = jnp.minimum(count_inc, warmup_steps)
+        # A frozen v froze at step warmup_steps, and so does its correction. Bagua keeps
+        # raising the correction with t, which inflates the step by up to
+        # 1/sqrt(1 - b2^warmup_steps). The momentum rules update v every step.
+        nu_updates = count_inc if follows else jnp.minimum(count_inc, warmup_steps)
         if refresh is not None:
             # A refresh is a warm-up step (the same branch, so no float32 collective is
             # added to the program), and v's correction counts the updates v has had.
             is_refresh, refreshes = refresh(count_inc)
             full = full | is_refresh
-            nu_updates = nu_updates + refreshes
+            nu_updates = nu_updates if follows else nu_updates + refreshes
         branches = {"warmup": full_precision, "compressed": compressed}
-        args = (updates, state.mu, state.nu, state.residuals)
+        args = (updates, state.mu, state.nu, state.residuals, count_inc)
         if phase is None:
             mu, nu, residuals = jax.lax.cond(full, full_precision, compressed, *args)
         else:
             mu, nu, residuals = branches[phase](*args)
         mu_hat = _bias_correction(mu, b1, count_inc)
         nu_hat = _bias_correction(nu, b2, nu_updates)
+        if second_moment == "floor" and phase != "warmup":
+            # No compressed step moves a weight by more than the learning rate.
+            floored = jax.tree.map(lambda v, m: jnp.maximum(v, m * m), nu_hat, mu_hat)
+            nu_hat = floored if phase == "compressed" else _where(full, nu_hat, floored)
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         nu = optax.tree.cast_like(nu, state.nu)
         return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu, residuals=residuals)
@@ -460,6 +350,7 @@ def qadam(
     learning_rate: float | Callable[[jax.Array], jax.Array],
     *,
     warmup_steps: int,
+    second_moment: SecondMoment = "momentum",
     nu_refresh_interval: int | None = None,
     nu_refresh_growth: float = 2.0,
     b1: float = 0.9,
@@ -467,6 +358,7 @@ def qadam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     mask: Any | Callable[[optax.Params], Any] | None = None,
+    skip_nonfinite: bool = False,
     node_axis: str = "node",
     local_axis: str = "local",
     hierarchical: bool = True,
@@ -489,10 +381,13 @@ def qadam(
 
     Args:
       learning_rate: a float or an optax schedule ``step -> lr``.
-      warmup_steps: steps of plain float32 Adam before compression starts, >= 1; 15-25%
+      warmup_steps: steps of plain float32 Adam before compression starts, >= 1; 10-30%
         of the run is a good default (see ``scale_by_qadam``).
-      nu_refresh_interval: None (default): the second moment stays frozen after warm-up.
-        An int k >= 1: float32 refreshes of it, k steps after warm-up and then at gaps
+      second_moment: ``"momentum"`` (default), ``"momentum_max"``, ``"floor"`` or
+        ``"frozen"`` (Bagua's): what the second moment does after warm-up (see
+        ``scale_by_qadam``).
+      nu_refresh_interval: None (default): no float32 step after warm-up. An int k >= 1:
+        float32 refreshes of ``m`` and ``v``, k steps after warm-up and then at gaps
         growing by ``nu_refresh_growth`` (see ``refresh_steps``).
       nu_refresh_growth: each gap between refreshes over the previous one, >= 1.
       b1: decay of the first moment.
@@ -500,6 +395,9 @@ def qadam(
       eps: added to the square root of the bias-corrected second moment.
       weight_decay: decoupled weight decay, >= 0; 0 leaves it out of the chain.
       mask: which params to decay, as for ``optax.add_decayed_weights``.
+      skip_nonfinite: skip every step whose update has a NaN or inf, leaving the params and
+        the state as they were (``jax_bytegrad.skip_nonfinite``); the update is the same on
+        every replica, so every replica skips the same steps.
       node_axis: mesh axis between nodes (slow links): the compressed hop.
       local_axis: mesh axis within a node (fast links): float32.
       hierarchical: reduce within each node before the inter-node hop (default).
@@ -519,7 +417,8 @@ def qadam(
 
     Returns:
       An ``optax.GradientTransformation``; its state's first element is a
-      ``ScaleByQAdamState``.
+      ``ScaleByQAdamState`` (with ``skip_nonfinite``, the ``SkipNonFiniteState``'s
+      ``inner_state``'s).
 
     Raises:
       ValueError: for bad arguments (here), error feedback without ``mesh``; at trace
@@ -549,12 +448,14 @@ def qadam(
     if not callable(learning_rate):
         checks.real(learning_rate, "learning_rate", where, minimum=0.0, why=" or a schedule")
     checks.real(weight_decay, "weight_decay", where, minimum=0.0)
+    checks.boolean(skip_nonfinite, "skip_nonfinite", where)
     transforms = [
         scale_by_qadam(
             b1,
             b2,
             eps,
             warmup_steps=warmup_steps,
+            second_moment=second_moment,
             nu_refresh_interval=nu_refresh_interval,
             nu_refresh_growth=nu_refresh_growth,
             node_axis=node_axis,
@@ -574,4 +475,6 @@ def qadam(
     if weight_decay:
         transforms.append(optax.add_decayed_weights(weight_decay, mask))
     transforms.append(optax.scale_by_learning_rate(learning_rate))
-    return optax.chain(*transforms)
+    tx = optax.chain(*transforms)
+    # The update is the same on every replica, so every replica skips the same steps.
+    return guard.skip_nonfinite(tx) if skip_nonfinite else tx

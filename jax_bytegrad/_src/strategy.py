@@ -50,6 +50,8 @@ _SYNC = {
 _QADAM = {
     "learning_rate": REQUIRED,
     "warmup_steps": REQUIRED,
+    "second_moment": "momentum",
+    "skip_nonfinite": False,
     "nu_refresh_interval": None,
     "nu_refresh_growth": 2.0,
     "b1": 0.9,

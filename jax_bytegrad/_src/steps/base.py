@@ -24,7 +24,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks, stats
+from jax_bytegrad._src import checks, guard, stats
 from jax_bytegrad._src.sharding import shard_batch
 from jax_bytegrad._src.steps.model_state import ModelState
 
@@ -284,7 +284,7 @@ class TrainStep:
         self._in_flight.wait()
         out = program(*inputs)
         self._in_flight.track(out)
-        return self._outputs(state, out)
+        return guard.watch_loss(self, self._outputs(state, out))  # warns once on divergence
 
     __call__ = step
 

@@ -1,0 +1,199 @@
+"""Divergence is visible: the train step's loss watch, and the opt-in non-finite guard."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_all_equal
+
+import jax_bytegrad
+from jax_bytegrad import DivergenceWarning, skip_nonfinite, skipped_steps
+
+DEVICES = 8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax_bytegrad.make_mesh(2, 4)
+
+
+def loss_fn(params, batch):
+    return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+
+def params0():
+    return {"w": jnp.zeros((16, 4), jnp.float32)}
+
+
+def batch(seed=0, poison=False):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((DEVICES * 2, 16)).astype(np.float32)
+    y = rng.standard_normal((DEVICES * 2, 4)).astype(np.float32)
+    if poison:
+        x[-1, 0] = np.nan  # the last device's rows only
+    return {"x": x, "y": y}
+
+
+def replicas_identical(tree):
+    for leaf in jax.tree.leaves(tree):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        for shard in shards[1:]:
+            np.testing.assert_array_equal(shard, shards[0])
+
+
+def unguarded(opt_state):
+    """The state of the guarded optimizer (not the sync's, whose rounding key moves on)."""
+    guarded = lambda x: isinstance(x, jax_bytegrad.SkipNonFiniteState)  # noqa: E731
+    found = [x.inner_state for x in jax.tree.leaves(opt_state, is_leaf=guarded) if guarded(x)]
+    assert len(found) == 1
+    return found[0]
+
+
+# --- skip_nonfinite ---------------------------------------------------------------------
+
+
+def test_skip_nonfinite_is_the_inner_transform_on_finite_updates_and_skips_the_others():
+    inner = optax.adam(1e-2)
+    tx = skip_nonfinite(inner)
+    params = jnp.ones(3)
+    ref_state, state = inner.init(params), tx.init(params)
+    for g in (jnp.array([1.0, -2.0, 0.5]), jnp.array([0.3, 0.1, -1.0])):
+        ref_updates, ref_state = inner.update(g, ref_state, params)
+        updates, state = tx.update(g, state, params)
+        assert_trees_all_equal((updates, state.inner_state), (ref_updates, ref_state))
+    before = state
+    updates, state = tx.update(jnp.array([1.0, jnp.inf, 0.0]), state, params)
+    np.testing.assert_array_equal(updates, np.zeros(3))
+    assert_trees_all_equal(state.inner_state, before.inner_state)
+    assert int(state.skipped) == 1 == skipped_steps(state)
+
+
+def test_skip_nonfinite_refuses_what_is_not_a_transformation():
+    with pytest.raises(ValueError, match="skip_nonfinite: expected an optax"):
+        skip_nonfinite(lambda g: g)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, guarded",
+    [
+        ("qadam", dict(learning_rate=1e-2, warmup_steps=1, skip_nonfinite=True), None),
+        ("bytegrad", {}, skip_nonfinite(optax.adam(1e-2))),
+        ("gradient_allreduce", {}, skip_nonfinite(optax.adam(1e-2))),
+    ],
+    ids=["qadam", "bytegrad", "gradient_allreduce"],
+)
+def test_one_device_nan_is_skipped_on_every_replica(mesh, name, kwargs, guarded):
+    """A NaN on one device's rows: every replica skips the same step (qadam in both phases),
+    the params and the optimizer state stay as they were, and training goes on."""
+    strategy = jax_bytegrad.Strategy(name, mesh=mesh, **kwargs)
+    with strategy.train_step(loss_fn, guarded) as step:
+        state = step.init(params0())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DivergenceWarning)  # the loss is NaN on purpose
+            for i, poison in enumerate([False, True, False, True, False]):
+                before = jax.device_get(state)
+                state, _ = step(state, batch(i, poison))
+                jax.block_until_ready(state)
+                after = jax.device_get(state)
+                if poison:
+                    assert_trees_all_equal(after.params, before.params)
+                    assert_trees_all_equal(unguarded(after.opt_state), unguarded(before.opt_state))
+                else:
+                    assert not np.array_equal(after.params["w"], before.params["w"])
+        replicas_identical((state.params, unguarded(state.opt_state)))
+        assert skipped_steps(state.opt_state) == 2
+        assert np.all(np.isfinite(jax.device_get(step.params(state))["w"]))
+
+
+def test_decentralized_takes_the_guarded_optimizer(mesh):
+    strategy = jax_bytegrad.Strategy("decentralized", mesh=mesh)
+    with strategy.train_step(loss_fn, skip_nonfinite(optax.adam(1e-2))) as step:
+        state = step.init(params0())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DivergenceWarning)
+            for i, poison in enumerate([False, True, False]):
+                state, _ = step(state, batch(i, poison))
+                jax.block_until_ready(state)
+        # Only the poisoned device skipped; the gossip kept every model finite.
+        assert np.all(np.isfinite(np.asarray(jax.device_get(step.params(state))["w"])))
+        assert skipped_steps(state) >= 1
+
+
+# --- the loss watch ---------------------------------------------------------------------
+
+
+def diverging_step(mesh, lr=0.4):
+    strategy = jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh)
+    return strategy.train_step(loss_fn, optax.sgd(lr))
+
+
+def test_a_diverging_run_warns_once_naming_the_algorithm_and_what_to_change(mesh):
+    with diverging_step(mesh) as step:
+        state = step.init(params0())
+        x = batch(0)
+        x["x"] *= 4.0  # a curvature that makes lr 0.4 explode
+        with pytest.warns(DivergenceWarning) as caught:
+            for _ in range(40):
+                state, metrics = step(state, x)
+                jax.block_until_ready(state)
+    messages = [str(w.message) for w in caught if w.category is DivergenceWarning]
+    assert len(messages) == 1
+    assert messages[0].startswith("gradient_allreduce: the training loss")
+    assert "learning rate" in messages[0]
+
+
+def test_raise_mode_and_a_healthy_run(mesh):
+    with diverging_step(mesh) as step:
+        step.on_divergence = "raise"
+        state = step.init(params0())
+        x = batch(0)
+        x["x"] *= 4.0
+        with pytest.raises(FloatingPointError, match="gradient_allreduce: the training loss"):
+            for _ in range(40):
+                state, _ = step(state, x)
+                jax.block_until_ready(state)
+    with diverging_step(mesh, lr=0.01) as step:
+        state = step.init(params0())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DivergenceWarning)
+            for i in range(30):
+                state, _ = step(state, batch(i))
+                jax.block_until_ready(state)
+
+
+def test_qadam_warning_names_the_second_moment(mesh):
+    from jax_bytegrad._src import guard
+
+    message = guard._message("qadam", 23, 1.5e4, 2.3)
+    assert "qadam: the training loss reached 1.5e+04" in message
+    assert "second_moment='frozen'" in message and "second_moment='momentum'" in message
+
+
+def test_bad_on_divergence_is_refused(mesh):
+    with diverging_step(mesh) as step:
+        step.on_divergence = "loud"
+        state = step.init(params0())
+        with pytest.raises(ValueError, match="on_divergence='loud'"):
+            step(state, batch(0))
+
+
+def test_the_watch_compares_magnitudes_and_warns_once():
+    """A loss that may be negative (a log-likelihood bound) is judged by its magnitude."""
+    from jax_bytegrad._src import guard
+
+    class Step:
+        algorithm = "bytegrad"
+
+    step = Step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)
+        for loss in [-5.0] * 10 + [-3.0, 4.0, 400.0, -499.0]:
+            guard.watch_loss(step, (None, {"loss": np.float32(loss)}))
+    with pytest.warns(DivergenceWarning, match=r"bytegrad: the training loss reached -1e\+04"):
+        guard.watch_loss(step, (None, {"loss": np.float32(-1e4)}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DivergenceWarning)  # once per step object
+        guard.watch_loss(step, (None, {"loss": np.float32(np.nan)}))

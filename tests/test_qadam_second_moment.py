@@ -1,0 +1,134 @@
+"""QAdam's second moment after warm-up: each named rule does what it says, and the default
+does not blow up where Bagua's frozen rule does."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_trees_all_close, assert_trees_all_equal
+from test_qadam import (
+    adam_step,
+    assert_replicas_identical,
+    init_params,
+    make_batches,
+    qadam_state,
+    run,
+)
+
+import jax_bytegrad
+from jax_bytegrad import qadam
+
+WARMUP, STEPS, LR, B1, B2, EPS = 3, 7, 1e-2, 0.9, 0.999, 1e-8
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax_bytegrad.make_mesh(2, 4)
+
+
+def traced(mesh, rule, batches=None, loss=None, lr=LR):
+    tx = qadam(lr, warmup_steps=WARMUP, b1=B1, b2=B2, eps=EPS, second_moment=rule)
+    kwargs = {} if loss is None else {"loss": loss}
+    params, state, _, hist = run(mesh, tx, batches or make_batches(STEPS), trace=True, **kwargs)
+    assert_replicas_identical((params, state))
+    return hist
+
+
+def f64(tree):
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
+
+
+@pytest.mark.parametrize("rule", ["momentum", "momentum_max"])
+def test_v_follows_the_decoded_momentum_after_warmup(mesh, rule):
+    """v = b2 v + (1 - b2) m_hat^2 from the momentum every replica decoded (max form: the
+    bias-corrected v never falls), and the step's correction of v is Adam's 1 - b2^t."""
+    hist = traced(mesh, rule)
+    for t in range(WARMUP + 1, STEPS + 1):
+        prev, state = qadam_state(hist[t - 2][1]), qadam_state(hist[t - 1][1])
+        c1, keep = 1 - B1**t, (1 - B2**t) / (1 - B2 ** (t - 1))
+        m_hat = jax.tree.map(lambda m, c1=c1: m / c1, f64(state.mu))
+        ema = jax.tree.map(lambda v, m: B2 * v + (1 - B2) * m * m, f64(prev.nu), m_hat)
+        if rule == "momentum_max":
+            ema = jax.tree.map(lambda v, e, k=keep: np.maximum(v * k, e), f64(prev.nu), ema)
+            # 1 - b2^t in float32 carries ~1e-5 of relative rounding at these t.
+            for v, p in zip(
+                jax.tree.leaves(f64(state.nu)), jax.tree.leaves(f64(prev.nu)), strict=True
+            ):
+                assert np.all(v / (1 - B2**t) >= p / (1 - B2 ** (t - 1)) * (1 - 1e-4))
+        assert_trees_all_close(f64(state.nu), ema, rtol=1e-4, atol=1e-12)
+        ours = adam_step(hist[t - 2][0], state.mu, state.nu, LR, 1 - B1**t, 1 - B2**t, EPS)
+        assert_trees_all_close(hist[t - 1][0], ours, rtol=1e-5, atol=5e-5 * LR)
+
+
+def test_floor_keeps_v_frozen_and_bounds_every_step_by_the_learning_rate(mesh):
+    hist = traced(mesh, "floor")
+    frozen = qadam_state(hist[WARMUP - 1][1]).nu
+    for t in range(WARMUP + 1, STEPS + 1):
+        assert_trees_all_equal(qadam_state(hist[t - 1][1]).nu, frozen)
+        for new, old in zip(
+            jax.tree.leaves(hist[t - 1][0]), jax.tree.leaves(hist[t - 2][0]), strict=True
+        ):
+            assert np.max(np.abs(new - old)) <= LR * (1 + 1e-5)
+
+
+def growing_loss(params, batch):
+    """A loss whose gradient is 1000x smaller during the warm-up than after it."""
+    pred = batch["x"] @ params["w"] + params["b"][None]
+    return batch["scale"][0] * jnp.mean((pred - batch["y"]) ** 2)
+
+
+def growing_batches():
+    batches = make_batches(STEPS + 3)
+    for t, batch in enumerate(batches, start=1):
+        scale = 1e-3 if t <= WARMUP else 1.0
+        batch["scale"] = np.full(len(batch["x"]), scale, np.float32)
+    return batches
+
+
+@pytest.mark.parametrize(
+    "rule, bound",
+    [("frozen", None), ("momentum", 4.0), ("momentum_max", 4.0), ("floor", 1.0 + 1e-5)],
+)
+def test_gradients_that_grow_after_warmup(mesh, rule, bound):
+    """Bagua's frozen v takes steps of ~1000 x lr here; the other rules stay near Adam's ~lr."""
+    hist = traced(mesh, rule, growing_batches(), growing_loss)
+    largest = max(
+        np.max(np.abs(new - old)) / LR
+        for t in range(WARMUP + 1, len(hist))
+        for new, old in zip(
+            jax.tree.leaves(hist[t][0]), jax.tree.leaves(hist[t - 1][0]), strict=True
+        )
+    )
+    if bound is None:
+        assert largest > 100
+    else:
+        assert largest <= bound
+
+
+def test_unknown_rule_is_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"second_moment='adam'.*'momentum'.*'frozen'"):
+        qadam(1e-3, warmup_steps=10, second_moment="adam")
+    with pytest.raises(ValueError, match="second_moment='bagua'"):
+        jax_bytegrad.Strategy(
+            "qadam", mesh=jax_bytegrad.make_mesh(1, 1), learning_rate=1e-3, warmup_steps=10,
+            second_moment="bagua",
+        )  # fmt: skip
+
+
+def test_strategy_default_is_the_momentum_rule_and_frozen_is_bagua(mesh):
+    loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"][None] - b["y"]) ** 2)  # noqa: E731
+    batches = make_batches(WARMUP + 2)
+    results = {}
+    for rule in (None, "momentum", "frozen"):
+        kwargs = {} if rule is None else {"second_moment": rule}
+        strategy = jax_bytegrad.Strategy(
+            "qadam", mesh=mesh, learning_rate=LR, warmup_steps=WARMUP, **kwargs
+        )
+        with strategy.train_step(loss) as step:
+            state = step.init(init_params())
+            for batch in batches:
+                state, _ = step(state, batch)
+                jax.block_until_ready(state)
+            results[rule] = jax.device_get(step.params(state))
+    assert_trees_all_equal(results[None], results["momentum"])
+    assert not np.array_equal(results["frozen"]["w"], results["momentum"]["w"])
