@@ -33,9 +33,11 @@ MODEL_DEFAULTS = {
 # What the inter-node traffic of every algorithm is compared with.
 BASELINE = "gradient_allreduce"
 
-# QAdam freezes its second moment after the warm-up. On the CNN (with eps 1e-5), 8 warm-up
-# steps left it unsettled (test accuracy 35-65%, and 13% with 6); with eps 1e-4, 10 warm-up
-# steps reached 93-97% over 4 seeds and both wires (benchmarks/RESULTS.md, "QAdam's eps").
+# Measured with Bagua's frozen second moment (second_moment="frozen"): on the CNN (with eps
+# 1e-5), 8 warm-up steps left it unsettled (test accuracy 35-65%, and 13% with 6); with eps
+# 1e-4, 10 warm-up steps reached 93-97% over 4 seeds and both wires (benchmarks/RESULTS.md,
+# "QAdam's eps"). The default rule since then follows the momentum and did not diverge on
+# short runs ("QAdam's second moment after warm-up"); the floor stays, as a margin.
 QADAM_MIN_WARMUP = 10
 
 

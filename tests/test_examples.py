@@ -47,10 +47,10 @@ def _check(results, *, min_accuracy: float, max_test_loss: float, names=ONE_PROC
 
 @pytest.fixture(scope="module")
 def cnn_results():
-    # 50 steps, not 40: at 40, QAdam's 8-step float32 warm-up leaves its frozen second moment
-    # unsettled, and its accuracy swings between 35% and 65% with float rounding (XLA:CPU's
-    # fusion emitters on or off); from 50 steps (10 warm-up) it reaches 93-97% over seeds and
-    # wires with the example's eps of 1e-4 (benchmarks/qadam_eps.py).
+    # 50 steps, not 40: with Bagua's frozen second moment, QAdam's 8-step float32 warm-up at
+    # 40 steps left it unsettled (accuracy 35-65%); from 50 steps (10 warm-up) it reached
+    # 93-97% (benchmarks/qadam_eps.py). Kept at 50 with the default rule, which follows the
+    # momentum.
     config = train.Config(model="cnn", steps=50, nodes=2, devices_per_node=4, progress=False)
     return train.compare(config)
 
