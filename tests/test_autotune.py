@@ -335,7 +335,8 @@ def _timed(monkeypatch, step_ms):
     compile time; returns the list of (algorithm, config, optimizer) timed."""
     timed = []
 
-    def fake(strat, config, loss_fn, optimizer, has_aux, params, batches, warmup):
+    def fake(strat, config, loss_fn, optimizer, has_aux, params, batches, warmup, model):
+        assert model == {"model_state": None, "rng_seed": None, "state_sync": "mean"}
         timed.append((strat.algorithm, dict(config), optimizer))
         return 0.0, step_ms(strat, config) / 1e3
 
