@@ -304,6 +304,9 @@ class AsyncModelAverage(TrainStep):
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return "step", "global" if steps_taken < self.warmup_steps else "local"
 
+    def _mesh_of(self, key) -> Mesh:
+        return self._inner(key).mesh
+
     def _abstract_opt_state(self, params):
         return self._global._abstract_opt_state(params)
 

@@ -181,8 +181,9 @@ class TrainStep:
     the programs and phases only: ``_build(key)`` returns the program of a phase (a jitted
     function, or any callable with a ``lower`` that gives a ``jax.stages.Lowered`` or a
     ``LoweredPrograms``), ``_inputs(state, batch)`` its arguments (the batch last),
-    ``_outputs(state, out)`` the new state and metrics, and ``_phase(steps_taken)`` the phase
-    of a step as ``(name, program key)``. A step with more to do gives ``_before_step(state)``
+    ``_outputs(state, out)`` the new state and metrics, ``_phase(steps_taken)`` the phase
+    of a step as ``(name, program key)``, and ``_mesh_of(key)`` a program's mesh where it
+    is not the step's. A step with more to do gives ``_before_step(state)``
     (what a step, not ``lower``, does to the state first), and a program that runs beside the
     steps (async's averaging) ``_side_phases``, ``_lower_side(state)`` and ``_side_counts()``.
     """
@@ -228,6 +229,10 @@ class TrainStep:
 
     def _before_step(self, state: TrainState) -> TrainState:
         return state
+
+    def _mesh_of(self, key) -> Mesh:
+        """The mesh the program of ``key`` is laid out over."""
+        return self.mesh
 
     _side_phases: tuple[str, ...] = ()
 
@@ -400,7 +405,7 @@ class TrainStep:
             name, key = self._phase(int(state.step) if self._phase(taken)[0] == now else taken)
             if key not in self._programs:
                 self._programs[key] = self._build(key)
-            out[name] = _communication(self._programs[key].lower(*inputs), self.mesh)
+            out[name] = _communication(self._programs[key].lower(*inputs), self._mesh_of(key))
         for name, lowered in self._lower_side(state).items():
             out[name] = _communication(lowered, None)
         return out
