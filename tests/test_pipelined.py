@@ -184,6 +184,21 @@ def test_pieces_cut_leaves_and_the_wire_programs_alternate_with_compute():
     assert all(f"// {name}\n" in text for name in names)
 
 
+def test_lower_from_shapes_compiles_every_program_as_one():
+    """``lower`` takes ``state_shapes`` and a batch of ``ShapeDtypeStruct``, as every step's
+    does; its ``LoweredPrograms`` compiles like one ``Lowered``, program by program."""
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batches(1)[0])
+    with jax_bytegrad.pipelined_step(_loss, optax.sgd(0.1), mesh, has_aux=True) as step:
+        lowered = step.lower(step.state_shapes(_params()), batch)
+        compiled = lowered.compile()
+    assert list(compiled.programs) == list(lowered.programs)
+    assert all(isinstance(c, jax.stages.Compiled) for c in compiled.programs.values())
+    text = compiled.as_text()
+    assert all(f"// {name}\n" in text for name in lowered.programs)
+    assert "all-reduce" in compiled.programs["psum0.0"].as_text()
+
+
 def test_bucket_size_changes_the_pieces_not_the_bits_of_the_integer_wire():
     # The integer wire's pieces depend on bucket_bytes; so do the buckets, and so the bits.
     # For one leaf bigger than every bucket size, only the pieces change: the same bits.
