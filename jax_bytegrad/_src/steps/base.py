@@ -365,7 +365,7 @@ class TrainStep:
         params = self._params(state)
         return params if self._unravel is None else self._unravel(params)
 
-    def lower(self, state: TrainState, batch) -> "jax.stages.Lowered | LoweredPrograms":
+    def lower(self, state: TrainState, batch) -> jax.stages.Lowered | LoweredPrograms:
         """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing.
 
         ``state`` may be ``state_shapes(params)`` and ``batch`` a pytree of
