@@ -41,6 +41,7 @@ from jax_bytegrad._src.sharding import replicate as replicate
 from jax_bytegrad._src.sharding import shard_batch as shard_batch
 from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
 from jax_bytegrad._src.stats import communication_stats as communication_stats
+from jax_bytegrad._src.steps.base import LoweredPrograms as LoweredPrograms
 from jax_bytegrad._src.steps.base import TrainState as TrainState
 from jax_bytegrad._src.steps.base import TrainStep as TrainStep
 from jax_bytegrad._src.steps.data_parallel import data_parallel_step as data_parallel_step
@@ -71,6 +72,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MESSAGE_BYTES",
     "DistributedInfo",
+    "LoweredPrograms",
     "QuantizedArray",
     "Residuals",
     "ScaleByQAdamState",

@@ -168,7 +168,8 @@ def test_pieces_cut_leaves_and_the_wire_programs_alternate_with_compute():
     ) as step:
         state = step.init(_params())
         lowered = step.lower(state, _batches(1)[0])
-    names = list(lowered)
+    assert isinstance(lowered, jax_bytegrad.LoweredPrograms)
+    names = list(lowered.programs)
     assert names[0] == "grad" and names[-1] == "update"
     psums = [n for n in names if n.startswith("psum")]
     # w1 (2400 values, 3072 padded) in 3 pieces of 4 KiB: its shard on 4 devices, 6 blocks.
@@ -176,8 +177,26 @@ def test_pieces_cut_leaves_and_the_wire_programs_alternate_with_compute():
     # The encode of the next piece is dispatched before the decode of the one on the wire.
     assert names.index("encode1.1") < names.index("decode1.0")
     assert names.index("psum1.0") < names.index("decode1.0")
-    for lowered_program in lowered.values():
+    for lowered_program in lowered.programs.values():
         assert isinstance(lowered_program, jax.stages.Lowered)
+    # As a whole it is lowered text like one program's, every program's under its name.
+    text = lowered.as_text()
+    assert all(f"// {name}\n" in text for name in names)
+
+
+def test_lower_from_shapes_compiles_every_program_as_one():
+    """``lower`` takes ``state_shapes`` and a batch of ``ShapeDtypeStruct``, as every step's
+    does; its ``LoweredPrograms`` compiles like one ``Lowered``, program by program."""
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), _batches(1)[0])
+    with jax_bytegrad.pipelined_step(_loss, optax.sgd(0.1), mesh, has_aux=True) as step:
+        lowered = step.lower(step.state_shapes(_params()), batch)
+        compiled = lowered.compile()
+    assert list(compiled.programs) == list(lowered.programs)
+    assert all(isinstance(c, jax.stages.Compiled) for c in compiled.programs.values())
+    text = compiled.as_text()
+    assert all(f"// {name}\n" in text for name in lowered.programs)
+    assert "all-reduce" in compiled.programs["psum0.0"].as_text()
 
 
 def test_bucket_size_changes_the_pieces_not_the_bits_of_the_integer_wire():
@@ -195,7 +214,7 @@ def test_bucket_size_changes_the_pieces_not_the_bits_of_the_integer_wire():
         with jax_bytegrad.pipelined_step(loss, optax.sgd(0.1), mesh, sync=sync) as step:
             state = step.init({"w": np.ones((4096, 4), np.float32) / 64})
             state, _ = step(state, x)
-            pieces = [n for n in step.lower(state, x) if n.startswith("psum")]
+            pieces = [n for n in step.lower(state, x).programs if n.startswith("psum")]
             results.append((len(pieces), np.asarray(state.params["w"])))
     assert [p for p, _ in results] == [16, 4, 1]
     for _, params in results[1:]:
@@ -314,7 +333,7 @@ def test_communication_stats_are_the_one_program_steps_bytes():
         with jax_bytegrad.pipelined_step(_loss, optax.sgd(0.1), mesh, sync=sync, has_aux=True) as s:
             state = s.init(_params())
             got = s.communication_stats(state, batch)
-            lowered = s.lower(state, batch)
+            lowered = s.lower(state, batch).programs
         assert set(got) == {"step"}
         got = got["step"]
         # The one-program step also agrees on the integer wire's decode factors (one int32

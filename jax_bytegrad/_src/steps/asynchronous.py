@@ -36,7 +36,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks, stats
+from jax_bytegrad._src import checks
 from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
 from jax_bytegrad._src.sharding import replicate
 from jax_bytegrad._src.steps.base import TrainState, TrainStep, host_copy
@@ -239,6 +239,11 @@ class AsyncModelAverage(TrainStep):
     devices) while the background thread averages the model, from the end of the first local
     step on. Only that thread may issue collectives across processes meanwhile: a program of
     your own that does (an evaluation over the whole mesh) must wait for ``close()``.
+
+    ``metrics["loss"]`` is the mean over all devices during warm-up and over this process's
+    devices afterwards. ``lower(state, batch)`` lowers the program the next step runs (laid
+    out over this process's devices after the warm-up); ``lower_averaging(state)`` one
+    background round; ``communication_stats`` gives ``{"step": ..., "averaging": ...}``.
     """
 
     phases = ("step", "averaging")
@@ -288,60 +293,70 @@ class AsyncModelAverage(TrainStep):
         delta = self._to_local(unflatten_like(pending, params))
         return jax.tree.map(lambda x, d: x + d, params, delta)
 
-    def step(self, state, batch):
-        """One train step on this process's ``batch`` (numpy or process-local arrays).
+    # The programs and phases: the warm-up runs the global step's program, every later step
+    # the local step's; the background averaging is a side phase. ----------------------------
 
-        ``metrics["loss"]`` is the mean over all devices during warm-up and over this
-        process's devices afterwards.
-        """
-        if self._closed:
-            raise RuntimeError("async: this train step was closed; build a new one")
+    _side_phases = ("averaging",)
+
+    def _inner(self, key) -> TrainStep:
+        return self._global if key == "global" else self._local
+
+    def _phase(self, steps_taken: int) -> tuple[str, Any]:
+        return "step", "global" if steps_taken < self.warmup_steps else "local"
+
+    def _mesh_of(self, key) -> Mesh:
+        return self._inner(key).mesh
+
+    def _abstract_opt_state(self, params):
+        return self._global._abstract_opt_state(params)
+
+    def _local_state(self, state: TrainState) -> TrainState:
+        """``state`` on this process's devices after the warm-up (unchanged before)."""
+        if int(state.step) < self.warmup_steps:
+            return state
+        params, opt_state = self._to_local((state.params, state.opt_state))
+        return TrainState(state.step, params, opt_state, {})
+
+    def _before_step(self, state: TrainState) -> TrainState:
         self._averager.raise_error()
+        state = self._local_state(state)
+        if int(state.step) < self.warmup_steps:
+            return state
+        return state._replace(params=self.pull(state.params))
+
+    def _build(self, key):
+        inner = self._inner(key)
+        return inner._build(inner._phase(0)[1])
+
+    def _inputs(self, state: TrainState, batch) -> tuple:
+        state = self._local_state(state)
+        return self._inner(self._phase(int(state.step))[1])._inputs(state, batch)
+
+    def _outputs(self, state: TrainState, out) -> tuple[TrainState, dict[str, Any]]:
         taken = int(state.step)
+        new, metrics = self._inner(self._phase(taken)[1])._outputs(state, out)
         if taken < self.warmup_steps:
-            return self._global.step(state, batch)
-        params, opt_state = state.params, state.opt_state
-        if taken == self.warmup_steps:
-            params, opt_state = self._to_local((params, opt_state))
-        params = self.pull(params)
-        state, metrics = self._local.step(TrainState(state.step, params, opt_state, {}), batch)
-        self._averager.publish(state.params)
+            return new, metrics
+        self._averager.publish(new.params)
         if taken == self.warmup_steps and self.sync_interval_ms > 0:
             # Only after the local step has run once: a program's first run sets up its
             # collectives' communicators, which through Gloo must not overlap a round
             # (measured: a round started at init received the local step's bytes).
-            jax.block_until_ready(state)
+            jax.block_until_ready(new)
             self._averager.start()
-        return state, metrics
+        return new, metrics
 
-    __call__ = step
+    def _lower_side(self, state: TrainState) -> dict[str, Any]:
+        return {"averaging": self.lower_averaging(state)}
 
-    def lower(self, state, batch):
-        """Lowers the program the next step runs; the background averaging runs outside it
-        (``lower_averaging``)."""
-        taken = int(state.step)
-        if taken < self.warmup_steps:
-            return self._global.lower(state, batch)
-        params, opt_state = self._to_local((state.params, state.opt_state))
-        return self._local.lower(TrainState(state.step, params, opt_state, {}), batch)
+    def _side_counts(self) -> dict[str, int]:
+        return {"averaging": self._averager.stats().rounds}
 
     def lower_averaging(self, state):
         """Lowers one averaging round's program for ``state``'s params; it runs on one
         device per process, along a mesh axis named after the node axis."""
         size = jax.eval_shape(flatten_float32, state.params).size
         return self._averager.lower(size)
-
-    def communication_stats(self, state, batch):
-        """``{"step": ..., "averaging": ...}``: the local step, and one averaging round (a
-        float32 all-reduce of the model between processes). Each program is laid out over a
-        mesh of its own (this process's devices; one device per process)."""
-        return {
-            "step": stats.communication_stats(self.lower(state, batch)),
-            "averaging": stats.communication_stats(self.lower_averaging(state)),
-        }
-
-    def phase_counts(self, state):
-        return {"step": int(state.step), "averaging": self._averager.stats().rounds}
 
     def abort(self, timeout: float | None = 300.0) -> None:
         """Stops the background averaging; a collective call, made by every process.

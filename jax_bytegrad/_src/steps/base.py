@@ -118,6 +118,54 @@ class StepsInFlight:
             self._last = leaves[-1] if leaves else None
 
 
+class CompiledPrograms:
+    """The compiled programs of one step of several (``LoweredPrograms.compile()``).
+
+    Attributes:
+      programs: ``{program name: jax.stages.Compiled}``, in dispatch order.
+    """
+
+    def __init__(self, programs: dict[str, jax.stages.Compiled]):
+        self.programs = programs
+
+    def as_text(self) -> str:
+        """Every program's optimized HLO, in dispatch order, each under a ``// name`` line."""
+        return "\n".join(f"// {name}\n{p.as_text()}" for name, p in self.programs.items())
+
+
+class LoweredPrograms:
+    """``lower`` of a step that runs several programs per step (``pipelined_step``).
+
+    It answers where a ``jax.stages.Lowered`` is used: ``.compile()`` (every program, for
+    the programs' mesh, whose devices need not be here) and ``.as_text()``;
+    ``jax_bytegrad.communication_stats`` takes each of ``.programs``.
+
+    Attributes:
+      programs: ``{program name: jax.stages.Lowered}``, in the order the step dispatches
+        them (``pipelined_step``: ``"grad"``, each bucket piece's codec and wire programs,
+        ``"update"``).
+    """
+
+    def __init__(self, programs: dict[str, jax.stages.Lowered]):
+        self.programs = programs
+
+    def compile(self) -> CompiledPrograms:
+        """Compiles every program; runs nothing."""
+        return CompiledPrograms({name: p.compile() for name, p in self.programs.items()})
+
+    def as_text(self) -> str:
+        """Every program's lowered module, in dispatch order, each under a ``// name`` line."""
+        return "\n".join(f"// {name}\n{p.as_text()}" for name, p in self.programs.items())
+
+
+def _communication(lowered, mesh: Mesh | None) -> stats.CommunicationStats:
+    """A step's bytes per device from its ``lower``: summed over the programs of a
+    ``LoweredPrograms``, each read on the mesh it was laid out for."""
+    if isinstance(lowered, LoweredPrograms):
+        return stats.merge([stats.communication_stats(p) for p in lowered.programs.values()])
+    return stats.communication_stats(lowered, mesh=mesh)
+
+
 class TrainStep:
     """A train step; the same calls for every algorithm.
 
@@ -129,9 +177,15 @@ class TrainStep:
     already sharded over the mesh by ``shard_batch``. ``metrics`` is ``{"loss": ...}`` (plus
     ``"aux"`` when the loss function has aux).
 
-    Subclasses give the programs: ``_build(key)`` returns the jitted program of a phase,
-    ``_inputs(state, batch)`` its arguments, ``_outputs(state, out)`` the new state and
-    metrics, and ``_phase(steps_taken)`` the phase of a step as ``(name, program key)``.
+    ``step``, ``lower`` and ``communication_stats`` are written here once; subclasses give
+    the programs and phases only: ``_build(key)`` returns the program of a phase (a jitted
+    function, or any callable with a ``lower`` that gives a ``jax.stages.Lowered`` or a
+    ``LoweredPrograms``), ``_inputs(state, batch)`` its arguments (the batch last),
+    ``_outputs(state, out)`` the new state and metrics, ``_phase(steps_taken)`` the phase
+    of a step as ``(name, program key)``, and ``_mesh_of(key)`` a program's mesh where it
+    is not the step's. A step with more to do gives ``_before_step(state)``
+    (what a step, not ``lower``, does to the state first), and a program that runs beside the
+    steps (async's averaging) ``_side_phases``, ``_lower_side(state)`` and ``_side_counts()``.
     """
 
     def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, axes: tuple[str, str],
@@ -172,6 +226,23 @@ class TrainStep:
 
     def _params(self, state: TrainState):
         return state.params
+
+    def _before_step(self, state: TrainState) -> TrainState:
+        return state
+
+    def _mesh_of(self, key) -> Mesh:
+        """The mesh the program of ``key`` is laid out over."""
+        return self.mesh
+
+    _side_phases: tuple[str, ...] = ()
+
+    def _lower_side(self, state: TrainState) -> dict[str, Any]:
+        """The lowered programs of ``_side_phases``, by phase, for ``state``'s params."""
+        return {}
+
+    def _side_counts(self) -> dict[str, int]:
+        """How often each of ``_side_phases`` has run."""
+        return {}
 
     def _state_shapes(self, params) -> TrainState:
         """``_init``'s result as placed ``ShapeDtypeStruct`` leaves, from abstract params."""
@@ -277,6 +348,7 @@ class TrainStep:
         if self._closed:
             raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
         self._check_state(state)
+        state = self._before_step(state)
         inputs = self._inputs(state, batch)
         program = self.program(state)
         # Before dispatch: jaxlib may crash the process on a buffer a donating step consumed.
@@ -293,12 +365,19 @@ class TrainStep:
         params = self._params(state)
         return params if self._unravel is None else self._unravel(params)
 
-    def lower(self, state: TrainState, batch):
+    def lower(self, state: TrainState, batch) -> jax.stages.Lowered | LoweredPrograms:
         """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing.
 
         ``state`` may be ``state_shapes(params)`` and ``batch`` a pytree of
         ``jax.ShapeDtypeStruct`` (the global batch): ``.compile()`` on the result then
         compiles for the mesh, whether its devices are here or not (``sharding.gpu_mesh``).
+
+        Returns:
+          A ``jax.stages.Lowered`` for a step of one program per step (every algorithm but
+          ``pipelined_step``); for ``pipelined_step``, whose step runs several programs, a
+          ``LoweredPrograms``: the same ``.compile()`` and ``.as_text()``, and each
+          program's ``Lowered`` by name in ``.programs``. Either way ``.compile().as_text()``
+          is what XLA runs.
         """
         self._check_state(state)
         inputs = self._inputs(state, batch)
@@ -307,32 +386,40 @@ class TrainStep:
     def communication_stats(self, state: TrainState, batch) -> dict[str, stats.CommunicationStats]:
         """Bytes each device sends per step, for each phase; compiles, runs nothing.
 
+        The phase of the step ``state`` is at is read from the program that step runs; every
+        other phase from its first step. A step of several programs (``pipelined_step``)
+        counts all of them.
+
         Returns:
           ``{phase: CommunicationStats}``: ``{"step": ...}`` for a step with one program;
           QAdam's ``{"warmup": ..., "compressed": ...}``; the decentralized pair's
-          ``{"gossip": ...}`` plus ``"local"`` when some steps do not communicate.
+          ``{"gossip": ...}`` plus ``"local"`` when some steps do not communicate; async's
+          ``{"step": ..., "averaging": ...}`` (one background round, on a mesh of its own).
           ``phase_counts`` says how often each has run.
         """
         self._check_state(state)
         inputs = self._inputs(state, batch)
         out = {}
+        now = self._phase(int(state.step))[0]
         for taken in self._phase_examples():
-            name, key = self._phase(taken)
+            name, key = self._phase(int(state.step) if self._phase(taken)[0] == now else taken)
             if key not in self._programs:
                 self._programs[key] = self._build(key)
-            lowered = self._programs[key].lower(*inputs)
-            out[name] = stats.communication_stats(lowered, mesh=self.mesh)
+            out[name] = _communication(self._programs[key].lower(*inputs), self._mesh_of(key))
+        for name, lowered in self._lower_side(state).items():
+            out[name] = _communication(lowered, None)
         return out
 
     def _phase_examples(self) -> list[int]:
         """One step count of each phase: the first, searching forward."""
         found: dict[str, int] = {}
+        wanted = set(self.phases) - set(self._side_phases)
         for taken in range(_PHASE_SEARCH):
             found.setdefault(self._phase(taken)[0], taken)
-            if len(found) == len(self.phases):
+            if len(found) == len(wanted):
                 return sorted(found.values())
         raise RuntimeError(
-            f"{self.algorithm}: phases {sorted(set(self.phases) - set(found))} do not occur in "
+            f"{self.algorithm}: phases {sorted(wanted - set(found))} do not occur in "
             f"the first {_PHASE_SEARCH} steps"
         )
 
@@ -343,6 +430,7 @@ class TrainStep:
         traffic of the run so far.
         """
         counts = collections.Counter(self._phase(i)[0] for i in range(int(state.step)))
+        counts.update(self._side_counts())
         return {name: counts.get(name, 0) for name in self.phases}
 
     def close(self) -> None:

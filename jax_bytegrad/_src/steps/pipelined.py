@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import checks, collective_ops, stats
+from jax_bytegrad._src import checks, collective_ops
 from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.codecs.integer import (
     allreduce_width,
@@ -66,6 +66,7 @@ from jax_bytegrad._src.programs import Dispatcher, Program, Schedule, Value, ava
 from jax_bytegrad._src.quantization import resolve_implementation
 from jax_bytegrad._src.sharding import StateSpecs, replicate
 from jax_bytegrad._src.steps.base import (
+    LoweredPrograms,
     TrainState,
     TrainStep,
     abstract,
@@ -620,11 +621,37 @@ def _new_residuals(schedule: Schedule, values: dict, old) -> Residuals:
     )  # fmt: skip
 
 
+class _Scheduled:
+    """The program of a pipelined step: its schedule's programs, run and lowered as one.
+
+    ``program(named, batch)`` runs one step (``execute``) and returns ``(values,
+    new_params)``: the last leaf is the update's, which the next step waits on.
+    """
+
+    def __init__(self, step: "PipelinedStep"):
+        self._step = step
+
+    def __call__(self, named, batch):
+        schedule = self._step._schedule
+        keep = ["new_params", "new_inner", "new_key", "loss", "aux", *_residual_names(schedule)]
+        values = execute(schedule, {**named, "batch": batch}, self._step._wire, keep)
+        return values, values["new_params"]
+
+    def lower(self, named, batch) -> LoweredPrograms:
+        schedule = self._step._schedule
+        return LoweredPrograms({
+            task.name: task.jitted.lower(*[schedule.values[n].aval for n in task.input_names])
+            for task in schedule.tasks
+        })  # fmt: skip
+
+
 class PipelinedStep(TrainStep):
     """The ``TrainStep`` of ``pipelined_step``: several programs per step, two threads.
 
-    ``lower(state, batch)`` gives ``{program name: jax.stages.Lowered}`` in the order the
-    programs are dispatched (the one-program steps give one ``Lowered``);
+    ``step(state, batch)`` returns once every exchange of the step has finished, so that no
+    collective of this step is in flight when the caller's code runs; the last program (the
+    optimizer update) may still be computing. ``lower(state, batch)`` gives a
+    ``LoweredPrograms`` (each program's ``Lowered`` in ``.programs``, in dispatch order);
     ``communication_stats`` sums their collectives as ``{"step": ...}``.
     """
 
@@ -661,89 +688,41 @@ class PipelinedStep(TrainStep):
         params = abstract(params, NamedSharding(self.mesh, P()))
         return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
 
-    def _inputs(self, state: TrainState, batch) -> dict[str, Any]:
-        sync_state, inner = state.opt_state
-        return {
-            "params": state.params,
-            "key": sync_state.key,
-            "inner": inner,
-            "batch": batch,
-            **_state_inputs(sync_state.residuals),
-        }
+    def _build(self, key) -> _Scheduled:
+        return _Scheduled(self)
 
-    def _plan(self, state: TrainState, batch) -> Schedule:
-        """The step's programs, built (traced, not compiled) from the abstract inputs."""
-        if self._schedule is None:
-            specs = self._state_specs(state.opt_state)
-            inner_specs = specs[1]
-            per_device = P(self._axes)
-            inputs = {}
-            for name, value in self._inputs(state, batch).items():
-                spec = {"params": P(), "key": P(), "inner": inner_specs}.get(name, per_device)
-                if name != "inner":
-                    spec = jax.tree.map(lambda _, s=spec: s, value)
-                inputs[name] = Value(spec, jax.tree.map(aval, value))
-            leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
-            layout = bucket_layout(
-                leaves, self.sync, self.sync.mesh_shape(self.mesh, "pipelined_step")
-            )
-            stages = _Stages(self.mesh, self.sync, layout, average=self._average, step=self)
-            self._schedule = Schedule(
-                stages.tasks(), inputs, self.mesh, self._axes, donate_state=self._donate
-            )
-        return self._schedule
-
-    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
-        """One train step: ``(state, batch) -> (state, metrics)``.
-
-        Returns once every exchange of the step has finished, so that no collective of this
-        step is in flight when the caller's code runs; the last program (the optimizer
-        update) may still be computing.
-        """
-        if self._closed:
-            raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
-        self._check_state(state)
+    def _inputs(self, state: TrainState, batch) -> tuple[dict[str, Any], Any]:
+        """The schedule's inputs by name, and the batch (planning the schedule once)."""
         batch = global_batch(batch, self.mesh, self._axes)
-        self._state_specs(state.opt_state)
-        # Before dispatch: jaxlib may crash the process on a buffer a donating step consumed.
-        checks.not_deleted((state.params, state.opt_state), self.algorithm)
-        schedule = self._plan(state, batch)
-        self._in_flight.wait()
-        keep = ["new_params", "new_inner", "new_key", "loss", "aux", *_residual_names(schedule)]
-        values = execute(schedule, self._inputs(state, batch), self._wire, keep)
-        self._in_flight.track(values["new_params"])
-        residuals = _new_residuals(schedule, values, state.opt_state[0].residuals)
+        specs = self._state_specs(state.opt_state)
+        sync_state, inner = state.opt_state
+        named = {"params": state.params, "key": sync_state.key, "inner": inner}
+        named.update(_state_inputs(sync_state.residuals))
+        if self._schedule is None:
+            self._schedule = self._plan(state.params, specs[1], {**named, "batch": batch})
+        return named, batch
+
+    def _plan(self, params, inner_specs, values: dict[str, Any]) -> Schedule:
+        """The step's programs, built (traced, not compiled) from the abstract inputs."""
+        inputs = {}
+        for name, value in values.items():
+            spec = {"params": P(), "key": P(), "inner": inner_specs}.get(name, P(self._axes))
+            if name != "inner":
+                spec = jax.tree.map(lambda _, s=spec: s, value)
+            inputs[name] = Value(spec, jax.tree.map(aval, value))
+        leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+        layout = bucket_layout(leaves, self.sync, self.sync.mesh_shape(self.mesh, self.algorithm))
+        stages = _Stages(self.mesh, self.sync, layout, average=self._average, step=self)
+        return Schedule(stages.tasks(), inputs, self.mesh, self._axes, donate_state=self._donate)
+
+    def _outputs(self, state: TrainState, out) -> tuple[TrainState, dict[str, Any]]:
+        values, new_params = out
+        residuals = _new_residuals(self._schedule, values, state.opt_state[0].residuals)
         opt_state = (ByteGradState(key=values["new_key"], residuals=residuals), values["new_inner"])
         metrics = {"loss": values["loss"]}
         if self.has_aux:
             metrics["aux"] = values["aux"]
-        new = TrainState(count(int(state.step) + 1), values["new_params"], opt_state, {})
-        return new, metrics
-
-    __call__ = step
-
-    def lower(self, state: TrainState, batch) -> dict[str, jax.stages.Lowered]:
-        """Lowers every program of the step (runs nothing).
-
-        Returns:
-          ``{program name: jax.stages.Lowered}``, in dispatch order: ``"grad"``, the wire
-          and codec programs of each bucket piece, ``"update"``.
-        """
-        self._check_state(state)
-        batch = global_batch(batch, self.mesh, self._axes)
-        self._state_specs(state.opt_state)
-        schedule = self._plan(state, batch)
-        values = schedule.values
-        return {
-            task.name: task.jitted.lower(*[values[name].aval for name in task.input_names])
-            for task in schedule.tasks
-        }
-
-    def communication_stats(self, state: TrainState, batch) -> dict[str, stats.CommunicationStats]:
-        """Bytes each device sends per step, summed over the step's programs; compiles them
-        (runs nothing). Returns ``{"step": CommunicationStats}``."""
-        lowered = self.lower(state, batch)
-        return {"step": stats.merge([stats.communication_stats(x) for x in lowered.values()])}
+        return TrainState(count(int(state.step) + 1), new_params, opt_state, {}), metrics
 
     def close(self) -> None:
         """Stops the dispatch thread (after what it was given has run). Calling it again does
@@ -840,9 +819,9 @@ def pipelined_step(
       flatten: keep the params, gradient and optimizer state as one float32 vector.
 
     Returns:
-      A ``PipelinedStep`` (a ``TrainStep``): ``init``, ``step``, ``params``, ``lower`` (one
-      ``Lowered`` per program, by name), ``communication_stats``, ``phase_counts``,
-      ``close``.
+      A ``PipelinedStep`` (a ``TrainStep``): ``init``, ``step``, ``params``, ``lower`` (a
+      ``LoweredPrograms``: one ``Lowered`` per program, by name, in ``.programs``),
+      ``communication_stats``, ``phase_counts``, ``close``.
 
     Raises:
       ValueError: for a bad argument, or a mesh that lacks the config's axes.
