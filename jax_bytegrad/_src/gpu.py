@@ -151,8 +151,7 @@ def gpu_mesh(
         if "not implemented" in str(error) or "Unknown backend" in str(error):
             raise RuntimeError(
                 f"{where}: compiling for GPUs needs JAX's CUDA plugin; install it with "
-                "pip install 'jax_bytegrad[cuda12]' (or '[cuda13]'), on Python >= 3.12 for "
-                f"JAX >= 0.11. JAX said: {error}"
+                f"pip install 'jax_bytegrad[cuda12]' (or '[cuda13]'). JAX said: {error}"
             ) from None
         raise
     devices = sorted(topology.devices, key=lambda d: (d.process_index, d.id))
