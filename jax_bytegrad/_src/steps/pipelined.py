@@ -210,11 +210,8 @@ class _Stages:
         self.layout = layout
         self.group = _group(sync, self.n, self.local)
         self.weight = 1.0 / (self.n * self.local) if average else 1.0
-        self.codec = dict(
-            stochastic=sync.stochastic,
-            bits=sync.bits,
-            implementation=resolve_implementation(sync.implementation),
-        )
+        resolve_implementation(sync.implementation)  # refuses "pallas" where it cannot run
+        self.codec = sync.codec
         self.integer = sync.wire == "allreduce"
         self.feedback, self.stochastic = sync.error_feedback, sync.stochastic
         self.block = sync.block_size
@@ -393,9 +390,8 @@ class _Stages:
 
         def total(x):
             out, _ = wires.sum_flat(
-                x, sync, n=self.n, local=self.local, weight=self.weight, key=None,
-                codec=self.codec, residual=None,
-            )  # fmt: skip
+                x, sync, n=self.n, local=self.local, weight=self.weight, key=None, residual=None
+            )
             return (out,)
 
         return Program(f"sum{b}", "wire", total, [f"buf{b}"], [f"avg{b}"])
