@@ -279,7 +279,7 @@ def test_compressed_mean_takes_one_sync_config_or_its_settings_as_keywords():
     [
         (dict(sync=jax_bytegrad.SyncConfig(), bits=4), "inside sync=SyncConfig.*not both"),
         (dict(bitz=4), "bitz is not a sync setting; the settings are node_axis"),
-        (dict(sync={"bits": 4}), "sync must be a SyncConfig or None"),
+        (dict(sync={"bits": 4}), "sync must be a jax_bytegrad.SyncConfig, got dict"),
     ],
     ids=["both", "unknown", "dict"],
 )

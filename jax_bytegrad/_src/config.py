@@ -176,7 +176,10 @@ class SyncConfig:
         if sync is None:
             return cls(**settings, where=where)
         if not isinstance(sync, SyncConfig):
-            raise ValueError(f"{where}: sync must be a SyncConfig or None, got {sync!r}")
+            raise ValueError(
+                f"{where}: sync must be a jax_bytegrad.SyncConfig, got {type(sync).__name__}; "
+                "pass sync=SyncConfig(wire=..., ...)"
+            )
         if settings:
             raise ValueError(
                 f"{where}: pass the settings {', '.join(sorted(settings))} inside "

@@ -864,13 +864,7 @@ def pipelined_step(
             f"{where}: optimizer must be an optax.GradientTransformation such as "
             f"optax.adam(1e-3), got {type(optimizer).__name__}"
         )
-    if sync is None:
-        sync = SyncConfig(where=where)
-    if not isinstance(sync, SyncConfig):
-        raise ValueError(
-            f"{where}: sync must be a jax_bytegrad.SyncConfig, got {type(sync).__name__}; "
-            "pass sync=SyncConfig(wire=..., ...)"
-        )
+    sync = SyncConfig.resolve(where, sync, {})
     checks.boolean(average, "average", where)
     checks.integer(seed, "seed", where, minimum=0)
     sync.mesh_shape(mesh, where)
