@@ -257,3 +257,43 @@ def test_init_accepts_shape_dtype_structs():
         assert jax.tree.leaves(state)
         state = tx.init(params)  # the state's shapes need no concrete values
         assert any(getattr(leaf, "shape", None) == (3, 4) for leaf in jax.tree.leaves(state))
+
+
+def test_compressed_mean_takes_one_sync_config_or_its_settings_as_keywords():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    rng = np.random.default_rng(3)
+    tree = {"w": jnp.asarray(rng.normal(size=(8, 700)), jnp.float32)}
+    settings = dict(bits=4, block_size=BLOCK, wire="scatter_gather", message_bytes=64)
+    flat = per_device_mean(mesh, tree, **settings)
+
+    def body(t):
+        sync = jax_bytegrad.SyncConfig(**settings)
+        return jax_bytegrad.compressed_mean(jax.tree.map(lambda x: x[0], t), sync=sync)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
+    np.testing.assert_array_equal(np.asarray(fn(tree)["w"]), np.asarray(flat["w"]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sync=jax_bytegrad.SyncConfig(), bits=4), "inside sync=SyncConfig.*not both"),
+        (dict(bitz=4), "bitz is not a sync setting; the settings are node_axis"),
+        (dict(sync={"bits": 4}), "sync must be a jax_bytegrad.SyncConfig, got dict"),
+    ],
+    ids=["both", "unknown", "dict"],
+)
+def test_compressed_mean_refuses_bad_settings_by_name(kwargs, match):
+    mesh = jax_bytegrad.make_mesh(1, 1)
+    f = jax.shard_map(
+        lambda t: jax_bytegrad.compressed_mean(t, **kwargs), mesh=mesh, in_specs=P(), out_specs=P()
+    )
+    with pytest.raises(ValueError, match=match):
+        f({"w": jnp.ones(3)})
+
+
+def test_sync_config_codec_is_the_part_the_quantizers_read():
+    codec = jax_bytegrad.SyncConfig(bits=4, rounding="stochastic", implementation="xla").codec
+    assert (codec.stochastic, codec.bits, codec.implementation) == (True, 4, "xla")
+    with pytest.raises(AttributeError):
+        codec.bits = 8  # frozen: it travels inside a hashable config

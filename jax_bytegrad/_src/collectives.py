@@ -29,16 +29,7 @@ import numpy as np
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks, collective_ops
 from jax_bytegrad._src import wire as wires
-from jax_bytegrad._src.config import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_MESSAGE_BYTES,
-    Bits,
-    Implementation,
-    Residuals,
-    Rounding,
-    SyncConfig,
-    Wire,
-)
+from jax_bytegrad._src.config import Residuals, SyncConfig
 from jax_bytegrad._src.quantization import check_key, resolve_implementation
 
 
@@ -160,11 +151,8 @@ def sync_mean(
     Returns the mean (or sum) pytree; with ``residuals``, the pair (mean, new residuals).
     """
     check_key(config.stochastic, key, where)
-    codec = dict(
-        stochastic=config.stochastic,
-        bits=config.bits,
-        implementation=resolve_implementation(config.implementation),
-    )
+    # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
+    resolve_implementation(config.implementation)
     n, local = axis_sizes(config.node_axis, config.local_axis, where)
     paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
     paths = [path for path, _ in paths_and_leaves]
@@ -192,7 +180,6 @@ def sync_mean(
             local=local,
             weight=weight,
             key=None if key is None else jax.random.fold_in(key, i),
-            codec=codec,
             residual=None if residuals is None else residuals[i],
         )
         previous = shards[i]
@@ -204,19 +191,11 @@ def sync_mean(
 def compressed_mean(
     tree,
     *,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    hierarchical: bool = True,
+    sync: SyncConfig | None = None,
     average: bool = True,
-    bits: Bits = 8,
-    block_size: int | None = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
-    rounding: Rounding = "nearest",
-    wire: Wire = "auto",
     key: jax.Array | None = None,
-    implementation: Implementation | None = None,
     residuals=None,
+    **settings,
 ):
     """Averages a pytree over all devices, 8- or 4-bit compressed between nodes (ByteGrad).
 
@@ -229,28 +208,15 @@ def compressed_mean(
     Args:
       tree: a pytree of per-device float arrays (float0 leaves, from ``jax.grad`` of
         integer parameters, pass through).
-      node_axis: mesh axis between nodes (slow links): the compressed hop.
-      local_axis: mesh axis within a node (fast links): float32.
-      hierarchical: reduce-scatter within the node first (default). With False, the
-        compressed exchange runs over both axes as one group, as Bagua's non-hierarchical
-        mode does; that sends L times more bytes between nodes.
+      sync: the sync's settings, a ``SyncConfig``; None builds one from ``settings``.
       average: divide by the total device count (default); False returns the sum.
-      bits: bits per code between nodes, 8 or 4.
-      block_size: quantization block size (see ``quantize``); None for the default of
-        ``bits``.
-      bucket_bytes: float32 bytes per bucket; None puts everything in one bucket.
-      message_bytes: bytes per message of the pairwise exchanges between nodes (codes,
-        per peer); None sends one message per peer. Results do not depend on it, only speed
-        does. The all-reduce wire sends one psum per bucket.
-      rounding: ``"nearest"`` or ``"stochastic"`` (needs ``key``).
-      wire: how codes cross the node axis: ``"scatter_gather"`` (all_to_all to each
-        block's owner, then all_gather), ``"allreduce"`` (every device quantizes onto a grid
-        the group agrees on, and one integer psum sums the codes), ``"ring"`` or ``"auto"``
-        (see ``SyncConfig``).
-      key: PRNG key for stochastic rounding.
-      implementation: quantization kernels to use (see ``quantize``).
+      key: PRNG key for stochastic rounding (``rounding="stochastic"``).
       residuals: None (no error feedback), or this device's ``Residuals``, from the
-        previous call or zeros of ``residual_sizes``.
+        previous call or zeros of ``residual_sizes``. Error feedback is on exactly when
+        they are given.
+      **settings: without ``sync``, ``SyncConfig``'s settings as keywords (``bits=4``,
+        ``wire="ring"``, ...), each documented there; ``error_feedback`` follows
+        ``residuals``.
 
     Returns:
       A pytree like ``tree`` holding the mean (or sum), typed as replicated over both axes;
@@ -258,8 +224,8 @@ def compressed_mean(
 
     Raises:
       ValueError: outside ``shard_map``, for an axis name the mesh lacks, for bad settings
-        or ``key``, for an integer or bool leaf, or for ``residuals`` that do not fit this
-        tree and mesh.
+        (or both ``sync`` and settings) or ``key``, for an integer or bool leaf, or for
+        ``residuals`` that do not fit this tree and mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jax_bytegrad
@@ -275,7 +241,9 @@ def compressed_mean(
     """
     where = "compressed_mean"
     checks.boolean(average, "average", where)
-    config = SyncConfig.of(where, {**locals(), "error_feedback": residuals is not None})
+    config = SyncConfig.resolve(where, sync, settings)
+    if config.error_feedback != (residuals is not None):
+        config = config.replace(error_feedback=residuals is not None)
     if residuals is not None:
         residuals = Residuals(residuals)
     return sync_mean(tree, config, average=average, key=key, residuals=residuals, where=where)

@@ -1,8 +1,11 @@
 """How gradients cross the mesh: one frozen ``SyncConfig``, and error feedback's residual state.
 
 Every compressed sync (``bytegrad``, ``qadam``'s momentum exchange, ``compressed_mean``) is
-described by the same eleven settings. They are validated here, once, when the config is
-built; the factories keep their flat keyword arguments (the optax convention) and build one.
+described by the same eleven settings, documented once, in ``SyncConfig``, and validated
+there, once, when the config is built. The user-facing factories (``bytegrad``, ``qadam``,
+``Strategy``) keep flat keyword arguments (the optax convention) and build one; everything
+below them (``compressed_mean``, ``scale_by_qadam``, the wires, the steps) takes that one
+config, and its ``codec`` is the small part the quantization functions read.
 
 References:
   Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
@@ -54,11 +57,28 @@ def check_block_size(block_size, where: str, bits: int = 8) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class Codec:
+    """The part of a ``SyncConfig`` that the quantization functions read: ``SyncConfig.codec``.
+
+    Attributes:
+      stochastic: stochastic (unbiased) rounding, ``rounding="stochastic"``.
+      bits: bits per code, 8 or 4.
+      implementation: the quantization kernels, or None for the best available.
+    """
+
+    stochastic: bool = False
+    bits: Bits = 8
+    implementation: Implementation | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class SyncConfig:
     """The settings of a compressed gradient sync over a ("node", "local") mesh.
 
-    Built by ``bytegrad``, ``qadam`` and ``compressed_mean`` from their keyword arguments,
-    and validated once, here. Frozen and hashable.
+    Built by ``bytegrad``, ``qadam`` and ``Strategy`` from their keyword arguments, and
+    validated once, here; ``compressed_mean``, ``scale_by_qadam`` and ``pipelined_step``
+    take one as ``sync=`` (the first two also take these settings as keywords). Frozen and
+    hashable.
 
     Attributes:
       node_axis: mesh axis between nodes (slow links): the compressed hop.
@@ -137,6 +157,36 @@ class SyncConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{k: arguments[k] for k in names if k in arguments}, where=where)
 
+    @classmethod
+    def resolve(cls, where: str, sync: "SyncConfig | None", settings: Mapping[str, Any]):
+        """``sync``, or the config of flat ``settings`` (``SyncConfig``'s fields as keywords),
+        for a function that takes either, e.g. ``compressed_mean(tree, bits=4)``.
+
+        Raises:
+          ValueError: for a keyword that is not a setting, for ``sync`` that is not a
+            ``SyncConfig``, or for both ``sync`` and settings.
+        """
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise ValueError(
+                f"{where}: {', '.join(unknown)} is not a sync setting; the settings are "
+                f"{', '.join(names)} (see SyncConfig)"
+            )
+        if sync is None:
+            return cls(**settings, where=where)
+        if not isinstance(sync, SyncConfig):
+            raise ValueError(
+                f"{where}: sync must be a jax_bytegrad.SyncConfig, got {type(sync).__name__}; "
+                "pass sync=SyncConfig(wire=..., ...)"
+            )
+        if settings:
+            raise ValueError(
+                f"{where}: pass the settings {', '.join(sorted(settings))} inside "
+                "sync=SyncConfig(...), or pass them as keywords without sync=, not both"
+            )
+        return sync
+
     @property
     def axes(self) -> tuple[str, str]:
         """``(node_axis, local_axis)``."""
@@ -144,7 +194,13 @@ class SyncConfig:
 
     @property
     def stochastic(self) -> bool:
+        """Whether codes are rounded stochastically (``rounding="stochastic"``)."""
         return self.rounding == "stochastic"
+
+    @property
+    def codec(self) -> Codec:
+        """The settings the quantization functions read (``Codec``)."""
+        return Codec(stochastic=self.stochastic, bits=self.bits, implementation=self.implementation)
 
     def mesh_shape(self, mesh, where: str) -> tuple[int, int] | None:
         """(nodes, devices per node) of ``mesh`` along this config's axes, or None without a

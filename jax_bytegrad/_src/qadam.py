@@ -176,18 +176,10 @@ def scale_by_qadam(
     second_moment: SecondMoment = "momentum",
     nu_refresh_interval: int | None = None,
     nu_refresh_growth: float = 2.0,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    hierarchical: bool = True,
-    bits: Bits = 8,
-    error_feedback: bool = False,
+    sync: SyncConfig | None = None,
     mesh: Mesh | None = None,
-    block_size: int | None = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
-    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
-    wire: Wire = "auto",
-    implementation: Implementation | None = None,
     phase: Phase | None = None,
+    **settings,
 ) -> optax.GradientTransformation:
     """Rescales per-device gradients by QAdam, doing its own communication.
 
@@ -219,31 +211,20 @@ def scale_by_qadam(
         after warm-up and then at gaps growing by ``nu_refresh_growth``.
       nu_refresh_growth: each gap between refreshes over the previous one, >= 1 (1.0: a
         refresh every k steps).
-      node_axis: mesh axis between nodes (slow links): the compressed hop.
-      local_axis: mesh axis within a node (fast links): float32.
-      hierarchical: reduce within each node before the inter-node hop (default), for the
-        float32 warm-up mean and the compressed momentum alike; False reduces over both
-        axes as one group.
-      bits: bits per code of the momentum between nodes, 8 or 4 (packed two per byte:
-        half the bytes; see docs/qadam.md for what it costs in accuracy).
-      error_feedback: keep each device's compression errors of the momentum and add them
-        back at the next compressed step, as ``bytegrad(error_feedback=True)`` does. Costs
-        (1 + 1/n) N/L float32 values per device (N parameters, n nodes of L devices,
-        hierarchical). Needs ``mesh``.
+      sync: the momentum exchange's settings, a ``SyncConfig`` (its ``hierarchical``
+        and axes apply to the float32 warm-up mean too; ``bits=4`` halves the bytes, see
+        docs/qadam.md for what it costs in accuracy; ``error_feedback`` keeps each
+        device's compression errors of the momentum and adds them back at the next
+        compressed step, as ``bytegrad(error_feedback=True)`` does, for (1 + 1/n) N/L
+        float32 values per device, and needs ``mesh``). None builds one from ``settings``.
       mesh: the mesh the step runs on; error feedback sizes the residuals by it.
-      block_size: elements per quantization block, a power of two >= 128 (>= 256 for 4
-        bits); None for ``DEFAULT_BLOCK_SIZES[bits]``.
-      bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
-      message_bytes: bytes per message of the exchanges between nodes; None for one message
-        per peer. It changes the speed, never the result.
-      wire: how codes cross between nodes: ``"scatter_gather"``, ``"allreduce"`` (an
-        integer sum), ``"ring"`` or ``"auto"`` (see ``SyncConfig``).
-      implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
       phase: None (default) picks the phase from the step count inside the program, so
         both phases' communication sits in one ``lax.cond``. ``"warmup"`` or
         ``"compressed"`` compiles that phase alone, for a step that picks the phase on the
         host (``phase_schedule``; ``data_parallel_step`` with one optimizer per phase). The
         state and the result are the same either way.
+      **settings: without ``sync``, ``SyncConfig``'s settings as keywords (``bits=4``,
+        ``error_feedback=True``, ...), each documented there.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a ``ScaleByQAdamState``.
@@ -271,8 +252,10 @@ def scale_by_qadam(
     check_refresh(nu_refresh_interval, nu_refresh_growth, where)
     if phase is not None:
         checks.one_of(phase, ("warmup", "compressed"), "phase", where)
-    config = SyncConfig.of(where, locals())
+    config = SyncConfig.resolve(where, sync, settings)
     shape = config.mesh_shape(mesh, where)
+    error_feedback = config.error_feedback
+    node_axis, local_axis = config.axes
 
     def init_fn(params):
         return ScaleByQAdamState(
@@ -294,7 +277,7 @@ def scale_by_qadam(
     def full_precision(updates, mu, nu, residuals, count):
         del count
         grads = collectives.full_precision_mean(
-            updates, node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical
+            updates, node_axis=node_axis, local_axis=local_axis, hierarchical=config.hierarchical
         )
         mu = optax.tree.update_moment(grads, mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
@@ -398,21 +381,11 @@ def qadam(
       skip_nonfinite: skip every step whose update has a NaN or inf, leaving the params and
         the state as they were (``jax_bytegrad.skip_nonfinite``); the update is the same on
         every replica, so every replica skips the same steps.
-      node_axis: mesh axis between nodes (slow links): the compressed hop.
-      local_axis: mesh axis within a node (fast links): float32.
-      hierarchical: reduce within each node before the inter-node hop (default).
-      bits: bits per code of the momentum between nodes, 8 or 4.
-      error_feedback: keep and re-add each device's compression errors of the momentum
-        (see ``scale_by_qadam``); needs ``mesh``.
+      node_axis, local_axis, hierarchical, bits, error_feedback, block_size, bucket_bytes,
+        message_bytes, wire, implementation: the momentum exchange's settings, each
+        documented in ``SyncConfig`` (``hierarchical`` and the axes apply to the float32
+        warm-up mean too; ``error_feedback`` needs ``mesh``; see ``scale_by_qadam``).
       mesh: the mesh the step runs on; error feedback sizes the residuals by it.
-      block_size: elements per quantization block, a power of two >= 128 (>= 256 for 4
-        bits); None for the default of ``bits``.
-      bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
-      message_bytes: bytes per message of the exchanges between nodes; None for one message
-        per peer. It changes the speed, never the result.
-      wire: how codes cross between nodes: ``"scatter_gather"``, ``"allreduce"`` (an
-        integer sum), ``"ring"`` or ``"auto"`` (see ``SyncConfig``).
-      implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
       phase: None, ``"warmup"`` or ``"compressed"``: see ``scale_by_qadam``.
 
     Returns:
@@ -438,17 +411,15 @@ def qadam(
       3
 
     References:
-      Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
-      Convergence Speed", ICML 2021.
-      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
-      Lu et al., "Maximizing Communication Efficiency for Large-scale Training via 0/1
-      Adam", ICLR 2023.
+      Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022;
+      and those of ``scale_by_qadam``.
     """
     where = "qadam"
     if not callable(learning_rate):
         checks.real(learning_rate, "learning_rate", where, minimum=0.0, why=" or a schedule")
     checks.real(weight_decay, "weight_decay", where, minimum=0.0)
     checks.boolean(skip_nonfinite, "skip_nonfinite", where)
+    sync = SyncConfig.of(where, locals())
     transforms = [
         scale_by_qadam(
             b1,
@@ -458,17 +429,8 @@ def qadam(
             second_moment=second_moment,
             nu_refresh_interval=nu_refresh_interval,
             nu_refresh_growth=nu_refresh_growth,
-            node_axis=node_axis,
-            local_axis=local_axis,
-            hierarchical=hierarchical,
-            bits=bits,
-            error_feedback=error_feedback,
+            sync=sync,
             mesh=mesh,
-            block_size=block_size,
-            bucket_bytes=bucket_bytes,
-            message_bytes=message_bytes,
-            wire=wire,
-            implementation=implementation,
             phase=phase,
         )
     ]

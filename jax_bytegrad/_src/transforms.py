@@ -80,23 +80,12 @@ def bytegrad(
     ``sharding.state_specs(state)`` and ``sharding.shard_state``.
 
     Args:
-      node_axis: mesh axis between nodes: the compressed hop.
-      local_axis: mesh axis within a node: float32.
-      hierarchical: reduce-scatter within the node before the compressed hop (default).
+      node_axis, local_axis, hierarchical, bits, error_feedback, block_size, bucket_bytes,
+        message_bytes, rounding, wire, implementation: the sync's settings, each
+        documented in ``SyncConfig`` (``error_feedback``: see above).
       average: divide by the device count (default); False sums.
-      bits: bits per code between nodes, 8 or 4 (packed two per byte).
-      error_feedback: keep and re-add each device's compression errors (see above).
       mesh: the mesh the step runs on; error feedback needs it to size the residuals.
-      block_size: elements per quantization block, a power of two >= 128 (>= 256 for 4
-        bits); None for the default of ``bits``.
-      bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
-      message_bytes: bytes per message of the exchanges between nodes; None for one message
-        per peer. It changes the speed, never the result.
-      rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
-      wire: how codes cross between nodes: ``"scatter_gather"``, ``"allreduce"`` (an
-        integer sum), ``"ring"`` or ``"auto"`` (see ``SyncConfig``).
       seed: seeds the PRNG key for stochastic rounding.
-      implementation: quantization kernels: ``"xla"``, ``"pallas"`` or None for the best.
 
     Returns:
       An ``optax.GradientTransformation``.

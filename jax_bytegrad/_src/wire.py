@@ -47,7 +47,7 @@ import numpy as np
 
 from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
-from jax_bytegrad._src.config import SyncConfig, Wire
+from jax_bytegrad._src.config import Codec, SyncConfig, Wire
 from jax_bytegrad._src.quantization import (
     HEADER_WIDTH,
     average_blocks,
@@ -80,59 +80,68 @@ def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
     return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
 
 
+def _arguments(codec: Codec) -> dict:
+    """The keyword arguments of the quantization functions that encode, from ``codec``."""
+    return dict(stochastic=codec.stochastic, bits=codec.bits, implementation=codec.implementation)
+
+
 def _piece_keys(key):
     """The two rounding keys of one message piece (its quantize and its requantize)."""
     return (None, None) if key is None else jax.random.split(key)
 
 
-def sg_encode(x, send, *, key, codec):
+def sg_encode(x, send, *, key, codec: Codec):
     """The scatter-gather wire's first stage: quantize one piece for its owners.
 
     ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
     block_size): row j goes to peer j. Returns the message, each block's codes with its
     header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
-    ``codec`` holds the ``stochastic``, ``bits`` and ``implementation`` arguments of the
-    codec's functions; ``key`` is the piece's key (None for nearest rounding).
+    ``codec`` is the config's ``Codec``; ``key`` is the piece's key (None for nearest
+    rounding).
     """
     peers, blocks, block_size = x.shape
     x = x.reshape(peers * blocks, block_size)
     key = _piece_keys(key)[0]
     if send is None:
-        codes, header = quantize_blocks(x, key=key, **codec)
+        codes, header = quantize_blocks(x, key=key, **_arguments(codec))
     else:
-        codes, header, send = quantize_with_feedback(x, send.reshape(x.shape), key=key, **codec)
+        send = send.reshape(x.shape)
+        codes, header, send = quantize_with_feedback(x, send, key=key, **_arguments(codec))
         send = send.reshape(peers, blocks, block_size)
     return _pack(codes, header).reshape(peers, blocks, -1), send
 
 
-def sg_average(received, mean, *, weight, key, codec, block_size):
+def sg_average(received, mean, *, weight, key, codec: Codec, block_size):
     """The second stage: average the received pieces and requantize this device's chunk.
 
     ``received`` is the all_to_all of ``sg_encode``'s messages, (peers, blocks, bytes);
     ``mean`` error feedback's residual of the requantize, (blocks, block_size), or None.
     Returns the message to gather, (blocks, bytes), and the new ``mean`` residual.
     """
-    bits, impl = codec["bits"], codec["implementation"]
-    codes, header = _unpack(received, block_size * bits // 8)
+    codes, header = _unpack(received, block_size * codec.bits // 8)
     key = _piece_keys(key)[1]
     if mean is None:
-        codes, header = average_requantize(codes, header, weight=weight, key=key, **codec)
+        codes, header = average_requantize(
+            codes, header, weight=weight, key=key, **_arguments(codec)
+        )
     else:
-        total = average_blocks(codes, header, weight=weight, bits=bits, implementation=impl)
-        codes, header, mean = quantize_with_feedback(total, mean, key=key, **codec)
+        total = average_blocks(
+            codes, header, weight=weight, bits=codec.bits, implementation=codec.implementation
+        )
+        codes, header, mean = quantize_with_feedback(total, mean, key=key, **_arguments(codec))
     return _pack(codes, header), mean
 
 
-def sg_decode(gathered, *, codec, block_size):
+def sg_decode(gathered, *, codec: Codec, block_size):
     """The last stage: decode the gathered averages, (peers, blocks, bytes), to float32
     values of shape (peers, blocks, block_size)."""
     peers, blocks = gathered.shape[:2]
-    codes, header = _unpack(gathered, block_size * codec["bits"] // 8)
+    codes, header = _unpack(gathered, block_size * codec.bits // 8)
     decoded = dequantize_blocks(
         codes.reshape(peers * blocks, -1),
         header.reshape(peers * blocks, -1),
-        bits=codec["bits"],
-        implementation=codec["implementation"],
+        bits=codec.bits,
+        implementation=codec.implementation,
     )
     return decoded.reshape(peers, blocks, block_size)
 
@@ -166,7 +175,7 @@ def _scatter_gather_piece(x, residual, *, group, gather_group, weight, key, code
     return decoded, None if residual is None else (send, mean)
 
 
-def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
+def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
     """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
 
     Returns ``sum_shard``'s shard and the new residuals (None without error feedback; see
@@ -210,7 +219,7 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, cod
                 gather_group=gather_group,
                 weight=weight,
                 key=None if key is None else jax.random.fold_in(key, i),
-                codec=codec,
+                codec=config.codec,
                 all_to_all=exchange,
             )
             for i, blocks in enumerate(
@@ -293,12 +302,12 @@ def integer_sum(
     return integer.integer_decode(total, factors, width=width), kept
 
 
-def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
+def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
     """The integer wire's all-reduce of one flat float32 bucket (``sum_shard``'s
     contract): its length a multiple of devices x block; returns ``sum_shard``'s shard and
     the new residuals, None without error feedback, else
     (send, mean) with ``mean`` empty (one compression, so one residual; ``residual_sizes``).
-    ``codec["implementation"]`` is not used: this codec is jnp, which XLA fuses on every
+    ``config.implementation`` is not used: this codec is jnp, which XLA fuses on every
     backend.
     """
     node_axis, local_axis = config.axes
@@ -375,7 +384,7 @@ def _joined(x) -> jax.Array:
     return jnp.concatenate(x) if isinstance(x, tuple) else x
 
 
-def sum_shard(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
+def sum_shard(x, config: SyncConfig, *, n, local, weight, key, residual):
     """The part of a flat float32 bucket's all-reduce that crosses between nodes, over
     ``config``'s wire; the bucket's length is a multiple of devices x block. ``x`` may come
     as a tuple of its parts: the integer wire reads them where they lie, the others join
@@ -389,11 +398,10 @@ def sum_shard(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
     allreduce = config.wire_for(config.group_size(n, local)) == "allreduce"
     if not allreduce:
         return scatter_gather_sum_flat(
-            _joined(x), config, n=n, local=local, weight=weight, key=key, codec=codec,
-            residual=residual,
-        )  # fmt: skip
+            _joined(x), config, n=n, local=local, weight=weight, key=key, residual=residual
+        )
     return allreduce_sum_flat(
-        x, config, n=n, local=local, weight=weight, key=key, codec=codec, residual=residual
+        x, config, n=n, local=local, weight=weight, key=key, residual=residual
     )
 
 
@@ -405,11 +413,11 @@ def gather_shard(shard: jax.Array, config: SyncConfig, local: int) -> jax.Array:
     return shard
 
 
-def sum_flat(x, config: SyncConfig, *, n, local, weight, key, codec, residual):
+def sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
     """The all-reduce of one flat float32 bucket: ``sum_shard`` then ``gather_shard``.
     Returns the reduced bucket, typed as replicated over both axes, and the new residuals."""
     shard, residual = sum_shard(
-        x, config, n=n, local=local, weight=weight, key=key, codec=codec, residual=residual
+        x, config, n=n, local=local, weight=weight, key=key, residual=residual
     )
     return gather_shard(shard, config, local), residual
 

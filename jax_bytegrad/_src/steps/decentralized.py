@@ -271,13 +271,28 @@ class _PeerStep(TrainStep):
         return consensus_params(state.params)
 
 
-def _check_step_args(where, mesh, axes, hierarchical, interval, message_bytes) -> tuple[int, int]:
-    """Validates the arguments both decentralized steps take; returns (nodes, per node)."""
-    n, local = checks.mesh_axes(mesh, *axes, where)
-    checks.boolean(hierarchical, "hierarchical", where)
+def _step_args(where: str, arguments: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
+    """Validates the arguments both decentralized builders take, from the builder's
+    ``locals()``; returns (nodes, per node) and the ``_PeerStep`` arguments they make."""
+    a = arguments
+    axes = (a["node_axis"], a["local_axis"])
+    n, local = checks.mesh_axes(a["mesh"], *axes, where)
+    checks.boolean(a["hierarchical"], "hierarchical", where)
+    interval = a["communication_interval"]
     checks.integer(interval, "communication_interval", where, why=" (communicate every k steps)")
-    checks.integer(message_bytes, "message_bytes", where, or_none=True)
-    return n, local
+    checks.integer(a["message_bytes"], "message_bytes", where, or_none=True)
+    step = dict(
+        loss_fn=a["loss_fn"],
+        optimizer=a["optimizer"],
+        mesh=a["mesh"],
+        axes=axes,
+        interval=interval,
+        has_aux=a["has_aux"],
+        donate=a["donate"],
+        flatten=a["flatten"],
+        model=ModelState.of(a["model_state"], a["rng_seed"], a["state_sync"], where),
+    )
+    return n, local, step
 
 
 # Decentralized SGD -----------------------------------------------------------------------
@@ -366,9 +381,7 @@ def decentralized_step(
     """
     where = "decentralized_step"
     axes = (node_axis, local_axis)
-    n, local = _check_step_args(
-        where, mesh, axes, hierarchical, communication_interval, message_bytes
-    )
+    n, local, step = _step_args(where, locals())
     checks.one_of(peer_selection_mode, ("all", "shift_one"), "peer_selection_mode", where)
     gossip_axis, peers = (node_axis, n) if hierarchical else (axes, n * local)
 
@@ -392,19 +405,7 @@ def decentralized_step(
                 return _missing_varying(mixed, axes)
 
             mixes.append(mix_pairs)
-    return _Decentralized(
-        mixes,
-        algorithm="decentralized",
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        mesh=mesh,
-        axes=axes,
-        interval=communication_interval,
-        has_aux=has_aux,
-        donate=donate,
-        flatten=flatten,
-        model=ModelState.of(model_state, rng_seed, state_sync, where),
-    )
+    return _Decentralized(mixes, algorithm="decentralized", **step)
 
 
 # Low-precision decentralized SGD ---------------------------------------------------------
@@ -568,10 +569,7 @@ def low_precision_decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "low_precision_decentralized_step"
-    axes = (node_axis, local_axis)
-    n, local = _check_step_args(
-        where, mesh, axes, hierarchical, communication_interval, message_bytes
-    )
+    n, local, step = _step_args(where, locals())
     check_block_size(block_size, where)
     resolve_implementation(implementation)
     return _LowPrecision(
@@ -581,13 +579,5 @@ def low_precision_decentralized_step(
         implementation=implementation,
         message_bytes=message_bytes,
         algorithm="low_precision_decentralized",
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        mesh=mesh,
-        axes=axes,
-        interval=communication_interval,
-        has_aux=has_aux,
-        donate=donate,
-        flatten=flatten,
-        model=ModelState.of(model_state, rng_seed, state_sync, where),
+        **step,
     )

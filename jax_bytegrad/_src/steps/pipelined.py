@@ -211,11 +211,8 @@ class _Stages:
         self.layout = layout
         self.group = _group(sync, self.n, self.local)
         self.weight = 1.0 / (self.n * self.local) if average else 1.0
-        self.codec = dict(
-            stochastic=sync.stochastic,
-            bits=sync.bits,
-            implementation=resolve_implementation(sync.implementation),
-        )
+        resolve_implementation(sync.implementation)  # refuses "pallas" where it cannot run
+        self.codec = sync.codec
         self.integer = sync.wire == "allreduce"
         self.feedback, self.stochastic = sync.error_feedback, sync.stochastic
         self.block = sync.block_size
@@ -394,9 +391,8 @@ class _Stages:
 
         def total(x):
             out, _ = wires.sum_flat(
-                x, sync, n=self.n, local=self.local, weight=self.weight, key=None,
-                codec=self.codec, residual=None,
-            )  # fmt: skip
+                x, sync, n=self.n, local=self.local, weight=self.weight, key=None, residual=None
+            )
             return (out,)
 
         return Program(f"sum{b}", "wire", total, [f"buf{b}"], [f"avg{b}"])
@@ -847,13 +843,7 @@ def pipelined_step(
             f"{where}: optimizer must be an optax.GradientTransformation such as "
             f"optax.adam(1e-3), got {type(optimizer).__name__}"
         )
-    if sync is None:
-        sync = SyncConfig(where=where)
-    if not isinstance(sync, SyncConfig):
-        raise ValueError(
-            f"{where}: sync must be a jax_bytegrad.SyncConfig, got {type(sync).__name__}; "
-            "pass sync=SyncConfig(wire=..., ...)"
-        )
+    sync = SyncConfig.resolve(where, sync, {})
     checks.boolean(average, "average", where)
     checks.integer(seed, "seed", where, minimum=0)
     sync.mesh_shape(mesh, where)
