@@ -288,28 +288,45 @@ def _compares(strat, compare_uncompressed, prefer_uncompressed) -> bool:
     return compare
 
 
-def _time_uncompressed(strat, loss_fn, optimizer, has_aux, params, batches, warmup, model, say):
-    """The uncompressed step's trial (gradient_allreduce, the same optimizer), slowest process;
-    a step that fails is a warning and a NaN trial, never the user's error."""
+def _trial(config, run, *, fatal: bool, failed: str, stacklevel: int) -> Trial:
+    """One configuration timed on every process, as the slowest process saw it: ``run()``
+    gives (compile_s, step_s). A failure raises where ``fatal``, else it is a warning
+    (``failed``, then the error) and a NaN trial."""
     error = None
     try:
-        compile_s, step_s = _run_trial(
-            uncompressed_strategy(strat), {}, loss_fn, optimizer, has_aux, params, batches, warmup,
-            model,
-        )  # fmt: skip
-    except Exception as e:  # noqa: BLE001 - the comparison is extra; tuning goes on without it
+        compile_s, step_s = run()
+    except Exception as e:  # noqa: BLE001 - a configuration that cannot run is skipped
+        if fatal:
+            raise
         compile_s = step_s = math.nan
         error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-        warnings.warn(f"autotune: the uncompressed step failed: {error}", stacklevel=3)
+        warnings.warn(f"autotune: {failed}: {error}", stacklevel=stacklevel + 1)
     compile_s, step_s = (float(x) for x in _worst([compile_s, step_s]))
     if error is None and math.isnan(step_s):
         error = "failed on another process"
-    say(
-        f"autotune uncompressed ({UNCOMPRESSED}): "
-        + (f"failed ({error})" if error else f"{1e3 * step_s:.1f} ms/step, "
-           f"compile {compile_s:.1f} s")
-    )  # fmt: skip
-    return Trial({}, compile_s, step_s, error)
+    return Trial(config, compile_s, step_s, error)
+
+
+def _said(trial: Trial) -> str:
+    """A trial's line of the progress output, after its label."""
+    if trial.error:
+        return f"failed ({trial.error})"
+    return f"{1e3 * trial.step_s:.1f} ms/step, compile {trial.compile_s:.1f} s"
+
+
+def _time_uncompressed(strat, loss_fn, optimizer, has_aux, params, batches, warmup, model, say):
+    """The uncompressed step's trial (gradient_allreduce, the same optimizer), slowest process;
+    a step that fails is a warning and a NaN trial, never the user's error."""
+    plain = uncompressed_strategy(strat)
+    trial = _trial(
+        {},
+        lambda: _run_trial(plain, {}, loss_fn, optimizer, has_aux, params, batches, warmup, model),
+        fatal=False,
+        failed="the uncompressed step failed",
+        stacklevel=3,
+    )
+    say(f"autotune uncompressed ({UNCOMPRESSED}): {_said(trial)}")
+    return trial
 
 
 def _from_cache(path, key, search):
@@ -480,27 +497,19 @@ def autotune(
         if index < 0:
             break
         config = search.candidates[index]
-        error = None
-        try:
-            compile_s, step_s = _run_trial(
+        trial = _trial(
+            config,
+            lambda config=config: _run_trial(
                 strategy, config, loss_fn, optimizer, has_aux, params, batches, warmup_steps, model
-            )
-        except Exception as e:  # a configuration that cannot run is skipped, not fatal ...
-            if config == start:
-                raise  # ... but the strategy's own one is the user's step: its error is theirs
-            compile_s = step_s = math.nan
-            error = f"{type(e).__name__}: {e}".splitlines()[0][:200]
-            warnings.warn(f"autotune: skipped {label(config)}: {error}", stacklevel=2)
-        compile_s, step_s = (float(x) for x in _worst([compile_s, step_s]))
-        if error is None and math.isnan(step_s):
-            error = "failed on another process"
-        search.scores[index] = step_s
-        trials.append(Trial(config, compile_s, step_s, error))
-        say(
-            f"autotune {len(trials):2d}: {label(config)}: "
-            + (f"failed ({error})" if error else f"{1e3 * step_s:.1f} ms/step, "
-               f"compile {compile_s:.1f} s")
-        )  # fmt: skip
+            ),
+            # The strategy's own configuration is the user's step: its error is theirs.
+            fatal=config == start,
+            failed=f"skipped {label(config)}",
+            stacklevel=2,
+        )
+        search.scores[index] = trial.step_s
+        trials.append(trial)
+        say(f"autotune {len(trials):2d}: {label(config)}: {_said(trial)}")
     measured = search.best()  # None: no trial ran within the time budget
     best = measured or start
     uncompressed = None

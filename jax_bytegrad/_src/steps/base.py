@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks, guard, stats
-from jax_bytegrad._src.sharding import shard_batch
+from jax_bytegrad._src.sharding import replicate, shard_batch
 from jax_bytegrad._src.steps.model_state import ModelState
 
 
@@ -212,8 +212,29 @@ class TrainStep:
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return "step", "step"
 
-    def _init(self, params) -> TrainState:
+    def _optimizer_init(self):
+        """The optimizer's ``init``, for the default ``_init`` and ``_state_shapes``: params
+        replicated, the optimizer state placed as ``self._state_specs`` (a
+        ``sharding.StateSpecs``) says. Steps that place their state otherwise override
+        ``_init`` and ``_state_shapes`` instead."""
         raise NotImplementedError
+
+    def _init_program(self, params):
+        """The optimizer's init, jitted to place its state where it lives: replicated state
+        on every device, residuals per device."""
+        init = self._optimizer_init()
+        specs = self._state_specs(jax.eval_shape(init, params))
+        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
+        return jax.jit(init, out_shardings=shardings)
+
+    def _init(self, params) -> TrainState:
+        params = replicate(host_copy(params), self.mesh)
+        return TrainState(count(0), params, self._init_program(params)(params), {})
+
+    def _state_shapes(self, params) -> TrainState:
+        """``_init``'s result as placed ``ShapeDtypeStruct`` leaves, from abstract params."""
+        params = abstract(params, NamedSharding(self.mesh, P()))
+        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
 
     def _build(self, key):
         raise NotImplementedError
@@ -243,10 +264,6 @@ class TrainStep:
     def _side_counts(self) -> dict[str, int]:
         """How often each of ``_side_phases`` has run."""
         return {}
-
-    def _state_shapes(self, params) -> TrainState:
-        """``_init``'s result as placed ``ShapeDtypeStruct`` leaves, from abstract params."""
-        raise NotImplementedError
 
     # The protocol. ------------------------------------------------------------------------
 

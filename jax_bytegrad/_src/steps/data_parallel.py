@@ -16,14 +16,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.sharding import StateSpecs, replicate
+from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
     TrainState,
     TrainStep,
-    abstract,
     count,
     global_batch,
-    host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 
@@ -90,20 +88,8 @@ class DataParallelStep(TrainStep):
     def _abstract_opt_state(self, params):
         return jax.eval_shape(next(iter(self._optimizers.values())).init, params)
 
-    def _init_program(self, params):
-        """The optimizer's init, jitted to place its state where it lives: replicated state
-        on every device, residuals per device."""
-        init = next(iter(self._optimizers.values())).init
-        specs = self._state_specs(jax.eval_shape(init, params))
-        return jax.jit(init, out_shardings=self._shardings(specs))
-
-    def _init(self, params) -> TrainState:
-        params = replicate(host_copy(params), self.mesh)
-        return TrainState(count(0), params, self._init_program(params)(params), {})
-
-    def _state_shapes(self, params) -> TrainState:
-        params = abstract(params, NamedSharding(self.mesh, P()))
-        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
+    def _optimizer_init(self):
+        return next(iter(self._optimizers.values())).init
 
     def per_device(self, phase: str | None = None) -> Callable:
         """The un-jitted, un-mapped step of one device, for a ``shard_map`` of your own:

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import buckets as bucketing
@@ -64,15 +64,13 @@ from jax_bytegrad._src.collectives import bucket_layout
 from jax_bytegrad._src.config import Residuals, SyncConfig
 from jax_bytegrad._src.programs import Dispatcher, Program, Schedule, Value, aval, execute
 from jax_bytegrad._src.quantization import resolve_implementation
-from jax_bytegrad._src.sharding import StateSpecs, replicate
+from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
     LoweredPrograms,
     TrainState,
     TrainStep,
-    abstract,
     count,
     global_batch,
-    host_copy,
 )
 from jax_bytegrad._src.transforms import ByteGradState, bytegrad
 
@@ -671,18 +669,8 @@ class PipelinedStep(TrainStep):
     def _abstract_opt_state(self, params):
         return jax.eval_shape(self._chain.init, params)
 
-    def _init_program(self, params):
-        specs = self._state_specs(jax.eval_shape(self._chain.init, params))
-        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
-        return jax.jit(self._chain.init, out_shardings=shardings)
-
-    def _init(self, params) -> TrainState:
-        params = replicate(host_copy(params), self.mesh)
-        return TrainState(count(0), params, self._init_program(params)(params), {})
-
-    def _state_shapes(self, params) -> TrainState:
-        params = abstract(params, NamedSharding(self.mesh, P()))
-        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
+    def _optimizer_init(self):
+        return self._chain.init
 
     def _build(self, key) -> _Scheduled:
         return _Scheduled(self)
