@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import load_script
 
 import jax_bytegrad as jbg
 from jax_bytegrad import SyncConfig
@@ -53,16 +54,14 @@ def _strategy(name: str, mesh) -> jbg.Strategy:
     return jbg.Strategy(algorithm, mesh=mesh, **ALGORITHMS[name])
 
 
-def _mlp(dim: int, layers: int):
-    def loss_fn(params, batch):
-        x, y = batch
-        for i, w in enumerate(params):
-            x = x @ w
-            if i < len(params) - 1:
-                x = jax.nn.relu(x)
-        return jnp.mean((x - y) ** 2)
+# The benchmark's MLP (benchmarks/gpu_schedule.py), whose schedule RESULTS records.
+GPU_SCHEDULE = load_script(
+    Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_schedule.py"
+)
 
-    params = [jax.ShapeDtypeStruct((dim, dim), jnp.float32) for _ in range(layers)]
+
+def _mlp(dim: int, layers: int):
+    params, loss_fn, _ = GPU_SCHEDULE.mlp(layers, dim)
     return params, loss_fn
 
 
