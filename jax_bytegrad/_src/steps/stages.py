@@ -1,0 +1,543 @@
+"""The pipelined step's programs: one train step (or the sync alone) cut into programs at its
+collectives, in the order the caller's thread walks them (``Stages``).
+
+``steps/pipelined.py`` schedules them, the wire programs on a dispatch thread of their own;
+see its module docstring for why and where that overlaps. The stages call the wires' own
+(``codecs.integer``'s and ``wire.sg_*``), with the same keys, so the values are the
+one-program step's, bit for bit.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jax_bytegrad._src import buckets as bucketing
+from jax_bytegrad._src import collective_ops
+from jax_bytegrad._src import wire as wires
+from jax_bytegrad._src.codecs.integer import (
+    allreduce_width,
+    decode_factors,
+    dither_seed,
+    integer_bounds,
+    integer_decode,
+    integer_encode,
+)
+from jax_bytegrad._src.config import SyncConfig
+from jax_bytegrad._src.programs import Program
+from jax_bytegrad._src.quantization import resolve_implementation
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    """Who compresses with whom, as the one-program sync has it (``wire.sum_flat``).
+
+    Attributes:
+      axis: the axes the codes are exchanged or summed over.
+      gather: the scatter-gather wire's all_gather axes (the same devices).
+      size: devices in the group.
+      scatter: whether a float32 reduce-scatter within the node comes first.
+    """
+
+    axis: Any
+    gather: Any
+    size: int
+    scatter: bool
+
+    @property
+    def plain(self) -> bool:
+        """One device in the group: nothing is compressed."""
+        return self.size == 1
+
+
+def _group(sync: SyncConfig, n: int, local: int) -> _Group:
+    axes = sync.axes
+    if not sync.hierarchical:
+        return _Group(axes, axes, n * local, False)
+    # With one device per node, the integer sum over both axes types its result replicated
+    # over both; the scatter-gather wire gathers over both for the same reason.
+    summed = sync.node_axis if local > 1 or sync.wire != "allreduce" else axes
+    return _Group(summed, sync.node_axis if local > 1 else axes, n, local > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """A piece of a bucket that crosses the wire in one exchange program.
+
+    Attributes:
+      bucket: the bucket's index.
+      index: the piece's index in the bucket.
+      start, stop: its range of blocks (integer wire: of the group's vector; scatter-gather:
+        of each peer's row of it).
+      pieces: scatter-gather: the message pieces it holds, as (index in the bucket, block
+        slice) pairs.
+    """
+
+    bucket: int
+    index: int
+    start: int
+    stop: int
+    pieces: tuple = ()
+
+    @property
+    def tag(self) -> str:
+        return f"{self.bucket}.{self.index}"
+
+
+def _split(count: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` consecutive ranges of about equal size covering ``range(count)``."""
+    return [(count * i // parts, count * (i + 1) // parts) for i in range(parts)]
+
+
+def _chunks(sync: SyncConfig, group: _Group, local: int, padded: int, b: int) -> list[_Chunk]:
+    """The pieces of bucket ``b`` (``padded`` values per device): at most ``bucket_bytes``
+    of float32 each, of whole blocks (integer wire) or whole messages (scatter-gather)."""
+    block = sync.block_size
+    size = padded // local if group.scatter else padded
+    wanted = 1 if sync.bucket_bytes is None else max(1, -(-padded * 4 // sync.bucket_bytes))
+    if sync.wire == "allreduce" or group.plain:
+        blocks = size // block
+        parts = 1 if group.plain else min(wanted, blocks)
+        return [_Chunk(b, i, s, e) for i, (s, e) in enumerate(_split(blocks, parts))]
+    per_peer = size // (group.size * block)
+    pieces = collective_ops.message_slices(per_peer, block * sync.bits // 8, sync.message_bytes)
+    chunks = []
+    for i, (s, e) in enumerate(_split(len(pieces), min(wanted, len(pieces)))):
+        held = tuple((j, pieces[j]) for j in range(s, e))
+        chunks.append(_Chunk(b, i, held[0][1].start, held[-1][1].stop, held))
+    return chunks
+
+
+def _pipeline(stages: list[list[Program]]) -> list[Program]:
+    """The pieces' stages as a software pipeline: stage k of piece c at tick c + k.
+
+    In each tick the wire programs are submitted first, the oldest piece's first (the order
+    of the exchanges); then the compute programs, the newest piece's first, so that the
+    caller's thread dispatches the next encode before it waits for an exchange to decode.
+    """
+    depth = max(len(s) for s in stages)
+    order = []
+    for tick in range(len(stages) + depth - 1):
+        now = [s[tick - c] for c, s in enumerate(stages) if 0 <= tick - c < len(s)]
+        order += [p for p in now if p.kind == "wire"]
+        order += [p for p in reversed(now) if p.kind == "compute"]
+    return order
+
+
+class Stages:
+    """The programs of one train step (or of the sync alone) for ``layout``, in the order
+    the caller's thread walks them.
+
+    ``buf{b}`` is the vector bucket b's group compresses (the bucket, or its shard after a
+    reduce-scatter within the node); ``send{b}`` / ``mean{b}`` are its residuals, chains
+    (``Program``) that each piece's encode updates in place. Other values are named
+    ``{stage}{b}.{i}`` for piece i.
+
+    Where the mean is decoded: as in the one-program step, so that XLA:CPU fuses the same
+    operations and contracts the same fused multiply-adds. After a reduce-scatter within
+    the node, each piece is decoded in a program of its own, beside the wire, and the
+    float32 all-gather within the node separates the decode from the optimizer, as it does
+    in one program. Otherwise the one-program step fuses the decode into the optimizer's
+    first pass, so the last program decodes every piece itself: a decode fused into a pass
+    the optimizer makes anyway reads a byte or two per value instead of four.
+
+    Args:
+      mesh: the mesh.
+      sync: the sync's settings.
+      layout: the buckets of the gradient.
+      average: divide by the device count.
+      step: the ``PipelinedStep`` whose loss and optimizer the first and last programs
+        run; None for the sync alone (``PipelinedMean``): each device's gradient in, the
+        mean out.
+    """
+
+    def __init__(self, mesh, sync: SyncConfig, layout, *, average: bool, step=None):
+        self.n, self.local = (mesh.shape[a] for a in sync.axes)
+        # The wire this mesh runs ("auto" resolved), as the one-program step picks it.
+        sync = sync.replace(wire=sync.wire_for(sync.group_size(self.n, self.local)))
+        self.sync = sync
+        self.axes = sync.axes
+        self.layout = layout
+        self.group = _group(sync, self.n, self.local)
+        self.weight = 1.0 / (self.n * self.local) if average else 1.0
+        resolve_implementation(sync.implementation)  # refuses "pallas" where it cannot run
+        self.codec = sync.codec
+        self.integer = sync.wire == "allreduce"
+        self.feedback, self.stochastic = sync.error_feedback, sync.stochastic
+        self.block = sync.block_size
+        self.width = None
+        if self.integer and not self.group.plain:
+            self.width = allreduce_width(sync.bits, self.group.size)
+        self.buckets = range(len(layout.buckets))
+        self.chunks = [
+            _chunks(sync, self.group, self.local, layout.padded_sizes[b], b) for b in self.buckets
+        ]
+        self.step = step is not None
+        self.has_aux = self.step and step.has_aux
+        if self.step:
+            self.grad_fn = jax.value_and_grad(step.loss_fn, has_aux=step.has_aux)
+            self.optimizer, self.donate = step._optimizer, step._donate
+        # The integer wire's bounds are of x + residual: known in the gradient's program
+        # unless a float32 reduce-scatter within the node comes first.
+        self.bounds_in_grad = self.integer and not self.group.plain and not self.group.scatter
+
+    def tasks(self) -> list[Program]:
+        tasks = [self._grad()]
+        if self.group.scatter:
+            tasks += [self._scatter(b) for b in self.buckets]
+        last = self._update() if self.step else self._mean()
+        metrics = [self._metrics()] if self.step or (self.integer and not self.group.plain) else []
+        if self.group.plain:
+            return [*tasks, *metrics, *[self._plain(b) for b in self.buckets], last]
+        if self.integer and self.group.scatter:
+            tasks += [self._bounds(b) for b in self.buckets]
+        tasks += metrics
+        stages = [
+            self._integer(c) if self.integer else self._scatter_gather(c)
+            for pieces in self.chunks
+            for c in pieces
+        ]
+        tasks += _pipeline(stages)
+        if self.group.scatter:
+            tasks += [self._gather(b) for b in self.buckets]
+        return [*tasks, last]
+
+    def _pieces(self):
+        """The pieces' last values, by bucket: what the decode reads."""
+        if self.integer:
+            return [[(f"total{c.tag}", f"factors{c.bucket}") for c in cs] for cs in self.chunks]
+        return [[(f"gathered{c.tag}",) for c in cs] for cs in self.chunks]
+
+    def _decode(self, c: _Chunk, *values):
+        """Piece c's part of the mean from its last values (``_pieces``): flat for the
+        integer wire, (peers, blocks, block) for the scatter-gather wire."""
+        if self.integer:
+            total, factors = values
+            return self._decode_sum(total, factors[:, c.start : c.stop])
+        (gathered,) = values
+        parts = [wires.sg_decode(g, codec=self.codec, block_size=self.block) for g in gathered]
+        return jnp.concatenate(parts, axis=1)
+
+    def _decode_sum(self, total, factors):
+        return integer_decode(total, factors, width=self.width)
+
+    def _decode_factors(self, agreed):
+        return decode_factors(
+            agreed, width=self.width, group_size=self.group.size, weight=self.weight,
+            stochastic=self.stochastic,
+        )  # fmt: skip
+
+    def _join(self, parts) -> jax.Array:
+        """A bucket (or shard) from its pieces' parts of the mean."""
+        if self.integer:
+            return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+        return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
+
+    def _residuals(self, b: int) -> tuple[str, ...]:
+        return (f"send{b}",) if self.feedback else ()
+
+    # Before the pieces. ----------------------------------------------------------------------
+
+    def _grad(self) -> Program:
+        """Forward, backward, the buckets; the key of the step; the integer wire's bounds."""
+        axes, layout, feedback = self.axes, self.layout, self.feedback
+        stochastic, block, num = self.stochastic, self.block, len(self.buckets)
+
+        def grad(*args):
+            args = list(args)
+            sends = args[:num] if self.bounds_in_grad and feedback else ()
+            args = args[len(sends) :]
+            if self.step:
+                params, key, batch = args
+                # Varying params: as in data_parallel_step, no hidden float32 all-reduce.
+                out, grads = self.grad_fn(jax.lax.pcast(params, axes, to="varying"), batch)
+                loss, aux = out if self.has_aux else (out, None)
+                new_key, step_key = jax.random.split(key)
+            else:  # the sync alone: each device's own gradient, and compressed_mean's key
+                grads = jax.tree.map(lambda x: x[0], args[0])
+                step_key = args[1] if stochastic else None
+            buckets = bucketing.to_buckets(jax.tree.leaves(grads), layout)
+            outs = [*buckets]
+            if self.step:
+                outs += [loss[None], new_key]
+            if self.has_aux:
+                outs.append(jax.tree.map(lambda a: a[None], aux))
+            if stochastic:
+                # As sync_mean: each device's key, then one per bucket.
+                device = jax.random.fold_in(step_key, jax.lax.axis_index(axes))
+                keys = [jax.random.key_data(jax.random.fold_in(device, b)) for b in range(num)]
+                outs.append(jnp.stack(keys))
+            if self.bounds_in_grad:
+                if feedback:
+                    buckets = [x + r for x, r in zip(buckets, sends, strict=True)]
+                outs += [integer_bounds(x, block) for x in buckets]
+            return tuple(outs)
+
+        inputs = ["params", "key", "batch"] if self.step else ["grads"]
+        inputs += ["key"] if stochastic and not self.step else []
+        outputs = [f"buf{b}" for b in self.buckets]
+        outputs += ["loss_d", "new_key"] if self.step else []
+        outputs += ["aux_d"] if self.has_aux else []
+        outputs += ["keys"] if stochastic else []
+        outputs += [f"bounds{b}" for b in self.buckets] if self.bounds_in_grad else []
+        reads = [f"send{b}" for b in self.buckets] if self.bounds_in_grad and feedback else []
+        return Program("grad", "compute", grad, inputs, outputs, reads=reads)
+
+    def _scatter(self, b: int) -> Program:
+        local_axis = self.sync.local_axis
+
+        def scatter(x):
+            return (jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True),)
+
+        return Program(f"scatter{b}", "wire", scatter, [f"buf{b}"], [f"shard{b}"])
+
+    def _bounds(self, b: int) -> Program:
+        block, feedback = self.block, self.feedback
+
+        def bounds(*args):
+            *send, x = args
+            return (integer_bounds(x + send[0] if feedback else x, block),)
+
+        return Program(
+            f"bounds{b}", "compute", bounds, [f"shard{b}"], [f"bounds{b}"],
+            reads=self._residuals(b),
+        )  # fmt: skip
+
+    def _metrics(self) -> Program:
+        """The mean loss (and aux) over the devices; the integer wire's agreed bounds and
+        decode factors."""
+        axes, group = self.axes, self.group.axis
+        agree = self.integer and not self.group.plain
+
+        def metrics(*rest):
+            rest = list(rest)
+            outs = [jax.lax.pmean(rest.pop(0)[0], axes)] if self.step else []
+            if self.has_aux:
+                outs.append(jax.tree.map(lambda a: jax.lax.pmean(a[0], axes), rest.pop(0)))
+            if agree:
+                # One pmax for every bucket: the maximum is exact, so this is each bucket's.
+                cuts = np.cumsum([x.shape[0] for x in rest])[:-1].tolist()
+                agreed = jnp.split(jax.lax.pmax(jnp.concatenate(rest), group), cuts)
+                # The decode's factors: an output of this program, so the decoding programs
+                # read them as data (wire.py's pmax of them is for one program).
+                outs += [*agreed, *map(self._decode_factors, agreed)]
+            return tuple(outs)
+
+        inputs = ["loss_d"] if self.step else []
+        outputs = ["loss"] if self.step else []
+        inputs += ["aux_d"] if self.has_aux else []
+        outputs += ["aux"] if self.has_aux else []
+        if agree:
+            inputs += [f"bounds{b}" for b in self.buckets]
+            outputs += [f"agreed{b}" for b in self.buckets]
+            outputs += [f"factors{b}" for b in self.buckets]
+        return Program("metrics", "wire", metrics, inputs, outputs)
+
+    def _plain(self, b: int) -> Program:
+        """One device per group, nothing compressed: the bucket's float32 sum, as is (error
+        feedback's residuals are empty then, and stay as they are)."""
+        sync = self.sync
+
+        def total(x):
+            out, _ = wires.sum_flat(
+                x, sync, n=self.n, local=self.local, weight=self.weight, key=None, residual=None
+            )
+            return (out,)
+
+        return Program(f"sum{b}", "wire", total, [f"buf{b}"], [f"avg{b}"])
+
+    # The pieces. -----------------------------------------------------------------------------
+
+    def _key(self, keys, b: int):
+        return None if keys is None else jax.random.wrap_key_data(keys[b])
+
+    def _integer(self, c: _Chunk) -> list[Program]:
+        """encode -> psum (-> decode) of one piece (``wire.integer_sum``'s stages)."""
+        group, width, block = self.group, self.width, self.block
+        feedback, stochastic, tag = self.feedback, self.stochastic, c.tag
+        s, e = c.start * block, c.stop * block
+
+        def encode(*args):
+            args = list(args)
+            res = args.pop(0) if feedback else None
+            x, agreed = args.pop(0), args.pop(0)
+            key = self._key(args.pop(0) if stochastic else None, c.bucket)
+            x = x[s:e] if res is None else x[s:e] + res[s:e]
+            codes, kept = integer_encode(
+                x, agreed[c.start : c.stop], block_size=block, width=width,
+                stochastic=stochastic, seed=None if key is None else dither_seed(key),
+                first_block=c.start, feedback=feedback,
+            )  # fmt: skip
+            return (codes,) if res is None else (res.at[s:e].set(kept), codes)
+
+        def psum(codes):
+            return (jax.lax.psum(codes, group.axis),)
+
+        keys = ["keys"] if stochastic else []
+        inputs = [self._source(c.bucket), f"agreed{c.bucket}", *keys]
+        return [
+            Program(
+                f"encode{tag}", "compute", encode, inputs, [f"codes{tag}"],
+                chains=self._residuals(c.bucket),
+            ),
+            Program(f"psum{tag}", "wire", psum, [f"codes{tag}"], [f"total{tag}"]),
+            *self._piece_decode(c),
+        ]  # fmt: skip
+
+    def _piece_decode(self, c: _Chunk) -> list[Program]:
+        """After a reduce-scatter within the node: piece c's decode, beside the wire."""
+        if not self.group.scatter:
+            return []
+        values = self._pieces()[c.bucket][c.index]
+        return [
+            Program(
+                f"decode{c.tag}", "compute", lambda *v: (self._decode(c, *v),), values,
+                [f"part{c.tag}"],
+            )
+        ]  # fmt: skip
+
+    def _source(self, b: int) -> str:
+        return f"shard{b}" if self.group.scatter else f"buf{b}"
+
+    def _scatter_gather(self, c: _Chunk) -> list[Program]:
+        """quantize -> all_to_all -> average -> all_gather -> decode of one piece (the
+        stages of ``wire._scatter_gather_piece``, for each message piece it holds)."""
+        sync, group, codec, block = self.sync, self.group, self.codec, self.block
+        feedback, stochastic, tag = self.feedback, self.stochastic, c.tag
+        exchange = wires.code_exchange(sync.wire, sync.message_bytes)
+        held = slice(c.start, c.stop)
+
+        def piece_key(keys, j):
+            key = self._key(keys, c.bucket)
+            return None if key is None else jax.random.fold_in(key, j)
+
+        def rows(x):  # (peers, blocks per peer, block), as scatter_gather_sum_flat has it
+            return x.reshape(group.size, -1, block)
+
+        def quantize(*rest):
+            rest = list(rest)
+            send = rows(rest.pop(0)) if feedback else None
+            x = rows(rest.pop(0))
+            keys = rest.pop(0) if stochastic else None
+            messages, kept = [], []
+            for j, blocks in c.pieces:
+                part = None if send is None else send[:, blocks]
+                message, new = wires.sg_encode(
+                    x[:, blocks], part, key=piece_key(keys, j), codec=codec
+                )
+                messages.append(message)
+                kept.append(new)
+            if send is None:
+                return (tuple(messages),)
+            send = send.at[:, held].set(jnp.concatenate(kept, axis=1))
+            return send.reshape(-1), tuple(messages)
+
+        def all_to_all(messages):
+            return (tuple(exchange(m, group.axis) for m in messages),)
+
+        def average(*args):
+            args = list(args)
+            mean = args.pop(0).reshape(-1, block) if feedback else None
+            received = args.pop(0)
+            keys = args.pop(0) if stochastic else None
+            messages, kept = [], []
+            for (j, blocks), got in zip(c.pieces, received, strict=True):
+                message, new = wires.sg_average(
+                    got, None if mean is None else mean[blocks], weight=self.weight,
+                    key=piece_key(keys, j), codec=codec, block_size=block,
+                )  # fmt: skip
+                messages.append(message)
+                kept.append(new)
+            if mean is None:
+                return (tuple(messages),)
+            mean = mean.at[held].set(jnp.concatenate(kept, axis=0))
+            return mean.reshape(-1), tuple(messages)
+
+        def all_gather(messages):
+            gather = jax.lax.all_gather
+            return (tuple(gather(m, group.gather, axis=0, to="invarying") for m in messages),)
+
+        b = c.bucket
+        keys = ["keys"] if stochastic else []
+        mean = [f"mean{b}"] if feedback else []
+        return [
+            Program(f"quantize{tag}", "compute", quantize, [self._source(b), *keys],
+                     [f"message{tag}"], chains=self._residuals(b)),
+            Program(f"all_to_all{tag}", "wire", all_to_all, [f"message{tag}"],
+                     [f"received{tag}"]),
+            Program(f"average{tag}", "compute", average, [f"received{tag}", *keys],
+                     [f"average{tag}"], chains=mean),
+            Program(f"all_gather{tag}", "wire", all_gather, [f"average{tag}"],
+                     [f"gathered{tag}"]),
+            *self._piece_decode(c),
+        ]  # fmt: skip
+
+    # After the pieces. -----------------------------------------------------------------------
+
+    def _gather(self, b: int) -> Program:
+        """After a reduce-scatter within the node: the bucket's mean from its shards."""
+        local_axis = self.sync.local_axis
+
+        def gather(*parts):
+            return (collective_ops.gather_invariant(self._join(parts), local_axis),)
+
+        parts = [f"part{c.tag}" for c in self.chunks[b]]
+        return Program(f"gather{b}", "wire", gather, parts, [f"avg{b}"])
+
+    def _tail(self):
+        """The last program's view of the means: its input names, and a function of those
+        inputs that gives the mean of every bucket."""
+        if self.group.plain or self.group.scatter:
+            return [f"avg{b}" for b in self.buckets], list
+        pieces = self._pieces()
+        names = [name for by_bucket in pieces for values in by_bucket for name in values]
+
+        def means(values):
+            values, out = list(values), []
+            for chunks, by_bucket in zip(self.chunks, pieces, strict=True):
+                held = [[values.pop(0) for _ in names] for names in by_bucket]
+                if self.integer:
+                    # The bucket's sum decoded at once, as integer_sum does: the same fusion.
+                    out.append(self._decode_sum(self._join([h[0] for h in held]), held[0][1]))
+                else:
+                    parts = [self._decode(c, *h) for c, h in zip(chunks, held, strict=True)]
+                    out.append(self._join(parts))
+            return out
+
+        # A bucket's decode factors are read by each of its pieces: pass each value once.
+        unique = list(dict.fromkeys(names))
+        return unique, lambda values: means([values[unique.index(n)] for n in names])
+
+    def _update(self) -> Program:
+        """The optimizer on the mean gradient, and the new parameters."""
+        layout, optimizer = self.layout, self.optimizer
+        names, means = self._tail()
+
+        def update(*args):
+            *values, params, inner = args
+            leaves, treedef = jax.tree.flatten(params)
+            grads = bucketing.from_buckets(means(values), leaves, layout)
+            updates, inner = optimizer.update(jax.tree.unflatten(treedef, grads), inner, params)
+            return optax.apply_updates(params, updates), inner
+
+        return Program(
+            "update", "compute", update, [*names, "params", "inner"], ["new_params", "new_inner"],
+            donate=(len(names), len(names) + 1) if self.donate else (),
+        )  # fmt: skip
+
+    def _mean(self) -> Program:
+        """The sync alone: the mean as a pytree like the gradient, replicated."""
+        layout = self.layout
+        names, means = self._tail()
+
+        def mean(*values):
+            leaves = [None] * len(layout.shapes)  # every leaf is a float leaf
+            return (bucketing.from_buckets(means(values), leaves, layout),)
+
+        return Program("mean", "compute", mean, names, ["mean"])
+
+
+# The step -----------------------------------------------------------------------------------
