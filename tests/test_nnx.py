@@ -47,9 +47,10 @@ def _device_grad(model, x, y, key):
     return loss, grad
 
 
-def _reference(batches, steps, tx):
+def _reference(batches, steps, tx, state_sync="mean"):
     """Plain NNX on one device: each device's rows with its own dropout key (step_key), the
-    gradients and the new batch statistics averaged, one optimizer update."""
+    gradients averaged and the new batch statistics averaged (or device 0's), one optimizer
+    update."""
     model = MLP(nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     rng = jax.random.key(SEED)
@@ -66,16 +67,16 @@ def _reference(batches, steps, tx):
             shard_losses.append(loss)
         mean = lambda *xs: sum(xs) / len(xs)  # noqa: E731
         optimizer.update(model, jax.tree.map(mean, *grads))
-        nnx.update(model, jax.tree.map(mean, *stats))
+        nnx.update(model, jax.tree.map(mean, *stats) if state_sync == "mean" else stats[0])
         losses.append(float(np.mean(shard_losses)))
     return model, losses
 
 
-def _trained(algorithm, batches, steps, tx, **kwargs):
+def _trained(algorithm, batches, steps, tx, state_sync="mean", **kwargs):
     model = MLP(nnx.Rngs(0))
     strategy = jax_bytegrad.Strategy(algorithm, mesh=jax_bytegrad.make_mesh(2, 4), **kwargs)
     with jax_bytegrad.nnx.train_step(
-        strategy, model, tx, loss_fn, has_aux=True, rng_seed=SEED
+        strategy, model, tx, loss_fn, has_aux=True, rng_seed=SEED, state_sync=state_sync
     ) as step:
         losses = [float(step(batches[i])["loss"]) for i in range(steps)]
     return model, step, losses
@@ -103,6 +104,14 @@ def test_gradient_allreduce_matches_plain_nnx_training(batches, reference):
     # The statistics moved (BatchNorm trained) and the step wrote them back.
     assert not np.allclose(np.asarray(model.norm.mean[...]), 0.0)
     assert int(step.state.step) == STEPS
+
+
+def test_state_sync_first_keeps_device_zeros_batch_statistics(batches):
+    model, _, _ = _trained("gradient_allreduce", batches, 2, optax.sgd(0.1), state_sync="first")
+    expected, _ = _reference(batches, 2, optax.sgd(0.1), state_sync="first")
+    assert_trees_all_close(_variables(model), _variables(expected), rtol=1e-5, atol=1e-6)
+    averaged, _ = _reference(batches, 2, optax.sgd(0.1))
+    assert not np.allclose(model.norm.mean[...], averaged.norm.mean[...], atol=1e-4)
 
 
 def test_bytegrad_stays_within_its_bound_of_plain_nnx_training(batches):
