@@ -468,6 +468,7 @@ def _one_step(strategy):
         return jax.device_get(step.params(state)), state.params
 
 
+@pytest.mark.slow  # a train step compiled per setting: 30-64 s on a loaded 2-core host
 @pytest.mark.parametrize("bits", [8, 4])
 def test_every_tunable_setting_keeps_the_average_within_the_quantization_bound(bits):
     exact, _ = _one_step(_strategy("gradient_allreduce"))

@@ -102,11 +102,18 @@ EXIT_HUNG = 125
 EXIT_USAGE = 2  # Python's status for a script it cannot open, argparse's for bad arguments
 
 _PREFIX = "[launch] "
-# Gloo prints this to native stdout for each local device in each collective group it sets up,
-# on process 0 even when the launcher quiets the others (the other ranks' native stdout).
-_GLOO_CONNECTED = re.compile(
-    rb"^\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-    rb"Expected number of connected peer ranks is : (\d+)\s*$"
+# Gloo prints "[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer
+# ranks is : 7" to native stdout for each local device in each collective group it sets up, on
+# process 0 even when the launcher quiets the others (the other ranks' native stdout). Its
+# threads print at once, unlocked, so one line may hold pieces of two ("[Gloo] Rank [Gloo] Rank
+# 0 is connected to ...", then "0 is connected to ..." on the next): a line made only of these
+# pieces is one of them.
+_GLOO_PIECES = re.compile(
+    rb"\[Gloo\] Rank |\d+ is connected to |\d+ peer ranks\. "
+    rb"|Expected number of connected peer ranks is : \d+"
+)
+_GLOO_COUNTS = re.compile(
+    rb"connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)"
 )
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
@@ -115,9 +122,14 @@ HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 def _gloo_connected(line: bytes) -> bool:
-    """Whether ``line`` is Gloo's report of a rank that connected to every peer it expected."""
-    match = _GLOO_CONNECTED.match(line)
-    return match is not None and match[1] == match[2]
+    """Whether ``line`` is Gloo's report (or pieces of reports) of ranks that connected to
+    every peer they expected."""
+    text = line.strip()
+    if b"[Gloo]" not in text and b" is connected to " not in text:
+        return False
+    if _GLOO_PIECES.sub(b"", text).strip():
+        return False  # something else is on the line
+    return all(got == expected for got, expected in _GLOO_COUNTS.findall(text))
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock, quiet: bool = False) -> None:
