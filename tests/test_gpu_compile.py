@@ -19,7 +19,7 @@ from helpers import load_script
 
 import jax_bytegrad as jbg
 from jax_bytegrad import SyncConfig
-from jax_bytegrad._src import codecs, wire
+from jax_bytegrad._src import codecs, collectives, wire
 from jax_bytegrad.sharding import GPUS, gpu_mesh
 
 ALGORITHMS = {
@@ -200,6 +200,46 @@ def test_compressed_traffic_overlaps_the_backward_pass_on_h100s(name, phase):
     assert compressed.bytes_sent < baseline.bytes_sent / 3
     assert compressed.early_share >= 0.5, compressed
     assert compressed.overlapped_ops >= baseline.overlapped_ops, (compressed, baseline)
+
+
+# The collective each wire stage of a plan compiles to.
+STAGE_KINDS = {"psum": "all-reduce", "all_to_all": "all-to-all", "all_gather": "all-gather"}
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("wire_name", ["allreduce", "scatter_gather"])
+def test_each_bucket_crosses_between_nodes_as_its_own_plan(platform, wire_name):
+    """The compiled step holds, for each bucket, the collectives of its wire's plan between
+    nodes (``wire.integer_plan``, ``wire.scatter_gather_plan``): none merged with another
+    bucket's, which would make every bucket wait for the whole gradient."""
+    if platform == "gpu" and _plugin_error() is not None:
+        pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin: {_plugin_error()}")
+    mesh = gpu_mesh(2, 4) if platform == "gpu" else jbg.make_mesh(2, 4)
+    params, loss_fn = _mlp(512, 4)  # four 1 MiB leaves
+    sync = SyncConfig(wire=wire_name, bucket_bytes=2**20, message_bytes=None)
+    layout = collectives.bucket_layout(params, sync, (2, 4))
+    group = wire.group_of(sync, 2, 4)
+    plan = (
+        wire.integer_plan(group, block_size=sync.block_size, bits=8, stochastic=False,
+                          start=0, stop=1, feedback=False)
+        if group.wire == "allreduce"
+        else wire.scatter_gather_plan(sync, group, weight=1 / 8, held=((0, slice(0, 1)),),
+                                      feedback=False)
+    )  # fmt: skip
+    want = {}
+    for stage in plan:
+        if stage.kind == "wire":
+            kind = STAGE_KINDS[stage.name]
+            want[kind] = want.get(kind, 0) + len(layout.buckets)
+    settings = {"wire": wire_name, "bucket_bytes": 2**20, "message_bytes": None}
+    with jbg.Strategy("bytegrad", mesh=mesh, **settings).train_step(
+        loss_fn, optax.sgd(0.1)
+    ) as step:
+        batch = (jax.ShapeDtypeStruct((512, 512), jnp.float32),) * 2
+        stats = step.communication_stats(step.state_shapes(params), batch)["step"]
+    got = {row.kind: row.count for row in stats.rows if row.axes == "node" and row.dtype == "u8"}
+    assert len(layout.buckets) == 4
+    assert got == want, (got, want)
 
 
 def test_state_shapes_carries_the_model_state_and_key():

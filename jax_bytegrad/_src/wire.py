@@ -39,7 +39,10 @@ The bytes each wire sends between nodes: benchmarks/RESULTS.md, "Bytes between n
 "Decode factors: each block's grid once, not once per value".
 """
 
+import dataclasses
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +66,86 @@ def code_exchange(wire: Wire, message_bytes: int | None):
     if wire == "ring":
         return lambda x, axis: ring_all_to_all(x, axis, message_bytes=message_bytes)
     return lambda x, axis: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
+
+
+# Who compresses with whom, and a wire's stages ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The devices that compress together: one device per node (hierarchical, after a
+    float32 reduce-scatter within the node), or every device.
+
+    Attributes:
+      axis: the axes the codes are exchanged or summed over.
+      gather: the scatter-gather wire's all_gather axes (the same devices).
+      size: devices in the group.
+      scatter: whether a float32 reduce-scatter within the node comes first (and an
+        all_gather there last).
+      wire: the wire that runs between them (``"auto"`` resolved).
+    """
+
+    axis: Any
+    gather: Any
+    size: int
+    scatter: bool
+    wire: Wire
+
+    @property
+    def plain(self) -> bool:
+        """One device in the group: nothing is compressed."""
+        return self.size == 1
+
+
+def group_of(config: SyncConfig, n: int, local: int) -> Group:
+    """The group of a ``n`` x ``local`` mesh under ``config``."""
+    size = config.group_size(n, local)
+    wire = config.wire_for(size)
+    axes = config.axes
+    if not config.hierarchical:
+        return Group(axes, axes, size, False, wire)
+    # With one device per node, the integer sum over both axes types its result replicated
+    # over both; the scatter-gather wire gathers over both for the same reason: a size-1
+    # gather would copy the whole bucket.
+    summed = config.node_axis if local > 1 or wire != "allreduce" else axes
+    return Group(summed, config.node_axis if local > 1 else axes, size, local > 1, wire)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a piece's way between nodes, as a function of named values.
+
+    A wire's plan is the tuple of its stages for one piece of a bucket. The one-program sync
+    runs it inline (``run``); the pipelined step runs each stage as a program of its own
+    (``steps/stages.py``); both read the same functions, so the bits are the same.
+
+    Attributes:
+      name: what it does (``"encode"``, ``"psum"``, ...), which also names its output.
+      kind: ``"compute"`` (on the device) or ``"wire"`` (collectives only).
+      fn: takes the values named by ``chains`` and then by ``reads``; returns the new values
+        of ``chains`` and then its output.
+      reads: the values it reads: earlier stages' outputs by name, or the bucket's
+        ``"x"`` (what the group compresses), ``"key"`` (the bucket's key, or None),
+        ``"agreed"`` and ``"factors"`` (the integer wire's agreed bounds and decode factors).
+      chains: the error-feedback residuals it updates (``"send"``, ``"mean"``); empty
+        without error feedback.
+    """
+
+    name: str
+    kind: str
+    fn: Callable
+    reads: tuple[str, ...]
+    chains: tuple[str, ...] = ()
+
+
+def run(plan: tuple[Stage, ...], values: dict) -> dict:
+    """Runs ``plan`` in the calling program: ``values`` with every stage's output (and
+    updated residuals) added under its name."""
+    values = dict(values)
+    for stage in plan:
+        outs = stage.fn(*(values[name] for name in (*stage.chains, *stage.reads)))
+        values.update(zip((*stage.chains, stage.name), outs, strict=True))
+    return values
 
 
 # The scatter-gather wire ------------------------------------------------------------------------
@@ -146,33 +229,76 @@ def sg_decode(gathered, *, codec: Codec, block_size):
     return decoded.reshape(peers, blocks, block_size)
 
 
-def _scatter_gather_piece(x, residual, *, group, gather_group, weight, key, codec, all_to_all):
-    """The compressed all-reduce of one message's worth of blocks.
+def scatter_gather_plan(config: SyncConfig, group: Group, *, weight, held, feedback: bool):
+    """The scatter-gather wire's stages for some message pieces of a bucket.
 
-    ``x`` has shape (peers, blocks, block_size): row j is what goes to peer j over ``group``,
-    which owns those blocks of the mean. The averaged codes come back over ``gather_group``
-    (the same devices, possibly named by more axes, which it marks the result replicated
-    over). Each block's codes travel with its header, one message per peer and direction.
-    Returns the decoded mean of all of ``x``, same shape, and the new residuals: None
-    without error feedback, else, for ``residual`` = (send, mean) of shapes ``x.shape`` and
-    ``x.shape[1:]``, what each compression left unsent. The stages between the collectives
-    (``sg_encode``, ``sg_average``, ``sg_decode``) are also what the pipelined step runs as
-    programs of their own.
+    quantize -> all_to_all -> average -> all_gather -> decode. ``held`` is a tuple of
+    consecutive (index in the bucket, block slice) pairs, each a piece of ``message_bytes``
+    of codes per peer (``message_slices``): each piece is a message of its own in each
+    exchange, and rounds with the bucket's key folded with its index. Each block's codes
+    travel with its header, one message per peer and direction, and no device gathers all
+    the group's codes.
+
+    The plan reads ``x``, the group's vector of the bucket (row j of its (peers, blocks,
+    block) view goes to peer j, which owns those blocks of the mean), and ``key``; with
+    ``feedback`` it updates ``send`` (what the first compression left unsent, as long as
+    ``x``) and ``mean`` (what the requantize left unsent, 1/peers of that). Its ``decode``
+    is the held blocks of the mean, shaped (peers, held blocks, block).
     """
-    block_size = x.shape[-1]
-    send, mean = (None, None) if residual is None else residual
-    message, send = sg_encode(x, send, key=key, codec=codec)
-    message, mean = sg_average(
-        all_to_all(message, group),
-        mean,
-        weight=weight,
-        key=key,
-        codec=codec,
-        block_size=block_size,
+    codec, block = config.codec, config.block_size
+    exchange = code_exchange(group.wire, config.message_bytes)
+    span = slice(held[0][1].start, held[-1][1].stop)
+
+    def key_of(key, j):
+        return None if key is None else jax.random.fold_in(key, j)
+
+    def quantize(*args):
+        *send, x, key = args
+        x = x.reshape(group.size, -1, block)
+        send = send[0].reshape(x.shape) if send else None
+        messages, kept = [], []
+        for j, blocks in held:
+            part = None if send is None else send[:, blocks]
+            message, new = sg_encode(x[:, blocks], part, key=key_of(key, j), codec=codec)
+            messages.append(message)
+            kept.append(new)
+        if send is None:
+            return (tuple(messages),)
+        return send.at[:, span].set(jnp.concatenate(kept, axis=1)).reshape(-1), tuple(messages)
+
+    def all_to_all(messages):
+        return (tuple(exchange(m, group.axis) for m in messages),)
+
+    def average(*args):
+        *mean, received, key = args
+        mean = mean[0].reshape(-1, block) if mean else None
+        messages, kept = [], []
+        for (j, blocks), got in zip(held, received, strict=True):
+            message, new = sg_average(
+                got, None if mean is None else mean[blocks], weight=weight, key=key_of(key, j),
+                codec=codec, block_size=block,
+            )  # fmt: skip
+            messages.append(message)
+            kept.append(new)
+        if mean is None:
+            return (tuple(messages),)
+        return mean.at[span].set(jnp.concatenate(kept, axis=0)).reshape(-1), tuple(messages)
+
+    def all_gather(messages):
+        gather = jax.lax.all_gather
+        return (tuple(gather(m, group.gather, axis=0, to="invarying") for m in messages),)
+
+    def decode(gathered):
+        parts = [sg_decode(g, codec=codec, block_size=block) for g in gathered]
+        return (jnp.concatenate(parts, axis=1),)
+
+    return (
+        Stage("quantize", "compute", quantize, ("x", "key"), ("send",) if feedback else ()),
+        Stage("all_to_all", "wire", all_to_all, ("quantize",)),
+        Stage("average", "compute", average, ("all_to_all", "key"), ("mean",) if feedback else ()),
+        Stage("all_gather", "wire", all_gather, ("average",)),
+        Stage("decode", "compute", decode, ("all_gather",)),
     )
-    gathered = jax.lax.all_gather(message, gather_group, axis=0, to="invarying")
-    decoded = sg_decode(gathered, codec=codec, block_size=block_size)
-    return decoded, None if residual is None else (send, mean)
 
 
 def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
@@ -190,52 +316,80 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, res
     all_to_all as ppermute shifts (``ring_all_to_all``), with the same result.
     """
     node_axis, local_axis = config.axes
-    block_size, hierarchical = config.block_size, config.hierarchical
-    exchange = code_exchange(config.wire, config.message_bytes)
-    group_size = config.group_size(n, local)
-    if hierarchical:
-        group = node_axis
-        if local > 1:
-            x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
-        # With one device per node, gathering over both axes reaches the same devices and
-        # leaves the result replicated: a separate size-1 gather would copy the whole bucket.
-        gather_group = node_axis if local > 1 else (node_axis, local_axis)
-    else:
-        group = gather_group = (node_axis, local_axis)
-    if group_size == 1:
+    group = group_of(config, n, local)
+    if group.scatter:
+        x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+    if group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
-        if hierarchical:
+        if config.hierarchical:
             x = _plain_shard(x, node_axis, local_axis, local)
-    else:
-        x = x.reshape(group_size, -1, block_size)
-        if residual is not None:
-            residual = (residual[0].reshape(x.shape), residual[1].reshape(x.shape[1:]))
-        pieces = [
-            _scatter_gather_piece(
-                x[:, blocks],
-                None if residual is None else (residual[0][:, blocks], residual[1][blocks]),
-                group=group,
-                gather_group=gather_group,
-                weight=weight,
-                key=None if key is None else jax.random.fold_in(key, i),
-                codec=config.codec,
-                all_to_all=exchange,
-            )
-            for i, blocks in enumerate(
-                message_slices(x.shape[1], block_size * config.bits // 8, config.message_bytes)
-            )
-        ]
-        x = jnp.concatenate([decoded for decoded, _ in pieces], axis=1).reshape(-1)
-        if residual is not None:
-            residual = (
-                jnp.concatenate([kept[0] for _, kept in pieces], axis=1).reshape(-1),
-                jnp.concatenate([kept[1] for _, kept in pieces], axis=0).reshape(-1),
-            )
-    return x, residual
+        return x, residual
+    block_size = config.block_size
+    per_peer = x.shape[0] // (group.size * block_size)
+    pieces = message_slices(per_peer, block_size * config.bits // 8, config.message_bytes)
+    plan = scatter_gather_plan(
+        config, group, weight=weight, held=tuple(enumerate(pieces)), feedback=residual is not None
+    )
+    values = {"x": x, "key": key}
+    if residual is not None:
+        values.update(send=residual[0], mean=residual[1])
+    values = run(plan, values)
+    x = values["decode"].reshape(-1)
+    return x, None if residual is None else (values["send"], values["mean"])
 
 
 # The integer wire ---------------------------------------------------------------------------
+
+
+def integer_plan(group: Group, *, block_size: int, bits: int, stochastic: bool, start: int,
+                 stop: int, feedback: bool):  # fmt: skip
+    """The integer wire's stages for blocks ``[start, stop)`` of a bucket: encode -> psum ->
+    decode.
+
+    The plan reads ``x``, the group's vector of the bucket, whole or as a tuple of its
+    consecutive parts (``buckets.to_bucket_parts``: each part is read where it lies), ``key``,
+    and the bucket's ``agreed`` bounds and decode ``factors`` (the group's pmax of each
+    device's, ``integer_sum``); with ``feedback`` it updates ``send`` (what this device's
+    codes missed, as long as ``x``). Its ``decode`` is those blocks of the weighted sum, flat.
+    """
+    width = integer.allreduce_width(bits, group.size)
+    lo, hi = start * block_size, stop * block_size
+
+    def encode(*args):
+        *send, x, agreed, key = args
+        parts = x if isinstance(x, tuple) else (x,)
+        seed = None if key is None else integer.dither_seed(key)
+        codes, kept, offset = [], [], 0
+        for part in parts:
+            a, b = max(lo, offset), min(hi, offset + part.shape[0])
+            if a < b:
+                values = part[a - offset : b - offset]
+                values = values + send[0][a:b] if send else values
+                coded = integer.integer_encode(
+                    values, agreed[a // block_size : b // block_size], block_size=block_size,
+                    width=width, stochastic=stochastic, seed=seed, first_block=a // block_size,
+                    feedback=bool(send),
+                )  # fmt: skip
+                codes.append(coded[0])
+                kept.append(coded[1])
+            offset += part.shape[0]
+        codes = codes[0] if len(codes) == 1 else jnp.concatenate(codes)
+        if not send:
+            return (codes,)
+        return send[0].at[lo:hi].set(kept[0] if len(kept) == 1 else jnp.concatenate(kept)), codes
+
+    def psum(codes):
+        return (jax.lax.psum(codes, group.axis),)
+
+    def decode(total, factors):
+        return (integer.integer_decode(total, factors[:, start:stop], width=width),)
+
+    return (
+        Stage("encode", "compute", encode, ("x", "agreed", "key"), ("send",) if feedback else ()),
+        Stage("psum", "wire", psum, ("encode",)),
+        Stage("decode", "compute", decode, ("psum", "factors")),
+    )
 
 
 def integer_sum(
@@ -252,11 +406,10 @@ def integer_sum(
 ) -> tuple[jax.Array, jax.Array | None]:
     """``weight`` times the sum over ``group`` of the flat vectors ``x``, as integer codes.
 
-    One psum per call: an all-reduce cut into messages only runs slower through Gloo
-    (benchmarks/RESULTS.md, "Integer wire and rings"), so the bucket is the message. The
-    stages between the collectives (``integer_bounds``, ``integer_encode``,
-    ``decode_factors``, ``integer_decode``) are also what the pipelined step runs as programs
-    of their own.
+    The bounds of each block are agreed by one pmax, the codes summed by one psum
+    (``integer_plan``), and the decode factors agreed by one more pmax. One psum per call:
+    an all-reduce cut into messages only runs slower through Gloo (benchmarks/RESULTS.md,
+    "Integer wire and rings"), so the bucket is the message.
 
     Args:
       x: this device's flat float32 vector, or a tuple of consecutive parts of it
@@ -274,32 +427,28 @@ def integer_sum(
       The decoded weighted sum, typed as replicated over ``group``, and the new residual
       (None without one).
     """
-    width = integer.allreduce_width(bits, group_size)
     parts = x if isinstance(x, tuple) else (x,)
     starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
     if residual is not None:
         parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
     bounds = jnp.concatenate([integer.integer_bounds(part, block_size) for part in parts])
-    bounds = jax.lax.pmax(bounds, group)
-    seed = None if key is None else integer.dither_seed(key)
-    encoded = []
-    for part, start, stop in zip(parts, starts[:-1], starts[1:], strict=True):
-        first, last = start // block_size, stop // block_size
-        encoded.append(
-            integer.integer_encode(
-                part, bounds[first:last], block_size=block_size, width=width,
-                stochastic=stochastic, seed=seed, first_block=first, feedback=residual is not None,
-            )
-        )  # fmt: skip
-    codes = jnp.concatenate([c for c, _ in encoded])
-    kept = None if residual is None else jnp.concatenate([k for _, k in encoded])
-    total = jax.lax.psum(codes, group)
+    agreed = jax.lax.pmax(bounds, group)
+    width = integer.allreduce_width(bits, group_size)
     factors = integer.decode_factors(
-        bounds, width=width, group_size=group_size, weight=weight, stochastic=stochastic
+        agreed, width=width, group_size=group_size, weight=weight, stochastic=stochastic
     )
     # The same on every device: the pmax changes no bit (module docstring).
     factors = jax.lax.pmax(factors, group)
-    return integer.integer_decode(total, factors, width=width), kept
+    plan = integer_plan(
+        Group(group, group, group_size, False, "allreduce"), block_size=block_size, bits=bits,
+        stochastic=stochastic, start=0, stop=starts[-1] // block_size,
+        feedback=residual is not None,
+    )  # fmt: skip
+    values = {"x": x, "agreed": agreed, "key": key, "factors": factors}
+    if residual is not None:
+        values["send"] = residual
+    values = run(plan, values)
+    return values["decode"], None if residual is None else values["send"]
 
 
 def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
@@ -311,29 +460,22 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual
     backend.
     """
     node_axis, local_axis = config.axes
-    hierarchical = config.hierarchical
-    group_size = config.group_size(n, local)
-    if hierarchical:
-        if local > 1:
-            x = jax.lax.psum_scatter(_joined(x), local_axis, scatter_dimension=0, tiled=True)
-        # With one device per node, summing over both axes reaches the same devices and
-        # types the result replicated over both.
-        group = node_axis if local > 1 else (node_axis, local_axis)
-    else:
-        group = (node_axis, local_axis)
-    if group_size == 1:
+    group = group_of(config, n, local)
+    if group.scatter:
+        x = jax.lax.psum_scatter(_joined(x), local_axis, scatter_dimension=0, tiled=True)
+    if group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = _joined(x) * jnp.float32(weight)
-        if hierarchical:
+        if config.hierarchical:
             x = _plain_shard(x, node_axis, local_axis, local)
         return x, residual
-    _warn_if_promoted(config.bits, group_size)
+    _warn_if_promoted(config.bits, group.size)
     send = None if residual is None else residual[0]
     x, send = integer_sum(
         x,
         send,
-        group=group,
-        group_size=group_size,
+        group=group.axis,
+        group_size=group.size,
         weight=weight,
         block_size=config.block_size,
         key=key,
@@ -395,8 +537,7 @@ def sum_shard(x, config: SyncConfig, *, n, local, weight, key, residual):
     residuals (None without error feedback; ``residual_sizes``). ``gather_shard`` makes it
     the whole bucket.
     """
-    allreduce = config.wire_for(config.group_size(n, local)) == "allreduce"
-    if not allreduce:
+    if group_of(config, n, local).wire != "allreduce":
         return scatter_gather_sum_flat(
             _joined(x), config, n=n, local=local, weight=weight, key=key, residual=residual
         )

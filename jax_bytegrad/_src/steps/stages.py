@@ -8,7 +8,6 @@ one-program step's, bit for bit.
 """
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,46 +20,12 @@ from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.codecs.integer import (
     allreduce_width,
     decode_factors,
-    dither_seed,
     integer_bounds,
     integer_decode,
-    integer_encode,
 )
 from jax_bytegrad._src.config import SyncConfig
 from jax_bytegrad._src.programs import Program
 from jax_bytegrad._src.quantization import resolve_implementation
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """Who compresses with whom, as the one-program sync has it (``wire.sum_flat``).
-
-    Attributes:
-      axis: the axes the codes are exchanged or summed over.
-      gather: the scatter-gather wire's all_gather axes (the same devices).
-      size: devices in the group.
-      scatter: whether a float32 reduce-scatter within the node comes first.
-    """
-
-    axis: Any
-    gather: Any
-    size: int
-    scatter: bool
-
-    @property
-    def plain(self) -> bool:
-        """One device in the group: nothing is compressed."""
-        return self.size == 1
-
-
-def _group(sync: SyncConfig, n: int, local: int) -> _Group:
-    axes = sync.axes
-    if not sync.hierarchical:
-        return _Group(axes, axes, n * local, False)
-    # With one device per node, the integer sum over both axes types its result replicated
-    # over both; the scatter-gather wire gathers over both for the same reason.
-    summed = sync.node_axis if local > 1 or sync.wire != "allreduce" else axes
-    return _Group(summed, sync.node_axis if local > 1 else axes, n, local > 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +57,13 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
     return [(count * i // parts, count * (i + 1) // parts) for i in range(parts)]
 
 
-def _chunks(sync: SyncConfig, group: _Group, local: int, padded: int, b: int) -> list[_Chunk]:
+def _chunks(sync: SyncConfig, group: wires.Group, local: int, padded: int, b: int) -> list[_Chunk]:
     """The pieces of bucket ``b`` (``padded`` values per device): at most ``bucket_bytes``
     of float32 each, of whole blocks (integer wire) or whole messages (scatter-gather)."""
     block = sync.block_size
     size = padded // local if group.scatter else padded
     wanted = 1 if sync.bucket_bytes is None else max(1, -(-padded * 4 // sync.bucket_bytes))
-    if sync.wire == "allreduce" or group.plain:
+    if group.wire == "allreduce" or group.plain:
         blocks = size // block
         parts = 1 if group.plain else min(wanted, blocks)
         return [_Chunk(b, i, s, e) for i, (s, e) in enumerate(_split(blocks, parts))]
@@ -156,16 +121,14 @@ class Stages:
 
     def __init__(self, mesh, sync: SyncConfig, layout, *, average: bool, step=None):
         self.n, self.local = (mesh.shape[a] for a in sync.axes)
-        # The wire this mesh runs ("auto" resolved), as the one-program step picks it.
-        sync = sync.replace(wire=sync.wire_for(sync.group_size(self.n, self.local)))
         self.sync = sync
         self.axes = sync.axes
         self.layout = layout
-        self.group = _group(sync, self.n, self.local)
+        self.group = wires.group_of(sync, self.n, self.local)
         self.weight = 1.0 / (self.n * self.local) if average else 1.0
         resolve_implementation(sync.implementation)  # refuses "pallas" where it cannot run
         self.codec = sync.codec
-        self.integer = sync.wire == "allreduce"
+        self.integer = self.group.wire == "allreduce"
         self.feedback, self.stochastic = sync.error_feedback, sync.stochastic
         self.block = sync.block_size
         self.width = None
@@ -195,31 +158,44 @@ class Stages:
         if self.integer and self.group.scatter:
             tasks += [self._bounds(b) for b in self.buckets]
         tasks += metrics
-        stages = [
-            self._integer(c) if self.integer else self._scatter_gather(c)
-            for pieces in self.chunks
-            for c in pieces
-        ]
+        stages = [self._piece(c) for pieces in self.chunks for c in pieces]
         tasks += _pipeline(stages)
         if self.group.scatter:
             tasks += [self._gather(b) for b in self.buckets]
         return [*tasks, last]
 
+    def _plan(self, c: _Chunk) -> tuple:
+        """The wire's stages for piece c, as the one-program sync runs them."""
+        if self.integer:
+            sync = self.sync
+            return wires.integer_plan(
+                self.group, block_size=self.block, bits=sync.bits, stochastic=self.stochastic,
+                start=c.start, stop=c.stop, feedback=self.feedback,
+            )  # fmt: skip
+        return wires.scatter_gather_plan(
+            self.sync, self.group, weight=self.weight, held=c.pieces, feedback=self.feedback
+        )
+
+    def _name(self, c: _Chunk, name: str) -> str:
+        """The schedule's name of a value a plan names: the bucket's own, or piece c's."""
+        b = c.bucket
+        of_bucket = {
+            "x": self._source(b), "key": "keys", "agreed": f"agreed{b}",
+            "factors": f"factors{b}", "send": f"send{b}", "mean": f"mean{b}",
+        }  # fmt: skip
+        return of_bucket.get(name, f"{name}{c.tag}")
+
     def _pieces(self):
         """The pieces' last values, by bucket: what the decode reads."""
-        if self.integer:
-            return [[(f"total{c.tag}", f"factors{c.bucket}") for c in cs] for cs in self.chunks]
-        return [[(f"gathered{c.tag}",) for c in cs] for cs in self.chunks]
+        return [
+            [tuple(self._name(c, n) for n in self._plan(c)[-1].reads) for c in cs]
+            for cs in self.chunks
+        ]
 
     def _decode(self, c: _Chunk, *values):
         """Piece c's part of the mean from its last values (``_pieces``): flat for the
         integer wire, (peers, blocks, block) for the scatter-gather wire."""
-        if self.integer:
-            total, factors = values
-            return self._decode_sum(total, factors[:, c.start : c.stop])
-        (gathered,) = values
-        parts = [wires.sg_decode(g, codec=self.codec, block_size=self.block) for g in gathered]
-        return jnp.concatenate(parts, axis=1)
+        return self._plan(c)[-1].fn(*values)[0]
 
     def _decode_sum(self, total, factors):
         return integer_decode(total, factors, width=self.width)
@@ -354,38 +330,27 @@ class Stages:
     def _key(self, keys, b: int):
         return None if keys is None else jax.random.wrap_key_data(keys[b])
 
-    def _integer(self, c: _Chunk) -> list[Program]:
-        """encode -> psum (-> decode) of one piece (``wire.integer_sum``'s stages)."""
-        group, width, block = self.group, self.width, self.block
-        feedback, stochastic, tag = self.feedback, self.stochastic, c.tag
-        s, e = c.start * block, c.stop * block
+    def _piece(self, c: _Chunk) -> list[Program]:
+        """Piece c's programs: one per stage of the wire's plan, but the decode (after a
+        reduce-scatter within the node, a program beside the wire; otherwise in the last
+        program)."""
+        return [self._stage(c, stage) for stage in self._plan(c)[:-1]] + self._piece_decode(c)
 
-        def encode(*args):
-            args = list(args)
-            res = args.pop(0) if feedback else None
-            x, agreed = args.pop(0), args.pop(0)
-            key = self._key(args.pop(0) if stochastic else None, c.bucket)
-            x = x[s:e] if res is None else x[s:e] + res[s:e]
-            codes, kept = integer_encode(
-                x, agreed[c.start : c.stop], block_size=block, width=width,
-                stochastic=stochastic, seed=None if key is None else dither_seed(key),
-                first_block=c.start, feedback=feedback,
-            )  # fmt: skip
-            return (codes,) if res is None else (res.at[s:e].set(kept), codes)
+    def _stage(self, c: _Chunk, stage) -> Program:
+        """One stage of piece c's plan as a program; the bucket's key is read from the
+        stacked keys."""
+        reads = [n for n in stage.reads if n != "key" or self.stochastic]
 
-        def psum(codes):
-            return (jax.lax.psum(codes, group.axis),)
+        def run(*args):
+            chained, rest = args[: len(stage.chains)], args[len(stage.chains) :]
+            given = dict(zip(reads, rest, strict=True))
+            given["key"] = self._key(given.get("key"), c.bucket)
+            return stage.fn(*chained, *(given[n] for n in stage.reads))
 
-        keys = ["keys"] if stochastic else []
-        inputs = [self._source(c.bucket), f"agreed{c.bucket}", *keys]
-        return [
-            Program(
-                f"encode{tag}", "compute", encode, inputs, [f"codes{tag}"],
-                chains=self._residuals(c.bucket),
-            ),
-            Program(f"psum{tag}", "wire", psum, [f"codes{tag}"], [f"total{tag}"]),
-            *self._piece_decode(c),
-        ]  # fmt: skip
+        return Program(
+            f"{stage.name}{c.tag}", stage.kind, run, [self._name(c, n) for n in reads],
+            [self._name(c, stage.name)], chains=[self._name(c, n) for n in stage.chains],
+        )  # fmt: skip
 
     def _piece_decode(self, c: _Chunk) -> list[Program]:
         """After a reduce-scatter within the node: piece c's decode, beside the wire."""
@@ -401,79 +366,6 @@ class Stages:
 
     def _source(self, b: int) -> str:
         return f"shard{b}" if self.group.scatter else f"buf{b}"
-
-    def _scatter_gather(self, c: _Chunk) -> list[Program]:
-        """quantize -> all_to_all -> average -> all_gather -> decode of one piece (the
-        stages of ``wire._scatter_gather_piece``, for each message piece it holds)."""
-        sync, group, codec, block = self.sync, self.group, self.codec, self.block
-        feedback, stochastic, tag = self.feedback, self.stochastic, c.tag
-        exchange = wires.code_exchange(sync.wire, sync.message_bytes)
-        held = slice(c.start, c.stop)
-
-        def piece_key(keys, j):
-            key = self._key(keys, c.bucket)
-            return None if key is None else jax.random.fold_in(key, j)
-
-        def rows(x):  # (peers, blocks per peer, block), as scatter_gather_sum_flat has it
-            return x.reshape(group.size, -1, block)
-
-        def quantize(*rest):
-            rest = list(rest)
-            send = rows(rest.pop(0)) if feedback else None
-            x = rows(rest.pop(0))
-            keys = rest.pop(0) if stochastic else None
-            messages, kept = [], []
-            for j, blocks in c.pieces:
-                part = None if send is None else send[:, blocks]
-                message, new = wires.sg_encode(
-                    x[:, blocks], part, key=piece_key(keys, j), codec=codec
-                )
-                messages.append(message)
-                kept.append(new)
-            if send is None:
-                return (tuple(messages),)
-            send = send.at[:, held].set(jnp.concatenate(kept, axis=1))
-            return send.reshape(-1), tuple(messages)
-
-        def all_to_all(messages):
-            return (tuple(exchange(m, group.axis) for m in messages),)
-
-        def average(*args):
-            args = list(args)
-            mean = args.pop(0).reshape(-1, block) if feedback else None
-            received = args.pop(0)
-            keys = args.pop(0) if stochastic else None
-            messages, kept = [], []
-            for (j, blocks), got in zip(c.pieces, received, strict=True):
-                message, new = wires.sg_average(
-                    got, None if mean is None else mean[blocks], weight=self.weight,
-                    key=piece_key(keys, j), codec=codec, block_size=block,
-                )  # fmt: skip
-                messages.append(message)
-                kept.append(new)
-            if mean is None:
-                return (tuple(messages),)
-            mean = mean.at[held].set(jnp.concatenate(kept, axis=0))
-            return mean.reshape(-1), tuple(messages)
-
-        def all_gather(messages):
-            gather = jax.lax.all_gather
-            return (tuple(gather(m, group.gather, axis=0, to="invarying") for m in messages),)
-
-        b = c.bucket
-        keys = ["keys"] if stochastic else []
-        mean = [f"mean{b}"] if feedback else []
-        return [
-            Program(f"quantize{tag}", "compute", quantize, [self._source(b), *keys],
-                     [f"message{tag}"], chains=self._residuals(b)),
-            Program(f"all_to_all{tag}", "wire", all_to_all, [f"message{tag}"],
-                     [f"received{tag}"]),
-            Program(f"average{tag}", "compute", average, [f"received{tag}", *keys],
-                     [f"average{tag}"], chains=mean),
-            Program(f"all_gather{tag}", "wire", all_gather, [f"average{tag}"],
-                     [f"gathered{tag}"]),
-            *self._piece_decode(c),
-        ]  # fmt: skip
 
     # After the pieces. -----------------------------------------------------------------------
 
