@@ -29,7 +29,7 @@ import numpy as np
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks, collective_ops
 from jax_bytegrad._src import wire as wires
-from jax_bytegrad._src.config import Residuals, SyncConfig
+from jax_bytegrad._src.config import DEFAULT_BUCKET_BYTES, Residuals, SyncConfig
 from jax_bytegrad._src.quantization import check_key, resolve_implementation
 
 
@@ -271,19 +271,39 @@ def full_precision_mean(
     where = "full_precision_mean"
     n, local = axis_sizes(node_axis, local_axis, where)
     devices = n * local
-    paths_and_leaves = jax.tree.leaves_with_path(tree)
-    _check_leaves([leaf for _, leaf in paths_and_leaves], [p for p, _ in paths_and_leaves], where)
+    paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
+    leaves = [leaf for _, leaf in paths_and_leaves]
+    _check_leaves(leaves, [path for path, _ in paths_and_leaves], where)
+
+    def mean(x):
+        return x / np.asarray(devices, x.dtype) if average else x
 
     def reduce(x):
         if jnp.dtype(x.dtype) == jax.dtypes.float0:
             return x
-        if hierarchical and local > 1 and x.size:
-            part = jax.lax.psum(
-                collective_ops.scatter_flat(x.reshape(-1), local_axis, local), node_axis
-            )
-            total = collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
-        else:
-            total = jax.lax.psum(x, (node_axis, local_axis))
-        return total / np.asarray(devices, x.dtype) if average else total
+        return mean(jax.lax.psum(x, (node_axis, local_axis)))
 
-    return jax.tree.map(reduce, tree)
+    if not (hierarchical and local > 1):
+        return jax.tree.unflatten(treedef, [reduce(x) for x in leaves])
+    # Each leaf is reduce-scattered within the node, summed between nodes and gathered. The
+    # leaves go in buckets of whole leaves, in the order the backward pass completes them,
+    # each bucket's sums between nodes tied to the previous bucket's, as sync_mean ties its
+    # buckets (module docstring): otherwise XLA:GPU merges them all after the last gradient.
+    layout = bucketing.make_layout(leaves, bucket_bytes=DEFAULT_BUCKET_BYTES, granularity=1)
+    held = {i for members in layout.buckets for i in members}
+    # What no bucket holds (float0 and empty leaves) as the flat path does.
+    reduced = [x if i in held else reduce(x) for i, x in enumerate(leaves)]
+    previous = None
+    for b in bucketing.ready_order(layout):
+        members = [leaves[i] for i in layout.buckets[b]]
+        if previous is not None:
+            members, _ = jax.lax.optimization_barrier((members, previous))
+        parts = [
+            jax.lax.psum(collective_ops.scatter_flat(x.reshape(-1), local_axis, local), node_axis)
+            for x in members
+        ]
+        for i, x, part in zip(layout.buckets[b], members, parts, strict=True):
+            total = collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
+            reduced[i] = mean(total)
+        previous = parts
+    return jax.tree.unflatten(treedef, reduced)
