@@ -120,21 +120,44 @@ def _dispatch(op: str, *arrays, key=None, implementation: Implementation | None 
 # The three block functions take the reference's arguments, plus ``implementation``.
 
 
-def quantize_blocks(x: jax.Array, **arguments) -> tuple[jax.Array, jax.Array]:
+def quantize_blocks(
+    x: jax.Array,
+    *,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+    bits: int = 8,
+    implementation: Implementation | None = "xla",
+) -> tuple[jax.Array, jax.Array]:
     """Quantizes rows of a (num_blocks, block_size) array; see ``codecs/reference.py``."""
-    return _dispatch("quantize_blocks", x, **arguments)
+    return _dispatch(
+        "quantize_blocks", x, key=key, implementation=implementation, bits=bits,
+        stochastic=stochastic,
+    )  # fmt: skip
 
 
-def dequantize_blocks(codes: jax.Array, header: jax.Array, **arguments) -> jax.Array:
+def dequantize_blocks(
+    codes: jax.Array, header: jax.Array, *, bits: int = 8,
+    implementation: Implementation | None = "xla",
+) -> jax.Array:  # fmt: skip
     """Decodes (num_blocks, block_size * bits // 8) codes to float32; see the reference."""
-    return _dispatch("dequantize_blocks", codes, header, **arguments)
+    return _dispatch("dequantize_blocks", codes, header, implementation=implementation, bits=bits)
 
 
 def average_requantize(
-    codes: jax.Array, header: jax.Array, **arguments
+    codes: jax.Array,
+    header: jax.Array,
+    *,
+    weight: float,
+    stochastic: bool = False,
+    key: jax.Array | None = None,
+    bits: int = 8,
+    implementation: Implementation | None = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Fused decode of n chunks, weighted sum in float32, and re-encode; see the reference."""
-    return _dispatch("average_requantize", codes, header, **arguments)
+    return _dispatch(
+        "average_requantize", codes, header, key=key, implementation=implementation, bits=bits,
+        stochastic=stochastic, weight=weight,
+    )  # fmt: skip
 
 
 def average_blocks(
