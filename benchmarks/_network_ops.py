@@ -14,11 +14,34 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 from _mlp import mlp_batch, mlp_init, mlp_loss
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad import DEFAULT_BLOCK_SIZES, DEFAULT_BUCKET_BYTES, DEFAULT_MESSAGE_BYTES
-from jax_bytegrad.experimental import message_slices
+import jax_bytegrad
+from jax_bytegrad import (
+    DEFAULT_BLOCK_SIZES,
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MESSAGE_BYTES,
+    Residuals,
+    ScaleByQAdamState,
+    SyncConfig,
+    compressed_mean,
+    replicate,
+    scale_by_qadam,
+)
+from jax_bytegrad.experimental import (
+    PipelinedMean,
+    message_slices,
+    residual_sizes,
+    ring_all_gather,
+    ring_all_to_all,
+    split_ppermute,
+)
 from jax_bytegrad.profiling import HEADER_WIDTH
 from jax_bytegrad.sharding import AXES
 
@@ -76,79 +99,63 @@ def local_gradient(mesh, num_params: int, dtype):
     every quantization block has a real range), sharded over both mesh axes, built from each
     process's own data with `jax.make_array_from_process_local_data`.
     """
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    n_dev = mesh.devices.size
     n_local = mesh.devices.shape[1]
-    sharding = NamedSharding(mesh, P(("node", "local"), None))
     first = jax.process_index() * n_local
     rows = np.arange(first + 1, first + n_local + 1, dtype=np.float32)[:, None]
     wave = 0.5 + (np.arange(num_params, dtype=np.int64) % 997).astype(np.float32) / 997
     data = (rows * wave[None]).astype(dtype)
-    return jax.make_array_from_process_local_data(sharding, data, (n_dev, num_params))
+    sharding = NamedSharding(mesh, P(AXES, None))
+    return jax.make_array_from_process_local_data(sharding, data, (mesh.devices.size, num_params))
 
 
-def _host_batch(mesh):
-    """This host's batch of the MLP, placed on the mesh: its own rows on each process."""
-    import jax
+def _per_device_builder(mesh, body, grads, *extra, keep: bool = False, donate: bool = False):
+    """jit(shard_map(body)) on each device's own gradient row; `extra` args are replicated.
 
-    from jax_bytegrad import shard_batch
+    The result is replicated, or with `keep` stays on each device (out_specs over both axes),
+    so that nothing but the body's collectives runs. `donate` donates the gradient.
+    """
 
-    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
-    return shard_batch(mlp_batch(np.random.default_rng(1 + jax.process_index()), rows), mesh)
+    def per_device(g, *rest):
+        out = body(g[0], *rest)
+        return jax.tree.map(lambda y: y[None], out) if keep else out
+
+    in_specs = (P(AXES, None), *(P() for _ in extra))
+    out_specs = P(AXES) if keep else P()
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return jax.jit(mapped, donate_argnums=(0,) if donate else ()), (grads, *extra)
+
+
+def _timed(fn, state, *args, carry: bool | None = None):
+    """``(fn, args)`` that times ``fn(state, *args) -> (state, out)``: on the same state every
+    call, or with `carry` (default: --donate) on the state the call before returned (the
+    worker then waits for the state and the output)."""
+    if not (BUFFERS["donate"] if carry is None else carry):
+        return fn, (state, *args)
+    cell = [state]
+
+    def carried():
+        cell[0], out = fn(cell[0], *args)
+        return cell[0], out
+
+    return carried, ()
 
 
 # Builders: syncs of each host's own gradient ------------------------------------------------
 
 
 def _psum(mesh, num_params, *, dtype):
-    """The float32 (or bfloat16) all-reduce of the gradient: the baseline."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
-
-    spec = P(("node", "local"), None)
-    donate = BUFFERS["donate"]
-    fn = jax.jit(
-        jax.shard_map(
-            lambda g: jax.lax.psum(g, ("node", "local")), mesh=mesh, in_specs=spec, out_specs=spec
-        ),
-        donate_argnums=(0,) if donate else (),
-    )
+    """The float32 (or bfloat16) all-reduce of the gradient: the baseline. With --donate, the
+    sum comes back in the gradient's buffer, as the syncs' means do, and is summed again."""
     grads = local_gradient(mesh, num_params, jnp.dtype(dtype))
-    if not donate:
-        return fn, (grads,)
-    # --donate: the sum comes back in the gradient's buffer, as the syncs' means do, and is
-    # summed again by the next call.
-    cell = [grads]
-
-    def carried():
-        cell[0] = fn(cell[0])
-        return cell[0]
-
-    return carried, ()
-
-
-def _per_device_builder(mesh, body, grads, *extra):
-    """jit(shard_map(body)) on each device's own gradient row; `extra` args are replicated."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    in_specs = (P(AXES, None), *(P() for _ in extra))
-    fn = jax.jit(
-        jax.shard_map(
-            lambda g, *rest: body(g[0], *rest), mesh=mesh, in_specs=in_specs, out_specs=P()
-        )
+    donate = BUFFERS["donate"]
+    fn, _ = _per_device_builder(
+        mesh, lambda g: jax.lax.psum(g, AXES), grads, keep=True, donate=donate
     )
-    return fn, (grads, *extra)
+    return _timed(lambda g: (fn(g), None), grads)
 
 
 def _compressed_sync(mesh, num_params, *, bits: int):
     """`compressed_mean` of each host's gradient with the library's default wire."""
-    from jax_bytegrad import compressed_mean
-
     sizes = _sizes()
     kwargs = {} if bits == 8 else {"bits": bits}
     return _per_device_builder(
@@ -158,23 +165,16 @@ def _compressed_sync(mesh, num_params, *, bits: int):
     )
 
 
-def _bytegrad_wire(mesh, num_params):
-    """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor."""
-    import jax
-
-    from jax_bytegrad import replicate
-
-    n = mesh.shape["node"] * mesh.shape["local"]
-    blocks = -(-num_params // (DEFAULT_BLOCK_SIZE * n)) * n
-    own = blocks // n
+def _codes_wire(mesh, num_params, *, permute: bool):
+    """ByteGrad's two exchanges alone (codes and headers, no quantization): its link floor.
+    With `permute`, each exchange is K-1 ppermute shifts (the same bytes)."""
+    n = mesh.devices.size
+    own = -(-num_params // (DEFAULT_BLOCK_SIZE * n))  # blocks per device
     codes = np.full((n, own, DEFAULT_BLOCK_SIZE), 7, np.uint8)
     header = np.ones((n, own, HEADER_WIDTH), np.float32)
     pieces = message_slices(own, DEFAULT_BLOCK_SIZE, _sizes()["message_bytes"])
 
-    def body(g, codes, header):
-        del g
-        codes = jax.lax.pcast(codes, AXES, to="varying")
-        header = jax.lax.pcast(header, AXES, to="varying")
+    def exchanges(codes, header):
         out = []
         for rows in pieces:  # the same messages as compressed_mean's, one piece at a time
             for part in (codes[:, rows], header[:, rows]):
@@ -182,24 +182,6 @@ def _bytegrad_wire(mesh, num_params):
                 # Stands in for the average: this device's piece of the mean, its real size.
                 out.append(jax.lax.all_gather(part[0], AXES, axis=0, to="invarying"))
         return out
-
-    grads = local_gradient(mesh, 8, np.float32)
-    return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
-
-
-def _permute_wire(mesh, num_params):
-    """ByteGrad's two exchanges as K-1 ppermute shifts each (same bytes as `bytegrad_wire`)."""
-    import functools
-
-    import jax
-
-    from jax_bytegrad import replicate
-
-    n = mesh.shape["node"] * mesh.shape["local"]
-    blocks = -(-num_params // (DEFAULT_BLOCK_SIZE * n)) * n
-    own = blocks // n
-    codes = np.full((blocks, DEFAULT_BLOCK_SIZE), 7, np.uint8)
-    header = np.ones((blocks, HEADER_WIDTH), np.float32)
 
     def shifts(chunk_of, me):
         # Round s sends this device's piece for device me + s and receives the piece of me - s.
@@ -209,20 +191,25 @@ def _permute_wire(mesh, num_params):
             out.append(jax.lax.ppermute(chunk_of((me + s) % n), AXES, perm))
         return out
 
-    def body(g, codes, header):
-        del g
+    def permutes(codes, header):
         me = jax.lax.axis_index(AXES)
-        codes = jax.lax.pcast(codes, AXES, to="varying")
-        header = jax.lax.pcast(header, AXES, to="varying")
-        take = lambda a: lambda j: jax.lax.dynamic_slice_in_dim(a, j * own, own)
+
+        def take(a):
+            return lambda j: jax.lax.dynamic_index_in_dim(a, j, keepdims=False)
+
         received = shifts(take(codes), me), shifts(take(header), me)
         # Stands in for the average: uses every received chunk, and has the size it would.
-        mine = [functools.reduce(jax.numpy.maximum, parts) for parts in received]
-        gathered = [jax.numpy.concatenate(shifts(lambda j, a=a: a, me)) for a in mine]
+        mine = [functools.reduce(jnp.maximum, parts) for parts in received]
+        gathered = [jnp.concatenate(shifts(lambda j, a=a: a, me)) for a in mine]
         # A scalar that depends on every received byte keeps the exchanges alive; its psum
         # makes the output replicated (4 bytes).
-        touched = sum(jax.numpy.sum(a.astype(jax.numpy.float32)) for a in gathered)
+        touched = sum(jnp.sum(a.astype(jnp.float32)) for a in gathered)
         return jax.lax.psum(touched, AXES)
+
+    def body(g, codes, header):
+        del g
+        codes, header = (jax.lax.pcast(a, AXES, to="varying") for a in (codes, header))
+        return (permutes if permute else exchanges)(codes, header)
 
     grads = local_gradient(mesh, 8, np.float32)
     return _per_device_builder(mesh, body, grads, *replicate((codes, header), mesh))
@@ -230,11 +217,6 @@ def _permute_wire(mesh, num_params):
 
 def _overlap_probe(mesh, num_params, *, wire: bool, compute: bool):
     """An all_to_all of ByteGrad's codes and/or an independent pass over the gradient."""
-    import jax
-    import jax.numpy as jnp
-
-    from jax_bytegrad import replicate
-
     n = mesh.shape["node"] * mesh.shape["local"]
     codes = np.full((n, -(-num_params // (8 * n)) * 8), 7, np.uint8)
 
@@ -259,8 +241,6 @@ def _overlap_probe(mesh, num_params, *, wire: bool, compute: bool):
 def _qadam_compressed(mesh, num_params, *, wire: str = "auto"):
     """One `scale_by_qadam` update past warm-up, as the Strategy compiles it (the compressed
     phase's own program): local momentum, 8-bit compressed mean, Adam."""
-    from jax_bytegrad import ScaleByQAdamState, replicate, scale_by_qadam
-
     warmup = 4
     on_wire = {} if wire == "auto" else {"wire": wire}
     tx = scale_by_qadam(warmup_steps=warmup, phase="compressed", **on_wire, **_wire_sizes(wire))
@@ -277,13 +257,6 @@ def _qadam_compressed(mesh, num_params, *, wire: str = "auto"):
 def _zero_residuals(mesh, num_params, config):
     """Error feedback's ``Residuals`` for a ``num_params`` gradient, zero, sharded over the
     devices as ``compressed_mean`` takes and returns them: (send, mean) per bucket."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jax_bytegrad import Residuals
-    from jax_bytegrad.experimental import residual_sizes
-
     n, local = mesh.shape["node"], mesh.shape["local"]
     sharding = NamedSharding(mesh, P(AXES))
     shape = jax.ShapeDtypeStruct((num_params,), np.float32)
@@ -300,12 +273,12 @@ def _zero_residuals(mesh, num_params, config):
 
 def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "nearest",
                feedback: bool = False):  # fmt: skip
-    """`compressed_mean(wire=...)` of each host's own gradient, as `bytegrad_sync` times it."""
-    import jax
-    from jax.sharding import PartitionSpec as P
+    """`compressed_mean(wire=...)` of each host's own gradient, as `bytegrad_sync` times it.
 
-    from jax_bytegrad import SyncConfig, compressed_mean, replicate
-
+    With --donate, the gradient's buffer is donated and the mean comes back in it, as a train
+    step reuses its buffers, instead of a fresh 100 MB output every call; the next call
+    averages that mean (the codec's work does not depend on the values).
+    """
     kwargs = dict(wire=wire, bits=bits, rounding=rounding, **_wire_sizes(wire))
     grads = local_gradient(mesh, num_params, np.float32)
     key = replicate(np.asarray(jax.random.key_data(jax.random.key(0))), mesh)
@@ -314,37 +287,21 @@ def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "n
         config = SyncConfig(bits=bits, wire=wire, bucket_bytes=kwargs["bucket_bytes"])
         residuals = _zero_residuals(mesh, num_params, config)
 
-    def body(g, key_data, residuals):
+    def body(state, key_data):
+        g, residuals = state
         key = None
         if rounding == "stochastic":
             key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0)
         out = compressed_mean(g[0], key=key, residuals=residuals if feedback else None, **kwargs)
-        return out if feedback else (out, residuals)
-
-    res_specs = jax.tree.map(lambda _: P(AXES), residuals)
-    in_specs = (P(AXES, None), P(), res_specs)
-    if not BUFFERS["donate"]:
-        fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), res_specs)))
-        return fn, (grads, key, residuals)
-
-    # --donate: the gradient's buffer is donated and the mean comes back in it, as a train
-    # step reuses its buffers, instead of a fresh 100 MB output every call; the next call
-    # averages that mean (the codec's work does not depend on the values).
-    def carried_body(g, key_data, residuals):
-        mean, residuals = body(g, key_data, residuals)
+        mean, residuals = out if feedback else (out, residuals)
         return mean[None], residuals
 
+    specs = (P(AXES, None), jax.tree.map(lambda _: P(AXES), residuals))
     fn = jax.jit(
-        jax.shard_map(carried_body, mesh=mesh, in_specs=in_specs, out_specs=in_specs[::2]),
-        donate_argnums=(0, 2),
+        jax.shard_map(body, mesh=mesh, in_specs=(specs, P()), out_specs=specs),
+        donate_argnums=(0,) if BUFFERS["donate"] else (),
     )
-    cell = [grads, residuals]
-
-    def carried():
-        cell[0], cell[1] = fn(cell[0], key, cell[1])
-        return cell
-
-    return carried, ()
+    return _timed(lambda state, key: (fn(state, key), None), (grads, residuals), key)
 
 
 # Builders: one collective pattern alone on per-device buffers, no compute -------------------
@@ -354,32 +311,9 @@ def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "n
 # N bytes = one uint8 code per parameter.
 
 
-def _buffer(mesh, size: int, dtype):
-    """A (devices, size) array sharded over both axes: each device's own buffer."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    n_local = mesh.devices.shape[1]
-    data = np.broadcast_to((np.arange(size) % 3).astype(dtype), (n_local, size))
-    sharding = NamedSharding(mesh, P(AXES, None))
-    return jax.make_array_from_process_local_data(sharding, data, (mesh.devices.size, size))
-
-
 def _pattern_builder(mesh, body, size: int, dtype):
-    """jit(shard_map(body)) on each device's own buffer of `size` elements of `dtype`."""
-    import jax
-    from jax.sharding import PartitionSpec as P
-
-    fn = jax.jit(
-        jax.shard_map(
-            lambda x: jax.tree.map(lambda y: y[None], body(x[0])),
-            mesh=mesh,
-            in_specs=P(AXES, None),
-            out_specs=P(AXES),
-        )
-    )
-    return fn, (_buffer(mesh, size, dtype),)
+    """`body` alone on each device's own buffer of `size` elements of `dtype`."""
+    return _per_device_builder(mesh, body, local_gradient(mesh, size, dtype), keep=True)
 
 
 def _pieces(x, message_bytes):
@@ -390,9 +324,6 @@ def _pieces(x, message_bytes):
 def _psum_pattern(mesh, num_params, *, dtype, reduce: str = "psum", bounds: bool = False):
     """A psum (or pmax) of N bytes per host in `dtype`; with `bounds`, of two float32 values
     per block instead: the integer wire's agreement on block ranges."""
-    import jax
-    import jax.numpy as jnp
-
     op = {"psum": jax.lax.psum, "pmax": jax.lax.pmax}[reduce]
     message_bytes = _sizes()["message_bytes"]
     size = 2 * -(-num_params // DEFAULT_BLOCK_SIZE) if bounds else num_params // dtype.itemsize
@@ -405,8 +336,6 @@ def _psum_pattern(mesh, num_params, *, dtype, reduce: str = "psum", bounds: bool
 
 def _shift_u8(mesh, num_params):
     """One ppermute shift by +1 of N bytes: at 2 hosts a swap, at 3+ a ring (one-way per link)."""
-    from jax_bytegrad.experimental import split_ppermute
-
     n = mesh.devices.size
     perm = [(i, (i + 1) % n) for i in range(n)]
     message_bytes = _sizes()["message_bytes"]
@@ -417,10 +346,6 @@ def _shift_u8(mesh, num_params):
 
 def _exchange_pattern(mesh, num_params, exchange: str):
     """The scatter-gather wire's two exchanges of uint8 codes, N bytes per host in all."""
-    import jax
-
-    from jax_bytegrad.experimental import ring_all_gather, ring_all_to_all
-
     n = mesh.devices.size
     chunk = -(-num_params // n)
     message_bytes = _sizes()["message_bytes"]
@@ -443,47 +368,47 @@ def _exchange_pattern(mesh, num_params, exchange: str):
 
 
 # Builders: full train steps of a ~25M-parameter float32 MLP (num_params sets its width) ------
+# Each host feeds its own batch (`_host_batch`). Without --donate nothing is donated and every
+# timed call starts from the same state; the decentralized steps always carry their state.
 
 
-def _train_builder(mesh, num_params, tx, *, qadam_warmup: int | None = None):
+def _host_batch(mesh):
+    """This host's batch of the MLP, placed on the mesh: its own rows on each process."""
+    rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
+    batch = mlp_batch(np.random.default_rng(1 + jax.process_index()), rows)
+    return jax_bytegrad.shard_batch(batch, mesh)
 
-    from jax_bytegrad import data_parallel_step, replicate
 
-    # One phase per transformation (QAdam: the compressed one alone, so every timed step is
-    # a compressed one). Without --donate nothing is donated: every timed call starts from
-    # the same state.
-    step = data_parallel_step(mlp_loss, tx, mesh, donate=BUFFERS["donate"])
+def _train_step(mesh, num_params, step, *, carry: bool | None = None, state=None):
+    """Times `step` on the MLP, from its initial state (or `state`) and this host's batch."""
+    state = step.init(mlp_init(num_params)) if state is None else state
+    return _timed(step, state, _host_batch(mesh), carry=carry)
+
+
+def _train(mesh, num_params, *, algorithm: str, **settings):
+    """`data_parallel_step` of the MLP: Adam after `algorithm`'s sync (QAdam: its compressed
+    phase alone, past warm-up, so that every timed step is a compressed one)."""
+    warmup = 4
+    if algorithm == "qadam":
+        tx = jax_bytegrad.qadam(1e-4, warmup_steps=warmup, phase="compressed", **_sizes())
+    elif algorithm == "gradient_allreduce":
+        tx = optax.chain(jax_bytegrad.gradient_allreduce(), optax.adam(1e-4))
+    else:
+        sync = jax_bytegrad.bytegrad(**settings, **_wire_sizes(settings.get("wire", "auto")))
+        tx = optax.chain(sync, optax.adam(1e-4))
+    step = jax_bytegrad.data_parallel_step(mlp_loss, tx, mesh, donate=BUFFERS["donate"])
     state = step.init(mlp_init(num_params))
-    if qadam_warmup is not None:  # past warm-up: the count a compressed step sees
-        qadam_state = state.opt_state[0]
-        count = replicate(np.asarray(qadam_warmup, np.int32), mesh)
-        state = state._replace(opt_state=(qadam_state._replace(count=count), *state.opt_state[1:]))
-    return _timed_step(step, state, _host_batch(mesh))
-
-
-def _timed_step(step, state, batch):
-    """``(fn, args)`` that times ``step``: on the same state every call, or, with --donate,
-    on the state the call before returned (the worker waits for the state and metrics)."""
-    if not BUFFERS["donate"]:
-        return step, (state, batch)
-    cell = [state]
-
-    def carried():
-        cell[0], metrics = step(cell[0], batch)
-        return cell[0], metrics
-
-    return carried, ()
+    if algorithm == "qadam":  # past warm-up: the count a compressed step sees
+        qadam_state = state.opt_state[0]._replace(
+            count=replicate(np.asarray(warmup, np.int32), mesh)
+        )
+        state = state._replace(opt_state=(qadam_state, *state.opt_state[1:]))
+    return _train_step(mesh, num_params, step, state=state)
 
 
 def _train_local(mesh, num_params):
     """The same train step with no sync at all (forward, backward, Adam): with `bytegrad_sync`,
     the parts that `train_bytegrad` overlaps when it takes less than their sum."""
-    import jax
-    import optax
-    from jax.sharding import PartitionSpec as P
-
-    from jax_bytegrad import replicate
-
     tx = optax.adam(1e-4)
     params = mlp_init(num_params)
 
@@ -497,51 +422,17 @@ def _train_local(mesh, num_params):
     return fn, args
 
 
-def _train(mesh, num_params, *, algorithm: str, **settings):
-    """`data_parallel_step` of the MLP: Adam after `algorithm`'s sync (QAdam: its compressed
-    phase alone, past warm-up, so that every timed step is a compressed one)."""
-    import optax
-
-    import jax_bytegrad
-
-    if algorithm == "qadam":
-        warmup = 4
-        tx = jax_bytegrad.qadam(1e-4, warmup_steps=warmup, phase="compressed", **_sizes())
-        return _train_builder(mesh, num_params, tx, qadam_warmup=warmup)
-    if algorithm == "gradient_allreduce":
-        sync = jax_bytegrad.gradient_allreduce()
-    else:
-        sync = jax_bytegrad.bytegrad(**settings, **_wire_sizes(settings.get("wire", "auto")))
-    return _train_builder(mesh, num_params, optax.chain(sync, optax.adam(1e-4)))
-
-
-def _decentralized_builder(mesh, num_params, build):
-    """Times successive steps of a decentralized step builder on the MLP; state carried along."""
-    import jax
-    import optax
-
-    train = build(mlp_loss, optax.sgd(1e-4), mesh)
-    batch = _host_batch(mesh)
-    cell = [train.init(mlp_init(num_params))]
-
-    def fn():
-        cell[0], metrics = train(cell[0], batch)
-        return metrics["loss"]
-
-    # One program per gossip round: compile them all before timing.
-    for _ in range(mesh.devices.size):
-        jax.block_until_ready(fn())
-    return fn, ()
-
-
 def _train_decentralized(mesh, num_params, *, low_precision: bool):
     """Decentralized SGD (shift_one peers) or its low-precision variant, weights on the wire."""
-    from jax_bytegrad import decentralized_step, low_precision_decentralized_step
-
-    build = functools.partial(decentralized_step, peer_selection_mode="shift_one")
     if low_precision:
-        build = low_precision_decentralized_step
-    return _decentralized_builder(mesh, num_params, build)
+        build = jax_bytegrad.low_precision_decentralized_step
+    else:
+        build = functools.partial(jax_bytegrad.decentralized_step, peer_selection_mode="shift_one")
+    fn, args = _train_step(mesh, num_params, build(mlp_loss, optax.sgd(1e-4), mesh), carry=True)
+    # One program per gossip round: compile them all before timing.
+    for _ in range(mesh.devices.size):
+        jax.block_until_ready(fn(*args))
+    return fn, args
 
 
 # Builders: the pipelined step, the sync's codec beside its wire -----------------------------
@@ -552,11 +443,6 @@ def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
                     feedback: bool = False):  # fmt: skip
     """The sync of `_wire_sync`, pipelined: each bucket piece's exchange on the wire while the
     next piece is encoded and the one before decoded, in programs of their own."""
-    import jax
-
-    from jax_bytegrad import SyncConfig, replicate
-    from jax_bytegrad.experimental import PipelinedMean
-
     config = SyncConfig(wire=wire, rounding=rounding, error_feedback=feedback, **_wire_sizes(wire))
     grads = local_gradient(mesh, num_params, np.float32)
     key = None
@@ -569,14 +455,11 @@ def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
 
 def _train_pipelined(mesh, num_params, *, wire: str, **settings):
     """`train_ar8` / `train_bytegrad` as `pipelined_step` builds them (Adam after the sync)."""
-    import optax
-
-    from jax_bytegrad import SyncConfig, pipelined_step
-
     config = SyncConfig(wire=wire, **_wire_sizes(wire), **settings)
-    step = pipelined_step(mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=BUFFERS["donate"])
-    state = step.init(mlp_init(num_params))
-    return _timed_step(step, state, _host_batch(mesh))
+    step = jax_bytegrad.pipelined_step(
+        mlp_loss, optax.adam(1e-4), mesh, sync=config, donate=BUFFERS["donate"]
+    )
+    return _train_step(mesh, num_params, step)
 
 
 # The table: name -> (builder, settings, bytes per parameter on the wire or None) -------------
@@ -591,8 +474,8 @@ _TABLE: dict[str, tuple[Builder, dict, float | None]] = {
     "psum_bf16": (_psum, dict(dtype="bfloat16"), 2),
     "bytegrad_sync": (_compressed_sync, dict(bits=8), _CODES_8),
     "bytegrad4_sync": (_compressed_sync, dict(bits=4), _CODES_4),
-    "bytegrad_wire": (_bytegrad_wire, {}, _CODES_8),
-    "permute_wire": (_permute_wire, {}, _CODES_8),
+    "bytegrad_wire": (_codes_wire, dict(permute=False), _CODES_8),
+    "permute_wire": (_codes_wire, dict(permute=True), _CODES_8),
     "probe_wire": (_overlap_probe, dict(wire=True, compute=False), None),
     "probe_compute": (_overlap_probe, dict(wire=False, compute=True), None),
     "probe_both": (_overlap_probe, dict(wire=True, compute=True), None),

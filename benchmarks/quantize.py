@@ -36,8 +36,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_bytegrad._src.codecs import CODECS  # noqa: E402
 from jax_bytegrad._src.codecs import pallas as _pallas  # noqa: E402
+from jax_bytegrad._src.quantization import (  # noqa: E402
+    average_requantize,
+    dequantize_blocks,
+    quantize_blocks,
+)
 
 HEADER_BYTES = 8
 
@@ -68,12 +72,12 @@ def _copy_bandwidth(size: int, repeats: int) -> float:
 
 
 def _ops(impl: str, bits: int):
-    codec = CODECS[impl]
-    quantize = jax.jit(lambda x: codec.quantize_blocks(x, bits=bits))
-    dequantize = jax.jit(lambda c, h: codec.dequantize_blocks(c, h, bits=bits))
+    static = dict(bits=bits, implementation=impl)
+    quantize = jax.jit(lambda x: quantize_blocks(x, **static))
+    dequantize = jax.jit(lambda c, h: dequantize_blocks(c, h, **static))
 
     def average(weight):
-        return jax.jit(lambda c, h: codec.average_requantize(c, h, weight=weight, bits=bits))
+        return jax.jit(lambda c, h: average_requantize(c, h, weight=weight, **static))
 
     return quantize, dequantize, average
 

@@ -9,7 +9,6 @@ a deviceless H100 (``sharding.gpu_mesh``), the Mosaic GPU call inside the execut
 neither can catch (the PTX stage, the numerics) is in docs/gpu.md.
 """
 
-import functools
 import threading
 
 import jax
@@ -19,6 +18,7 @@ from jax.sharding import SingleDeviceSharding
 from test_pallas import BITS, DTYPE_IDS, DTYPES, LAYOUT_IDS, LAYOUTS
 
 import jax_bytegrad
+from jax_bytegrad._src.codecs import Kernel
 from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad.sharding import gpu_mesh
 
@@ -90,9 +90,8 @@ def test_quantize_kernel_lowers_for_cuda(num_blocks, block_size, tiles, dtype, s
     block_size = block_size * 8 // bits
 
     def fn(x, key):
-        return _pallas.quantize_blocks(
-            x, stochastic=stochastic, key=key if stochastic else None, bits=bits, tiles=tiles
-        )
+        kernel = Kernel.of("quantize_blocks", x, stochastic=stochastic, bits=bits)
+        return _pallas.quantize_blocks(kernel, x, key if stochastic else None, tiles=tiles)
 
     text = lower_for_cuda(fn, spec((num_blocks, block_size), dtype), KEY)
     assert KERNEL_CALL in text
@@ -102,7 +101,11 @@ def test_quantize_kernel_lowers_for_cuda(num_blocks, block_size, tiles, dtype, s
 @pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), ALL_LAYOUTS, ids=ALL_LAYOUT_IDS)
 def test_dequantize_kernel_lowers_for_cuda(num_blocks, block_size, tiles, bits):
     code_width = block_size  # a layout's block size is its code width at 8 bits
-    fn = functools.partial(_pallas.dequantize_blocks, bits=bits, tiles=tiles)
+
+    def fn(codes, header):
+        kernel = Kernel.of("dequantize_blocks", codes, header, bits=bits)
+        return _pallas.dequantize_blocks(kernel, codes, header, tiles=tiles)
+
     text = lower_for_cuda(
         fn, spec((num_blocks, code_width), jnp.uint8), spec((num_blocks, 2), jnp.float32)
     )
@@ -117,15 +120,11 @@ def test_average_requantize_kernel_lowers_for_cuda(
     num_blocks, block_size, tiles, n, stochastic, bits
 ):
     def fn(codes, header, key):
-        return _pallas.average_requantize(
-            codes,
-            header,
-            weight=1.0 / n,
-            stochastic=stochastic,
-            key=key if stochastic else None,
-            bits=bits,
-            tiles=tiles,
+        kernel = Kernel.of(
+            "average_requantize", codes, header, weight=1.0 / n, stochastic=stochastic, bits=bits
         )
+        key = key if stochastic else None
+        return _pallas.average_requantize(kernel, codes, header, key, tiles=tiles)
 
     text = lower_for_cuda(
         fn,

@@ -51,6 +51,15 @@ def _widen(block_size, bits):
     return block_size * 8 // bits
 
 
+def _roundtrip(x, bits, interpret):
+    """The kernels' codes and header of ``x`` at the default tile, and their decoded values."""
+    encoded = _pallas.quantize_blocks(
+        _codecs.Kernel.of("quantize_blocks", x, bits=bits), x, interpret=interpret
+    )
+    kernel = _codecs.Kernel.of("dequantize_blocks", *encoded, bits=bits)
+    return encoded, _pallas.dequantize_blocks(kernel, *encoded, interpret=interpret)
+
+
 def _blocks(num_blocks, block_size, dtype, seed):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((num_blocks, block_size)) * rng.uniform(0.01, 100.0, (num_blocks, 1))
@@ -72,13 +81,13 @@ def test_quantize_and_dequantize_match_reference(
     block_size = _widen(block_size, bits)
     x = _blocks(num_blocks, block_size, dtype, seed=num_blocks)
     key = jax.random.key(7) if stochastic else None
-    got = _pallas.quantize_blocks(
-        x, stochastic=stochastic, key=key, bits=bits, interpret=interpret, tiles=tiles
-    )
+    kernel = _codecs.Kernel.of("quantize_blocks", x, stochastic=stochastic, bits=bits)
+    got = _pallas.quantize_blocks(kernel, x, key, interpret=interpret, tiles=tiles)
     want = _ref_quantize(x, stochastic=stochastic, key=key, bits=bits)
     assert want[0].shape == (num_blocks, block_size * bits // 8)
     assert_trees_all_equal(got, want)
-    decoded = _pallas.dequantize_blocks(*want, bits=bits, interpret=interpret, tiles=tiles)
+    kernel = _codecs.Kernel.of("dequantize_blocks", *want, bits=bits)
+    decoded = _pallas.dequantize_blocks(kernel, *want, interpret=interpret, tiles=tiles)
     assert_trees_all_equal(decoded, _ref_dequantize(*want, bits=bits))
 
 
@@ -98,16 +107,10 @@ def test_average_requantize_matches_reference(
     codes = jnp.stack([c for c, _ in chunks])
     header = jnp.stack([h for _, h in chunks])
     key = jax.random.key(3) if stochastic else None
-    got = _pallas.average_requantize(
-        codes,
-        header,
-        weight=1.0 / n,
-        stochastic=stochastic,
-        key=key,
-        bits=bits,
-        interpret=interpret,
-        tiles=tiles,
+    kernel = _codecs.Kernel.of(
+        "average_requantize", codes, header, weight=1.0 / n, stochastic=stochastic, bits=bits
     )
+    got = _pallas.average_requantize(kernel, codes, header, key, interpret=interpret, tiles=tiles)
     want = _ref_average(codes, header, weight=1.0 / n, stochastic=stochastic, key=key, bits=bits)
     assert_trees_all_equal(got, want)
 
@@ -117,9 +120,9 @@ def test_average_requantize_matches_reference(
 def test_non_finite_blocks_decode_to_nan(bits, interpret):
     x = _blocks(4, _widen(128, bits), jnp.float32, seed=1)
     x = x.at[0, 5].set(jnp.nan).at[2, 0].set(jnp.inf).at[3, 7].set(-jnp.inf)
-    codes, header = _pallas.quantize_blocks(x, bits=bits, interpret=interpret)
-    assert_trees_all_equal((codes, header), _ref_quantize(x, bits=bits))
-    decoded = np.asarray(_pallas.dequantize_blocks(codes, header, bits=bits, interpret=interpret))
+    encoded, decoded = _roundtrip(x, bits, interpret)
+    assert_trees_all_equal(encoded, _ref_quantize(x, bits=bits))
+    decoded = np.asarray(decoded)
     assert np.isnan(decoded[[0, 2, 3]]).all()
     assert np.isfinite(decoded[1]).all()
 
@@ -130,20 +133,17 @@ def test_extreme_magnitudes_stay_finite(bits, interpret):
     big = float(np.finfo(np.float32).max)
     block_size = _widen(128, bits)
     x = jnp.asarray(np.linspace(-big, big, 2 * block_size, dtype=np.float32).reshape(2, -1))
-    codes, header = _pallas.quantize_blocks(x, bits=bits, interpret=interpret)
-    assert_trees_all_equal((codes, header), _ref_quantize(x, bits=bits))
-    assert np.isfinite(
-        np.asarray(_pallas.dequantize_blocks(codes, header, bits=bits, interpret=interpret))
-    ).all()
+    encoded, decoded = _roundtrip(x, bits, interpret)
+    assert_trees_all_equal(encoded, _ref_quantize(x, bits=bits))
+    assert np.isfinite(np.asarray(decoded)).all()
 
 
 @pytest.mark.parametrize("bits", BITS)
 def test_empty_input(bits):
     block_size = _widen(128, bits)
-    codes, header = _pallas.quantize_blocks(jnp.zeros((0, block_size)), bits=bits, interpret=True)
+    (codes, header), decoded = _roundtrip(jnp.zeros((0, block_size)), bits, interpret=True)
     assert codes.shape == (0, 128) and codes.dtype == jnp.uint8
     assert header.shape == (0, 2) and header.dtype == jnp.float32
-    decoded = _pallas.dequantize_blocks(codes, header, bits=bits, interpret=True)
     assert decoded.shape == (0, block_size)
 
 

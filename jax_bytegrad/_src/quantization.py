@@ -102,10 +102,22 @@ def resolve_implementation(implementation: Implementation | None) -> Implementat
     return implementation
 
 
-def _codec(implementation: Implementation | None, kernel: _codecs.Kernel) -> _codecs.Codec:
+def _dispatch(op: str, *arrays, key=None, implementation: Implementation | None = "xla", **static):
+    """Runs the reference function ``op`` on ``arrays`` through a codec.
+
+    ``static`` is the reference's keywords (``bits``, ``stochastic``, ``weight``), which
+    make the kernel; ``implementation`` names the codec, and None lets ``codecs.select``
+    choose one for this kernel.
+    """
+    kernel = _codecs.Kernel.of(op, *arrays, **static)
     if implementation is None:
-        return _codecs.select(kernel)
-    return _codecs.CODECS[implementation]
+        codec = _codecs.select(kernel)
+    else:
+        codec = _codecs.CODECS[implementation]
+    return kernel.run(codec, *arrays, key=key)
+
+
+# The three block functions take the reference's arguments, plus ``implementation``.
 
 
 def quantize_blocks(
@@ -117,23 +129,18 @@ def quantize_blocks(
     implementation: Implementation | None = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Quantizes rows of a (num_blocks, block_size) array; see ``codecs/reference.py``."""
-    kernel = _codecs.Kernel(
-        "quantize_blocks", bits, x.shape[1], dtype=jnp.dtype(x.dtype).name, stochastic=stochastic
-    )
-    codec = _codec(implementation, kernel)
-    return codec.quantize_blocks(x, stochastic=stochastic, key=key, bits=bits)
+    return _dispatch(
+        "quantize_blocks", x, key=key, implementation=implementation, bits=bits,
+        stochastic=stochastic,
+    )  # fmt: skip
 
 
 def dequantize_blocks(
-    codes: jax.Array,
-    header: jax.Array,
-    *,
-    bits: int = 8,
+    codes: jax.Array, header: jax.Array, *, bits: int = 8,
     implementation: Implementation | None = "xla",
-) -> jax.Array:
+) -> jax.Array:  # fmt: skip
     """Decodes (num_blocks, block_size * bits // 8) codes to float32; see the reference."""
-    kernel = _codecs.Kernel("dequantize_blocks", bits, codes.shape[-1] * 8 // bits)
-    return _codec(implementation, kernel).dequantize_blocks(codes, header, bits=bits)
+    return _dispatch("dequantize_blocks", codes, header, implementation=implementation, bits=bits)
 
 
 def average_requantize(
@@ -147,17 +154,10 @@ def average_requantize(
     implementation: Implementation | None = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Fused decode of n chunks, weighted sum in float32, and re-encode; see the reference."""
-    kernel = _codecs.Kernel(
-        "average_requantize",
-        bits,
-        codes.shape[-1] * 8 // bits,
-        stochastic=stochastic,
-        chunks=codes.shape[0],
-        weight=float(weight),
-    )
-    return _codec(implementation, kernel).average_requantize(
-        codes, header, weight=weight, stochastic=stochastic, key=key, bits=bits
-    )
+    return _dispatch(
+        "average_requantize", codes, header, key=key, implementation=implementation, bits=bits,
+        stochastic=stochastic, weight=weight,
+    )  # fmt: skip
 
 
 def average_blocks(

@@ -62,7 +62,28 @@ def _parse_size(value, name: str) -> int:
     return number
 
 
-class SqliteStore:
+class _ProcessLocal:
+    """A store whose connections belong to the process that opened them.
+
+    A pickled copy, as grain sends to a worker process, carries the settings alone and
+    opens its own connections on first use.
+    """
+
+    _SETTINGS: tuple[str, ...] = ()  # the attributes a pickled copy carries
+
+    def _reset(self) -> None:
+        """Drops this process's connections and what came with them."""
+        raise NotImplementedError
+
+    def __getstate__(self):
+        return {name: getattr(self, name) for name in self._SETTINGS}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._reset()
+
+
+class SqliteStore(_ProcessLocal):
     """A size-bounded cache in one SQLite file, shared by the processes of one host.
 
     Eviction: when a batch of writes takes the stored values past ``capacity_bytes``, the
@@ -86,6 +107,8 @@ class SqliteStore:
       >>> store.get(b"k"), store.get(b"other")
       (b'v', None)
     """
+
+    _SETTINGS = ("path", "capacity_bytes", "timeout_s")
 
     def __init__(
         self, path: str | os.PathLike, capacity_bytes: int | str = "1gb", *, timeout_s: float = 60.0
@@ -134,17 +157,6 @@ class SqliteStore:
                 if "locked" not in str(e) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
-
-    def __getstate__(self):
-        return {
-            "path": self.path,
-            "capacity_bytes": self.capacity_bytes,
-            "timeout_s": self.timeout_s,
-        }
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._reset()
 
     def __repr__(self) -> str:
         return f"SqliteStore({self.path!r}, capacity_bytes={self.capacity_bytes})"
@@ -325,7 +337,7 @@ def _parse_host(host) -> tuple[str, int]:
     raise ValueError(f"RedisStore: a host must be 'host:port' or (host, port), got {host!r}")
 
 
-class RedisStore:
+class RedisStore(_ProcessLocal):
     """A cache sharded over one or more Redis servers, through redis-py.
 
     Each key goes to server ``blake2b(key) mod len(hosts)``: a hash that is the same in every
@@ -353,6 +365,8 @@ class RedisStore:
       b'v'
     """
 
+    _SETTINGS = ("hosts", "socket_timeout_s", "retry_after_s")
+
     def __init__(
         self,
         hosts: Sequence[str | tuple[str, int]],
@@ -367,10 +381,14 @@ class RedisStore:
         self.hosts = [_parse_host(h) for h in hosts]
         self.socket_timeout_s = float(socket_timeout_s)
         self.retry_after_s = float(retry_after_s)
+        self._reset()
+
+    def _reset(self) -> None:
         self._down_until = [0.0] * len(self.hosts)
         self._clients = None
         self._pid = None
         self._warned = False
+        # Only the store that started servers stops them; a pickled copy owns none.
         self.servers: list[RedisServer] = []
 
     @classmethod
@@ -418,17 +436,6 @@ class RedisStore:
             ]
             self._pid = os.getpid()
         return self._clients
-
-    def __getstate__(self):
-        return {
-            "hosts": self.hosts,
-            "socket_timeout_s": self.socket_timeout_s,
-            "retry_after_s": self.retry_after_s,
-        }
-
-    def __setstate__(self, state):
-        self.__dict__.update(state, _clients=None, _pid=None, _warned=False, servers=[])
-        self._down_until = [0.0] * len(self.hosts)
 
     def __repr__(self) -> str:
         return f"RedisStore({[f'{h}:{p}' for h, p in self.hosts]!r})"

@@ -1,7 +1,9 @@
 """Quantization codecs: one interface, three implementations, and a choice per kernel.
 
-Every codec implements the three block functions of ``reference.py`` with the same
-arguments and results: ``quantize_blocks``, ``dequantize_blocks`` and ``average_requantize``.
+Every codec implements the three block functions of ``reference.py`` with the same results:
+``quantize_blocks``, ``dequantize_blocks`` and ``average_requantize``. A codec's function takes
+a ``Kernel`` (the op's static arguments: bits, rounding, weight), then the reference's arrays,
+so the static arguments are spelled once, in the reference's signatures.
 
 * ``"xla"``: ``reference.py``, pure jnp. It owns the semantics and runs everywhere.
 * ``"pallas"``: ``pallas.py``'s kernels compiled by Mosaic GPU, for NVIDIA GPUs of compute
@@ -32,42 +34,8 @@ from jax_bytegrad._src.codecs import pallas, reference
 # Seconds one kernel's check may take, compile included: a compile takes about a second, and a
 # layout search that Mosaic GPU cannot finish would take minutes of the user's first step.
 CHECK_TIMEOUT_S = 20.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Codec:
-    """One implementation of the block codec: three functions with the reference's signature.
-
-    Attributes:
-      name: ``"xla"``, ``"pallas"`` or ``"pallas_interpret"``.
-      quantize_blocks: ``(x, *, stochastic, key, bits) -> (codes, header)``.
-      dequantize_blocks: ``(codes, header, *, bits) -> values``.
-      average_requantize: ``(codes, header, *, weight, stochastic, key, bits) -> (codes,
-        header)``.
-    """
-
-    name: str
-    quantize_blocks: Callable
-    dequantize_blocks: Callable
-    average_requantize: Callable
-
-
-def _pallas_codec(name: str, interpret: bool) -> Codec:
-    return Codec(
-        name,
-        functools.partial(pallas.quantize_blocks, interpret=interpret),
-        functools.partial(pallas.dequantize_blocks, interpret=interpret),
-        functools.partial(pallas.average_requantize, interpret=interpret),
-    )
-
-
-CODECS: dict[str, Codec] = {
-    "xla": Codec(
-        "xla", reference.quantize_blocks, reference.dequantize_blocks, reference.average_requantize
-    ),
-    "pallas": _pallas_codec("pallas", interpret=False),
-    "pallas_interpret": _pallas_codec("pallas_interpret", interpret=True),
-}
+# The ops every codec implements, named as the reference's functions.
+OPS = ("quantize_blocks", "dequantize_blocks", "average_requantize")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,25 +60,63 @@ class Kernel:
     chunks: int = 0
     weight: float | None = None
 
+    @classmethod
+    def of(
+        cls, op: str, *arrays, bits: int = 8, stochastic: bool = False, weight: float | None = None
+    ) -> "Kernel":
+        """The kernel of the call ``reference.<op>(*arrays, bits=..., ...)``.
+
+        Takes the reference's static keywords, so that a codec's caller passes them as it
+        would to the reference; a keyword the reference does not take raises ``TypeError``.
+        """
+        first = arrays[0]
+        if op == "quantize_blocks":
+            dtype = jnp.dtype(first.dtype).name
+            return cls(op, bits, first.shape[-1], dtype=dtype, stochastic=stochastic)
+        block_size = first.shape[-1] * 8 // bits
+        if op == "dequantize_blocks":
+            if stochastic or weight is not None:
+                raise TypeError("dequantize_blocks takes neither stochastic nor weight")
+            return cls(op, bits, block_size)
+        if op != "average_requantize":
+            raise ValueError(f"unknown codec op {op!r}; expected one of {OPS}")
+        if weight is None:
+            raise TypeError("average_requantize needs weight=...")
+        chunks = first.shape[0]
+        return cls(op, bits, block_size, stochastic=stochastic, chunks=chunks, weight=float(weight))
+
+    @property
+    def encodes(self) -> bool:
+        """Whether the op writes codes, and so takes a rounding and a key."""
+        return self.op != "dequantize_blocks"
+
+    def arguments(self) -> dict:
+        """The static keyword arguments of this kernel's reference function."""
+        arguments = {"bits": self.bits}
+        if self.encodes:
+            arguments["stochastic"] = self.stochastic
+        if self.weight is not None:
+            arguments["weight"] = self.weight
+        return arguments
+
     def __str__(self) -> str:
         args = [f"bits={self.bits}", f"block_size={self.block_size}"]
         if self.op == "quantize_blocks":
             args.append(f"dtype={self.dtype}")
-        if self.op != "dequantize_blocks":
+        if self.encodes:
             args.append(f"rounding={'stochastic' if self.stochastic else 'nearest'!r}")
         if self.op == "average_requantize":
             args += [f"chunks={self.chunks}", f"weight={self.weight}"]
         return f"{self.op}({', '.join(args)})"
 
-    def run(self, codec: Codec, *arrays):
-        """Calls this kernel's op of ``codec`` on ``arrays`` with the static arguments."""
+    def run(self, codec: "Codec", *arrays, key: jax.Array | None = None):
+        """Calls this kernel's op of ``codec`` on ``arrays`` (and ``key``, if it encodes)."""
         fn = getattr(codec, self.op)
-        if self.op == "dequantize_blocks":
-            return fn(*arrays, bits=self.bits)
-        *arrays, key_data = arrays
-        key = jax.random.wrap_key_data(key_data) if self.stochastic else None
-        extra = {} if self.weight is None else {"weight": self.weight}
-        return fn(*arrays, stochastic=self.stochastic, key=key, bits=self.bits, **extra)
+        if self.encodes:
+            return fn(self, *arrays, key=key)
+        if key is not None:
+            raise TypeError(f"{self.op} takes no key")
+        return fn(self, *arrays)
 
     def example(self) -> tuple[np.ndarray, ...]:
         """A small input that reaches every branch: zeros, a constant block, NaN and inf.
@@ -130,16 +136,60 @@ class Kernel:
             x[4, 3] = np.inf
             return x.astype(np.float32)
 
-        key_data = np.asarray(jax.random.key_data(jax.random.key(0)))
         if self.op == "quantize_blocks":
-            return values(1).astype(jnp.dtype(self.dtype)), key_data
+            return (values(1).astype(jnp.dtype(self.dtype)),)
         encode = jax.jit(functools.partial(reference.quantize_blocks, bits=self.bits))
         if self.op == "dequantize_blocks":
             return tuple(np.asarray(a) for a in encode(values(1)))
         chunks = [encode(values(seed)) for seed in range(1, self.chunks + 1)]
         codes = np.stack([np.asarray(c) for c, _ in chunks])
         header = np.stack([np.asarray(h) for _, h in chunks])
-        return codes, header, key_data
+        return codes, header
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One implementation of the block codec: a function per op of ``reference.py``.
+
+    Each takes the ``Kernel`` (the op's static arguments) and then the reference function's
+    arrays: ``quantize_blocks(kernel, x, key=None) -> (codes, header)``,
+    ``dequantize_blocks(kernel, codes, header) -> values`` and
+    ``average_requantize(kernel, codes, header, key=None) -> (codes, header)``. The static
+    arguments are written once, in the reference's signature; ``Kernel.of`` reads a call in
+    that form.
+
+    Attributes:
+      name: ``"xla"``, ``"pallas"`` or ``"pallas_interpret"``.
+      quantize_blocks: the encoder.
+      dequantize_blocks: the decoder.
+      average_requantize: the fused decode, weighted sum and re-encode.
+    """
+
+    name: str
+    quantize_blocks: Callable
+    dequantize_blocks: Callable
+    average_requantize: Callable
+
+
+def _reference_op(op: str) -> Callable:
+    semantics = getattr(reference, op)
+    return lambda kernel, *arrays, **key: semantics(*arrays, **key, **kernel.arguments())
+
+
+def _pallas_codec(name: str, interpret: bool) -> Codec:
+    return Codec(
+        name,
+        functools.partial(pallas.quantize_blocks, interpret=interpret),
+        functools.partial(pallas.dequantize_blocks, interpret=interpret),
+        functools.partial(pallas.average_requantize, interpret=interpret),
+    )
+
+
+CODECS: dict[str, Codec] = {
+    "xla": Codec("xla", *(_reference_op(op) for op in OPS)),
+    "pallas": _pallas_codec("pallas", interpret=False),
+    "pallas_interpret": _pallas_codec("pallas_interpret", interpret=True),
+}
 
 
 def _unpacked(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -184,8 +234,9 @@ def check(kernel: Kernel, device) -> str | None:
         try:
             with jax.default_device(device):
                 arrays = kernel.example()
-                got = jax.jit(functools.partial(kernel.run, CODECS["pallas"]))(*arrays)
-                want = jax.jit(functools.partial(kernel.run, CODECS["xla"]))(*arrays)
+                key = jax.random.key(0) if kernel.stochastic else None
+                got = jax.jit(functools.partial(kernel.run, CODECS["pallas"]))(*arrays, key=key)
+                want = jax.jit(functools.partial(kernel.run, CODECS["xla"]))(*arrays, key=key)
                 outcome["result"] = mismatch(kernel, got, want)
         except Exception as error:  # noqa: BLE001 - any failure means "do not use it"
             outcome["result"] = f"it failed: {error!r:.300}"

@@ -387,18 +387,35 @@ def _encode_launch(kernel, inputs, in_specs, *, code_width, rows, padded, num_bl
     return codes, header.reshape(padded, 2)[:num_blocks]
 
 
-@functools.partial(jax.jit, static_argnames=("stochastic", "bits", "interpret", "tiles"))
-def _quantize(x, u, *, stochastic, bits, interpret, tiles):
+def _no_blocks(code_width: int):
+    return jnp.zeros((0, code_width), jnp.uint8), jnp.zeros((0, 2), jnp.float32)
+
+
+def _uniforms(kernel, key, shape: tuple[int, int]):
+    # The exact draw the reference makes, so stochastic codes match it bit for bit.
+    return jax.random.uniform(key, shape, jnp.float32) if kernel.stochastic else None
+
+
+# The public functions take a ``codecs.Kernel`` for the reference's static arguments (bits,
+# rounding, weight), then the reference function's arrays and key; see ``codecs/__init__.py``.
+_STATIC = ("kernel", "interpret", "tiles")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def quantize_blocks(kernel, x, key=None, *, interpret=False, tiles=_DEFAULT_TILES):
+    """``reference.quantize_blocks`` of ``x`` (num_blocks, block_size), as a kernel."""
     num_blocks, block_size = x.shape
+    code_width = block_size * kernel.bits // 8
+    if num_blocks == 0:
+        return _no_blocks(code_width)
     rows, padded = _plan(num_blocks, block_size, tiles)
-    inputs = [_as_lanes(_pad_blocks(x, padded, 0))]
-    if stochastic:
-        inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
+    u = _uniforms(kernel, key, x.shape)
+    inputs = [_as_lanes(_pad_blocks(a, padded, 0)) for a in (x, u) if a is not None]
     return _encode_launch(
-        functools.partial(_quantize_kernel, stochastic=stochastic, bits=bits),
+        functools.partial(_quantize_kernel, stochastic=kernel.stochastic, bits=kernel.bits),
         inputs,
         [_tile_spec(rows, block_size)] * len(inputs),
-        code_width=block_size * bits // 8,
+        code_width=code_width,
         rows=rows,
         padded=padded,
         num_blocks=num_blocks,
@@ -406,13 +423,16 @@ def _quantize(x, u, *, stochastic, bits, interpret, tiles):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "interpret", "tiles"))
-def _dequantize(codes, header, *, bits, interpret, tiles):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def dequantize_blocks(kernel, codes, header, *, interpret=False, tiles=_DEFAULT_TILES):
+    """``reference.dequantize_blocks``: (num_blocks, block_size * bits // 8) codes to float32."""
     num_blocks, code_width = codes.shape
-    block_size = code_width * 8 // bits
+    block_size = code_width * 8 // kernel.bits
+    if num_blocks == 0:
+        return jnp.zeros((0, block_size), jnp.float32)
     rows, padded = _plan(num_blocks, block_size, tiles)
     out = _launch(
-        functools.partial(_dequantize_kernel, bits=bits),
+        functools.partial(_dequantize_kernel, bits=kernel.bits),
         grid=padded // rows,
         in_specs=[_tile_spec(rows, code_width), _header_spec(rows)],
         out_specs=[_tile_spec(rows, block_size)],
@@ -422,22 +442,32 @@ def _dequantize(codes, header, *, bits, interpret, tiles):
     return out.reshape(padded, block_size)[:num_blocks]
 
 
-@functools.partial(jax.jit, static_argnames=("weight", "stochastic", "bits", "interpret", "tiles"))
-def _average_requantize(codes, header, u, *, weight, stochastic, bits, interpret, tiles):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def average_requantize(kernel, codes, header, key=None, *, interpret=False, tiles=_DEFAULT_TILES):
+    """``reference.average_requantize`` in one fused pass: decode, weighted sum, re-encode.
+
+    ``codes`` is (n, num_blocks, block_size * bits // 8) and ``header`` (n, num_blocks, 2).
+    """
     n, num_blocks, code_width = codes.shape
-    block_size = code_width * 8 // bits
+    if num_blocks == 0:
+        return _no_blocks(code_width)
+    block_size = code_width * 8 // kernel.bits
     rows, padded = _plan(num_blocks, block_size, tiles)
     inputs = [
         _as_lanes(_pad_blocks(codes, padded, 1)),
         _pad_blocks(header, padded, 1).reshape(n, 2 * padded),
     ]
     in_specs = [_tile_spec(rows, code_width, lead=n), _header_spec(rows, lead=n)]
-    if stochastic:
+    if kernel.stochastic:
+        u = _uniforms(kernel, key, (num_blocks, block_size))
         inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
         in_specs.append(_tile_spec(rows, block_size))
     return _encode_launch(
         functools.partial(
-            _average_requantize_kernel, weight=weight, stochastic=stochastic, bits=bits
+            _average_requantize_kernel,
+            weight=kernel.weight,
+            stochastic=kernel.stochastic,
+            bits=kernel.bits,
         ),
         inputs,
         in_specs,
@@ -446,78 +476,4 @@ def _average_requantize(codes, header, u, *, weight, stochastic, bits, interpret
         padded=padded,
         num_blocks=num_blocks,
         interpret=interpret,
-    )
-
-
-def _uniforms(key, shape):
-    # The exact draw the reference makes, so stochastic codes match it bit for bit.
-    return jax.random.uniform(key, shape, jnp.float32)
-
-
-def quantize_blocks(
-    x: jax.Array,
-    *,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-    bits: int = 8,
-    interpret: bool = False,
-    tiles: _Tiles = _DEFAULT_TILES,
-) -> tuple[jax.Array, jax.Array]:
-    """Quantizes rows of ``x`` (num_blocks, block_size); see ``reference.quantize_blocks``."""
-    num_blocks, block_size = x.shape
-    if num_blocks == 0:
-        return (
-            jnp.zeros((0, block_size * bits // 8), jnp.uint8),
-            jnp.zeros((0, 2), jnp.float32),
-        )
-    u = _uniforms(key, x.shape) if stochastic else None
-    return _quantize(x, u, stochastic=stochastic, bits=bits, interpret=interpret, tiles=tiles)
-
-
-def dequantize_blocks(
-    codes: jax.Array,
-    header: jax.Array,
-    *,
-    bits: int = 8,
-    interpret: bool = False,
-    tiles: _Tiles = _DEFAULT_TILES,
-) -> jax.Array:
-    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see ``reference.py``."""
-    if codes.shape[0] == 0:
-        return jnp.zeros((0, codes.shape[1] * 8 // bits), jnp.float32)
-    return _dequantize(codes, header, bits=bits, interpret=interpret, tiles=tiles)
-
-
-def average_requantize(
-    codes: jax.Array,
-    header: jax.Array,
-    *,
-    weight: float,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-    bits: int = 8,
-    interpret: bool = False,
-    tiles: _Tiles = _DEFAULT_TILES,
-) -> tuple[jax.Array, jax.Array]:
-    """One fused pass: decode n chunks, weighted float32 sum, re-encode.
-
-    See ``reference.average_requantize``; ``codes`` is (n, num_blocks, block_size * bits // 8)
-    and ``header`` (n, num_blocks, 2).
-    """
-    _, num_blocks, code_width = codes.shape
-    if num_blocks == 0:
-        return (
-            jnp.zeros((0, code_width), jnp.uint8),
-            jnp.zeros((0, 2), jnp.float32),
-        )
-    u = _uniforms(key, (num_blocks, code_width * 8 // bits)) if stochastic else None
-    return _average_requantize(
-        codes,
-        header,
-        u,
-        weight=float(weight),
-        stochastic=stochastic,
-        bits=bits,
-        interpret=interpret,
-        tiles=tiles,
     )
