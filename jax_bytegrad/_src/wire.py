@@ -1,7 +1,9 @@
 """The wires between nodes: how one flat float32 bucket's codes are summed over the mesh.
 
-Each wire is written once, as stages between its collectives: the one-program step runs them
-inline (``sum_flat``), the pipelined step runs each stage as a program of its own.
+Each wire is written once, as a plan: the stages of one piece of a bucket between its
+collectives (``integer_plan``, ``scatter_gather_plan``). The one-program step runs the plan
+inline (``sum_flat``, through ``run``); the pipelined step runs each stage as a program of its
+own (``steps/stages.py``); the GPU schedule tests count its collectives per bucket.
 
 ``wire="scatter_gather"`` is Bagua's ByteGrad (Gan et al., VLDB 2022), per flat bucket:
 

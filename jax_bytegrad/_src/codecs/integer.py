@@ -4,8 +4,8 @@ Follows the THC and IntSGD family (Li et al., "THC: Accelerating Distributed Dee
 Using Tensor Homomorphic Compression", NSDI 2024; Mishchenko et al., "IntSGD: Adaptive
 Floatless Compression of Stochastic Gradients", ICLR 2022). Every device of a group of g
 quantizes onto the same grid per block, with headroom, so the group's codes sum exactly in one
-integer ``psum``; ``wire.integer_sum`` runs these stages around its collectives, and the
-pipelined step runs them as programs of their own.
+integer ``psum``; ``wire.integer_plan`` holds the stages around the collective, which the
+one-program sync runs inline and the pipelined step as programs of their own.
 
 The grid of a block, from the group's lo = min and hi = max (every device computes it from
 the same pmax, so every device holds the same grid), with L levels per device:

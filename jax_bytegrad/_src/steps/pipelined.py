@@ -25,10 +25,9 @@ one stage behind the one before it. A program of fewer than about 1000 flops (a 
 alone) runs inline on the thread that calls it, so the dispatch thread blocks in each
 exchange while the caller's thread goes on.
 
-The programs are built in ``steps/stages.py``. The stages are the wire's own
-(``codecs.integer.integer_bounds``, ``integer_encode``,
-``integer_decode``; ``wire.sg_encode``, ``sg_average``, ``sg_decode``), with the same keys,
-so the step computes the same values as ``data_parallel_step`` with
+The programs are built in ``steps/stages.py``: each piece's are the stages of its wire's
+plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), the same functions the
+one-program sync runs inline, with the same keys, so the step computes the same values as ``data_parallel_step`` with
 ``optax.chain(bytegrad(...), optimizer)``, bit for bit (tests/test_pipelined.py), and holds
 the same ``TrainState``: a checkpoint of one restores into the other.
 

@@ -2,9 +2,11 @@
 collectives, in the order the caller's thread walks them (``Stages``).
 
 ``steps/pipelined.py`` schedules them, the wire programs on a dispatch thread of their own;
-see its module docstring for why and where that overlaps. The stages call the wires' own
-(``codecs.integer``'s and ``wire.sg_*``), with the same keys, so the values are the
-one-program step's, bit for bit.
+see its module docstring for why and where that overlaps. Each piece's programs are the
+stages of its wire's plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), which the
+one-program step runs inline, with the same keys: the values are the one-program step's, bit
+for bit. What is this step's own: the pieces (``bucket_bytes`` of each bucket per exchange),
+their software-pipelined order, and one pmax for every bucket's integer-wire bounds.
 """
 
 import dataclasses
