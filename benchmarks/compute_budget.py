@@ -132,7 +132,7 @@ def _row(name, seconds, nbytes, extra=""):
     return f"| {name:34} | {seconds * 1e3:9.2f} | {nbytes / 1e6:8.1f} | {gbs:7.2f} | {extra}"
 
 
-def main(argv=None):
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--elements", type=float, default=25.2e6)
     parser.add_argument("--nodes", default="2,4")
@@ -144,6 +144,11 @@ def main(argv=None):
         action="store_true",
         help="re-run under GLIBC_TUNABLES=glibc.malloc.hugetlb=1",
     )
+    return parser
+
+
+def main(argv=None):
+    parser = _parser()
     args = parser.parse_args(argv)
 
     nodes = [int(v) for v in args.nodes.split(",")]

@@ -14,6 +14,7 @@ Models:
 Usage:
   python benchmarks/gpu_schedule.py                       # both models, 2 x 4 H100
   python benchmarks/gpu_schedule.py --model mlp --gpu h200
+  python benchmarks/gpu_schedule.py --bucket-mib 16        # bucket_bytes of the compressed
 """
 
 import argparse
@@ -30,11 +31,14 @@ import jax_bytegrad as jbg  # noqa: E402
 from jax_bytegrad.sharding import gpu_mesh  # noqa: E402
 
 # name -> (algorithm, its settings); the phase reported is the one that runs most steps.
+QADAM = {"learning_rate": 1e-3, "warmup_steps": 2}
 ALGORITHMS = {
     "gradient_allreduce": ("gradient_allreduce", {}, "step"),
+    "gradient_allreduce (hier.)": ("gradient_allreduce", {"hierarchical": True}, "step"),
     "bytegrad": ("bytegrad", {}, "step"),
     "bytegrad 4-bit + EF": ("bytegrad", {"bits": 4, "error_feedback": True}, "step"),
-    "qadam (compressed)": ("qadam", {"learning_rate": 1e-3, "warmup_steps": 2}, "compressed"),
+    "qadam (compressed)": ("qadam", QADAM, "compressed"),
+    "qadam (warm-up)": ("qadam", QADAM, "warmup"),
 }
 
 
@@ -89,10 +93,13 @@ def transformer(dim: int, depth: int, seq_len: int = 256, per_device: int = 8):
     )
 
 
-def measure(mesh, params, loss_fn, batch):
-    """One row per algorithm: the node axis's ``Overlap`` of its main phase."""
+def measure(mesh, params, loss_fn, batch, bucket_bytes=None):
+    """One row per algorithm: the node axis's ``Overlap`` of its phase; ``bucket_bytes``
+    (None: the default) for the algorithms that bucket."""
     rows = {}
     for name, (algorithm, settings, phase) in ALGORITHMS.items():
+        if bucket_bytes is not None and algorithm != "gradient_allreduce":
+            settings = {**settings, "bucket_bytes": bucket_bytes}
         strategy = jbg.Strategy(algorithm, mesh=mesh, **settings)
         step = strategy.train_step(loss_fn, None if algorithm == "qadam" else optax.adam(1e-3))
         stats = step.communication_stats(step.state_shapes(params), batch)
@@ -118,7 +125,9 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=4)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--bucket-mib", type=int, default=None, help="bucket_bytes in MiB")
     args = parser.parse_args()
+    bucket_bytes = None if args.bucket_mib is None else args.bucket_mib * 2**20
     mesh = gpu_mesh(args.nodes, args.per_node, args.gpu)
     devices = args.nodes * args.per_node
     print(f"JAX {jax.__version__}; {args.nodes} x {args.per_node} {args.gpu}, compiled deviceless")
@@ -129,7 +138,8 @@ def main() -> None:
     for name in models if args.model == "both" else (args.model,):
         params, loss_fn, batch = models[name]()
         size = sum(int(jnp.size(p)) for p in jax.tree.leaves(params)) / 1e6
-        report(f"{name} ({size:.1f}M parameters)", measure(mesh, params, loss_fn, batch(devices)))
+        rows = measure(mesh, params, loss_fn, batch(devices), bucket_bytes)
+        report(f"{name} ({size:.1f}M parameters)", rows)
 
 
 if __name__ == "__main__":

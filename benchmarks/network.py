@@ -163,7 +163,7 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
         return json.loads(out.read_text())
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hosts", default="2", help="comma-separated host counts (default 2)")
     parser.add_argument(
@@ -227,6 +227,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
     unknown = [o for o in args.ops if _parse_op(o)[0] not in OPS]
