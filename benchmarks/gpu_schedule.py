@@ -18,6 +18,7 @@ Usage:
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -137,7 +138,7 @@ def main() -> None:
     }
     for name in models if args.model == "both" else (args.model,):
         params, loss_fn, batch = models[name]()
-        size = sum(int(jnp.size(p)) for p in jax.tree.leaves(params)) / 1e6
+        size = sum(math.prod(p.shape) for p in jax.tree.leaves(params)) / 1e6
         rows = measure(mesh, params, loss_fn, batch(devices), bucket_bytes)
         report(f"{name} ({size:.1f}M parameters)", rows)
 
