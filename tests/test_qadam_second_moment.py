@@ -4,6 +4,7 @@ does not blow up where Bagua's frozen rule does."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import assert_trees_all_close, assert_trees_all_equal
 from test_qadam import (
@@ -11,6 +12,7 @@ from test_qadam import (
     assert_replicas_identical,
     init_params,
     make_batches,
+    per_device_grads,
     qadam_state,
     run,
 )
@@ -60,6 +62,66 @@ def test_v_follows_the_decoded_momentum_after_warmup(mesh, rule):
         assert_trees_all_close(hist[t - 1][0], ours, rtol=1e-5, atol=5e-5 * LR)
 
 
+def recovered_gradient(prev_mu, mu):
+    """``(mu - b1 prev_mu) / (1 - b1)`` in float64: the gradient two momenta imply."""
+    return jax.tree.map(lambda m, p: (m - B1 * p) / (1 - B1), f64(mu), f64(prev_mu))
+
+
+def test_gradient_rule_feeds_v_the_gradient_the_decoded_momenta_imply(mesh):
+    """v = b2 v + (1 - b2) g_est^2, g_est from two consecutive decoded momenta, which every
+    replica holds; g_est is the exact mean gradient up to the 8-bit error / (1 - b1)."""
+    batches = make_batches(STEPS)
+    hist = traced(mesh, "gradient", batches)
+    for t in range(WARMUP + 1, STEPS + 1):
+        prev, state = qadam_state(hist[t - 2][1]), qadam_state(hist[t - 1][1])
+        g_est = recovered_gradient(prev.mu, state.mu)
+        ema = jax.tree.map(lambda v, g: B2 * v + (1 - B2) * g * g, f64(prev.nu), g_est)
+        assert_trees_all_close(f64(state.nu), ema, rtol=1e-4, atol=1e-12)
+        ours = adam_step(hist[t - 2][0], state.mu, state.nu, LR, 1 - B1**t, 1 - B2**t, EPS)
+        assert_trees_all_close(hist[t - 1][0], ours, rtol=1e-5, atol=5e-5 * LR)
+        # The 8-bit codes of the local momenta bound how far g_est is from the mean gradient.
+        grads = jax.device_get(per_device_grads(hist[t - 2][0], batches[t - 1]))
+        for name in ("w", "b"):
+            local = B1 * f64(prev.mu)[name][None] + (1 - B1) * np.asarray(grads[name], np.float64)
+            exact = np.asarray(grads[name], np.float64).mean(0)
+            err = np.abs(g_est[name] - exact).max()
+            assert 0 < err <= 4 * (local.max() - local.min()) / 255 / (1 - B1), (name, err)
+
+
+def test_gradient_rule_is_adam_where_the_mean_is_exact():
+    """On one node the hierarchical exchange sends nothing between nodes, so nothing is
+    rounded: the recovered gradient is the mean gradient and the whole run is Adam's
+    (the momentum rule's v, from m_hat^2, is far from it)."""
+    one_node = jax_bytegrad.make_mesh(1, 8)
+    steps = 10
+    batches = make_batches(steps)
+    ref_tx, ref_params = optax.adam(LR, b1=B1, b2=B2, eps=EPS), init_params()
+    ref = []
+    with jax.numpy_dtype_promotion("standard"):
+        ref_state = ref_tx.init(ref_params)
+        for batch in batches:
+            grads = jax.tree.map(
+                lambda g: np.asarray(g, np.float64).mean(0).astype(np.float32),
+                per_device_grads(ref_params, batch),
+            )
+            updates, ref_state = ref_tx.update(grads, ref_state, ref_params)
+            ref_params = optax.apply_updates(ref_params, updates)
+            ref.append((ref_params, ref_state[0].nu))
+    got = {}
+    for rule in ("gradient", "momentum"):
+        tx = qadam(LR, warmup_steps=WARMUP, b1=B1, b2=B2, eps=EPS, second_moment=rule)
+        params, state, _, hist = run(one_node, tx, batches, trace=True)
+        assert_replicas_identical((params, state))
+        got[rule] = hist
+    for t in range(WARMUP + 1, steps + 1):
+        params, state = got["gradient"][t - 1]
+        assert_trees_all_close(f64(qadam_state(state).nu), f64(ref[t - 1][1]), rtol=1e-4)
+        assert_trees_all_close(params, ref[t - 1][0], rtol=1e-5, atol=1e-6)
+    nu_momentum = f64(qadam_state(got["momentum"][-1][1]).nu["w"])
+    nu_adam = f64(ref[-1][1]["w"])
+    assert np.median(np.abs(nu_momentum / nu_adam - 1)) > 0.1
+
+
 def test_floor_keeps_v_frozen_and_bounds_every_step_by_the_learning_rate(mesh):
     hist = traced(mesh, "floor")
     frozen = qadam_state(hist[WARMUP - 1][1]).nu
@@ -87,7 +149,13 @@ def growing_batches():
 
 @pytest.mark.parametrize(
     "rule, bound",
-    [("frozen", None), ("momentum", 4.0), ("momentum_max", 4.0), ("floor", 1.0 + 1e-5)],
+    [
+        ("frozen", None),
+        ("momentum", 4.0),
+        ("gradient", 4.0),
+        ("momentum_max", 4.0),
+        ("floor", 1.0 + 1e-5),
+    ],
 )
 def test_gradients_that_grow_after_warmup(mesh, rule, bound):
     """Bagua's frozen v takes steps of ~1000 x lr here; the other rules stay near Adam's ~lr."""
@@ -106,7 +174,7 @@ def test_gradients_that_grow_after_warmup(mesh, rule, bound):
 
 
 def test_unknown_rule_is_refused_with_the_valid_ones():
-    with pytest.raises(ValueError, match=r"second_moment='adam'.*'momentum'.*'frozen'"):
+    with pytest.raises(ValueError, match=r"second_moment='adam'.*'momentum'.*'gradient'.*'frozen'"):
         qadam(1e-3, warmup_steps=10, second_moment="adam")
     with pytest.raises(ValueError, match="second_moment='bagua'"):
         jax_bytegrad.Strategy(

@@ -16,13 +16,16 @@ Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
         m = compressed_mean(b1 m + (1 - b1) g_local),    m_hat = m / (1 - b1^t)
         second_moment="momentum" (default): v = b2 v + (1 - b2) m_hat^2, and
             update = m_hat / (sqrt(v / (1 - b2^t)) + eps)
+        second_moment="gradient": v = b2 v + (1 - b2) g_est^2, the same update, with
+            g_est = (m - b1 m_prev) / (1 - b1) from this step's and the last step's decoded
+            momenta: the mean gradient, up to the exchange's error / (1 - b1)
         second_moment="momentum_max": the same v, but v / (1 - b2^t) never falls
         second_moment="floor": v frozen, update = m_hat / (sqrt(max(v_hat, m_hat^2)) + eps)
         second_moment="frozen" (Bagua's): v and its bias correction stay as they were at
             t = warmup_steps, update = m_hat / (sqrt(v / (1 - b2^warmup_steps)) + eps)
 
-    m is identical on every replica after the compressed mean, so every rule keeps the
-    replicas identical and adds no communication. A frozen v diverges where gradients grow
+    m (and so m_prev) is identical on every replica after the compressed mean, so every rule
+    keeps the replicas identical and adds no communication. A frozen v diverges where gradients grow
     after the warm-up (steps of m / sqrt(v_frozen)); measured in benchmarks/RESULTS.md,
     "QAdam's second moment after warm-up", the momentum rule trained as well as Adam or
     better on every task there, with Adam's eps.
@@ -70,8 +73,10 @@ from jax_bytegrad._src.qadam_schedule import check_refresh, check_warmup_steps, 
 from jax_bytegrad._src.qadam_schedule import phase_schedule as phase_schedule
 from jax_bytegrad._src.qadam_schedule import refresh_steps as refresh_steps
 
-SecondMoment = Literal["momentum", "momentum_max", "floor", "frozen"]
-SECOND_MOMENTS: tuple[str, ...] = ("momentum", "momentum_max", "floor", "frozen")
+SecondMoment = Literal["momentum", "gradient", "momentum_max", "floor", "frozen"]
+SECOND_MOMENTS: tuple[str, ...] = ("momentum", "gradient", "momentum_max", "floor", "frozen")
+# The rules whose v is updated on every compressed step (its correction is then 1 - b2^t).
+_FOLLOWING = ("momentum", "gradient", "momentum_max")
 
 
 def _check_hyperparameters(b1, b2, eps, where: str) -> None:
@@ -117,6 +122,25 @@ def _follow_momentum(rule: str, nu, mu_hat, b2: float, count: jax.Array):
     return jax.tree.map(lambda v, e: jnp.maximum(v * keep.astype(v.dtype), e), nu, ema)
 
 
+def _follow_gradient(nu, mu_old, mu_new, b1: float, b2: float):
+    """``v`` after a compressed step, Adam's update on the gradient the momenta imply.
+
+    Every replica holds the same ``mu_old`` (the state's) and the same decoded ``mu_new``,
+    the compressed mean of the devices' ``b1 mu_old + (1 - b1) g_local``; so
+    ``(mu_new - b1 mu_old) / (1 - b1)`` is the mean gradient, up to the exchange's error
+    divided by ``1 - b1``, and the same bits everywhere. That error only adds to ``v`` (a
+    slightly smaller step). It is computed in float32 whatever the moments' dtype, since the
+    subtraction cancels most of ``mu_new``'s leading digits.
+    """
+    f32 = jnp.float32
+
+    def one(v, old, new):
+        g = (new.astype(f32) - f32(b1) * old.astype(f32)) / f32(1 - b1)
+        return (f32(b2) * v.astype(f32) + f32(1 - b2) * g * g).astype(v.dtype)
+
+    return jax.tree.map(one, nu, mu_old, mu_new)
+
+
 def _where(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
@@ -151,9 +175,10 @@ class ScaleByQAdamState(NamedTuple):
         step while ``t <= warmup_steps``.
       mu: first moment, like the params; after warm-up the compressed mean of the
         devices' local momenta (the float32 one on a refresh step).
-      nu: second moment, like the params; after warm-up it follows the decoded momentum,
-        or (``"frozen"``, ``"floor"``) stays as at step ``warmup_steps`` but on refresh
-        steps. How many updates it has had follows from ``count``.
+      nu: second moment, like the params; after warm-up it follows the decoded momentum
+        (``"momentum"``, ``"momentum_max"``) or the gradient two consecutive decoded momenta
+        imply (``"gradient"``), or (``"frozen"``, ``"floor"``) stays as at step
+        ``warmup_steps`` but on refresh steps. How many updates it has had follows from ``count``.
       residuals: error feedback's residuals of the momentum exchange, as in
         ``ByteGradState``: one (send, mean) pair of float32 vectors per bucket, every
         device's own in mesh order (sharded over ("node", "local"); see
@@ -203,9 +228,13 @@ def scale_by_qadam(
         run is a good default.
       second_moment: what ``v`` does after warm-up: ``"momentum"`` (default) keeps Adam's
         update with the decoded momentum ``m_hat^2`` in place of ``g^2``;
-        ``"momentum_max"`` the same, but the bias-corrected ``v`` never falls;
-        ``"floor"`` keeps ``v`` frozen but bounds each step by the learning rate;
-        ``"frozen"`` is Bagua's (it diverges where gradients grow after warm-up).
+        ``"gradient"`` keeps Adam's update with ``g_est^2``, where
+        ``g_est = (m - b1 m_prev) / (1 - b1)`` comes from two consecutive decoded momenta
+        (the mean gradient up to the 8-bit error over ``1 - b1``, so ``v`` is Adam's plus a
+        small positive term); ``"momentum_max"`` is ``"momentum"`` whose bias-corrected
+        ``v`` never falls; ``"floor"`` keeps ``v`` frozen but bounds each step by the
+        learning rate; ``"frozen"`` is Bagua's (it diverges where gradients grow after
+        warm-up).
       nu_refresh_interval: None (default) sends no float32 step after warm-up. An int
         k >= 1 runs the warm-up step again (float32 gradient into ``m`` and ``v``), k steps
         after warm-up and then at gaps growing by ``nu_refresh_growth``.
@@ -267,7 +296,7 @@ def scale_by_qadam(
             ),
         )
 
-    follows = second_moment in ("momentum", "momentum_max")
+    follows = second_moment in _FOLLOWING
     refresh = (
         None
         if nu_refresh_interval is None
@@ -285,12 +314,15 @@ def scale_by_qadam(
 
     def compressed(updates, mu, nu, residuals, count):
         local_mu = optax.tree.update_moment(updates, mu, b1, 1)
+        mu_old = mu
         mu = collectives.sync_mean(
             local_mu, config, residuals=residuals if error_feedback else None, where=where
         )
         if error_feedback:
             mu, residuals = mu
-        if follows:
+        if second_moment == "gradient":
+            nu = _follow_gradient(nu, mu_old, mu, b1, b2)
+        elif follows:
             nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
         return mu, nu, residuals
 
@@ -366,8 +398,8 @@ def qadam(
       learning_rate: a float or an optax schedule ``step -> lr``.
       warmup_steps: steps of plain float32 Adam before compression starts, >= 1; 10-30%
         of the run is a good default (see ``scale_by_qadam``).
-      second_moment: ``"momentum"`` (default), ``"momentum_max"``, ``"floor"`` or
-        ``"frozen"`` (Bagua's): what the second moment does after warm-up (see
+      second_moment: ``"momentum"`` (default), ``"gradient"``, ``"momentum_max"``,
+        ``"floor"`` or ``"frozen"`` (Bagua's): what the second moment does after warm-up (see
         ``scale_by_qadam``).
       nu_refresh_interval: None (default): no float32 step after warm-up. An int k >= 1:
         float32 refreshes of ``m`` and ``v``, k steps after warm-up and then at gaps
