@@ -174,7 +174,7 @@ def test_gradients_that_grow_after_warmup(mesh, rule, bound):
 
 
 def test_unknown_rule_is_refused_with_the_valid_ones():
-    with pytest.raises(ValueError, match=r"second_moment='adam'.*'momentum'.*'gradient'.*'frozen'"):
+    with pytest.raises(ValueError, match=r"second_moment='adam'.*'gradient'.*'momentum'.*'frozen'"):
         qadam(1e-3, warmup_steps=10, second_moment="adam")
     with pytest.raises(ValueError, match="second_moment='bagua'"):
         jax_bytegrad.Strategy(
@@ -183,14 +183,17 @@ def test_unknown_rule_is_refused_with_the_valid_ones():
         )  # fmt: skip
 
 
-def test_strategy_default_is_the_momentum_rule_and_frozen_is_bagua(mesh):
+@pytest.mark.parametrize("bits, default", [(8, "gradient"), (4, "momentum")], ids=["8bit", "4bit"])
+def test_default_rule_is_gradient_at_8_bits_and_momentum_at_4(mesh, bits, default):
+    """Strategy("qadam") and qadam() without second_moment take the rule measured best for
+    their bits; "frozen" (Bagua's) stays available by name and trains differently."""
     loss = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"][None] - b["y"]) ** 2)  # noqa: E731
-    batches = make_batches(WARMUP + 2)
+    batches = make_batches(WARMUP + 3)
     results = {}
-    for rule in (None, "momentum", "frozen"):
+    for rule in (None, "gradient", "momentum", "frozen"):
         kwargs = {} if rule is None else {"second_moment": rule}
         strategy = jax_bytegrad.Strategy(
-            "qadam", mesh=mesh, learning_rate=LR, warmup_steps=WARMUP, **kwargs
+            "qadam", mesh=mesh, learning_rate=LR, warmup_steps=WARMUP, bits=bits, **kwargs
         )
         with strategy.train_step(loss) as step:
             state = step.init(init_params())
@@ -198,5 +201,13 @@ def test_strategy_default_is_the_momentum_rule_and_frozen_is_bagua(mesh):
                 state, _ = step(state, batch)
                 jax.block_until_ready(state)
             results[rule] = jax.device_get(step.params(state))
-    assert_trees_all_equal(results[None], results["momentum"])
-    assert not np.array_equal(results["frozen"]["w"], results["momentum"]["w"])
+    assert_trees_all_equal(results[None], results[default])
+    for other in ("gradient", "momentum", "frozen"):
+        if other != default:
+            assert not np.array_equal(results[other]["w"], results[default]["w"]), other
+    # The optax form resolves None the same way.
+    tx = qadam(LR, warmup_steps=WARMUP, bits=bits)
+    explicit = qadam(LR, warmup_steps=WARMUP, bits=bits, second_moment=default)
+    params, _, _, _ = run(mesh, tx, batches)
+    expected, _, _, _ = run(mesh, explicit, batches)
+    assert_trees_all_equal(jax.device_get(params), jax.device_get(expected))
