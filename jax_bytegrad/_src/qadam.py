@@ -30,14 +30,14 @@ Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
     gradients grow after the warm-up (steps of m / sqrt(v_frozen)). Measured in
     benchmarks/RESULTS.md, "QAdam's second moment after warm-up", with Adam's eps: at 8 bits
     the gradient rule ended within 7% of Adam's train loss on every task there, where
-    m_hat^2, which misses most of the gradient's noise, gave larger steps and 0.3-0.9x
-    Adam's loss; at 4 bits the recovered gradient's error, 16x larger, swells v (1.3-1.5x
+    m_hat^2, which misses most of the gradient's noise, gave larger steps and 0.3-1.0x
+    Adam's loss; at 4 bits the recovered gradient's error, 17x larger, swells v (1.3-1.5x
     Adam's loss) and the momentum rule stays the default.
 
     refresh (optional: nu_refresh_interval=k, nu_refresh_growth=g), at the steps
     t = warmup_steps + k (1 + g + ... + g^j), j = 0, 1, ...: the warm-up step again,
         float32 mean gradient into m and v, and v's correction is 1 - b2^(number of
-        updates v has had): t with the momentum rules; with "frozen" and "floor",
+        updates v has had): t with the rules that follow the momenta; with "frozen" and "floor",
         warmup_steps plus the refreshes so far, this one included.
 
 Beyond Bagua, ``bits=4`` sends 4-bit codes and ``error_feedback=True`` keeps, per device,
@@ -103,7 +103,7 @@ def _default_second_moment(bits: int) -> str:
     """The rule ``second_moment=None`` picks for ``bits``-bit codes.
 
     At 8 bits, ``"gradient"``: its ``v`` is Adam's up to the codes' error over ``1 - b1``.
-    At 4 bits that error is 16x larger and swells ``v`` (smaller steps than Adam's), so
+    At 4 bits that error is 17x larger and swells ``v`` (smaller steps than Adam's), so
     ``"momentum"``. Measured in benchmarks/RESULTS.md, "QAdam's second moment after warm-up".
     """
     return "gradient" if bits == 8 else "momentum"
