@@ -211,3 +211,47 @@ def test_default_rule_is_gradient_at_8_bits_and_momentum_at_4(mesh, bits, defaul
     params, _, _, _ = run(mesh, tx, batches)
     expected, _, _, _ = run(mesh, explicit, batches)
     assert_trees_all_equal(jax.device_get(params), jax.device_get(expected))
+
+
+def mlp_loss(params, batch):
+    h, labels = batch
+    for layer in params[:-1]:
+        h = jax.nn.relu(h @ layer["w"] + layer["b"][None])
+    logits = h @ params[-1]["w"] + params[-1]["b"][None]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+@pytest.mark.parametrize("rule", ["frozen", "gradient", "momentum"])
+def test_issue_mlp_on_digits_diverges_only_with_the_frozen_rule(mesh, rule):
+    """Issue 34's MLP (64-256-256-10, digits / 16, batch 128, lr 1e-3, Adam's eps) with a
+    4-step warm-up: Bagua's frozen v reaches NaN; the rules that follow the momenta never
+    rise above the first loss and train."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16.0).astype(np.float32), y.astype(np.int32)
+    key, sizes = jax.random.key(0), (64, 256, 256, 10)
+    params = [
+        {
+            "w": np.asarray(jax.random.normal(jax.random.fold_in(key, i), (a, b)), np.float32)
+            * np.float32(np.sqrt(2.0 / a)),
+            "b": np.zeros(b, np.float32),
+        }
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
+    ]
+    step = jax_bytegrad.data_parallel_step(
+        mlp_loss, qadam(1e-3, warmup_steps=4, second_moment=rule), mesh
+    )
+    step.on_divergence = "ignore"
+    state, rng, losses = step.init(params), np.random.default_rng(0), []
+    for _ in range(40):
+        idx = rng.integers(0, len(x), 128)
+        state, metrics = step(state, (x[idx], y[idx]))
+        losses.append(metrics["loss"])
+    losses = np.asarray(jax.device_get(losses), np.float64)
+    if rule == "frozen":
+        assert not np.all(np.isfinite(losses)), losses
+    else:
+        assert np.all(np.isfinite(losses))
+        assert losses.max() <= losses[0] * (1 + 1e-6), losses
+        assert losses[-5:].mean() < 0.25 * losses[0], losses
