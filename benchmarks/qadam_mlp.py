@@ -32,7 +32,7 @@ from sklearn.model_selection import train_test_split  # noqa: E402
 import jax_bytegrad  # noqa: E402
 
 SIZES = (64, 256, 256, 10)
-RULES = ("momentum", "momentum_max", "floor", "frozen")
+RULES = ("gradient", "momentum", "momentum_max", "floor", "frozen")
 
 
 def init(seed):

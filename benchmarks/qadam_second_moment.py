@@ -9,6 +9,9 @@ candidate sees the compression's error. Rules (t > W):
     adam          v = b2 v + (1 - b2) g^2, correction 1 - b2^t (float32 every step; no rounding)
     frozen        v and its correction as at step W (Bagua)
     momentum      v = b2 v + (1 - b2) m_hat^2, correction 1 - b2^t; m_hat = m / (1 - b1^t)
+    gradient      v = b2 v + (1 - b2) g_est^2, correction 1 - b2^t, where g_est =
+                  (m - b1 m_prev) / (1 - b1) from the rounded m and the stored (rounded) m_prev:
+                  the mean gradient up to the rounding error / (1 - b1)
     momentum_max  v_hat = max(v_hat, momentum's v_hat): never below the warm-up's
     floor         frozen v, but v_hat >= m_hat^2 (every |step| <= lr)
     refresh01     frozen v, refreshed with the float32 g^2 on 0/1 Adam's schedule (gap 1 for
@@ -28,7 +31,9 @@ import numpy as np
 from sklearn import datasets
 from sklearn.model_selection import train_test_split
 
-RULES = ("adam", "frozen", "momentum", "momentum_max", "floor", "refresh01", "compress_u")
+RULES = (
+    "adam", "frozen", "momentum", "gradient", "momentum_max", "floor", "refresh01", "compress_u"
+)  # fmt: skip
 BLOCK = 1024
 
 
@@ -90,8 +95,13 @@ def _leaf_update(rule, t, warmup, refresh, g, m, v, vhat, hp):
         u_q = _round8(u)
         m_used = jnp.where(warm, m_new, u_q * (jnp.sqrt(vhat) + eps) * c1)
         m_hat = m_used / c1
-    if rule in ("momentum", "momentum_max"):
-        v_c = b2 * v + (1 - b2) * m_hat * m_hat
+    if rule in ("momentum", "momentum_max", "gradient"):
+        if rule == "gradient":
+            # The library's rule: both momenta are the ones every replica holds (m rounded).
+            g_est = (m_used - b1 * m) / (1 - b1)
+            v_c = b2 * v + (1 - b2) * g_est * g_est
+        else:
+            v_c = b2 * v + (1 - b2) * m_hat * m_hat
         v_new = jnp.where(t <= warmup, v_adam, v_c)
         vhat_new = v_new / (1 - b2**t)
         if rule == "momentum_max":

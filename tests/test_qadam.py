@@ -312,11 +312,18 @@ def test_refresh_adds_no_collective_to_the_step(mesh, growth):
     assert refresh.bytes_on("node") == frozen.bytes_on("node") > 0
 
 
-def test_phase_programs_train_as_the_one_program_form(mesh):
+@pytest.mark.parametrize("rule", ["momentum", "gradient"])
+def test_phase_programs_train_as_the_one_program_form(mesh, rule):
     """The Strategy's QAdam runs one program per phase, picked on the host; the optax form
     runs both phases in one program under a lax.cond. Same steps, same state."""
     batches = make_batches(12)
-    kwargs = dict(warmup_steps=4, nu_refresh_interval=3, nu_refresh_growth=1.0, weight_decay=0.01)
+    kwargs = dict(
+        warmup_steps=4,
+        nu_refresh_interval=3,
+        nu_refresh_growth=1.0,
+        weight_decay=0.01,
+        second_moment=rule,
+    )
     params, state, _, _ = run(mesh, qadam(1e-2, **kwargs), batches)
     strategy = jax_bytegrad.Strategy("qadam", mesh=mesh, learning_rate=1e-2, **kwargs)
     with strategy.train_step(loss_fn) as step:

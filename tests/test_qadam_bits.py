@@ -142,8 +142,10 @@ def test_exchange_returns_the_exact_mean_plus_the_residuals_it_released(mesh):
 # --- replicas, Strategy, checkpoints ------------------------------------------------------
 
 
-def test_replicas_bit_identical_over_20_steps_with_refreshes(mesh):
-    tx = make_tx(mesh, nu_refresh_interval=3, nu_refresh_growth=2.0)  # refreshes at 5, 11, 23
+@pytest.mark.parametrize("rule", ["momentum", "gradient"])
+def test_replicas_bit_identical_over_20_steps_with_refreshes(mesh, rule):
+    # Refreshes at 5, 11, 23; "gradient" also reads the momentum of the step before.
+    tx = make_tx(mesh, nu_refresh_interval=3, nu_refresh_growth=2.0, second_moment=rule)
     for params, state in run(mesh, tx, make_batches(20)):
         replicated = (
             params,

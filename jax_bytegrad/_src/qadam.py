@@ -14,23 +14,30 @@ Per replica, inside ``jax.shard_map``, with the step ``t`` counted from 1:
 
     compression (t > warmup_steps), only the momentum is communicated, 8-bit (or 4-bit):
         m = compressed_mean(b1 m + (1 - b1) g_local),    m_hat = m / (1 - b1^t)
-        second_moment="momentum" (default): v = b2 v + (1 - b2) m_hat^2, and
+        second_moment="gradient" (the default at 8 bits): v = b2 v + (1 - b2) g_est^2,
+            g_est = (m - b1 m_prev) / (1 - b1) from this step's and the last step's decoded
+            momenta: the mean gradient, up to the exchange's error / (1 - b1); and
             update = m_hat / (sqrt(v / (1 - b2^t)) + eps)
-        second_moment="momentum_max": the same v, but v / (1 - b2^t) never falls
+        second_moment="momentum" (the default at 4 bits): v = b2 v + (1 - b2) m_hat^2,
+            the same update
+        second_moment="momentum_max": momentum's v, but v / (1 - b2^t) never falls
         second_moment="floor": v frozen, update = m_hat / (sqrt(max(v_hat, m_hat^2)) + eps)
         second_moment="frozen" (Bagua's): v and its bias correction stay as they were at
             t = warmup_steps, update = m_hat / (sqrt(v / (1 - b2^warmup_steps)) + eps)
 
-    m is identical on every replica after the compressed mean, so every rule keeps the
-    replicas identical and adds no communication. A frozen v diverges where gradients grow
-    after the warm-up (steps of m / sqrt(v_frozen)); measured in benchmarks/RESULTS.md,
-    "QAdam's second moment after warm-up", the momentum rule trained as well as Adam or
-    better on every task there, with Adam's eps.
+    m (and so m_prev) is identical on every replica after the compressed mean, so every rule
+    keeps the replicas identical and adds no communication. A frozen v diverges where
+    gradients grow after the warm-up (steps of m / sqrt(v_frozen)). Measured in
+    benchmarks/RESULTS.md, "QAdam's second moment after warm-up", with Adam's eps: at 8 bits
+    the gradient rule ended within 7% of Adam's train loss on every task there, where
+    m_hat^2, which misses most of the gradient's noise, gave larger steps and 0.3-1.0x
+    Adam's loss; at 4 bits the recovered gradient's error, 17x larger, swells v (1.3-1.5x
+    Adam's loss) and the momentum rule stays the default.
 
     refresh (optional: nu_refresh_interval=k, nu_refresh_growth=g), at the steps
     t = warmup_steps + k (1 + g + ... + g^j), j = 0, 1, ...: the warm-up step again,
         float32 mean gradient into m and v, and v's correction is 1 - b2^(number of
-        updates v has had): t with the momentum rules; with "frozen" and "floor",
+        updates v has had): t with the rules that follow the momenta; with "frozen" and "floor",
         warmup_steps plus the refreshes so far, this one included.
 
 Beyond Bagua, ``bits=4`` sends 4-bit codes and ``error_feedback=True`` keeps, per device,
@@ -70,8 +77,10 @@ from jax_bytegrad._src.qadam_schedule import check_refresh, check_warmup_steps, 
 from jax_bytegrad._src.qadam_schedule import phase_schedule as phase_schedule
 from jax_bytegrad._src.qadam_schedule import refresh_steps as refresh_steps
 
-SecondMoment = Literal["momentum", "momentum_max", "floor", "frozen"]
-SECOND_MOMENTS: tuple[str, ...] = ("momentum", "momentum_max", "floor", "frozen")
+SecondMoment = Literal["gradient", "momentum", "momentum_max", "floor", "frozen"]
+SECOND_MOMENTS: tuple[str, ...] = ("gradient", "momentum", "momentum_max", "floor", "frozen")
+# The rules whose v is updated on every compressed step (its correction is then 1 - b2^t).
+_FOLLOWING = ("momentum", "gradient", "momentum_max")
 
 
 def _check_hyperparameters(b1, b2, eps, where: str) -> None:
@@ -81,12 +90,23 @@ def _check_hyperparameters(b1, b2, eps, where: str) -> None:
 
 
 def _check_second_moment(second_moment, where: str) -> None:
-    if second_moment not in SECOND_MOMENTS:
+    if second_moment is not None and second_moment not in SECOND_MOMENTS:
         raise ValueError(
             f"{where}: second_moment={second_moment!r} is not a rule QAdam knows; use one of "
-            f"{', '.join(map(repr, SECOND_MOMENTS))} ('momentum', the default, keeps v "
-            "following the averaged momentum after warm-up; 'frozen' is Bagua's)"
+            f"{', '.join(map(repr, SECOND_MOMENTS))}, or None for the default ('gradient' "
+            "at 8 bits: Adam's v on the gradient the decoded momenta imply; 'momentum' at 4 "
+            "bits); 'frozen' is Bagua's"
         )
+
+
+def _default_second_moment(bits: int) -> str:
+    """The rule ``second_moment=None`` picks for ``bits``-bit codes.
+
+    At 8 bits, ``"gradient"``: its ``v`` is Adam's up to the codes' error over ``1 - b1``.
+    At 4 bits that error is 17x larger and swells ``v`` (smaller steps than Adam's), so
+    ``"momentum"``. Measured in benchmarks/RESULTS.md, "QAdam's second moment after warm-up".
+    """
+    return "gradient" if bits == 8 else "momentum"
 
 
 def _bias_correction(moment, decay: float, count: jax.Array):
@@ -115,6 +135,25 @@ def _follow_momentum(rule: str, nu, mu_hat, b2: float, count: jax.Array):
     b2_ = jnp.float32(b2)
     keep = (1 - jnp.power(b2_, t)) / (1 - jnp.power(b2_, jnp.maximum(t - 1, 1)))
     return jax.tree.map(lambda v, e: jnp.maximum(v * keep.astype(v.dtype), e), nu, ema)
+
+
+def _follow_gradient(nu, mu_old, mu_new, b1: float, b2: float):
+    """``v`` after a compressed step, Adam's update on the gradient the momenta imply.
+
+    Every replica holds the same ``mu_old`` (the state's) and the same decoded ``mu_new``,
+    the compressed mean of the devices' ``b1 mu_old + (1 - b1) g_local``; so
+    ``(mu_new - b1 mu_old) / (1 - b1)`` is the mean gradient, up to the exchange's error
+    divided by ``1 - b1``, and the same bits everywhere. That error only adds to ``v`` (a
+    slightly smaller step). It is computed in float32 whatever the moments' dtype, since the
+    subtraction cancels most of ``mu_new``'s leading digits.
+    """
+    f32 = jnp.float32
+
+    def one(v, old, new):
+        g = (new.astype(f32) - f32(b1) * old.astype(f32)) / f32(1 - b1)
+        return (f32(b2) * v.astype(f32) + f32(1 - b2) * g * g).astype(v.dtype)
+
+    return jax.tree.map(one, nu, mu_old, mu_new)
 
 
 def _where(pred, on_true, on_false):
@@ -151,9 +190,10 @@ class ScaleByQAdamState(NamedTuple):
         step while ``t <= warmup_steps``.
       mu: first moment, like the params; after warm-up the compressed mean of the
         devices' local momenta (the float32 one on a refresh step).
-      nu: second moment, like the params; after warm-up it follows the decoded momentum,
-        or (``"frozen"``, ``"floor"``) stays as at step ``warmup_steps`` but on refresh
-        steps. How many updates it has had follows from ``count``.
+      nu: second moment, like the params; after warm-up it follows the decoded momentum
+        (``"momentum"``, ``"momentum_max"``) or the gradient two consecutive decoded momenta
+        imply (``"gradient"``), or (``"frozen"``, ``"floor"``) stays as at step
+        ``warmup_steps`` but on refresh steps. How many updates it has had follows from ``count``.
       residuals: error feedback's residuals of the momentum exchange, as in
         ``ByteGradState``: one (send, mean) pair of float32 vectors per bucket, every
         device's own in mesh order (sharded over ("node", "local"); see
@@ -173,7 +213,7 @@ def scale_by_qadam(
     eps: float = 1e-8,
     *,
     warmup_steps: int,
-    second_moment: SecondMoment = "momentum",
+    second_moment: SecondMoment | None = None,
     nu_refresh_interval: int | None = None,
     nu_refresh_growth: float = 2.0,
     sync: SyncConfig | None = None,
@@ -184,8 +224,9 @@ def scale_by_qadam(
     """Rescales per-device gradients by QAdam, doing its own communication.
 
     For ``warmup_steps`` steps it is Adam on the float32 mean gradient. After that only
-    the momentum crosses the network, and the second moment follows the decoded momentum
-    (``second_moment``; Bagua froze it). Each device updates the momentum with its own
+    the momentum crosses the network, and the second moment follows the gradient that two
+    consecutive decoded momenta imply, or the decoded momentum itself (``second_moment``;
+    Bagua froze it). Each device updates the momentum with its own
     gradient, and the momenta are averaged with ``compressed_mean`` (8-bit between nodes,
     about 4x fewer bytes than a float32 all-reduce; 4-bit with ``bits=4``, about 8x fewer). With
     ``nu_refresh_interval``, a few later steps (ever further apart, see ``refresh_steps``)
@@ -201,11 +242,16 @@ def scale_by_qadam(
       eps: added to the square root of the bias-corrected second moment.
       warmup_steps: steps of plain Adam before compression starts, >= 1; 10-30% of the
         run is a good default.
-      second_moment: what ``v`` does after warm-up: ``"momentum"`` (default) keeps Adam's
-        update with the decoded momentum ``m_hat^2`` in place of ``g^2``;
-        ``"momentum_max"`` the same, but the bias-corrected ``v`` never falls;
-        ``"floor"`` keeps ``v`` frozen but bounds each step by the learning rate;
-        ``"frozen"`` is Bagua's (it diverges where gradients grow after warm-up).
+      second_moment: what ``v`` does after warm-up. None (default) is ``"gradient"`` at
+        8 bits and ``"momentum"`` at 4, as measured (docs/qadam.md). ``"gradient"`` keeps
+        Adam's update with ``g_est^2``, where ``g_est = (m - b1 m_prev) / (1 - b1)`` comes
+        from two consecutive decoded momenta (the mean gradient up to the codes' error over
+        ``1 - b1``, so ``v`` is Adam's plus a small positive term); ``"momentum"`` Adam's
+        update with the decoded momentum ``m_hat^2`` in place of ``g^2`` (it misses most of
+        the gradient's noise: larger steps than Adam's); ``"momentum_max"`` is
+        ``"momentum"`` whose bias-corrected ``v`` never falls; ``"floor"`` keeps ``v``
+        frozen but bounds each step by the learning rate; ``"frozen"`` is Bagua's (it
+        diverges where gradients grow after warm-up).
       nu_refresh_interval: None (default) sends no float32 step after warm-up. An int
         k >= 1 runs the warm-up step again (float32 gradient into ``m`` and ``v``), k steps
         after warm-up and then at gaps growing by ``nu_refresh_growth``.
@@ -253,6 +299,8 @@ def scale_by_qadam(
     if phase is not None:
         checks.one_of(phase, ("warmup", "compressed"), "phase", where)
     config = SyncConfig.resolve(where, sync, settings)
+    if second_moment is None:
+        second_moment = _default_second_moment(config.bits)
     shape = config.mesh_shape(mesh, where)
     error_feedback = config.error_feedback
     node_axis, local_axis = config.axes
@@ -267,7 +315,7 @@ def scale_by_qadam(
             ),
         )
 
-    follows = second_moment in ("momentum", "momentum_max")
+    follows = second_moment in _FOLLOWING
     refresh = (
         None
         if nu_refresh_interval is None
@@ -285,12 +333,15 @@ def scale_by_qadam(
 
     def compressed(updates, mu, nu, residuals, count):
         local_mu = optax.tree.update_moment(updates, mu, b1, 1)
+        mu_old = mu
         mu = collectives.sync_mean(
             local_mu, config, residuals=residuals if error_feedback else None, where=where
         )
         if error_feedback:
             mu, residuals = mu
-        if follows:
+        if second_moment == "gradient":
+            nu = _follow_gradient(nu, mu_old, mu, b1, b2)
+        elif follows:
             nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
         return mu, nu, residuals
 
@@ -333,7 +384,7 @@ def qadam(
     learning_rate: float | Callable[[jax.Array], jax.Array],
     *,
     warmup_steps: int,
-    second_moment: SecondMoment = "momentum",
+    second_moment: SecondMoment | None = None,
     nu_refresh_interval: int | None = None,
     nu_refresh_growth: float = 2.0,
     b1: float = 0.9,
@@ -366,9 +417,9 @@ def qadam(
       learning_rate: a float or an optax schedule ``step -> lr``.
       warmup_steps: steps of plain float32 Adam before compression starts, >= 1; 10-30%
         of the run is a good default (see ``scale_by_qadam``).
-      second_moment: ``"momentum"`` (default), ``"momentum_max"``, ``"floor"`` or
-        ``"frozen"`` (Bagua's): what the second moment does after warm-up (see
-        ``scale_by_qadam``).
+      second_moment: None (default: ``"gradient"`` at 8 bits, ``"momentum"`` at 4),
+        ``"gradient"``, ``"momentum"``, ``"momentum_max"``, ``"floor"`` or ``"frozen"``
+        (Bagua's): what the second moment does after warm-up (see ``scale_by_qadam``).
       nu_refresh_interval: None (default): no float32 step after warm-up. An int k >= 1:
         float32 refreshes of ``m`` and ``v``, k steps after warm-up and then at gaps
         growing by ``nu_refresh_growth`` (see ``refresh_steps``).

@@ -50,7 +50,8 @@ _SYNC = {
 _QADAM = {
     "learning_rate": REQUIRED,
     "warmup_steps": REQUIRED,
-    "second_moment": "momentum",
+    # None: "gradient" at 8 bits, "momentum" at 4 (qadam.py).
+    "second_moment": None,
     "skip_nonfinite": False,
     "nu_refresh_interval": None,
     "nu_refresh_growth": 2.0,
