@@ -36,8 +36,9 @@ BASELINE = "gradient_allreduce"
 # Measured with Bagua's frozen second moment (second_moment="frozen"): on the CNN (with eps
 # 1e-5), 8 warm-up steps left it unsettled (test accuracy 35-65%, and 13% with 6); with eps
 # 1e-4, 10 warm-up steps reached 93-97% over 4 seeds and both wires (benchmarks/RESULTS.md,
-# "QAdam's eps"). The default rule since then follows the momentum and did not diverge on
-# short runs ("QAdam's second moment after warm-up"); the floor stays, as a margin.
+# "QAdam's eps"). The default rule since then keeps updating v after warm-up (from the gradient
+# recovered from the decoded momenta, at 8 bits) and did not diverge on short runs ("QAdam's
+# second moment after warm-up"); the floor stays, as a margin.
 QADAM_MIN_WARMUP = 10
 
 
@@ -128,8 +129,9 @@ def qadam_warning(config: Config) -> str | None:
 
 
 def _qadam(config: Config) -> dict[str, Any]:
-    # QAdam's defaults, Adam's eps included: its second moment keeps following the averaged
-    # momentum after warm-up, and both models train with eps 1e-8 (benchmarks/RESULTS.md,
+    # QAdam's defaults, Adam's eps included: its second moment keeps being updated after
+    # warm-up (from the gradient recovered from the decoded momenta), and both models train
+    # with eps 1e-8 (benchmarks/RESULTS.md,
     # "QAdam's second moment after warm-up"). The frozen one needed 1e-4 on the CNN.
     eps = {} if config.qadam_eps is None else {"eps": config.qadam_eps}
     return {

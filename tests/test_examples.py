@@ -49,8 +49,8 @@ def _check(results, *, min_accuracy: float, max_test_loss: float, names=ONE_PROC
 def cnn_results():
     # 50 steps, not 40: with Bagua's frozen second moment, QAdam's 8-step float32 warm-up at
     # 40 steps left it unsettled (accuracy 35-65%); from 50 steps (10 warm-up) it reached
-    # 93-97% (benchmarks/qadam_eps.py). Kept at 50 with the default rule, which follows the
-    # momentum.
+    # 93-97% (benchmarks/qadam_eps.py). Kept at 50 with the default rule, which keeps updating
+    # the second moment.
     config = train.Config(model="cnn", steps=50, nodes=2, devices_per_node=4, progress=False)
     return train.compare(config)
 

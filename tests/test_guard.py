@@ -169,7 +169,7 @@ def test_qadam_warning_names_the_second_moment(mesh):
 
     message = guard._message("qadam", 23, 1.5e4, 2.3)
     assert "qadam: the training loss reached 1.5e+04" in message
-    assert "second_moment='frozen'" in message and "second_moment='momentum'" in message
+    assert "second_moment='frozen'" in message and "'gradient' at 8 bits" in message
 
 
 def test_bad_on_divergence_is_refused(mesh):

@@ -36,8 +36,9 @@ _ADVICE = {
     "qadam": (
         "QAdam's step is m / sqrt(v): with second_moment='frozen' (Bagua's rule) v stops at "
         "the end of the warm-up, and weights whose gradients grow later take huge steps. Use "
-        "the default second_moment='momentum', or a longer warmup_steps, a larger eps or a "
-        "lower learning_rate; skip_nonfinite=True skips non-finite updates"
+        "the default second_moment (None: 'gradient' at 8 bits, 'momentum' at 4), or a longer "
+        "warmup_steps, a larger eps or a lower learning_rate; skip_nonfinite=True skips "
+        "non-finite updates"
     ),
     "bytegrad": (
         "lower the learning rate; with bits=4 add error_feedback=True or use bits=8; "
