@@ -27,9 +27,10 @@ exchange while the caller's thread goes on.
 
 The programs are built in ``steps/stages.py``: each piece's are the stages of its wire's
 plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), the same functions the
-one-program sync runs inline, with the same keys, so the step computes the same values as ``data_parallel_step`` with
-``optax.chain(bytegrad(...), optimizer)``, bit for bit (tests/test_pipelined.py), and holds
-the same ``TrainState``: a checkpoint of one restores into the other.
+one-program sync runs inline, with the same keys, so the step computes the same values as
+``data_parallel_step`` with ``optax.chain(bytegrad(...), optimizer)``, bit for bit
+(tests/test_pipelined.py), and holds the same ``TrainState``: a checkpoint of one restores
+into the other.
 
 Where it overlaps: with one device per process (one JAX process per host, the layout of CPU
 clusters and of benchmarks/network.py). A process with several devices runs every program
