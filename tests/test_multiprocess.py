@@ -67,6 +67,13 @@ ROUNDING_ATOL = 2e-6  # ~16 ulp at |x| = 1; measured: 3e-8 (bytegrad), 5e-7 (qad
 # 20 steps of QAdam: those ulps compound, magnified where Adam divides by a small frozen
 # second moment. Measured 2.6e-6 (qadam4_ef), where the parameters moved by up to 2.6.
 DRIFT_ATOL = 2e-5
+# A value that one run rounds to one side of a code boundary and the other to the next code
+# moves by one code step, then by lr * step / sqrt(v) in the parameter: an ulp of difference
+# anywhere can do it. Measured in one process: one initial weight moved by 1 ulp left QAdam's
+# parameters (5 steps, lr 1e-2) within 3e-8 but for one value of 5674, 2.0e-4 off. So at most
+# 0.1% of the values may differ by up to FLIP_ATOL; a lost or doubled gradient moves many.
+FLIP_ATOL = 1e-3
+FLIP_SHARE = 1e-3
 EXPECTED = {
     "bytegrad": "rounding",
     "bytegrad_flat": "bit-identical",
@@ -97,8 +104,10 @@ def test_two_processes_match_one_process(two_process_run, name):
             np.testing.assert_array_equal(ranks[0][key], value, err_msg=f"{name} {key}")
         else:
             atol = DRIFT_ATOL if EXPECTED[name] == "drift" else ROUNDING_ATOL
+            off = np.abs(ranks[0][key] - value) > atol
+            assert off.sum() <= FLIP_SHARE * off.size, (name, key, int(off.sum()), off.size)
             np.testing.assert_allclose(
-                ranks[0][key], value, rtol=0, atol=atol, err_msg=f"{name} {key}"
+                ranks[0][key], value, rtol=0, atol=FLIP_ATOL, err_msg=f"{name} {key}"
             )
 
 
