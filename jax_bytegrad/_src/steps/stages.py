@@ -129,7 +129,6 @@ class Stages:
         self.group = wires.group_of(sync, self.n, self.local)
         self.weight = 1.0 / (self.n * self.local) if average else 1.0
         resolve_implementation(sync.implementation)  # refuses "pallas" where it cannot run
-        self.codec = sync.codec
         self.integer = self.group.wire == "allreduce"
         self.feedback, self.stochastic = sync.error_feedback, sync.stochastic
         self.block = sync.block_size
@@ -140,6 +139,7 @@ class Stages:
         self.chunks = [
             _chunks(sync, self.group, self.local, layout.padded_sizes[b], b) for b in self.buckets
         ]
+        self.plans = {}  # each piece's wire plan, by tag, built once
         self.step = step is not None
         self.has_aux = self.step and step.has_aux
         if self.step:
@@ -168,15 +168,19 @@ class Stages:
 
     def _plan(self, c: _Chunk) -> tuple:
         """The wire's stages for piece c, as the one-program sync runs them."""
-        if self.integer:
-            sync = self.sync
-            return wires.integer_plan(
-                self.group, block_size=self.block, bits=sync.bits, stochastic=self.stochastic,
-                start=c.start, stop=c.stop, feedback=self.feedback,
-            )  # fmt: skip
-        return wires.scatter_gather_plan(
-            self.sync, self.group, weight=self.weight, held=c.pieces, feedback=self.feedback
-        )
+        if c.tag not in self.plans:
+            if self.integer:
+                self.plans[c.tag] = wires.integer_plan(
+                    self.group, block_size=self.block, bits=self.sync.bits,
+                    stochastic=self.stochastic, start=c.start, stop=c.stop,
+                    feedback=self.feedback,
+                )  # fmt: skip
+            else:
+                self.plans[c.tag] = wires.scatter_gather_plan(
+                    self.sync, self.group, weight=self.weight, held=c.pieces,
+                    feedback=self.feedback,
+                )  # fmt: skip
+        return self.plans[c.tag]
 
     def _name(self, c: _Chunk, name: str) -> str:
         """The schedule's name of a value a plan names: the bucket's own, or piece c's."""
@@ -187,12 +191,13 @@ class Stages:
         }  # fmt: skip
         return of_bucket.get(name, f"{name}{c.tag}")
 
+    def _decode_reads(self, c: _Chunk) -> tuple[str, ...]:
+        """Piece c's last values: what its decode reads."""
+        return tuple(self._name(c, n) for n in self._plan(c)[-1].reads)
+
     def _pieces(self):
-        """The pieces' last values, by bucket: what the decode reads."""
-        return [
-            [tuple(self._name(c, n) for n in self._plan(c)[-1].reads) for c in cs]
-            for cs in self.chunks
-        ]
+        """The pieces' last values, by bucket (``_decode_reads``)."""
+        return [[self._decode_reads(c) for c in cs] for cs in self.chunks]
 
     def _decode(self, c: _Chunk, *values):
         """Piece c's part of the mean from its last values (``_pieces``): flat for the
@@ -358,7 +363,7 @@ class Stages:
         """After a reduce-scatter within the node: piece c's decode, beside the wire."""
         if not self.group.scatter:
             return []
-        values = self._pieces()[c.bucket][c.index]
+        values = self._decode_reads(c)
         return [
             Program(
                 f"decode{c.tag}", "compute", lambda *v: (self._decode(c, *v),), values,
