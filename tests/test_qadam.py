@@ -99,6 +99,28 @@ def qadam_state(opt_state) -> ScaleByQAdamState:
     return opt_state[0]
 
 
+def on_exact_mean_gradients(ref_tx, batches):
+    """``ref_tx`` (plain optax) on one device, fed the exact mean of the per-device
+    gradients of each batch: the (params, state) after every step."""
+
+    @jax.jit
+    def ref_step(params, state, grads):
+        updates, state = ref_tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, history = init_params(), []
+    with jax.numpy_dtype_promotion("standard"):
+        state = ref_tx.init(params)
+        for batch in batches:
+            grads = jax.tree.map(
+                lambda g: np.asarray(g, np.float64).mean(0).astype(np.float32),
+                per_device_grads(params, batch),
+            )
+            params, state = ref_step(params, state, grads)
+            history.append((params, state))
+    return history
+
+
 # --- warm-up is Adam --------------------------------------------------------------------
 
 
@@ -114,23 +136,8 @@ def test_warmup_equals_adam_on_exact_mean_gradient(mesh, schedule, weight_decay)
     batches = make_batches(steps)
     params, state, _, _ = run(mesh, tx, batches)
 
-    # The exact mean of the per-device gradients, on one device, into plain optax.
     ref_tx = optax.adamw(lr, weight_decay=weight_decay) if weight_decay else optax.adam(lr)
-    ref_params = init_params()
-
-    @jax.jit
-    def ref_step(params, state, grads):
-        updates, state = ref_tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    with jax.numpy_dtype_promotion("standard"):
-        ref_state = ref_tx.init(ref_params)
-        for batch in batches:
-            grads = jax.tree.map(
-                lambda g: np.asarray(g, np.float64).mean(0).astype(np.float32),
-                per_device_grads(ref_params, batch),
-            )
-            ref_params, ref_state = ref_step(ref_params, ref_state, grads)
+    ref_params, ref_state = on_exact_mean_gradients(ref_tx, batches)[-1]
 
     ours = qadam_state(state)
     assert int(ours.count) == steps

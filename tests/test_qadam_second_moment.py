@@ -12,6 +12,7 @@ from test_qadam import (
     assert_replicas_identical,
     init_params,
     make_batches,
+    on_exact_mean_gradients,
     per_device_grads,
     qadam_state,
     run,
@@ -95,18 +96,10 @@ def test_gradient_rule_is_adam_where_the_mean_is_exact():
     one_node = jax_bytegrad.make_mesh(1, 8)
     steps = 10
     batches = make_batches(steps)
-    ref_tx, ref_params = optax.adam(LR, b1=B1, b2=B2, eps=EPS), init_params()
-    ref = []
-    with jax.numpy_dtype_promotion("standard"):
-        ref_state = ref_tx.init(ref_params)
-        for batch in batches:
-            grads = jax.tree.map(
-                lambda g: np.asarray(g, np.float64).mean(0).astype(np.float32),
-                per_device_grads(ref_params, batch),
-            )
-            updates, ref_state = ref_tx.update(grads, ref_state, ref_params)
-            ref_params = optax.apply_updates(ref_params, updates)
-            ref.append((ref_params, ref_state[0].nu))
+    ref = [
+        (params, state[0].nu)
+        for params, state in on_exact_mean_gradients(optax.adam(LR, b1=B1, b2=B2, eps=EPS), batches)
+    ]
     got = {}
     for rule in ("gradient", "momentum"):
         tx = qadam(LR, warmup_steps=WARMUP, b1=B1, b2=B2, eps=EPS, second_moment=rule)
