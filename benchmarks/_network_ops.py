@@ -160,7 +160,7 @@ def _compressed_sync(mesh, num_params, *, bits: int):
     kwargs = {} if bits == 8 else {"bits": bits}
     return _per_device_builder(
         mesh,
-        lambda g: compressed_mean(g, **kwargs, **sizes),
+        lambda g: compressed_mean(g, sync=SyncConfig(**kwargs, **sizes)),
         local_gradient(mesh, num_params, np.float32),
     )
 
@@ -243,7 +243,8 @@ def _qadam_compressed(mesh, num_params, *, wire: str = "auto"):
     phase's own program): local momentum, 8-bit compressed mean, Adam."""
     warmup = 4
     on_wire = {} if wire == "auto" else {"wire": wire}
-    tx = scale_by_qadam(warmup_steps=warmup, phase="compressed", **on_wire, **_wire_sizes(wire))
+    sync = SyncConfig(**on_wire, **_wire_sizes(wire))
+    tx = scale_by_qadam(warmup_steps=warmup, phase="compressed", sync=sync)
     zeros = np.zeros(num_params, np.float32)
     # count = warmup_steps: the step taken is warmup_steps + 1, the compressed phase.
     state = ScaleByQAdamState(
@@ -292,7 +293,9 @@ def _wire_sync(mesh, num_params, *, wire: str, bits: int = 8, rounding: str = "n
         key = None
         if rounding == "stochastic":
             key = jax.random.fold_in(jax.random.wrap_key_data(key_data), 0)
-        out = compressed_mean(g[0], key=key, residuals=residuals if feedback else None, **kwargs)
+        out = compressed_mean(
+            g[0], key=key, residuals=residuals if feedback else None, sync=SyncConfig(**kwargs)
+        )
         mean, residuals = out if feedback else (out, residuals)
         return mean[None], residuals
 

@@ -112,7 +112,14 @@ def _methods(mesh, wire=None):
 
     methods = [("fp32", fp32), ("bf16", bf16), ("bytegrad", bytegrad)]
     if wire:
-        methods.append((wire, lambda g: jax_bytegrad.compressed_mean(g[0], wire=wire)))
+        methods.append(
+            (
+                wire,
+                lambda g: jax_bytegrad.compressed_mean(
+                    g[0], sync=jax_bytegrad.SyncConfig(wire=wire)
+                ),
+            )
+        )
     out = {}
     for name, f in methods:
         out[name] = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AXES), out_specs=P()))
@@ -286,7 +293,9 @@ def _relative_error(nodes: int, x: np.ndarray, **kwargs) -> float:
     mesh = jax_bytegrad.make_mesh(nodes, 1)
     fn = jax.jit(
         jax.shard_map(
-            lambda g: jax_bytegrad.compressed_mean(g[0], bucket_bytes=None, **kwargs),
+            lambda g: jax_bytegrad.compressed_mean(
+                g[0], **kwargs, sync=jax_bytegrad.SyncConfig(bucket_bytes=None)
+            ),
             mesh=mesh,
             in_specs=P(AXES),
             out_specs=P(),

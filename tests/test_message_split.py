@@ -35,7 +35,8 @@ def _grads(devices: int, seed: int):
 def _mean_fn(mesh, **kwargs):
     def body(tree):
         return jax_bytegrad.compressed_mean(
-            jax.tree.map(lambda x: x[0], tree), wire="scatter_gather", **kwargs
+            jax.tree.map(lambda x: x[0], tree),
+            sync=jax_bytegrad.SyncConfig(wire="scatter_gather", **kwargs),
         )
 
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
@@ -81,11 +82,10 @@ def test_stochastic_rounding_split_keeps_replicas_identical_and_close():
     def body(tree):
         mean = jax_bytegrad.compressed_mean(
             jax.tree.map(lambda x: x[0], tree),
-            block_size=BLOCK,
-            message_bytes=BLOCK,
-            rounding="stochastic",
             key=jax.random.key(0),
-            wire="scatter_gather",
+            sync=jax_bytegrad.SyncConfig(
+                block_size=BLOCK, message_bytes=BLOCK, rounding="stochastic", wire="scatter_gather"
+            ),
         )
         # Per device, so that replicas can be compared.
         return jax.tree.map(lambda x: jax.lax.pcast(x, AXES, to="varying")[None], mean)
@@ -108,7 +108,10 @@ def test_qadam_compressed_phase_does_not_depend_on_the_split():
     results = []
     for message_bytes in (None, BLOCK):
         tx = scale_by_qadam(
-            warmup_steps=1, block_size=BLOCK, message_bytes=message_bytes, wire="scatter_gather"
+            warmup_steps=1,
+            sync=jax_bytegrad.SyncConfig(
+                block_size=BLOCK, message_bytes=message_bytes, wire="scatter_gather"
+            ),
         )
         state = tx.init(params)
         state = state._replace(count=jnp.asarray(1, jnp.int32))  # past warm-up: compressed
@@ -153,7 +156,7 @@ def test_message_bytes_is_validated_when_built(bad):
     with pytest.raises(ValueError, match="message_bytes must be an int >= 1 or None"):
         jax_bytegrad.bytegrad(message_bytes=bad)
     with pytest.raises(ValueError, match="message_bytes must be an int >= 1 or None"):
-        scale_by_qadam(warmup_steps=1, message_bytes=bad)
+        scale_by_qadam(warmup_steps=1, sync=jax_bytegrad.SyncConfig(message_bytes=bad))
 
 
 @pytest.mark.parametrize("algorithm", ["shift_one", "low_precision"])

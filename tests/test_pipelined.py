@@ -263,7 +263,7 @@ def test_the_sync_alone_gives_compressed_means_bits():
         one = jax.jit(
             jax.shard_map(
                 lambda g, key, r, kw=kw: jax_bytegrad.compressed_mean(
-                    g[0], key=key, residuals=r, **kw
+                    g[0], key=key, residuals=r, sync=SyncConfig(**kw)
                 ),
                 mesh=mesh,
                 in_specs=(P(AXES), P(), specs),

@@ -50,7 +50,7 @@ def _mean(mesh, x, *, key=None, **kwargs):
 
     def body(g, key_data):
         key = None if key_data is None else jax.random.wrap_key_data(key_data)
-        return compressed_mean(g[0], key=key, **kwargs)
+        return compressed_mean(g[0], key=key, sync=SyncConfig(**kwargs))
 
     key_data = None if key is None else jax.random.key_data(key)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P()))
@@ -263,11 +263,10 @@ def test_error_feedback_loses_nothing_over_the_group(nodes, local, hierarchical)
     def body(g, r):
         out, ((new, empty),) = compressed_mean(
             g[0],
-            wire="allreduce",
-            hierarchical=hierarchical,
-            block_size=BLOCK,
-            bucket_bytes=None,
             residuals=((r[0], jnp.zeros(0, jnp.float32)),),
+            sync=SyncConfig(
+                wire="allreduce", hierarchical=hierarchical, block_size=BLOCK, bucket_bytes=None
+            ),
         )
         return out, new[None], empty
 
@@ -307,7 +306,12 @@ def test_bytes_between_nodes_are_at_most_027x_float32(nodes, local, hierarchical
         return jax.jit(jax.shard_map(lambda g: f(g[0]), mesh=mesh, in_specs=P(AXES), out_specs=P()))
 
     wire = communication_stats(
-        jitted(lambda g: compressed_mean(g, wire="allreduce", hierarchical=hierarchical)), x
+        jitted(
+            lambda g: compressed_mean(
+                g, sync=SyncConfig(wire="allreduce", hierarchical=hierarchical)
+            )
+        ),
+        x,
     )
     fp32 = communication_stats(
         jitted(lambda g: full_precision_mean(g, hierarchical=hierarchical)), x
@@ -333,7 +337,8 @@ def test_the_integer_sum_is_one_psum_per_bucket_whatever_the_message_size(messag
     fn = jax.jit(
         jax.shard_map(
             lambda g: compressed_mean(
-                g[0], wire="allreduce", block_size=BLOCK, message_bytes=message_bytes
+                g[0],
+                sync=SyncConfig(wire="allreduce", block_size=BLOCK, message_bytes=message_bytes),
             ),
             mesh=mesh,
             in_specs=P(AXES),
@@ -354,7 +359,7 @@ def test_four_bits_over_two_nodes_packs_nibbles_within_the_bound():
     mesh = _mesh(2, 4)
     fn = jax.jit(
         jax.shard_map(
-            lambda g: compressed_mean(g[0], wire="allreduce", bits=4),
+            lambda g: compressed_mean(g[0], sync=SyncConfig(wire="allreduce", bits=4)),
             mesh=mesh,
             in_specs=P(AXES),
             out_specs=P(),
@@ -396,8 +401,8 @@ def test_bad_wire_and_mismatched_residuals_are_refused():
     fn = jax.jit(
         jax.shard_map(
             lambda g: compressed_mean(
-                g[0], wire="allreduce", block_size=BLOCK, bucket_bytes=None,
-                residuals=scatter_gather,
+                g[0], residuals=scatter_gather,
+                sync=SyncConfig(wire="allreduce", block_size=BLOCK, bucket_bytes=None),
             ),
             mesh=mesh,
             in_specs=P(AXES),
@@ -453,7 +458,9 @@ def test_ring_wire_gives_the_scatter_gather_result_bit_for_bit(
         stats = communication_stats(
             jax.jit(
                 jax.shard_map(
-                    lambda g: compressed_mean(g[0], wire="ring", hierarchical=hierarchical),
+                    lambda g: compressed_mean(
+                        g[0], sync=SyncConfig(wire="ring", hierarchical=hierarchical)
+                    ),
                     mesh=mesh,
                     in_specs=P(AXES),
                     out_specs=P(),
@@ -537,7 +544,7 @@ def test_a_lone_leaf_is_encoded_where_it_lies_without_a_padded_copy():
     mesh = _mesh(2, 1)
 
     def body(g):
-        return compressed_mean(g[0], wire="allreduce", block_size=BLOCK)[None]
+        return compressed_mean(g[0], sync=SyncConfig(wire="allreduce", block_size=BLOCK))[None]
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES)))
     text = fn.lower(_put(mesh, np.ones((2, 5000), np.float32))).compile().as_text()

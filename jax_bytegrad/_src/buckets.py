@@ -11,8 +11,6 @@ order, whole leaves per bucket; each bucket is zero-padded to a multiple of ``gr
 Integer and bool leaves are not bucketed: ``from_buckets`` hands them back untouched.
 """
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 
@@ -69,30 +67,12 @@ def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout
     return Layout(shapes, dtypes, bucketed, tuple(b for b, _ in buckets), padded)
 
 
-# Leaf indices in the order the backward pass produces their gradients, while a train step
-# that knows it traces its optimizer (``gradient_order``); None otherwise.
-_GRADIENT_ORDER: contextvars.ContextVar[tuple[int, ...] | None] = contextvars.ContextVar(
-    "gradient_order", default=None
-)
-
-
-@contextlib.contextmanager
-def gradient_order(order: tuple[int, ...] | None):
-    """Within the block, ``ready_order`` takes ``order`` (leaf indices, first produced
-    first) as the order in which the gradient's leaves are produced."""
-    token = _GRADIENT_ORDER.set(None if order is None else tuple(order))
-    try:
-        yield
-    finally:
-        _GRADIENT_ORDER.reset(token)
-
-
-def ready_order(layout: Layout) -> list[int]:
+def ready_order(layout: Layout, order: tuple[int, ...] | None = None) -> list[int]:
     """Bucket indices in the order their gradients are complete: by the last leaf of each
-    that the backward pass produces (``gradient_order``), or, where that order is not known,
-    last bucket first, as the backward pass of a model whose parameters are listed in
-    forward order produces them (PyTorch DDP's assumption too)."""
-    order = _GRADIENT_ORDER.get()
+    that the backward pass produces, ``order`` being the leaf indices in the order their
+    gradients are produced (``data_parallel.traced_gradient``); or, where that order is not
+    known (None), last bucket first, as the backward pass of a model whose parameters are
+    listed in forward order produces them (PyTorch DDP's assumption too)."""
     if order is None or sorted(order) != list(range(len(layout.shapes))):
         return list(reversed(range(len(layout.buckets))))
     rank = {leaf: k for k, leaf in enumerate(order)}

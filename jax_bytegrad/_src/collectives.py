@@ -29,7 +29,7 @@ import numpy as np
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks, collective_ops
 from jax_bytegrad._src import wire as wires
-from jax_bytegrad._src.config import DEFAULT_BUCKET_BYTES, Residuals, SyncConfig
+from jax_bytegrad._src.config import DEFAULT_BUCKET_BYTES, Residuals, SyncConfig, sync_config
 from jax_bytegrad._src.quantization import check_key, resolve_implementation
 
 
@@ -144,9 +144,14 @@ def sync_mean(
     average: bool = True,
     key: jax.Array | None = None,
     residuals: Residuals | None = None,
+    order: tuple[int, ...] | None = None,
     where: str = "compressed_mean",
 ):
     """``compressed_mean`` over a validated ``SyncConfig``: what the transforms call.
+
+    ``order`` is the leaves' indices in the order the backward pass produces their gradients
+    (``buckets.ready_order``); None for last bucket first. It orders the buckets' exchanges,
+    never changes a value.
 
     Returns the mean (or sum) pytree; with ``residuals``, the pair (mean, new residuals).
     """
@@ -168,7 +173,7 @@ def sync_mean(
     parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
     shards, kept = [None] * len(parts), [None] * len(parts)
     previous = None
-    for i in bucketing.ready_order(layout):
+    for i in bucketing.ready_order(layout, order):
         if previous is not None:
             # The buckets cross between nodes one after another, in the order the backward
             # pass completes them (module docstring).
@@ -195,7 +200,6 @@ def compressed_mean(
     average: bool = True,
     key: jax.Array | None = None,
     residuals=None,
-    **settings,
 ):
     """Averages a pytree over all devices, 8- or 4-bit compressed between nodes (ByteGrad).
 
@@ -208,24 +212,22 @@ def compressed_mean(
     Args:
       tree: a pytree of per-device float arrays (float0 leaves, from ``jax.grad`` of
         integer parameters, pass through).
-      sync: the sync's settings, a ``SyncConfig``; None builds one from ``settings``.
+      sync: the sync's settings, a ``SyncConfig`` (``SyncConfig(bits=4, wire="ring")``);
+        None for the defaults. Its ``error_feedback`` follows ``residuals``.
       average: divide by the total device count (default); False returns the sum.
       key: PRNG key for stochastic rounding (``rounding="stochastic"``).
       residuals: None (no error feedback), or this device's ``Residuals``, from the
         previous call or zeros of ``residual_sizes``. Error feedback is on exactly when
         they are given.
-      **settings: without ``sync``, ``SyncConfig``'s settings as keywords (``bits=4``,
-        ``wire="ring"``, ...), each documented there; ``error_feedback`` follows
-        ``residuals``.
 
     Returns:
       A pytree like ``tree`` holding the mean (or sum), typed as replicated over both axes;
       with ``residuals``, the pair (that pytree, the new residuals).
 
     Raises:
-      ValueError: outside ``shard_map``, for an axis name the mesh lacks, for bad settings
-        (or both ``sync`` and settings) or ``key``, for an integer or bool leaf, or for
-        ``residuals`` that do not fit this tree and mesh.
+      ValueError: outside ``shard_map``, for an axis name the mesh lacks, for ``sync`` that
+        is not a ``SyncConfig``, a bad ``key``, an integer or bool leaf, or ``residuals``
+        that do not fit this tree and mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jax_bytegrad
@@ -241,7 +243,7 @@ def compressed_mean(
     """
     where = "compressed_mean"
     checks.boolean(average, "average", where)
-    config = SyncConfig.resolve(where, sync, settings)
+    config = sync_config(sync, where)
     if config.error_feedback != (residuals is not None):
         config = config.replace(error_feedback=residuals is not None)
     if residuals is not None:
@@ -256,13 +258,14 @@ def full_precision_mean(
     local_axis: str = "local",
     hierarchical: bool = False,
     average: bool = True,
+    order: tuple[int, ...] | None = None,
 ):
     """Averages a pytree over all devices in its own dtype, uncompressed (GradientAllReduce).
 
     With ``hierarchical=True`` each leaf is reduce-scattered within the node, all-reduced
     between nodes and gathered within the node, so each device sends 1/L of the bytes
     between nodes; otherwise one all-reduce spans both axes. Call it inside
-    ``jax.shard_map``.
+    ``jax.shard_map``. ``order`` orders the hierarchical buckets as ``sync_mean``'s.
 
     Raises:
       ValueError: outside ``shard_map``, for an axis name the mesh lacks, or for an integer
@@ -294,7 +297,7 @@ def full_precision_mean(
     # What no bucket holds (float0 and empty leaves) as the flat path does.
     reduced = [x if i in held else reduce(x) for i, x in enumerate(leaves)]
     previous = None
-    for b in bucketing.ready_order(layout):
+    for b in bucketing.ready_order(layout, order):
         members = [leaves[i] for i in layout.buckets[b]]
         if previous is not None:
             members, _ = jax.lax.optimization_barrier((members, previous))

@@ -12,8 +12,7 @@ References:
 """
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 
@@ -77,8 +76,7 @@ class SyncConfig:
 
     Built by ``bytegrad``, ``qadam`` and ``Strategy`` from their keyword arguments, and
     validated once, here; ``compressed_mean``, ``scale_by_qadam`` and ``pipelined_step``
-    take one as ``sync=`` (the first two also take these settings as keywords). Frozen and
-    hashable.
+    take one as ``sync=``. Frozen and hashable.
 
     Attributes:
       node_axis: mesh axis between nodes (slow links): the compressed hop.
@@ -150,43 +148,6 @@ class SyncConfig:
         checks.boolean(self.error_feedback, "error_feedback", where)
         checks.one_of(self.wire, WIRES, "wire", where)
 
-    @classmethod
-    def of(cls, where: str, arguments: Mapping[str, Any]) -> "SyncConfig":
-        """The config of a factory's keyword arguments, e.g. ``SyncConfig.of("bytegrad",
-        locals())``: the settings it names, defaults for the others, validated for ``where``."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        return cls(**{k: arguments[k] for k in names if k in arguments}, where=where)
-
-    @classmethod
-    def resolve(cls, where: str, sync: "SyncConfig | None", settings: Mapping[str, Any]):
-        """``sync``, or the config of flat ``settings`` (``SyncConfig``'s fields as keywords),
-        for a function that takes either, e.g. ``compressed_mean(tree, bits=4)``.
-
-        Raises:
-          ValueError: for a keyword that is not a setting, for ``sync`` that is not a
-            ``SyncConfig``, or for both ``sync`` and settings.
-        """
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(settings) - set(names))
-        if unknown:
-            raise ValueError(
-                f"{where}: {', '.join(unknown)} is not a sync setting; the settings are "
-                f"{', '.join(names)} (see SyncConfig)"
-            )
-        if sync is None:
-            return cls(**settings, where=where)
-        if not isinstance(sync, SyncConfig):
-            raise ValueError(
-                f"{where}: sync must be a jax_bytegrad.SyncConfig, got {type(sync).__name__}; "
-                "pass sync=SyncConfig(wire=..., ...)"
-            )
-        if settings:
-            raise ValueError(
-                f"{where}: pass the settings {', '.join(sorted(settings))} inside "
-                "sync=SyncConfig(...), or pass them as keywords without sync=, not both"
-            )
-        return sync
-
     @property
     def axes(self) -> tuple[str, str]:
         """``(node_axis, local_axis)``."""
@@ -233,6 +194,19 @@ class SyncConfig:
     def replace(self, **changes) -> "SyncConfig":
         """A copy with some settings changed, validated again."""
         return dataclasses.replace(self, **changes)
+
+
+def sync_config(sync: SyncConfig | None, where: str) -> SyncConfig:
+    """``sync``, or the default ``SyncConfig()`` for None, for a function that takes
+    ``sync=``; raises a ``ValueError`` for anything else."""
+    if sync is None:
+        return SyncConfig(where=where)
+    if not isinstance(sync, SyncConfig):
+        raise ValueError(
+            f"{where}: sync must be a jax_bytegrad.SyncConfig, got {type(sync).__name__}; "
+            "pass sync=SyncConfig(bits=4, wire=...)"
+        )
+    return sync
 
 
 class Residuals(tuple):

@@ -54,6 +54,7 @@ know the step count on the host compile one program per phase instead (``phase="
 collective or Adam pass of the other phase sits in the program.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
@@ -71,6 +72,7 @@ from jax_bytegrad._src.config import (
     Residuals,
     SyncConfig,
     Wire,
+    sync_config,
 )
 from jax_bytegrad._src.qadam_schedule import Phase as Phase
 from jax_bytegrad._src.qadam_schedule import check_refresh, check_warmup_steps, refresh_counter
@@ -219,8 +221,7 @@ def scale_by_qadam(
     sync: SyncConfig | None = None,
     mesh: Mesh | None = None,
     phase: Phase | None = None,
-    **settings,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """Rescales per-device gradients by QAdam, doing its own communication.
 
     For ``warmup_steps`` steps it is Adam on the float32 mean gradient. After that only
@@ -262,18 +263,17 @@ def scale_by_qadam(
         docs/qadam.md for what it costs in accuracy; ``error_feedback`` keeps each
         device's compression errors of the momentum and adds them back at the next
         compressed step, as ``bytegrad(error_feedback=True)`` does, for (1 + 1/n) N/L
-        float32 values per device, and needs ``mesh``). None builds one from ``settings``.
+        float32 values per device, and needs ``mesh``). None for the defaults.
       mesh: the mesh the step runs on; error feedback sizes the residuals by it.
       phase: None (default) picks the phase from the step count inside the program, so
         both phases' communication sits in one ``lax.cond``. ``"warmup"`` or
         ``"compressed"`` compiles that phase alone, for a step that picks the phase on the
         host (``phase_schedule``; ``data_parallel_step`` with one optimizer per phase). The
         state and the result are the same either way.
-      **settings: without ``sync``, ``SyncConfig``'s settings as keywords (``bits=4``,
-        ``error_feedback=True``, ...), each documented there.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a ``ScaleByQAdamState``.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a ``ScaleByQAdamState``;
+      its ``update`` also takes ``gradient_order``, as ``bytegrad``'s does.
 
     Raises:
       ValueError: for bad arguments (here), error feedback without ``mesh``; at trace
@@ -298,7 +298,7 @@ def scale_by_qadam(
     check_refresh(nu_refresh_interval, nu_refresh_growth, where)
     if phase is not None:
         checks.one_of(phase, ("warmup", "compressed"), "phase", where)
-    config = SyncConfig.resolve(where, sync, settings)
+    config = sync_config(sync, where)
     if second_moment is None:
         second_moment = _default_second_moment(config.bits)
     shape = config.mesh_shape(mesh, where)
@@ -322,20 +322,28 @@ def scale_by_qadam(
         else refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
     )
 
-    def full_precision(updates, mu, nu, residuals, count):
+    def full_precision(updates, mu, nu, residuals, count, order):
         del count
         grads = collectives.full_precision_mean(
-            updates, node_axis=node_axis, local_axis=local_axis, hierarchical=config.hierarchical
+            updates,
+            node_axis=node_axis,
+            local_axis=local_axis,
+            hierarchical=config.hierarchical,
+            order=order,
         )
         mu = optax.tree.update_moment(grads, mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
         return mu, nu, residuals
 
-    def compressed(updates, mu, nu, residuals, count):
+    def compressed(updates, mu, nu, residuals, count, order):
         local_mu = optax.tree.update_moment(updates, mu, b1, 1)
         mu_old = mu
         mu = collectives.sync_mean(
-            local_mu, config, residuals=residuals if error_feedback else None, where=where
+            local_mu,
+            config,
+            residuals=residuals if error_feedback else None,
+            order=order,
+            where=where,
         )
         if error_feedback:
             mu, residuals = mu
@@ -345,8 +353,8 @@ def scale_by_qadam(
             nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
         return mu, nu, residuals
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, *, gradient_order=None, **extra_args):
+        del params, extra_args
         collectives.axis_sizes(node_axis, local_axis, where)
         _check_per_device(updates, node_axis, local_axis, where)
         count_inc = optax.safe_increment(state.count)
@@ -364,9 +372,14 @@ def scale_by_qadam(
         branches = {"warmup": full_precision, "compressed": compressed}
         args = (updates, state.mu, state.nu, state.residuals, count_inc)
         if phase is None:
-            mu, nu, residuals = jax.lax.cond(full, full_precision, compressed, *args)
+            mu, nu, residuals = jax.lax.cond(
+                full,
+                functools.partial(full_precision, order=gradient_order),
+                functools.partial(compressed, order=gradient_order),
+                *args,
+            )
         else:
-            mu, nu, residuals = branches[phase](*args)
+            mu, nu, residuals = branches[phase](*args, order=gradient_order)
         mu_hat = _bias_correction(mu, b1, count_inc)
         nu_hat = _bias_correction(nu, b2, nu_updates)
         if second_moment == "floor" and phase != "warmup":
@@ -377,7 +390,7 @@ def scale_by_qadam(
         nu = optax.tree.cast_like(nu, state.nu)
         return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu, residuals=residuals)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def qadam(
@@ -470,7 +483,19 @@ def qadam(
         checks.real(learning_rate, "learning_rate", where, minimum=0.0, why=" or a schedule")
     checks.real(weight_decay, "weight_decay", where, minimum=0.0)
     checks.boolean(skip_nonfinite, "skip_nonfinite", where)
-    sync = SyncConfig.of(where, locals())
+    sync = SyncConfig(
+        node_axis=node_axis,
+        local_axis=local_axis,
+        hierarchical=hierarchical,
+        bits=bits,
+        block_size=block_size,
+        bucket_bytes=bucket_bytes,
+        message_bytes=message_bytes,
+        implementation=implementation,
+        error_feedback=error_feedback,
+        wire=wire,
+        where=where,
+    )
     transforms = [
         scale_by_qadam(
             b1,

@@ -40,6 +40,7 @@ REQUIRED = object()
 
 _AXES = {"node_axis": "node", "local_axis": "local"}
 _STEP = {"donate": True, **_AXES}
+_SYNC_CONFIG = tuple(f.name for f in dataclasses.fields(SyncConfig))
 # ByteGrad's transform: the SyncConfig's settings (their defaults read from the dataclass),
 # plus what the transform itself adds.
 _SYNC = {
@@ -96,7 +97,7 @@ def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> Trai
             loss_fn,
             optimizer,
             s.mesh,
-            sync=SyncConfig.of("bytegrad", s.kwargs),
+            sync=SyncConfig(**_pick(s.kwargs, _SYNC_CONFIG), where="bytegrad"),
             average=s.setting("average"),
             seed=s.setting("seed"),
             has_aux=has_aux,

@@ -88,7 +88,9 @@ def bytegrad(
       seed: seeds the PRNG key for stochastic rounding.
 
     Returns:
-      An ``optax.GradientTransformation``.
+      An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes
+      ``gradient_order`` (see ``data_parallel_step``), which changes the order the buckets
+      cross in, never the result.
 
     Raises:
       ValueError: for bad arguments (here), error feedback without ``mesh``, and at trace
@@ -110,7 +112,38 @@ def bytegrad(
       Convergence Speed", ICML 2021.
     """
     where = "bytegrad"
-    config = SyncConfig.of(where, locals())
+    config = SyncConfig(
+        node_axis=node_axis,
+        local_axis=local_axis,
+        hierarchical=hierarchical,
+        bits=bits,
+        block_size=block_size,
+        bucket_bytes=bucket_bytes,
+        message_bytes=message_bytes,
+        rounding=rounding,
+        implementation=implementation,
+        error_feedback=error_feedback,
+        wire=wire,
+        where=where,
+    )
+    return sync_gradients(config, average=average, mesh=mesh, seed=seed, where=where)
+
+
+def sync_gradients(
+    config: SyncConfig,
+    *,
+    average: bool = True,
+    mesh: Mesh | None = None,
+    seed: int = 0,
+    where: str = "bytegrad",
+) -> optax.GradientTransformationExtraArgs:
+    """``bytegrad`` over a ``SyncConfig``: what the factory and the pipelined step build.
+
+    Its ``update`` takes one extra argument, ``gradient_order``: the params' leaf indices in
+    the order the backward pass produces their gradients (``data_parallel_step`` passes it),
+    so that the buckets cross between nodes as soon as each is complete; without it, last
+    bucket first (``buckets.ready_order``).
+    """
     checks.boolean(average, "average", where)
     checks.integer(seed, "seed", where, minimum=0)
     shape = config.mesh_shape(mesh, where)
@@ -121,8 +154,8 @@ def bytegrad(
             residuals = collectives.mesh_residuals(params, config, shape)
         return ByteGradState(key=jax.random.key(seed), residuals=residuals)
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, *, gradient_order=None, **extra_args):
+        del params, extra_args
         key, step_key = jax.random.split(state.key)
         updates = collectives.sync_mean(
             updates,
@@ -130,6 +163,7 @@ def bytegrad(
             average=average,
             key=step_key if config.stochastic else None,
             residuals=state.residuals if config.error_feedback else None,
+            order=gradient_order,
             where=where,
         )
         residuals = Residuals()
@@ -137,7 +171,7 @@ def bytegrad(
             updates, residuals = updates
         return updates, ByteGradState(key=key, residuals=residuals)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def gradient_allreduce(
@@ -182,15 +216,16 @@ def gradient_allreduce(
         del params
         return optax.EmptyState()
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, *, gradient_order=None, **extra_args):
+        del params, extra_args
         updates = collectives.full_precision_mean(
             updates,
             node_axis=node_axis,
             local_axis=local_axis,
             hierarchical=hierarchical,
             average=average,
+            order=gradient_order,
         )
         return updates, state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -62,7 +62,9 @@ def run_case(name: str, mesh, rows) -> dict[str, list[np.ndarray]]:
         if kwargs.get("rounding") == "stochastic":
             key = jax.random.wrap_key_data(key_data)
         residuals = ((jnp.full((send,), 0.01, jnp.float32), jnp.zeros(0, jnp.float32)),)
-        out = compressed_mean(g[0], key=key, residuals=residuals if feedback else None, **kwargs)
+        out = compressed_mean(
+            g[0], key=key, residuals=residuals if feedback else None, sync=SyncConfig(**kwargs)
+        )
         if feedback:
             out, ((kept, _),) = out
             return out, kept[None]

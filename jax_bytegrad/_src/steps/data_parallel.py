@@ -10,11 +10,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.extend
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
@@ -38,25 +38,24 @@ def _unsynced(updates, opt_state, specs, axes) -> list[str]:
     ]
 
 
-def gradient_order(grad_fn, params, *args) -> tuple[int, ...] | None:
-    """The params' leaf indices in the order the backward pass of ``grad_fn(params, *args)``
-    (which returns the gradient last) produces their gradients (ties: last leaf first), read
-    from its jaxpr; None if it cannot be traced again.
+def traced_gradient(grad_fn, params, *args):
+    """``grad_fn(params, *args)`` (whose result ends with the gradient), traced once, and the
+    params' leaf indices in the order its backward pass produces their gradients (ties: last
+    leaf first), read from that trace.
 
     The sync of each bucket of the gradient runs in this order (``buckets.ready_order``), so
     that the first bucket to cross between nodes is the first one complete.
     """
-    try:
-        jaxpr = jax.make_jaxpr(grad_fn)(params, *args).jaxpr
-    except Exception:  # noqa: BLE001 - a loss that cannot be traced twice keeps the default
-        return None
+    closed, shape = jax.make_jaxpr(grad_fn, return_shape=True)(params, *args)
+    out = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves((params, args)))
     produced = {}
-    for index, equation in enumerate(jaxpr.eqns):
+    for index, equation in enumerate(closed.jaxpr.eqns):
         for var in equation.outvars:
             produced[id(var)] = index
     leaves = len(jax.tree.leaves(params))
-    ranks = [produced.get(id(var), -1) for var in jaxpr.outvars[-leaves:]]
-    return tuple(sorted(range(leaves), key=lambda i: (ranks[i], -i)))
+    ranks = [produced.get(id(var), -1) for var in closed.jaxpr.outvars[-leaves:]]
+    order = tuple(sorted(range(leaves), key=lambda i: (ranks[i], -i)))
+    return jax.tree.unflatten(jax.tree.structure(shape), out), order
 
 
 class DataParallelStep(TrainStep):
@@ -101,7 +100,9 @@ class DataParallelStep(TrainStep):
         inputs being ``state.model_state``, then ``state.rng`` and the step count as uint32,
         and returns the synced model state last.
         """
-        optimizer = self._optimizers[phase if phase is not None else self.phases[0]]
+        optimizer = optax.with_extra_args_support(
+            self._optimizers[phase if phase is not None else self.phases[0]]
+        )
         axes, has_aux, model = self._axes, self.has_aux, self.model
         grad_fn = model.value_and_grad(self.loss_fn, has_aux, axes)
 
@@ -110,10 +111,9 @@ class DataParallelStep(TrainStep):
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce.
             varying = jax.lax.pcast(params, axes, to="varying")
-            (loss, aux, model_state), grads = grad_fn(varying, batch, *model_inputs)
-            order = gradient_order(grad_fn, varying, batch, *model_inputs)
-            with bucketing.gradient_order(order):
-                updates, opt_state = optimizer.update(grads, opt_state, params)
+            traced, order = traced_gradient(grad_fn, varying, batch, *model_inputs)
+            (loss, aux, model_state), grads = traced
+            updates, opt_state = optimizer.update(grads, opt_state, params, gradient_order=order)
             unsynced = _unsynced(updates, opt_state, self._state_specs(opt_state), axes)
             if unsynced:
                 raise ValueError(

@@ -271,28 +271,13 @@ class _PeerStep(TrainStep):
         return consensus_params(state.params)
 
 
-def _step_args(where: str, arguments: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
-    """Validates the arguments both decentralized builders take, from the builder's
-    ``locals()``; returns (nodes, per node) and the ``_PeerStep`` arguments they make."""
-    a = arguments
-    axes = (a["node_axis"], a["local_axis"])
-    n, local = checks.mesh_axes(a["mesh"], *axes, where)
-    checks.boolean(a["hierarchical"], "hierarchical", where)
-    interval = a["communication_interval"]
+def _check_peer_step(mesh, axes, hierarchical, interval, message_bytes, where: str):
+    """Validates what both decentralized builders take; returns (nodes, devices per node)."""
+    n, local = checks.mesh_axes(mesh, *axes, where)
+    checks.boolean(hierarchical, "hierarchical", where)
     checks.integer(interval, "communication_interval", where, why=" (communicate every k steps)")
-    checks.integer(a["message_bytes"], "message_bytes", where, or_none=True)
-    step = dict(
-        loss_fn=a["loss_fn"],
-        optimizer=a["optimizer"],
-        mesh=a["mesh"],
-        axes=axes,
-        interval=interval,
-        has_aux=a["has_aux"],
-        donate=a["donate"],
-        flatten=a["flatten"],
-        model=ModelState.of(a["model_state"], a["rng_seed"], a["state_sync"], where),
-    )
-    return n, local, step
+    checks.integer(message_bytes, "message_bytes", where, or_none=True)
+    return n, local
 
 
 # Decentralized SGD -----------------------------------------------------------------------
@@ -381,7 +366,9 @@ def decentralized_step(
     """
     where = "decentralized_step"
     axes = (node_axis, local_axis)
-    n, local, step = _step_args(where, locals())
+    n, local = _check_peer_step(
+        mesh, axes, hierarchical, communication_interval, message_bytes, where
+    )
     checks.one_of(peer_selection_mode, ("all", "shift_one"), "peer_selection_mode", where)
     gossip_axis, peers = (node_axis, n) if hierarchical else (axes, n * local)
 
@@ -405,7 +392,19 @@ def decentralized_step(
                 return _missing_varying(mixed, axes)
 
             mixes.append(mix_pairs)
-    return _Decentralized(mixes, algorithm="decentralized", **step)
+    return _Decentralized(
+        mixes,
+        algorithm="decentralized",
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        mesh=mesh,
+        axes=axes,
+        interval=communication_interval,
+        has_aux=has_aux,
+        donate=donate,
+        flatten=flatten,
+        model=ModelState.of(model_state, rng_seed, state_sync, where),
+    )
 
 
 # Low-precision decentralized SGD ---------------------------------------------------------
@@ -569,7 +568,10 @@ def low_precision_decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "low_precision_decentralized_step"
-    n, local, step = _step_args(where, locals())
+    axes = (node_axis, local_axis)
+    n, local = _check_peer_step(
+        mesh, axes, hierarchical, communication_interval, message_bytes, where
+    )
     check_block_size(block_size, where)
     resolve_implementation(implementation)
     return _LowPrecision(
@@ -579,5 +581,13 @@ def low_precision_decentralized_step(
         implementation=implementation,
         message_bytes=message_bytes,
         algorithm="low_precision_decentralized",
-        **step,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        mesh=mesh,
+        axes=axes,
+        interval=communication_interval,
+        has_aux=has_aux,
+        donate=donate,
+        flatten=flatten,
+        model=ModelState.of(model_state, rng_seed, state_sync, where),
     )

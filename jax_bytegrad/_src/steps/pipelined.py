@@ -39,7 +39,6 @@ gang-schedules them), so there the programs run one after another, correct but n
 overlapped. The backward pass is not overlapped with the sync: the gradient is one program.
 """
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.collectives import bucket_layout
-from jax_bytegrad._src.config import Residuals, SyncConfig
+from jax_bytegrad._src.config import Residuals, SyncConfig, sync_config
 from jax_bytegrad._src.programs import Dispatcher, Schedule, Value, aval, execute
 from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
@@ -61,11 +60,7 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
 )
 from jax_bytegrad._src.steps.stages import Stages
-from jax_bytegrad._src.transforms import ByteGradState, bytegrad
-
-
-def _sync_kwargs(sync: SyncConfig) -> dict[str, Any]:
-    return {f.name: getattr(sync, f.name) for f in dataclasses.fields(sync)}
+from jax_bytegrad._src.transforms import ByteGradState, sync_gradients
 
 
 def _state_inputs(residuals) -> dict[str, Any]:
@@ -135,7 +130,7 @@ class PipelinedStep(TrainStep):
         self._average = average
         # The state is the one-program step's: bytegrad's state, then the optimizer's.
         self._chain = optax.chain(
-            bytegrad(mesh=mesh, average=average, seed=seed, **_sync_kwargs(sync)), optimizer
+            sync_gradients(sync, average=average, mesh=mesh, seed=seed), optimizer
         )
         self._state_specs = StateSpecs(self._axes)
         self._schedule = None
@@ -306,7 +301,7 @@ def pipelined_step(
             f"{where}: optimizer must be an optax.GradientTransformation such as "
             f"optax.adam(1e-3), got {type(optimizer).__name__}"
         )
-    sync = SyncConfig.resolve(where, sync, {})
+    sync = sync_config(sync, where)
     checks.boolean(average, "average", where)
     checks.integer(seed, "seed", where, minimum=0)
     sync.mesh_shape(mesh, where)
