@@ -236,9 +236,13 @@ def test_checkpoint_restores_the_residuals_and_continues_bit_exactly(mesh, tmp_p
 )
 @pytest.mark.parametrize("factory", [qadam, scale_by_qadam], ids=["qadam", "scale_by_qadam"])
 def test_bad_arguments_raise_at_build_time(factory, kwargs, message):
-    args = (1e-2,) if factory is qadam else ()
     with pytest.raises(ValueError, match=message):
-        factory(*args, warmup_steps=2, **kwargs)
+        if factory is qadam:
+            qadam(1e-2, warmup_steps=2, **kwargs)
+        else:  # its sync settings come in one SyncConfig
+            settings = {k: v for k, v in kwargs.items() if k != "mesh"}
+            sync = jax_bytegrad.SyncConfig(**settings)
+            scale_by_qadam(warmup_steps=2, sync=sync, mesh=kwargs.get("mesh"))
 
 
 def test_mesh_without_the_axes_raises():

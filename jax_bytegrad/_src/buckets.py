@@ -131,6 +131,66 @@ def from_buckets(buckets, leaves, layout: Layout) -> list:
     return out
 
 
+def to_rows(leaves, layout: Layout, dims, axis: str) -> list[jax.Array]:
+    """This device's row of each bucket, where the state is split within the node.
+
+    ``leaves`` are the node's sums: this device's block of each leaf split along ``dims[i]``
+    over ``axis``, and the whole of each other leaf; ``layout`` is the whole leaves'. A bucket
+    is laid out as one row per device of ``axis``: row j holds, in float32, the j-th block of
+    every split leaf and the j-th of the equal parts of the bucket's whole leaves, flat, then
+    zeros up to ``padded // L``, the length of a device's shard in the replicated layout
+    (there is room: the split leaves fill L rows exactly). So the rows cross between nodes as
+    the replicated buckets' shards do, with the same sizes and residuals.
+    """
+    local = int(jax.lax.axis_size(axis))
+    me = jax.lax.axis_index(axis)
+    rows = []
+    for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True):
+        parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in members if dims[i] is not None]
+        whole = [leaves[i].reshape(-1).astype(jnp.float32) for i in members if dims[i] is None]
+        if whole:
+            tail = jnp.concatenate(whole)
+            per = -(-tail.size // local)
+            tail = jnp.pad(tail, (0, per * local - tail.size))
+            parts.append(jax.lax.dynamic_slice_in_dim(tail, me * per, per))
+        row = jnp.concatenate(parts)
+        rows.append(jnp.pad(row, (0, padded // local - row.size)))
+    return rows
+
+
+def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
+    """Inverse of ``to_rows``: this device's block of each split leaf, and each whole leaf
+    gathered over ``axis`` (typed as one value there), from the reduced rows; leaves outside
+    the buckets from ``leaves``."""
+    local = int(jax.lax.axis_size(axis))
+    out = list(leaves)
+    for row, members in zip(rows, layout.buckets, strict=True):
+        offset = 0
+        for i in [i for i in members if dims[i] is not None]:
+            size = math.prod(leaves[i].shape)
+            out[i] = row[offset : offset + size].reshape(leaves[i].shape).astype(layout.dtypes[i])
+            offset += size
+        whole = [i for i in members if dims[i] is None]
+        if whole:
+            total = sum(math.prod(layout.shapes[i]) for i in whole)
+            per = -(-total // local)
+            tail = jax.lax.all_gather(
+                row[offset : offset + per], axis, axis=0, tiled=True, to="invarying"
+            )
+            start = 0
+            for i in whole:
+                size = math.prod(layout.shapes[i])
+                out[i] = tail[start : start + size].reshape(layout.shapes[i])
+                out[i] = out[i].astype(layout.dtypes[i])
+                start += size
+    for i, (shape, dtype, is_float) in enumerate(
+        zip(layout.shapes, layout.dtypes, layout.bucketed, strict=True)
+    ):
+        if is_float and math.prod(shape) == 0:
+            out[i] = jnp.zeros(leaves[i].shape, dtype)
+    return out
+
+
 def flatten_float32(tree) -> jax.Array:
     """All leaves of ``tree`` as one flat float32 vector, in tree order (no padding)."""
     return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in jax.tree.leaves(tree)])

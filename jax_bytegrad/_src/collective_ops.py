@@ -9,6 +9,20 @@ while two-way exchanges (all_to_all, a swap) reach only part of one (benchmarks/
 import jax
 import jax.numpy as jnp
 
+from jax_bytegrad._src import checks
+
+
+def make_varying(tree, axes):
+    """Each leaf of ``tree`` typed as varying over ``axes``: cast over those it does not yet
+    vary over (``jax.grad`` of a value replicated over an axis would sum it over that axis)."""
+
+    def cast(x):
+        vma = checks.varying_axes(x)
+        missing = tuple(a for a in axes if a not in vma)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
 
 def gather_invariant(x: jax.Array, axis) -> jax.Array:
     """Tiled all_gather whose result is typed as replicated over ``axis`` (one value)."""
@@ -19,6 +33,14 @@ def scatter_flat(flat: jax.Array, axis, parts: int) -> jax.Array:
     """Sums a flat vector over ``axis``, each device keeping its 1/``parts`` (zero-padded)."""
     flat = jnp.pad(flat, (0, -flat.size % parts))
     return jax.lax.psum_scatter(flat, axis, scatter_dimension=0, tiled=True)
+
+
+def own_flat(flat: jax.Array, axis, parts: int) -> jax.Array:
+    """This device's 1/``parts`` of a flat vector that every device of ``axis`` holds alike
+    (zero-padded), as ``scatter_flat`` would leave it had the others sent zeros."""
+    flat = jnp.pad(flat, (0, -flat.size % parts))
+    size = flat.size // parts
+    return jax.lax.dynamic_slice_in_dim(flat, jax.lax.axis_index(axis) * size, size)
 
 
 def gather_flat(part: jax.Array, axis, size: int, *, invariant: bool = True) -> jax.Array:

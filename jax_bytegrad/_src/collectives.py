@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import checks, collective_ops
+from jax_bytegrad._src import checks, collective_ops, shards
 from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.config import DEFAULT_BUCKET_BYTES, Residuals, SyncConfig, sync_config
 from jax_bytegrad._src.quantization import check_key, resolve_implementation
+from jax_bytegrad._src.shards import Sharded
 
 
 def _mesh_axis_names() -> tuple[str, ...]:
@@ -137,6 +138,21 @@ def _check_residuals(residuals, layout, config: SyncConfig, mesh_shape, where: s
         )
 
 
+def _check_sharded(config: SyncConfig, sharded, leaves, where: str) -> None:
+    """Raises where a sharded step's node sums cannot go on ``config``'s wire."""
+    if not config.hierarchical:
+        raise ValueError(
+            f"{where}: state split within the node (shard=...) needs hierarchical=True: each "
+            "device then sends its share of its node's sum; hierarchical=False would compress "
+            "every device's own gradient between nodes"
+        )
+    if len(sharded.dims) != len(leaves):
+        raise ValueError(
+            f"{where}: the sharded step's layout names {len(sharded.dims)} leaves, but the "
+            f"updates have {len(leaves)}; pass the params' own tree"
+        )
+
+
 def sync_mean(
     tree,
     config: SyncConfig,
@@ -145,6 +161,7 @@ def sync_mean(
     key: jax.Array | None = None,
     residuals: Residuals | None = None,
     order: tuple[int, ...] | None = None,
+    sharded: Sharded | None = None,
     where: str = "compressed_mean",
 ):
     """``compressed_mean`` over a validated ``SyncConfig``: what the transforms call.
@@ -153,8 +170,24 @@ def sync_mean(
     (``buckets.ready_order``); None for last bucket first. It orders the buckets' exchanges,
     never changes a value.
 
+    With ``sharded`` (a step whose state is split within the node, ``shards.Sharded``),
+    ``tree`` holds the node's sums, each device its blocks of the split leaves: each bucket's
+    row of them (``buckets.to_rows``) crosses between nodes as the replicated layout's
+    shard would, with the same sizes, wire and residuals, and the result is the mean in the
+    same blocks (whole leaves whole).
+
     Returns the mean (or sum) pytree; with ``residuals``, the pair (mean, new residuals).
     """
+    if sharded is not None:
+        # A jit of its own, which the sharded step's check of the optimizer leaves out.
+        def between(tree, key, residuals):
+            return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
+
+        return shards.between_nodes(between, tree, key, residuals)
+    return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
+
+
+def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
     check_key(config.stochastic, key, where)
     # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
     resolve_implementation(config.implementation)
@@ -163,14 +196,20 @@ def sync_mean(
     paths = [path for path, _ in paths_and_leaves]
     leaves = [leaf for _, leaf in paths_and_leaves]
     _check_leaves(leaves, paths, where)
-    layout = bucket_layout(leaves, config, (n, local))
+    if sharded is not None:
+        _check_sharded(config, sharded, leaves, where)
+    whole = leaves if sharded is None else sharded.full_shapes(leaves, local)
+    layout = bucket_layout(whole, config, (n, local))
     if residuals is not None:
         _check_residuals(residuals, layout, config, (n, local), where)
     weight = 1.0 / (n * local) if average else 1.0
     if key is not None:
         # Independent rounding on every device; the result is gathered, so still identical.
         key = jax.random.fold_in(key, jax.lax.axis_index(config.axes))
-    parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
+    if sharded is None:
+        parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
+    else:
+        parts = bucketing.to_rows(leaves, layout, sharded.dims, config.local_axis)
     shards, kept = [None] * len(parts), [None] * len(parts)
     previous = None
     for i in bucketing.ready_order(layout, order):
@@ -186,10 +225,15 @@ def sync_mean(
             weight=weight,
             key=None if key is None else jax.random.fold_in(key, i),
             residual=None if residuals is None else residuals[i],
+            scattered=sharded is not None,
         )
         previous = shards[i]
-    reduced = [wires.gather_shard(shard, config, local) for shard in shards]
-    mean = jax.tree.unflatten(treedef, bucketing.from_buckets(reduced, leaves, layout))
+    if sharded is None:
+        reduced = [wires.gather_shard(shard, config, local) for shard in shards]
+        out = bucketing.from_buckets(reduced, leaves, layout)
+    else:
+        out = bucketing.from_rows(shards, leaves, layout, sharded.dims, config.local_axis)
+    mean = jax.tree.unflatten(treedef, out)
     return mean if residuals is None else (mean, Residuals(kept))
 
 
@@ -259,24 +303,36 @@ def full_precision_mean(
     hierarchical: bool = False,
     average: bool = True,
     order: tuple[int, ...] | None = None,
+    sharded: Sharded | None = None,
 ):
     """Averages a pytree over all devices in its own dtype, uncompressed (GradientAllReduce).
 
     With ``hierarchical=True`` each leaf is reduce-scattered within the node, all-reduced
     between nodes and gathered within the node, so each device sends 1/L of the bytes
     between nodes; otherwise one all-reduce spans both axes. Call it inside
-    ``jax.shard_map``. ``order`` orders the hierarchical buckets as ``sync_mean``'s.
+    ``jax.shard_map``. ``order`` orders the hierarchical buckets as ``sync_mean``'s. With
+    ``sharded`` (``sync_mean``), ``tree`` holds the node's sums and only the all-reduce
+    between nodes is left, as with ``hierarchical=True``; split leaves stay blocks.
 
     Raises:
       ValueError: outside ``shard_map``, for an axis name the mesh lacks, or for an integer
         or bool leaf (float0 leaves, from ``jax.grad`` of integer parameters, pass through).
     """
+    args = (node_axis, local_axis, hierarchical, average, order, sharded)
+    if sharded is not None:
+        # A jit of its own, which the sharded step's check of the optimizer leaves out.
+        return shards.between_nodes(lambda tree: _full_precision_mean(tree, *args), tree)
+    return _full_precision_mean(tree, *args)
+
+
+def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, order, sharded):
     where = "full_precision_mean"
     n, local = axis_sizes(node_axis, local_axis, where)
     devices = n * local
     paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
     leaves = [leaf for _, leaf in paths_and_leaves]
     _check_leaves(leaves, [path for path, _ in paths_and_leaves], where)
+    dims = (None,) * len(leaves) if sharded is None else sharded.dims
 
     def mean(x):
         return x / np.asarray(devices, x.dtype) if average else x
@@ -286,7 +342,20 @@ def full_precision_mean(
             return x
         return mean(jax.lax.psum(x, (node_axis, local_axis)))
 
-    if not (hierarchical and local > 1):
+    def node_part(x, dim):
+        """This device's part of the node's sum (a block of it is one already)."""
+        if dim is not None:
+            return x
+        if sharded is not None:
+            return collective_ops.own_flat(x.reshape(-1), local_axis, local)
+        return collective_ops.scatter_flat(x.reshape(-1), local_axis, local)
+
+    def whole(x, dim, part):
+        if dim is not None:
+            return part
+        return collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
+
+    if sharded is None and not (hierarchical and local > 1):
         return jax.tree.unflatten(treedef, [reduce(x) for x in leaves])
     # Each leaf is reduce-scattered within the node, summed between nodes and gathered. The
     # leaves go in buckets of whole leaves, in the order the backward pass completes them,
@@ -302,11 +371,10 @@ def full_precision_mean(
         if previous is not None:
             members, _ = jax.lax.optimization_barrier((members, previous))
         parts = [
-            jax.lax.psum(collective_ops.scatter_flat(x.reshape(-1), local_axis, local), node_axis)
-            for x in members
+            jax.lax.psum(node_part(x, dims[i]), node_axis)
+            for i, x in zip(layout.buckets[b], members, strict=True)
         ]
         for i, x, part in zip(layout.buckets[b], members, parts, strict=True):
-            total = collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
-            reduced[i] = mean(total)
+            reduced[i] = mean(whole(x, dims[i], part))
         previous = parts
     return jax.tree.unflatten(treedef, reduced)

@@ -60,6 +60,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -162,9 +163,10 @@ def _where(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def _check_per_device(updates, node_axis: str, local_axis: str, where: str) -> None:
-    """Raises unless every float gradient is typed as varying over both mesh axes."""
-    axes = {node_axis, local_axis}
+def _check_per_device(updates, node_axis: str, local_axis: str, sharded, where: str) -> None:
+    """Raises unless every float gradient is typed as varying over both mesh axes (over the
+    node axis, for the node sums of a sharded step: ``shards.Sharded``)."""
+    axes = {node_axis} if sharded is not None else {node_axis, local_axis}
     averaged = [
         jax.tree_util.keystr(path)
         for path, leaf in jax.tree.leaves_with_path(updates)
@@ -322,7 +324,7 @@ def scale_by_qadam(
         else refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
     )
 
-    def full_precision(updates, mu, nu, residuals, count, order):
+    def full_precision(updates, mu, nu, residuals, count, order, sharded):
         del count
         grads = collectives.full_precision_mean(
             updates,
@@ -330,19 +332,27 @@ def scale_by_qadam(
             local_axis=local_axis,
             hierarchical=config.hierarchical,
             order=order,
+            sharded=sharded,
         )
         mu = optax.tree.update_moment(grads, mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
         return mu, nu, residuals
 
-    def compressed(updates, mu, nu, residuals, count, order):
-        local_mu = optax.tree.update_moment(updates, mu, b1, 1)
+    def compressed(updates, mu, nu, residuals, count, order, sharded):
+        # Each device's local momentum b1 m + (1 - b1) g; a sharded step's updates are its
+        # node's sums, whose local momenta sum to L b1 m + (1 - b1) sum(g).
+        within = mu
+        if sharded is not None:
+            local = jax.lax.axis_size(local_axis)
+            within = jax.tree.map(lambda m: m * np.asarray(local, m.dtype), mu)
+        local_mu = optax.tree.update_moment(updates, within, b1, 1)
         mu_old = mu
         mu = collectives.sync_mean(
             local_mu,
             config,
             residuals=residuals if error_feedback else None,
             order=order,
+            sharded=sharded,
             where=where,
         )
         if error_feedback:
@@ -353,10 +363,10 @@ def scale_by_qadam(
             nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
         return mu, nu, residuals
 
-    def update_fn(updates, state, params=None, *, gradient_order=None, **extra_args):
-        del params, extra_args
+    def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
+        del params, extra
         collectives.axis_sizes(node_axis, local_axis, where)
-        _check_per_device(updates, node_axis, local_axis, where)
+        _check_per_device(updates, node_axis, local_axis, sharded, where)
         count_inc = optax.safe_increment(state.count)
         full = count_inc <= warmup_steps
         # A frozen v froze at step warmup_steps, and so does its correction. Bagua keeps
@@ -372,14 +382,15 @@ def scale_by_qadam(
         branches = {"warmup": full_precision, "compressed": compressed}
         args = (updates, state.mu, state.nu, state.residuals, count_inc)
         if phase is None:
+            context = dict(order=gradient_order, sharded=sharded)
             mu, nu, residuals = jax.lax.cond(
                 full,
-                functools.partial(full_precision, order=gradient_order),
-                functools.partial(compressed, order=gradient_order),
+                functools.partial(full_precision, **context),
+                functools.partial(compressed, **context),
                 *args,
             )
         else:
-            mu, nu, residuals = branches[phase](*args, order=gradient_order)
+            mu, nu, residuals = branches[phase](*args, order=gradient_order, sharded=sharded)
         mu_hat = _bias_correction(mu, b1, count_inc)
         nu_hat = _bias_correction(nu, b2, nu_updates)
         if second_moment == "floor" and phase != "warmup":

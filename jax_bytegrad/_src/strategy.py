@@ -20,6 +20,7 @@ The builders stay public for users who write their own steps: ``data_parallel_st
 """
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,10 +28,14 @@ import optax
 from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks, qadam, sharding, transforms
-from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES, SyncConfig
+from jax_bytegrad._src.config import SyncConfig
 from jax_bytegrad._src.steps import asynchronous, decentralized, pipelined
 from jax_bytegrad._src.steps.base import TrainStep
-from jax_bytegrad._src.steps.data_parallel import data_parallel_step
+from jax_bytegrad._src.steps.data_parallel import (
+    DataParallelStep,
+    check_shard,
+    data_parallel_step,
+)
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 
 # Private helpers -------------------------------------------------------------------------
@@ -38,49 +43,58 @@ from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 # A setting without a default: the strategy must be given it.
 REQUIRED = object()
 
-_AXES = {"node_axis": "node", "local_axis": "local"}
-_STEP = {"donate": True, **_AXES}
+
+def _defaults(builder, *, only=None, without=()) -> dict[str, Any]:
+    """The keyword arguments of ``builder`` (those in ``only``, if given, but those in
+    ``without``), each with its default, ``REQUIRED`` where it has none: read from the
+    signature, so the registry never restates a default."""
+    out = {}
+    for p in inspect.signature(builder).parameters.values():
+        if (only is None or p.name in only) and p.name not in without:
+            out[p.name] = REQUIRED if p.default is inspect.Parameter.empty else p.default
+    return out
+
+
+# What train_step passes itself, or the strategy decides: never a setting.
+_GIVEN = ("loss_fn", "optimizer", "mesh", "has_aux", "flatten", "phase", "phase_of")
+_GIVEN += ("model_state", "rng_seed", "state_sync")
+# The data-parallel step's own settings, besides the transform's.
+_STEP = _defaults(data_parallel_step, only=("donate", "node_axis", "local_axis", "shard"))
+_SYNC = _defaults(transforms.bytegrad, without=_GIVEN)
+_ALLREDUCE = _defaults(transforms.gradient_allreduce, without=_GIVEN)
+_QADAM = _defaults(qadam.qadam, without=_GIVEN)
 _SYNC_CONFIG = tuple(f.name for f in dataclasses.fields(SyncConfig))
-# ByteGrad's transform: the SyncConfig's settings (their defaults read from the dataclass),
-# plus what the transform itself adds.
-_SYNC = {
-    **{f.name: f.default for f in dataclasses.fields(SyncConfig)},
-    "average": True,
-    "seed": 0,
-}
-_QADAM = {
-    "learning_rate": REQUIRED,
-    "warmup_steps": REQUIRED,
-    # None: "gradient" at 8 bits, "momentum" at 4 (qadam.py).
-    "second_moment": None,
-    "skip_nonfinite": False,
-    "nu_refresh_interval": None,
-    "nu_refresh_growth": 2.0,
-    "b1": 0.9,
-    "b2": 0.999,
-    "eps": 1e-8,
-    "weight_decay": 0.0,
-    "mask": None,
-    **{k: v for k, v in _SYNC.items() if k not in ("rounding", "average", "seed")},
-}
-_DECENTRALIZED = {
-    "hierarchical": True,
-    "communication_interval": 1,
-    "message_bytes": _SYNC["message_bytes"],
-    **_STEP,
-}
 
 
 def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    sync = transforms.gradient_allreduce(**_pick(s.kwargs, ("hierarchical", "average", *_AXES)))
-    tx = optax.chain(sync, optimizer)
-    return data_parallel_step(
-        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP), **model
+def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model) -> TrainStep:
+    """The data-parallel step of ``s``, named after its algorithm."""
+    step = {k: s.setting(k) for k in _STEP}
+    return DataParallelStep(
+        s.algorithm,
+        loss_fn,
+        optimizers,
+        phase_of,
+        s.mesh,
+        has_aux=has_aux,
+        donate=step["donate"],
+        axes=(step["node_axis"], step["local_axis"]),
+        flatten=s.flatten,
+        model=ModelState.of(*model.values(), f"Strategy({s.algorithm!r})"),
+        shard=step["shard"],
     )
+
+
+def _single(optimizer) -> tuple[dict, Callable[[int], str]]:
+    return {"step": optimizer}, lambda _: "step"
+
+
+def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
+    sync = transforms.gradient_allreduce(**_pick(s.kwargs, _ALLREDUCE))
+    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model)
 
 
 def _refuse_model(model, where: str, why: str) -> None:
@@ -93,7 +107,8 @@ def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> Trai
     if s.setting("pipeline"):
         where = "Strategy('bytegrad', pipeline=True)"
         _refuse_model(model, where, "its programs carry the params and optimizer state only")
-        return pipelined.pipelined_step(
+        return pipelined.PipelinedStep(
+            "bytegrad",
             loss_fn,
             optimizer,
             s.mesh,
@@ -105,10 +120,7 @@ def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> Trai
             flatten=s.flatten,
         )
     sync = transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
-    tx = optax.chain(sync, optimizer)
-    return data_parallel_step(
-        loss_fn, tx, s.mesh, has_aux=has_aux, flatten=s.flatten, **_pick(s.kwargs, _STEP), **model
-    )
+    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model)
 
 
 def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
@@ -122,16 +134,7 @@ def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainSt
         s.setting("nu_refresh_interval"),
         s.setting("nu_refresh_growth"),
     )
-    return data_parallel_step(
-        loss_fn,
-        phases,
-        s.mesh,
-        has_aux=has_aux,
-        phase_of=phase_of,
-        flatten=s.flatten,
-        **_pick(s.kwargs, _STEP),
-        **model,
-    )
+    return _data_parallel(s, loss_fn, phases, phase_of, has_aux, model)
 
 
 def _build_decentralized(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
@@ -177,23 +180,43 @@ class Algorithm:
     check: Callable[["Strategy"], Any] | None = None
 
 
+def _check_shard(s: "Strategy") -> None:
+    where = f"Strategy({s.algorithm!r})"
+    check_shard(s.setting("shard"), s.flatten, where)
+    if s.setting("shard") is None:
+        return
+    if "pipeline" in _entry(s.algorithm).settings and s.setting("pipeline"):
+        raise ValueError(
+            f"{where}: shard= is not supported with pipeline=True (its programs carry the "
+            "whole state); use pipeline=False"
+        )
+    if not s.setting("hierarchical") and s.algorithm != "gradient_allreduce":
+        raise ValueError(
+            f"{where}: shard= needs hierarchical=True: each device then sends its share of "
+            "its node's sum between nodes"
+        )
+
+
 def _check_bytegrad(s: "Strategy") -> None:
     transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
     checks.boolean(s.setting("pipeline"), "pipeline", "Strategy('bytegrad')")
+    _check_shard(s)
 
 
 def _check_gradient_allreduce(s: "Strategy") -> None:
-    transforms.gradient_allreduce(**_pick(s.kwargs, ("hierarchical", "average", *_AXES)))
+    transforms.gradient_allreduce(**_pick(s.kwargs, _ALLREDUCE))
+    _check_shard(s)
 
 
 def _check_qadam(s: "Strategy") -> None:
     qadam.qadam(mesh=s.mesh, **_pick(s.kwargs, _QADAM))
+    _check_shard(s)
 
 
 # Bagua's algorithm names, in the order its documentation lists them.
 REGISTRY: dict[str, Algorithm] = {
     "gradient_allreduce": Algorithm(
-        settings={"hierarchical": False, "average": True, **_STEP},
+        settings={**_ALLREDUCE, **_STEP},
         tunable=("hierarchical",),
         build=_build_gradient_allreduce,
         check=_check_gradient_allreduce,
@@ -214,27 +237,18 @@ REGISTRY: dict[str, Algorithm] = {
         check=_check_qadam,
     ),
     "decentralized": Algorithm(
-        settings={**_DECENTRALIZED, "peer_selection_mode": "all"},
+        settings=_defaults(decentralized.decentralized_step, without=_GIVEN),
         tunable=("message_bytes",),
         build=_build_decentralized,
     ),
     "low_precision_decentralized": Algorithm(
-        settings={
-            **_DECENTRALIZED,
-            "block_size": DEFAULT_BLOCK_SIZES[8],
-            "implementation": None,
-        },
+        settings=_defaults(decentralized.low_precision_decentralized_step, without=_GIVEN),
         tunable=("message_bytes",),
         build=_build_low_precision,
     ),
     # Its interval changes how stale the models are, so nothing is tuned.
     "async": Algorithm(
-        settings={
-            "peer_selection_mode": "all",
-            "sync_interval_ms": 500,
-            "warmup_steps": 0,
-            **_AXES,
-        },
+        settings=_defaults(asynchronous.async_model_average, without=_GIVEN),
         tunable=(),
         build=_build_async,
     ),
@@ -331,6 +345,13 @@ class Strategy:
         checks.boolean(flatten, "flatten", "Strategy")
         valid = valid_kwargs(algorithm)
         unknown = sorted(set(algorithm_kwargs) - set(valid))
+        if "shard" in unknown:
+            supported = [name for name, e in REGISTRY.items() if "shard" in e.settings]
+            raise ValueError(
+                f"Strategy({algorithm!r}): shard= is supported by {', '.join(supported[:-1])} "
+                f"and {supported[-1]}; {algorithm} keeps its own copy of the model on every "
+                "device"
+            )
         if unknown:
             raise ValueError(
                 f"Strategy({algorithm!r}): unknown keyword argument(s) {', '.join(unknown)}; "
@@ -448,6 +469,4 @@ class Strategy:
                 f"as optax.adam(1e-3), got {optimizer!r}"
             )
         model = dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync)
-        step = entry.build(self, loss_fn, optimizer, has_aux, **model)
-        step.algorithm = name
-        return step
+        return entry.build(self, loss_fn, optimizer, has_aux, **model)

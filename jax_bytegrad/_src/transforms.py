@@ -88,9 +88,9 @@ def bytegrad(
       seed: seeds the PRNG key for stochastic rounding.
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes
-      ``gradient_order`` (see ``data_parallel_step``), which changes the order the buckets
-      cross in, never the result.
+      An ``optax.GradientTransformationExtraArgs``; its ``update`` also takes the extra
+      arguments ``data_parallel_step`` passes (``gradient_order``, ``sharded``; see
+      ``sync_gradients``).
 
     Raises:
       ValueError: for bad arguments (here), error feedback without ``mesh``, and at trace
@@ -139,10 +139,11 @@ def sync_gradients(
 ) -> optax.GradientTransformationExtraArgs:
     """``bytegrad`` over a ``SyncConfig``: what the factory and the pipelined step build.
 
-    Its ``update`` takes one extra argument, ``gradient_order``: the params' leaf indices in
-    the order the backward pass produces their gradients (``data_parallel_step`` passes it),
-    so that the buckets cross between nodes as soon as each is complete; without it, last
-    bucket first (``buckets.ready_order``).
+    Its ``update`` takes two extra arguments, which ``data_parallel_step`` passes:
+    ``gradient_order``, the params' leaf indices in the order the backward pass produces their
+    gradients, so that the buckets cross between nodes as soon as each is complete (without
+    it, last bucket first; ``buckets.ready_order``); and ``sharded``, a ``shards.Sharded``
+    where the step splits its state within the node and hands over the node's sums.
     """
     checks.boolean(average, "average", where)
     checks.integer(seed, "seed", where, minimum=0)
@@ -154,8 +155,8 @@ def sync_gradients(
             residuals = collectives.mesh_residuals(params, config, shape)
         return ByteGradState(key=jax.random.key(seed), residuals=residuals)
 
-    def update_fn(updates, state, params=None, *, gradient_order=None, **extra_args):
-        del params, extra_args
+    def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
+        del params, extra
         key, step_key = jax.random.split(state.key)
         updates = collectives.sync_mean(
             updates,
@@ -164,6 +165,7 @@ def sync_gradients(
             key=step_key if config.stochastic else None,
             residuals=state.residuals if config.error_feedback else None,
             order=gradient_order,
+            sharded=sharded,
             where=where,
         )
         residuals = Residuals()
@@ -216,8 +218,8 @@ def gradient_allreduce(
         del params
         return optax.EmptyState()
 
-    def update_fn(updates, state, params=None, *, gradient_order=None, **extra_args):
-        del params, extra_args
+    def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
+        del params, extra
         updates = collectives.full_precision_mean(
             updates,
             node_axis=node_axis,
@@ -225,6 +227,7 @@ def gradient_allreduce(
             hierarchical=hierarchical,
             average=average,
             order=gradient_order,
+            sharded=sharded,
         )
         return updates, state
 

@@ -303,7 +303,7 @@ def scatter_gather_plan(config: SyncConfig, group: Group, *, weight, held, feedb
     )
 
 
-def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
+def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual, scattered):
     """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
 
     Returns ``sum_shard``'s shard and the new residuals (None without error feedback; see
@@ -319,7 +319,7 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, res
     """
     node_axis, local_axis = config.axes
     group = group_of(config, n, local)
-    if group.scatter:
+    if group.scatter and not scattered:
         x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
     if group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
@@ -453,7 +453,7 @@ def integer_sum(
     return values["decode"], None if residual is None else values["send"]
 
 
-def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
+def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual, scattered):
     """The integer wire's all-reduce of one flat float32 bucket (``sum_shard``'s
     contract): its length a multiple of devices x block; returns ``sum_shard``'s shard and
     the new residuals, None without error feedback, else
@@ -463,7 +463,7 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual
     """
     node_axis, local_axis = config.axes
     group = group_of(config, n, local)
-    if group.scatter:
+    if group.scatter and not scattered:
         x = jax.lax.psum_scatter(_joined(x), local_axis, scatter_dimension=0, tiled=True)
     if group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
@@ -528,24 +528,22 @@ def _joined(x) -> jax.Array:
     return jnp.concatenate(x) if isinstance(x, tuple) else x
 
 
-def sum_shard(x, config: SyncConfig, *, n, local, weight, key, residual):
+def sum_shard(x, config: SyncConfig, *, n, local, weight, key, residual, scattered=False):
     """The part of a flat float32 bucket's all-reduce that crosses between nodes, over
     ``config``'s wire; the bucket's length is a multiple of devices x block. ``x`` may come
     as a tuple of its parts: the integer wire reads them where they lie, the others join
-    them.
+    them. With ``scattered``, ``x`` is already this device's shard of its node's sum (a row
+    of ``buckets.to_rows``): the reduce-scatter within the node is skipped.
 
     Returns this device's shard of the reduced bucket (all of it without a reduce-scatter
     within the node), typed as replicated over the devices that summed it, and the new
     residuals (None without error feedback; ``residual_sizes``). ``gather_shard`` makes it
     the whole bucket.
     """
+    kwargs = dict(n=n, local=local, weight=weight, key=key, residual=residual, scattered=scattered)
     if group_of(config, n, local).wire != "allreduce":
-        return scatter_gather_sum_flat(
-            _joined(x), config, n=n, local=local, weight=weight, key=key, residual=residual
-        )
-    return allreduce_sum_flat(
-        x, config, n=n, local=local, weight=weight, key=key, residual=residual
-    )
+        return scatter_gather_sum_flat(_joined(x), config, **kwargs)
+    return allreduce_sum_flat(x, config, **kwargs)
 
 
 def gather_shard(shard: jax.Array, config: SyncConfig, local: int) -> jax.Array:
@@ -560,7 +558,7 @@ def sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
     """The all-reduce of one flat float32 bucket: ``sum_shard`` then ``gather_shard``.
     Returns the reduced bucket, typed as replicated over both axes, and the new residuals."""
     shard, residual = sum_shard(
-        x, config, n=n, local=local, weight=weight, key=key, residual=residual
+        x, config, n=n, local=local, weight=weight, key=key, residual=residual, scattered=False
     )
     return gather_shard(shard, config, local), residual
 

@@ -36,11 +36,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks
+from jax_bytegrad._src import checks, memory, stats
 from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
 from jax_bytegrad._src.sharding import replicate
-from jax_bytegrad._src.steps.base import TrainState, TrainStep, host_copy
-from jax_bytegrad._src.steps.data_parallel import data_parallel_step
+from jax_bytegrad._src.steps.base import Program, TrainState, TrainStep, host_copy
+from jax_bytegrad._src.steps.data_parallel import DataParallelStep
 from jax_bytegrad._src.transforms import gradient_allreduce
 
 # Private helpers -------------------------------------------------------------------------
@@ -255,11 +255,21 @@ class AsyncModelAverage(TrainStep):
         self.warmup_steps = warmup_steps
         self.local_mesh = _local_mesh(mesh, axes)
         tx = optax.chain(gradient_allreduce(node_axis=axes[0], local_axis=axes[1]), optimizer)
-        kwargs = dict(has_aux=has_aux, donate=False, node_axis=axes[0], local_axis=axes[1])
-        self._global = data_parallel_step(self.loss_fn, tx, mesh, **kwargs)
-        self._local = data_parallel_step(self.loss_fn, tx, self.local_mesh, **kwargs)
         # A state another step made is refused by these two, in this algorithm's name.
-        self._global.algorithm = self._local.algorithm = "async"
+        self._global, self._local = (
+            DataParallelStep(
+                "async",
+                self.loss_fn,
+                {"step": tx},
+                lambda _: "step",
+                m,
+                has_aux=has_aux,
+                donate=False,
+                axes=axes,
+                flatten=False,
+            )  # fmt: skip
+            for m in (mesh, self.local_mesh)
+        )
         self._averager = _Averager(mesh, axes[0], sync_interval_ms, exit_timeout)
 
     def _to_local(self, tree):
@@ -294,9 +304,7 @@ class AsyncModelAverage(TrainStep):
         return jax.tree.map(lambda x, d: x + d, params, delta)
 
     # The programs and phases: the warm-up runs the global step's program, every later step
-    # the local step's; the background averaging is a side phase. ----------------------------
-
-    _side_phases = ("averaging",)
+    # the local step's; the background averaging runs beside them, on a mesh of its own. ------
 
     def _inner(self, key) -> TrainStep:
         return self._global if key == "global" else self._local
@@ -304,11 +312,8 @@ class AsyncModelAverage(TrainStep):
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return "step", "global" if steps_taken < self.warmup_steps else "local"
 
-    def _mesh_of(self, key) -> Mesh:
-        return self._inner(key).mesh
-
-    def _abstract_opt_state(self, params):
-        return self._global._abstract_opt_state(params)
+    def _expected_opt_state(self, params):
+        return self._global._expected_opt_state(params)
 
     def _local_state(self, state: TrainState) -> TrainState:
         """``state`` on this process's devices after the warm-up (unchanged before)."""
@@ -317,40 +322,60 @@ class AsyncModelAverage(TrainStep):
         params, opt_state = self._to_local((state.params, state.opt_state))
         return TrainState(state.step, params, opt_state, {})
 
-    def _before_step(self, state: TrainState) -> TrainState:
-        self._averager.raise_error()
-        state = self._local_state(state)
-        if int(state.step) < self.warmup_steps:
-            return state
-        return state._replace(params=self.pull(state.params))
+    def program(self, state: TrainState) -> Program:
+        """The inner step's program for ``state``'s phase, on this process's devices after the
+        warm-up, publishing each local step's params to the averaging."""
+        key = self._phase(int(state.step))[1]
+        if key in self._programs:
+            return self._programs[key]
+        inner = self._inner(key).program(self._local_state(state))
 
-    def _build(self, key):
-        inner = self._inner(key)
-        return inner._build(inner._phase(0)[1])
-
-    def _inputs(self, state: TrainState, batch) -> tuple:
-        state = self._local_state(state)
-        return self._inner(self._phase(int(state.step))[1])._inputs(state, batch)
-
-    def _outputs(self, state: TrainState, out) -> tuple[TrainState, dict[str, Any]]:
-        taken = int(state.step)
-        new, metrics = self._inner(self._phase(taken)[1])._outputs(state, out)
-        if taken < self.warmup_steps:
+        def outputs(state: TrainState, out):
+            new, metrics = inner.outputs(state, out)
+            taken = int(state.step)
+            if taken < self.warmup_steps:
+                return new, metrics
+            self._averager.publish(new.params)
+            if taken == self.warmup_steps and self.sync_interval_ms > 0:
+                # Only after the local step has run once: a program's first run sets up its
+                # collectives' communicators, which through Gloo must not overlap a round
+                # (measured: a round started at init received the local step's bytes).
+                jax.block_until_ready(new)
+                self._averager.start()
             return new, metrics
-        self._averager.publish(new.params)
-        if taken == self.warmup_steps and self.sync_interval_ms > 0:
-            # Only after the local step has run once: a program's first run sets up its
-            # collectives' communicators, which through Gloo must not overlap a round
-            # (measured: a round started at init received the local step's bytes).
-            jax.block_until_ready(new)
-            self._averager.start()
-        return new, metrics
 
-    def _lower_side(self, state: TrainState) -> dict[str, Any]:
-        return {"averaging": self.lower_averaging(state)}
+        self._programs[key] = Program(
+            inner.fn, lambda state, batch: inner.inputs(self._local_state(state), batch), outputs
+        )
+        return self._programs[key]
 
-    def _side_counts(self) -> dict[str, int]:
-        return {"averaging": self._averager.stats().rounds}
+    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+        """One local train step, after applying the averaging rounds finished since the last."""
+        self._averager.raise_error()
+        if isinstance(state, TrainState) and int(state.step) >= self.warmup_steps:
+            state = self._local_state(state)
+            state = state._replace(params=self.pull(state.params))
+        return super().step(state, batch)
+
+    __call__ = step
+
+    def communication_stats(self, state: TrainState, batch) -> dict[str, Any]:
+        """``{"step": ..., "averaging": ...}``: the next train step's bytes per device, and
+        one background round's (see ``TrainStep.communication_stats``)."""
+        mesh = self._inner(self._phase(int(state.step))[1]).mesh
+        return {
+            "step": stats.communication_stats(self.lower(state, batch), mesh=mesh),
+            "averaging": stats.communication_stats(self.lower_averaging(state)),
+        }
+
+    def memory_stats(self, state: TrainState, batch) -> dict[str, Any]:
+        """``{"step": ...}``: the next train step's memory per device
+        (``TrainStep.memory_stats``)."""
+        return {"step": memory.memory_stats(self.lower(state, batch))}
+
+    def phase_counts(self, state: TrainState) -> dict[str, int]:
+        """Steps taken, and background averaging rounds done."""
+        return {"step": int(state.step), "averaging": self._averager.stats().rounds}
 
     def lower_averaging(self, state):
         """Lowers one averaging round's program for ``state``'s params; it runs on one

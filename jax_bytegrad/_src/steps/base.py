@@ -15,6 +15,7 @@ with its collectives inside a ``lax.cond``, does not deadlock XLA:CPU under load
 """
 
 import collections
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -24,8 +25,8 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks, guard, stats
-from jax_bytegrad._src.sharding import replicate, shard_batch
+from jax_bytegrad._src import checks, guard, memory, stats
+from jax_bytegrad._src.sharding import shard_batch
 from jax_bytegrad._src.steps.model_state import ModelState
 
 
@@ -166,27 +167,63 @@ def _communication(lowered, mesh: Mesh | None) -> stats.CommunicationStats:
     return stats.communication_stats(lowered, mesh=mesh)
 
 
+class Program(NamedTuple):
+    """One phase's program, and its two adapters between a ``TrainState`` and its arguments.
+
+    ``program(state, batch)`` runs it: ``outputs(state, fn(*inputs(state, batch)))``.
+
+    Attributes:
+      fn: the jitted function, or any callable with a ``lower`` that gives a
+        ``jax.stages.Lowered`` or a ``LoweredPrograms``.
+      inputs: ``(state, batch) -> arguments of fn``, the batch last.
+      outputs: ``(state, result of fn) -> (new state, metrics)``; the new state's ``step``
+        is set by ``TrainStep``.
+    """
+
+    fn: Callable
+    inputs: Callable[[TrainState, Any], tuple]
+    outputs: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+
+    def __call__(self, state: TrainState, batch):
+        return self.outputs(state, self.fn(*self.inputs(state, batch)))
+
+    def lower(self, state: TrainState, batch):
+        return self.fn.lower(*self.inputs(state, batch))
+
+
 class TrainStep:
     """A train step; the same calls for every algorithm.
 
     ``state = step.init(params)``, then ``state, metrics = step(state, batch)`` (or
     ``step.step(state, batch)``), ``step.params(state)`` for the model, ``step.lower(state,
-    batch)``, ``step.communication_stats(state, batch)``, ``step.phase_counts(state)``, and
-    ``step.close()`` (or use it as a context manager). ``batch`` is this process's rows of
-    the global batch (the whole batch with one process), as numpy or jax arrays, or arrays
-    already sharded over the mesh by ``shard_batch``. ``metrics`` is ``{"loss": ...}`` (plus
-    ``"aux"`` when the loss function has aux).
+    batch)``, ``step.communication_stats(state, batch)``, ``step.memory_stats(state,
+    batch)``, ``step.phase_counts(state)``, and ``step.close()`` (or use it as a context
+    manager). ``batch`` is this process's rows of the global batch (the whole batch with one
+    process), as numpy or jax arrays, or arrays already sharded over the mesh by
+    ``shard_batch``. ``metrics`` is ``{"loss": ...}`` (plus ``"aux"`` when the loss function
+    has aux). ``step.on_divergence`` (``"warn"``, ``"raise"`` or ``"ignore"``) is what a
+    diverging loss does (``guard.watch_loss``).
 
-    ``step``, ``lower`` and ``communication_stats`` are written here once; subclasses give
-    the programs and phases only: ``_build(key)`` returns the program of a phase (a jitted
-    function, or any callable with a ``lower`` that gives a ``jax.stages.Lowered`` or a
-    ``LoweredPrograms``), ``_inputs(state, batch)`` its arguments (the batch last),
-    ``_outputs(state, out)`` the new state and metrics, ``_phase(steps_taken)`` the phase
-    of a step as ``(name, program key)``, and ``_mesh_of(key)`` a program's mesh where it
-    is not the step's. A step with more to do gives ``_before_step(state)``
-    (what a step, not ``lower``, does to the state first), and a program that runs beside the
-    steps (async's averaging) ``_side_phases``, ``_lower_side(state)`` and ``_side_counts()``.
+    The protocol is written here once; a subclass gives its phases and programs:
+
+    ``phases``
+        the names of its phases;
+    ``_phase(steps_taken) -> (name, key)``
+        the phase of the next step, and the key of its program;
+    ``_build(key) -> Program``
+        the program of a key, built once;
+    ``_init(params)``, ``_state_shapes(params)``
+        the state to start from, placed on the mesh, and the same as ``ShapeDtypeStruct``;
+    ``_expected_opt_state(params)``
+        the optimizer state ``init`` would make for ``params``, to refuse another step's
+        state (None: not checked);
+    ``_params(state)``
+        the model (``state.params`` unless overridden).
     """
+
+    phases: tuple[str, ...] = ("step",)
+    # The names ``state.extra`` holds besides the model's state and key.
+    _extra_keys: tuple[str, ...] = ()
 
     def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, axes: tuple[str, str],
                  has_aux: bool, flatten: bool, donate: bool = False,
@@ -199,73 +236,48 @@ class TrainStep:
         self._axes, self._donate = axes, donate
         self._unravel = None
         self.loss_fn = self._flat_loss(loss_fn) if flatten else loss_fn
-        self._programs: dict[Any, Any] = {}
+        self._programs: dict[Any, Program] = {}
         self._checked: set[Any] = set()  # the state layouts _check_state has passed
         self._in_flight = StepsInFlight(mesh)
+        self._on_divergence = "warn"
         self._closed = False
 
     # What subclasses give. --------------------------------------------------------------
 
-    phases: tuple[str, ...] = ("step",)
-    _extra_keys: tuple[str, ...] = ()
-
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return "step", "step"
 
-    def _optimizer_init(self):
-        """The optimizer's ``init``, for the default ``_init`` and ``_state_shapes``: params
-        replicated, the optimizer state placed as ``self._state_specs`` (a
-        ``sharding.StateSpecs``) says. Steps that place their state otherwise override
-        ``_init`` and ``_state_shapes`` instead."""
+    def _build(self, key) -> Program:
         raise NotImplementedError
-
-    def _init_program(self, params):
-        """The optimizer's init, jitted to place its state where it lives: replicated state
-        on every device, residuals per device."""
-        init = self._optimizer_init()
-        specs = self._state_specs(jax.eval_shape(init, params))
-        shardings = jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
-        return jax.jit(init, out_shardings=shardings)
 
     def _init(self, params) -> TrainState:
-        params = replicate(host_copy(params), self.mesh)
-        return TrainState(count(0), params, self._init_program(params)(params), {})
+        raise NotImplementedError
 
     def _state_shapes(self, params) -> TrainState:
-        """``_init``'s result as placed ``ShapeDtypeStruct`` leaves, from abstract params."""
-        params = abstract(params, NamedSharding(self.mesh, P()))
-        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
-
-    def _build(self, key):
         raise NotImplementedError
 
-    def _inputs(self, state: TrainState, batch) -> tuple:
-        raise NotImplementedError
-
-    def _outputs(self, state: TrainState, out) -> tuple[TrainState, dict[str, Any]]:
-        raise NotImplementedError
+    def _expected_opt_state(self, params):
+        return None
 
     def _params(self, state: TrainState):
         return state.params
 
-    def _before_step(self, state: TrainState) -> TrainState:
-        return state
-
-    def _mesh_of(self, key) -> Mesh:
-        """The mesh the program of ``key`` is laid out over."""
-        return self.mesh
-
-    _side_phases: tuple[str, ...] = ()
-
-    def _lower_side(self, state: TrainState) -> dict[str, Any]:
-        """The lowered programs of ``_side_phases``, by phase, for ``state``'s params."""
-        return {}
-
-    def _side_counts(self) -> dict[str, int]:
-        """How often each of ``_side_phases`` has run."""
-        return {}
-
     # The protocol. ------------------------------------------------------------------------
+
+    @property
+    def on_divergence(self) -> str:
+        """What a diverging loss does: ``"warn"`` (a ``DivergenceWarning``, the default),
+        ``"raise"`` (``FloatingPointError``) or ``"ignore"``.
+
+        Raises:
+          ValueError: when set to anything else.
+        """
+        return self._on_divergence
+
+    @on_divergence.setter
+    def on_divergence(self, mode: str) -> None:
+        checks.one_of(mode, guard.ON_DIVERGENCE, "on_divergence", self.algorithm)
+        self._on_divergence = mode
 
     def _flat_loss(self, loss_fn):
         # Bagua's flattened layout: the params (so the gradient and optimizer state) as one
@@ -288,11 +300,6 @@ class TrainStep:
             return state
         return state._replace(extra={**state.extra, **self.model.place(self.mesh)})
 
-    def _abstract_opt_state(self, params):
-        """The optimizer state ``init`` gives for ``params`` (``jax.eval_shape``), to tell a
-        state of this step from another's; None when the step does not check."""
-        return None
-
     def _check_state(self, state) -> None:
         """Raises a ``ValueError`` naming both steps for a state another step made."""
         if not isinstance(state, TrainState):
@@ -309,7 +316,7 @@ class TrainStep:
             return
         devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
         checks.same_state(
-            state, self._abstract_opt_state(state.params), self._extra_keys, self.model,
+            state, self._expected_opt_state(state.params), self._extra_keys, self.model,
             where=self.algorithm, devices=devices,
         )  # fmt: skip
         self._checked.add(key)
@@ -353,8 +360,8 @@ class TrainStep:
             return state
         return state._replace(extra={**state.extra, **self.model.place_shapes(self.mesh)})
 
-    def program(self, state: TrainState):
-        """The jitted program the next ``step(state, batch)`` runs."""
+    def program(self, state: TrainState) -> Program:
+        """The program the next ``step(state, batch)`` runs."""
         _, key = self._phase(int(state.step))
         if key not in self._programs:
             self._programs[key] = self._build(key)
@@ -365,20 +372,22 @@ class TrainStep:
         if self._closed:
             raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
         self._check_state(state)
-        state = self._before_step(state)
-        inputs = self._inputs(state, batch)
         program = self.program(state)
+        inputs = program.inputs(state, batch)
         # Before dispatch: jaxlib may crash the process on a buffer a donating step consumed.
         checks.not_deleted(inputs[:-1], self.algorithm)
         self._in_flight.wait()
-        out = program(*inputs)
+        out = program.fn(*inputs)
         self._in_flight.track(out)
-        return guard.watch_loss(self, self._outputs(state, out))  # warns once on divergence
+        new, metrics = program.outputs(state, out)
+        new = new._replace(step=count(int(state.step) + 1))
+        return guard.watch_loss(self, (new, metrics))  # warns once on divergence
 
     __call__ = step
 
     def params(self, state: TrainState) -> optax.Params:
-        """The model to evaluate or checkpoint, replicated over the mesh, as a pytree."""
+        """The model to evaluate or checkpoint, as a pytree of arrays over the mesh
+        (replicated, or with ``shard="params"`` sharded within each node)."""
         params = self._params(state)
         return params if self._unravel is None else self._unravel(params)
 
@@ -397,8 +406,19 @@ class TrainStep:
           is what XLA runs.
         """
         self._check_state(state)
-        inputs = self._inputs(state, batch)
-        return self.program(state).lower(*inputs)
+        return self.program(state).lower(state, batch)
+
+    def _lowered_phases(self, state: TrainState, batch) -> dict[str, Any]:
+        """Each phase's lowered program, by phase: the phase of the step ``state`` is at from
+        the program that step runs, every other phase from its first step."""
+        self._check_state(state)
+        out = {}
+        now = self._phase(int(state.step))[0]
+        for example in self._phase_examples():
+            taken = int(state.step) if self._phase(example)[0] == now else example
+            name = self._phase(taken)[0]
+            out[name] = self.program(state._replace(step=count(taken))).lower(state, batch)
+        return out
 
     def communication_stats(self, state: TrainState, batch) -> dict[str, stats.CommunicationStats]:
         """Bytes each device sends per step, for each phase; compiles, runs nothing.
@@ -414,29 +434,32 @@ class TrainStep:
           ``{"step": ..., "averaging": ...}`` (one background round, on a mesh of its own).
           ``phase_counts`` says how often each has run.
         """
-        self._check_state(state)
-        inputs = self._inputs(state, batch)
-        out = {}
-        now = self._phase(int(state.step))[0]
-        for taken in self._phase_examples():
-            name, key = self._phase(int(state.step) if self._phase(taken)[0] == now else taken)
-            if key not in self._programs:
-                self._programs[key] = self._build(key)
-            out[name] = _communication(self._programs[key].lower(*inputs), self._mesh_of(key))
-        for name, lowered in self._lower_side(state).items():
-            out[name] = _communication(lowered, None)
-        return out
+        lowered = self._lowered_phases(state, batch)
+        return {name: _communication(one, self.mesh) for name, one in lowered.items()}
+
+    def memory_stats(self, state: TrainState, batch) -> dict[str, memory.MemoryStats]:
+        """Memory each device needs to run a step, per phase, from XLA's memory analysis of
+        the compiled program; compiles, runs nothing.
+
+        With ``state = step.state_shapes(params)`` and a batch of ``jax.ShapeDtypeStruct``
+        on a deviceless mesh (``sharding.gpu_mesh``), it says before any GPU is rented
+        whether the step fits, and with which ``shard=``.
+
+        Returns:
+          ``{phase: MemoryStats}``, phases as ``communication_stats`` names them.
+        """
+        lowered = self._lowered_phases(state, batch)
+        return {name: memory.memory_stats(one) for name, one in lowered.items()}
 
     def _phase_examples(self) -> list[int]:
         """One step count of each phase: the first, searching forward."""
         found: dict[str, int] = {}
-        wanted = set(self.phases) - set(self._side_phases)
         for taken in range(_PHASE_SEARCH):
             found.setdefault(self._phase(taken)[0], taken)
-            if len(found) == len(wanted):
+            if len(found) == len(self.phases):
                 return sorted(found.values())
         raise RuntimeError(
-            f"{self.algorithm}: phases {sorted(wanted - set(found))} do not occur in "
+            f"{self.algorithm}: phases {sorted(set(self.phases) - set(found))} do not occur in "
             f"the first {_PHASE_SEARCH} steps"
         )
 
@@ -447,7 +470,6 @@ class TrainStep:
         traffic of the run so far.
         """
         counts = collections.Counter(self._phase(i)[0] for i in range(int(state.step)))
-        counts.update(self._side_counts())
         return {name: counts.get(name, 0) for name in self.phases}
 
     def close(self) -> None:

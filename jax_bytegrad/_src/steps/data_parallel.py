@@ -4,8 +4,27 @@ Follows Bagua's data-parallel model (Gan et al., "Bagua: Scaling up Distributed 
 System Relaxations", VLDB 2022): parameters and optimizer state are replicated, each device
 computes the gradient of its slice of the batch, and the optimizer's first transformation
 (``bytegrad``, ``gradient_allreduce``, ``qadam``) averages what must be averaged.
+
+With ``shard=`` the state is split within each node (``shards.py``; ZeRO within the node, as
+HSDP): per device, inside ``jax.shard_map``,
+
+    shard="optimizer": params whole, optimizer state in blocks
+        grads = grad of the loss at the whole params (each device its own batch slice)
+        node sums = reduce-scatter of grads within the node     this device's block of each
+        update = optimizer(node sums, state blocks)             between nodes: the sync only
+        params = all_gather within the node of (block + update)
+    shard="params": params in blocks too
+        the loss gathers each block within the node where it runs; jax.grad of a gather is
+        the reduce-scatter, so the gradient arrives as this device's block of the node sum
+        update = optimizer(node sums, state blocks),  params = block + update
+
+Leaves that the node's devices cannot split stay whole, summed within the node by a psum. The
+optimizer's sync (``bytegrad``, ``gradient_allreduce``, ``qadam``) is told so by the extra
+argument ``sharded`` and only crosses between nodes: the same rows, sizes and wires as the
+replicated step's shards.
 """
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,27 +34,48 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks
-from jax_bytegrad._src.sharding import StateSpecs
+from jax_bytegrad._src import checks, shards
+from jax_bytegrad._src.collective_ops import make_varying
+from jax_bytegrad._src.sharding import replicate, state_specs
+from jax_bytegrad._src.shards import Shard, Sharded
 from jax_bytegrad._src.steps.base import (
+    Program,
     TrainState,
     TrainStep,
     count,
     global_batch,
+    host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 
 
-def _unsynced(updates, opt_state, specs, axes) -> list[str]:
-    """Paths of updates, or replicated state, that still differ between devices."""
-    shared = [True] * len(jax.tree.leaves(updates))
-    shared += [spec == P() for spec in jax.tree.leaves(specs)]
+def _spec_axes(spec) -> set[str]:
+    """The mesh axes a ``PartitionSpec`` splits over."""
+    names = set()
+    for entry in spec:
+        names.update(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
+    return names
+
+
+def _unsynced(updates, update_specs, opt_state, specs, axes) -> list[str]:
+    """Paths of updates, or state, that differ between devices where they should not: a leaf
+    may vary over the axes its spec splits it over, and no other."""
     leaves = jax.tree.leaves_with_path((updates, opt_state))
+    if update_specs is None:  # replicated: no update may vary
+        update_specs = jax.tree.map(lambda _: P(), updates)
+    allowed = [_spec_axes(spec) for spec in jax.tree.leaves((update_specs, specs))]
     return [
         jax.tree_util.keystr(path)
-        for (path, leaf), replicated in zip(leaves, shared, strict=True)
-        if replicated and checks.varying_axes(leaf) & set(axes)
+        for (path, leaf), ok in zip(leaves, allowed, strict=True)
+        if (checks.varying_axes(leaf) & set(axes)) - ok
     ]
+
+
+def _traced(fn, *args):
+    """``fn(*args)``, traced once: its jaxpr, and its result computed from that jaxpr."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    out = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    return closed, jax.tree.unflatten(jax.tree.structure(shape), out)
 
 
 def traced_gradient(grad_fn, params, *args):
@@ -46,8 +86,7 @@ def traced_gradient(grad_fn, params, *args):
     The sync of each bucket of the gradient runs in this order (``buckets.ready_order``), so
     that the first bucket to cross between nodes is the first one complete.
     """
-    closed, shape = jax.make_jaxpr(grad_fn, return_shape=True)(params, *args)
-    out = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves((params, args)))
+    closed, out = _traced(grad_fn, params, *args)
     produced = {}
     for index, equation in enumerate(closed.jaxpr.eqns):
         for var in equation.outvars:
@@ -55,22 +94,25 @@ def traced_gradient(grad_fn, params, *args):
     leaves = len(jax.tree.leaves(params))
     ranks = [produced.get(id(var), -1) for var in closed.jaxpr.outvars[-leaves:]]
     order = tuple(sorted(range(leaves), key=lambda i: (ranks[i], -i)))
-    return jax.tree.unflatten(jax.tree.structure(shape), out), order
+    return out, order
 
 
 class DataParallelStep(TrainStep):
     """The ``TrainStep`` of ``data_parallel_step``: one program per optimizer phase."""
 
-    def __init__(self, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate, axes, flatten,
-                 model=None):  # fmt: skip
+    def __init__(self, algorithm, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate,
+                 axes, flatten, model=None, shard: Shard | None = None):  # fmt: skip
         super().__init__(
-            "data_parallel_step", mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
+            algorithm, mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
             donate=donate, model=model,
         )  # fmt: skip
         self._optimizers = dict(optimizers)
         self._phase_of = phase_of
         self.phases = tuple(self._optimizers)
-        self._state_specs = StateSpecs(self._axes)
+        self.shard = shard
+        self._local = int(mesh.shape[axes[1]])
+        # The specs of the params and of the optimizer state, from the first state seen.
+        self._specs = None
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         name = self._phase_of(steps_taken)
@@ -81,14 +123,101 @@ class DataParallelStep(TrainStep):
             )
         return name, name
 
+    # Where the state lives. ---------------------------------------------------------------
+
+    def _init_fn(self):
+        return next(iter(self._optimizers.values())).init
+
+    def _expected_opt_state(self, params):
+        return jax.eval_shape(self._init_fn(), params)
+
+    def _param_specs(self, params):
+        if self.shard != "params":
+            return jax.tree.map(lambda _: P(), params)
+        return shards.leaf_specs(params, self._axes[1], self._local)
+
+    def _state_specs(self, opt_state, params):
+        if self.shard is None:
+            return state_specs(opt_state, node_axis=self._axes[0], local_axis=self._axes[1])
+        return shards.state_specs(opt_state, params, axes=self._axes, local=self._local)
+
+    def _learn_specs(self, params, opt_state) -> tuple:
+        """The specs of ``(params, opt_state)``, kept from the first state this step sees: a
+        step's state keeps its layout from step to step."""
+        if self._specs is None:
+            self._specs = (self._param_specs(params), self._state_specs(opt_state, params))
+            local = self._local if self.shard else 1
+            self._dims = shards.split_dims(params, local)
+            # What each device's update is: its blocks of the split leaves.
+            self._update_specs = shards.leaf_specs(params, self._axes[1], local)
+        return self._specs
+
     def _shardings(self, specs):
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
 
-    def _abstract_opt_state(self, params):
-        return jax.eval_shape(next(iter(self._optimizers.values())).init, params)
+    def _init_program(self, params):
+        """The optimizer's init, jitted to place its state where it lives."""
+        init = self._init_fn()
+        param_specs, specs = self._learn_specs(params, jax.eval_shape(init, params))
+        return jax.jit(
+            init, in_shardings=(self._shardings(param_specs),), out_shardings=self._shardings(specs)
+        )
 
-    def _optimizer_init(self):
-        return next(iter(self._optimizers.values())).init
+    def _init(self, params) -> TrainState:
+        params = host_copy(params)
+        if self.shard == "params":
+            params = jax.tree.map(
+                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
+                params,
+                self._shardings(self._param_specs(params)),
+            )
+        else:
+            params = replicate(params, self.mesh)
+        return TrainState(count(0), params, self._init_program(params)(params), {})
+
+    def _state_shapes(self, params) -> TrainState:
+        params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            params,
+            self._shardings(self._param_specs(params)),
+        )
+        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
+
+    # The program. -------------------------------------------------------------------------
+
+    def _loss(self):
+        """The loss of the params as the step holds them: with ``shard="params"``, each block
+        is gathered within the node where the loss uses it."""
+        if self.shard != "params":
+            return self.loss_fn
+        dims, axis, loss_fn = self._dims, self._axes[1], self.loss_fn
+
+        def loss(blocks, batch, **kwargs):
+            leaves, treedef = jax.tree.flatten(blocks)
+            whole = [
+                shards.gather_block(x, d, axis, invariant=False)
+                for x, d in zip(leaves, dims, strict=True)
+            ]
+            return loss_fn(jax.tree.unflatten(treedef, whole), batch, **kwargs)
+
+        return loss
+
+    def _node_sums(self, grads, params):
+        """With ``shard=``: the node's sums of the gradient (each device its block of a split
+        leaf) and this device's blocks of the params."""
+        axis, dims = self._axes[1], self._dims
+        g, treedef = jax.tree.flatten(grads)
+        p = jax.tree.leaves(params)
+        if self.shard == "optimizer":
+            sums = [shards.node_sum(x, d, axis) for x, d in zip(g, dims, strict=True)]
+            own = [shards.own_block(x, d, axis) for x, d in zip(p, dims, strict=True)]
+        else:  # "params": jax.grad of the gather summed the split leaves already
+            sums = [
+                x if d is not None else shards.node_sum(x, None, axis)
+                for x, d in zip(g, dims, strict=True)
+            ]
+            own = p
+        return jax.tree.unflatten(treedef, sums), jax.tree.unflatten(treedef, own)
 
     def per_device(self, phase: str | None = None) -> Callable:
         """The un-jitted, un-mapped step of one device, for a ``shard_map`` of your own:
@@ -98,31 +227,49 @@ class DataParallelStep(TrainStep):
         a step with several; None for the only one. A step built with ``model_state=``
         or ``rng_seed=`` takes ``(params, opt_state, *model_inputs, batch)``, the model
         inputs being ``state.model_state``, then ``state.rng`` and the step count as uint32,
-        and returns the synced model state last.
+        and returns the synced model state last. With ``shard=``, ``init`` or
+        ``state_shapes`` must have been called first (they fix the layout).
         """
         optimizer = optax.with_extra_args_support(
             self._optimizers[phase if phase is not None else self.phases[0]]
         )
-        axes, has_aux, model = self._axes, self.has_aux, self.model
-        grad_fn = model.value_and_grad(self.loss_fn, has_aux, axes)
+        axes, has_aux, model, shard = self._axes, self.has_aux, self.model, self.shard
+        grad_fn = model.value_and_grad(self._loss(), has_aux, axes)
+        _, specs = self._specs
+        update_specs, dims = self._update_specs, self._dims
 
         def step(params, opt_state, *rest):
             *model_inputs, batch = rest
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce.
-            varying = jax.lax.pcast(params, axes, to="varying")
+            varying = make_varying(params, axes)
             traced, order = traced_gradient(grad_fn, varying, batch, *model_inputs)
             (loss, aux, model_state), grads = traced
-            updates, opt_state = optimizer.update(grads, opt_state, params, gradient_order=order)
-            unsynced = _unsynced(updates, opt_state, self._state_specs(opt_state), axes)
+            extra = {"gradient_order": order}
+            own = params
+            if shard is None:
+                updates, opt_state = optimizer.update(grads, opt_state, own, **extra)
+            else:
+                grads, own = self._node_sums(grads, params)
+                extra["sharded"] = Sharded(axes[1], dims)
+                update = functools.partial(optimizer.update, **extra)
+                closed, (updates, opt_state) = _traced(update, grads, opt_state, own)
+                shards.check_elementwise(closed.jaxpr, self.algorithm)
+            unsynced = _unsynced(updates, update_specs, opt_state, specs, axes)
             if unsynced:
                 raise ValueError(
-                    "data_parallel_step: the optimizer leaves updates or state that differ "
+                    f"{self.algorithm}: the optimizer leaves updates or state that differ "
                     f"between devices ({', '.join(unsynced[:3])}); put jax_bytegrad.bytegrad() "
                     "or gradient_allreduce() first in the optax chain, or use "
                     "jax_bytegrad.qadam()"
                 )
-            params = optax.apply_updates(params, updates)
+            params = optax.apply_updates(own, updates)
+            if shard == "optimizer":
+                params = jax.tree.map(
+                    lambda x, d: shards.gather_block(x, d, axes[1], invariant=True),
+                    params,
+                    jax.tree.unflatten(jax.tree.structure(params), dims),
+                )
             out = (params, opt_state, jax.lax.pmean(loss, axes))
             out += (jax.lax.pmean(aux, axes),) if has_aux else ()
             return out + ((model_state,) if model.has_state else ())
@@ -131,37 +278,53 @@ class DataParallelStep(TrainStep):
 
     def sharded(self, opt_state, phase: str | None = None) -> Callable:
         """The step as one ``jax.shard_map`` over the mesh, not jitted: call it inside a
-        ``jax.jit`` of your own. ``opt_state`` (or its ``jax.eval_shape``) gives the specs."""
-        specs = self._state_specs(opt_state)
+        ``jax.jit`` of your own. ``opt_state`` (or its ``jax.eval_shape``) gives the specs
+        (with ``shard=``, call ``init`` or ``state_shapes`` first)."""
+        if self._specs is None:
+            if self.shard is not None:
+                raise ValueError(
+                    f"{self.algorithm}: with shard={self.shard!r}, call step.init(params) or "
+                    "step.state_shapes(params) before sharded(...): they fix the layout"
+                )
+            self._specs = ((), self._state_specs(opt_state, None))
+            self._dims = self._update_specs = None
+        param_specs, specs = self._specs
+        params_spec = param_specs if self.shard == "params" else P()
         model_specs = (P(),) * self.model.num_inputs()
-        out_specs = (P(), specs, P()) + (P(),) * (self.has_aux + self.model.has_state)
+        out_specs = (params_spec, specs, P()) + (P(),) * (self.has_aux + self.model.has_state)
         return jax.shard_map(
             self.per_device(phase),
             mesh=self.mesh,
-            in_specs=(P(), specs, *model_specs, P(self._axes)),
+            in_specs=(params_spec, specs, *model_specs, P(self._axes)),
             out_specs=out_specs,
         )
 
-    def _build(self, phase):
-        specs = self._state_specs.specs
+    def program(self, state: TrainState) -> Program:
+        self._learn_specs(state.params, state.opt_state)
+        return super().program(state)
+
+    def _build(self, phase) -> Program:
+        param_specs, specs = self._specs
         replicated = NamedSharding(self.mesh, P())
+        params = self._shardings(param_specs) if self.shard == "params" else replicated
         in_shardings = (
-            replicated,
+            params,
             self._shardings(specs),
             *[replicated] * self.model.num_inputs(),
             NamedSharding(self.mesh, P(self._axes)),
         )
         outputs = 1 + self.has_aux + self.model.has_state
-        return jax.jit(
+        fn = jax.jit(
             self.sharded(None, phase),
             in_shardings=in_shardings,
-            out_shardings=(replicated, self._shardings(specs), *[replicated] * outputs),
+            out_shardings=(params, self._shardings(specs), *[replicated] * outputs),
             # The model state too: the step returns its new value in a buffer of its own.
             donate_argnums=(0, 1, *[2] * self.model.has_state) if self._donate else (),
         )
+        return Program(fn, self._inputs, self._outputs)
 
     def _inputs(self, state, batch):
-        self._state_specs(state.opt_state)
+        self._learn_specs(state.params, state.opt_state)
         batch = global_batch(batch, self.mesh, self._axes)
         return (state.params, state.opt_state, *self.model.inputs(state), batch)
 
@@ -170,7 +333,36 @@ class DataParallelStep(TrainStep):
         if self.has_aux:
             metrics["aux"] = out[3]
         extra = self.model.carried(state, out[-1] if self.model.has_state else None)
-        return TrainState(count(int(state.step) + 1), out[0], out[1], extra), metrics
+        return TrainState(state.step, out[0], out[1], extra), metrics
+
+
+def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int], str]]:
+    """``{phase: transformation}`` and ``phase_of`` from ``data_parallel_step``'s
+    ``optimizer`` and ``phase_of``; raises a ``ValueError`` for anything else."""
+    if isinstance(optimizer, optax.GradientTransformation):
+        if phase_of is not None:
+            raise ValueError(f"{where}: phase_of needs one optimizer per phase, {{name: tx}}")
+        return {"step": optimizer}, lambda _: "step"
+    optimizers = dict(optimizer) if isinstance(optimizer, Mapping) else {}
+    bad = [k for k, v in optimizers.items() if not isinstance(v, optax.GradientTransformation)]
+    if not optimizers or bad or phase_of is None:
+        raise ValueError(
+            f"{where}: optimizer must be an optax.GradientTransformation, or a non-empty "
+            "{phase name: transformation} mapping with phase_of=...; got "
+            f"{type(optimizer).__name__}"
+        )
+    return optimizers, phase_of
+
+
+def check_shard(shard, flatten: bool, where: str) -> None:
+    """Validates ``shard=``."""
+    if shard is not None:
+        checks.one_of(shard, shards.SHARDS, "shard", where)
+        if flatten:
+            raise ValueError(
+                f"{where}: shard={shard!r} splits each parameter within the node and "
+                "flatten=True makes them one vector; use one of them"
+            )
 
 
 def data_parallel_step(
@@ -187,11 +379,13 @@ def data_parallel_step(
     model_state: Any = None,
     rng_seed: int | None = None,
     state_sync: StateSync = "mean",
+    shard: Shard | None = None,
 ) -> DataParallelStep:
     """Builds a data-parallel train step over a ("node", "local") mesh.
 
     Parameters and optimizer state are replicated (error-feedback residuals are each
-    device's own); the batch is split over both mesh axes along its leading dimension. Each
+    device's own), or split within each node with ``shard=``; the batch is split over both
+    mesh axes along its leading dimension. Each
     device differentiates ``loss_fn`` on its own slice and hands the per-device gradient to
     ``optimizer``, whose first transformation must average it (``bytegrad()``,
     ``gradient_allreduce()``, or ``qadam()``). The parameters are marked as varying per
@@ -234,6 +428,15 @@ def data_parallel_step(
         ``"mean"`` averages the float leaves over the mesh, as cross-replica BatchNorm does
         (integer leaves come from device 0); ``"first"`` takes every leaf from device 0, as
         DDP's ``broadcast_buffers``. One all-reduce of the state's bytes either way.
+      shard: None (default): every device holds the whole state. ``"optimizer"``: each of a
+        node's L devices keeps and updates 1/L of the optimizer state and of the params, and
+        the updated params are gathered within the node (ZeRO-1/2 within the node).
+        ``"params"``: the params rest split too, and are gathered within the node where the
+        loss uses them (ZeRO-3 within the node, HSDP). Each leaf is split along its first
+        dimension that L divides; others stay whole. Between nodes nothing changes: the
+        optimizer's sync sends each device's share of its node's sum, as with
+        ``hierarchical=True``. The optimizer after the sync must be elementwise (Adam, SGD,
+        AdamW, Lion...), as it runs on blocks; docs/sharding.md.
 
     Returns:
       A ``TrainStep``: ``state = step.init(params)``, ``state, metrics = step(state,
@@ -242,7 +445,8 @@ def data_parallel_step(
 
     Raises:
       ValueError: for axis names the mesh lacks, several optimizers without ``phase_of``, a
-        bad ``model_state``, ``rng_seed`` or ``state_sync``; at ``init``, for a parameter
+        bad ``model_state``, ``rng_seed``, ``state_sync`` or ``shard`` (or ``shard`` with
+        ``flatten``); at ``init``, for a parameter
         that is not floating point; when stepping, for a state another step made, a batch
         whose leading dimension does not split over the devices, a state a donating step
         already consumed, or an optimizer that leaves the updates different on different
@@ -262,20 +466,10 @@ def data_parallel_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "data_parallel_step"
-    if isinstance(optimizer, optax.GradientTransformation):
-        if phase_of is not None:
-            raise ValueError(f"{where}: phase_of needs one optimizer per phase, {{name: tx}}")
-        optimizers, phase_of = {"step": optimizer}, lambda _: "step"
-    else:
-        optimizers = dict(optimizer)
-        bad = [k for k, v in optimizers.items() if not isinstance(v, optax.GradientTransformation)]
-        if not optimizers or bad or phase_of is None:
-            raise ValueError(
-                f"{where}: optimizer must be an optax.GradientTransformation, or a non-empty "
-                "{phase name: transformation} mapping with phase_of=...; got "
-                f"{type(optimizer).__name__}"
-            )
+    optimizers, phase_of = optimizers_of(optimizer, phase_of, where)
+    check_shard(shard, flatten, where)
     return DataParallelStep(
+        where,
         loss_fn,
         optimizers,
         phase_of,
@@ -285,4 +479,5 @@ def data_parallel_step(
         axes=(node_axis, local_axis),
         flatten=flatten,
         model=ModelState.of(model_state, rng_seed, state_sync, where),
+        shard=shard,
     )

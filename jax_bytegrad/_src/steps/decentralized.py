@@ -34,7 +34,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
-from jax_bytegrad._src.collective_ops import gather_flat, scatter_flat, split_ppermute
+from jax_bytegrad._src.collective_ops import (
+    gather_flat,
+    make_varying,
+    scatter_flat,
+    split_ppermute,
+)
 from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES, DEFAULT_MESSAGE_BYTES, check_block_size
 from jax_bytegrad._src.quantization import (
     Implementation,
@@ -43,6 +48,7 @@ from jax_bytegrad._src.quantization import (
     resolve_implementation,
 )
 from jax_bytegrad._src.steps.base import (
+    Program,
     TrainState,
     TrainStep,
     abstract,
@@ -92,17 +98,6 @@ def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
             pairs.append(((r + k) % (m - 1), (r - k) % (m - 1)))
         rounds.append([(min(a, b), max(a, b)) for a, b in pairs if a < n and b < n])
     return rounds
-
-
-def _missing_varying(tree, axes):
-    """Casts each leaf to varying over whichever of ``axes`` it is not yet varying over."""
-
-    def cast(x):
-        vma = checks.varying_axes(x)
-        missing = tuple(a for a in axes if a not in vma)
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(cast, tree)
 
 
 def _pair_mean(tree, pairs, axis, num_peers, message_bytes):
@@ -203,7 +198,7 @@ class _PeerStep(TrainStep):
             count(0), stacked(params), stacked(opt_state), stacked(self._extra_shapes(params))
         )
 
-    def _abstract_opt_state(self, params):
+    def _expected_opt_state(self, params):
         devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
         for path, leaf in jax.tree.leaves_with_path(params):
             if np.ndim(leaf) == 0 or np.shape(leaf)[0] != devices:
@@ -245,7 +240,7 @@ class _PeerStep(TrainStep):
 
         specs = P(self._axes)
         model_specs = (P(),) * model.num_inputs()
-        return jax.jit(
+        fn = jax.jit(
             jax.shard_map(
                 step,
                 mesh=self.mesh,
@@ -254,6 +249,7 @@ class _PeerStep(TrainStep):
             ),
             donate_argnums=(0, 1, 2, *[3] * model.has_state) if self._donate else (),
         )
+        return Program(fn, self._inputs, self._outputs)
 
     def _inputs(self, state, batch):
         batch = global_batch(batch, self.mesh, self._axes)
@@ -265,7 +261,7 @@ class _PeerStep(TrainStep):
         if self.has_aux:
             metrics["aux"] = _device_mean(out[4])
         extra = {**out[2], **self.model.carried(state, out[-1] if self.model.has_state else None)}
-        return TrainState(count(int(state.step) + 1), out[0], out[1], extra), metrics
+        return TrainState(state.step, out[0], out[1], extra), metrics
 
     def _params(self, state):
         return consensus_params(state.params)
@@ -376,10 +372,10 @@ def decentralized_step(
         return jax.lax.pmean(x, local_axis) if hierarchical else x
 
     def mix_all(x):
-        return _missing_varying(jax.lax.pmean(node_mean(x), gossip_axis), axes)
+        return make_varying(jax.lax.pmean(node_mean(x), gossip_axis), axes)
 
     def local_only(x):
-        return _missing_varying(node_mean(x), axes)
+        return make_varying(node_mean(x), axes)
 
     mixes = [local_only]
     if peer_selection_mode == "all":
@@ -389,7 +385,7 @@ def decentralized_step(
 
             def mix_pairs(x, pairs=pairs):
                 mixed = _pair_mean(node_mean(x), pairs, gossip_axis, peers, message_bytes)
-                return _missing_varying(mixed, axes)
+                return make_varying(mixed, axes)
 
             mixes.append(mix_pairs)
     return _Decentralized(
@@ -459,7 +455,7 @@ class _LowPrecision(_PeerStep):
         left = left + received(from_left)
         right = right + received(from_right)
         x = w + dequantize(q, implementation=impl)
-        return _missing_varying((x, x, left, right), self._axes)
+        return make_varying((x, x, left, right), self._axes)
 
     def _per_device(self, choice):
         hierarchical = self._hierarchical
@@ -478,7 +474,7 @@ class _LowPrecision(_PeerStep):
             if choice:
                 own, w, left, right = self._exchange(own, w, left, right)
             else:
-                own, w, left, right = _missing_varying((own, w, left, right), self._axes)
+                own, w, left, right = make_varying((own, w, left, right), self._axes)
             if hierarchical:
                 own = gather_flat(own, local_axis, flat.size, invariant=False)
             extra = dict(zip(_RING_KEYS, (w, left, right), strict=True))

@@ -54,11 +54,12 @@ from jax_bytegrad._src.programs import Dispatcher, Schedule, Value, aval, execut
 from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
     LoweredPrograms,
+    Program,
     TrainState,
     TrainStep,
-    count,
     global_batch,
 )
+from jax_bytegrad._src.steps.data_parallel import DataParallelStep
 from jax_bytegrad._src.steps.stages import Stages
 from jax_bytegrad._src.transforms import ByteGradState, sync_gradients
 
@@ -119,31 +120,46 @@ class PipelinedStep(TrainStep):
     ``communication_stats`` sums their collectives as ``{"step": ...}``.
     """
 
-    def __init__(self, loss_fn, optimizer, mesh, *, sync, average, seed, has_aux, donate,
-                 flatten):  # fmt: skip
+    def __init__(self, algorithm, loss_fn, optimizer, mesh, *, sync, average, seed, has_aux,
+                 donate, flatten):  # fmt: skip
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise ValueError(
+                f"{algorithm}: optimizer must be an optax.GradientTransformation such as "
+                f"optax.adam(1e-3), got {type(optimizer).__name__}"
+            )
+        sync = sync_config(sync, algorithm)
+        checks.boolean(average, "average", algorithm)
+        checks.integer(seed, "seed", algorithm, minimum=0)
+        sync.mesh_shape(mesh, algorithm)
         super().__init__(
-            "pipelined_step", mesh, loss_fn, axes=sync.axes, has_aux=has_aux, flatten=flatten,
+            algorithm, mesh, loss_fn, axes=sync.axes, has_aux=has_aux, flatten=flatten,
             donate=donate,
         )  # fmt: skip
         self.sync = sync
         self._optimizer = optimizer
         self._average = average
-        # The state is the one-program step's: bytegrad's state, then the optimizer's.
-        self._chain = optax.chain(
-            sync_gradients(sync, average=average, mesh=mesh, seed=seed), optimizer
-        )
+        # The state is the one-program step's (bytegrad's state, then the optimizer's), placed
+        # as that step places it.
+        chain = optax.chain(sync_gradients(sync, average=average, mesh=mesh, seed=seed), optimizer)
+        self._one_program = DataParallelStep(
+            self.algorithm, self.loss_fn, {"step": chain}, lambda _: "step", mesh,
+            has_aux=has_aux, donate=donate, axes=sync.axes, flatten=False,
+        )  # fmt: skip
         self._state_specs = StateSpecs(self._axes)
         self._schedule = None
         self._wire = Dispatcher(f"{self.algorithm}-wire")
 
-    def _abstract_opt_state(self, params):
-        return jax.eval_shape(self._chain.init, params)
+    def _expected_opt_state(self, params):
+        return self._one_program._expected_opt_state(params)
 
-    def _optimizer_init(self):
-        return self._chain.init
+    def _init(self, params) -> TrainState:
+        return self._one_program._init(params)
 
-    def _build(self, key) -> _Scheduled:
-        return _Scheduled(self)
+    def _state_shapes(self, params) -> TrainState:
+        return self._one_program._state_shapes(params)
+
+    def _build(self, key) -> Program:
+        return Program(_Scheduled(self), self._inputs, self._outputs)
 
     def _inputs(self, state: TrainState, batch) -> tuple[dict[str, Any], Any]:
         """The schedule's inputs by name, and the batch (planning the schedule once)."""
@@ -176,7 +192,7 @@ class PipelinedStep(TrainStep):
         metrics = {"loss": values["loss"]}
         if self.has_aux:
             metrics["aux"] = values["aux"]
-        return TrainState(count(int(state.step) + 1), new_params, opt_state, {}), metrics
+        return TrainState(state.step, new_params, opt_state, {}), metrics
 
     def close(self) -> None:
         """Stops the dispatch thread (after what it was given has run). Calling it again does
@@ -295,17 +311,8 @@ def pipelined_step(
       VLDB 2020.
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
-    where = "pipelined_step"
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise ValueError(
-            f"{where}: optimizer must be an optax.GradientTransformation such as "
-            f"optax.adam(1e-3), got {type(optimizer).__name__}"
-        )
-    sync = sync_config(sync, where)
-    checks.boolean(average, "average", where)
-    checks.integer(seed, "seed", where, minimum=0)
-    sync.mesh_shape(mesh, where)
     return PipelinedStep(
+        "pipelined_step",
         loss_fn,
         optimizer,
         mesh,

@@ -1,0 +1,216 @@
+"""State sharded within a node: which dimension of each leaf the node's devices split.
+
+Follows ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020) within a node, as PyTorch FSDP's hybrid sharding (HSDP) does:
+each of a node's L devices keeps 1/L of the optimizer state (``shard="optimizer"``, ZeRO-1/2)
+and, with ``shard="params"`` (ZeRO-3), of the parameters too; every node holds the whole
+model. Between nodes nothing changes: after the reduce-scatter within the node, each device
+owns 1/L of its node's summed gradient, which is what the hierarchical wires send.
+
+A leaf is split along its first dimension that the L devices divide (``split_dims``); a leaf
+with none (a scalar, a bias of odd size) stays whole on every device. The arrays stay global:
+a sharded state is the same pytree, of the same shapes, as the replicated one, only placed
+otherwise (``leaf_specs``), so a checkpoint restores onto any number of devices and any
+``shard=`` setting, and ``step.params(state)`` is the whole model.
+
+Inside ``shard_map`` a device holds its block of each split leaf: the leaf's slice
+``[j b, (j + 1) b)`` along the split dimension, j its index along the local axis.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src.config import Residuals
+
+Shard = Literal["optimizer", "params"]
+SHARDS = ("optimizer", "params")
+
+
+def split_dim(shape: tuple[int, ...], local: int) -> int | None:
+    """The dimension of a leaf of ``shape`` that ``local`` devices split: the first whose size
+    they divide; None for a leaf kept whole (no such dimension, or one device)."""
+    if local == 1:
+        return None
+    for dim, size in enumerate(shape):
+        if size >= local and size % local == 0:
+            return dim
+    return None
+
+
+def split_dims(tree, local: int) -> tuple[int | None, ...]:
+    """``split_dim`` of every leaf of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
+    return tuple(split_dim(tuple(np.shape(x)), local) for x in jax.tree.leaves(tree))
+
+
+def spec(dim: int | None, ndim: int, axis: str) -> P:
+    """The ``PartitionSpec`` of a leaf split along ``dim`` over ``axis`` (``P()``: whole)."""
+    if dim is None:
+        return P()
+    return P(*[axis if d == dim else None for d in range(ndim)])
+
+
+def leaf_specs(tree, axis: str, local: int):
+    """A ``PartitionSpec`` per leaf of ``tree``: split over ``axis`` where ``split_dim`` says."""
+    return jax.tree.map(lambda x: spec(split_dim(np.shape(x), local), np.ndim(x), axis), tree)
+
+
+def state_specs(opt_state, params, *, axes: tuple[str, str], local: int):
+    """``shard_map`` specs for the optimizer state of a step whose state is split within the
+    node of ``local`` devices: a leaf shaped like a parameter is split as that parameter is
+    (moments, and accumulators like them), error-feedback ``Residuals`` are per device, the
+    rest (counts, keys) whole. The split depends on the shape only, so leaves of one shape
+    agree."""
+    node_axis, local_axis = axes
+    shapes = {tuple(np.shape(p)) for p in jax.tree.leaves(params)}
+
+    def specs(node):
+        if isinstance(node, Residuals):
+            return jax.tree.map(lambda _: P((node_axis, local_axis)), node)
+        shape = tuple(np.shape(node))
+        if shape in shapes:
+            return spec(split_dim(shape, local), len(shape), local_axis)
+        return P()
+
+    return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, Residuals))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+    """What a step whose state is split within the node hands its optimizer, as the
+    ``sharded`` extra argument of ``update``.
+
+    The updates it passes are then the node's sums, not each device's gradient: for a split
+    leaf, this device's block of the sum of its node's gradients (``dims[i]`` the dimension
+    split over ``local_axis``); for a whole leaf (``dims[i]`` None), all of it, the same on the
+    node's devices. The gradient transformations that sync (``bytegrad``,
+    ``gradient_allreduce``, ``qadam``) then only cross between nodes, and return the mean over
+    every device, in the same blocks.
+
+    Attributes:
+      local_axis: the mesh axis within a node.
+      dims: per leaf of the updates, the dimension split over ``local_axis``, or None.
+    """
+
+    local_axis: str
+    dims: tuple[int | None, ...]
+
+    def full_shapes(self, leaves, local: int) -> list[jax.ShapeDtypeStruct]:
+        """The whole leaves' shapes and dtypes, from this device's blocks of them."""
+        out = []
+        for leaf, dim in zip(leaves, self.dims, strict=True):
+            shape = list(np.shape(leaf))
+            if dim is not None:
+                shape[dim] *= local
+            out.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
+        return out
+
+
+def own_block(x: jax.Array, dim: int | None, axis: str) -> jax.Array:
+    """This device's block of a whole leaf ``x`` split along ``dim`` over ``axis`` (``x``
+    itself for a leaf kept whole)."""
+    if dim is None:
+        return x
+    size = x.shape[dim] // jax.lax.axis_size(axis)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * size, size, axis=dim)
+
+
+def gather_block(x: jax.Array, dim: int | None, axis: str, *, invariant: bool) -> jax.Array:
+    """The whole leaf of the blocks ``x`` over ``axis``: a tiled all_gather along ``dim``.
+
+    ``invariant`` types the result as one value over ``axis`` (the params after an update);
+    otherwise it stays varying, as inside a loss that ``jax.grad`` differentiates: the
+    gradient of the block is then the reduce-scatter of the whole leaf's gradient.
+    """
+    if dim is None:
+        return x
+    if invariant:
+        return jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+
+
+def node_sum(g: jax.Array, dim: int | None, axis: str) -> jax.Array:
+    """The sum over ``axis`` of each device's gradient ``g`` of a whole leaf: this device's
+    block of it (a reduce-scatter) for a split leaf, all of it for a whole one. Summed in
+    float32, as the replicated step's buckets sum, and returned in ``g``'s dtype."""
+    wide = g.astype(jnp.float32)
+    if dim is None:
+        return jax.lax.psum(wide, axis).astype(g.dtype)
+    return jax.lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True).astype(g.dtype)
+
+
+# The optimizer on blocks ----------------------------------------------------------------------
+
+# The name of the jitted function in which a sync crosses between nodes (``between_nodes``):
+# ``check_elementwise`` leaves it out, since its reductions are the wire's own.
+SYNC_NAME = "jax_bytegrad_between_nodes"
+
+# Primitives whose every output element depends on the same element of each operand (or on
+# scalars): the optimizer's update may use them on blocks and get each block of the update
+# the whole arrays would give.
+ELEMENTWISE = frozenset(
+    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt imag integer_pow
+    is_finite le lgamma log log1p logistic lt max min mul ne neg nextafter not or pow real rem
+    round rsqrt select_n sign sin sinh sqrt square stop_gradient sub tan tanh xor pvary pcast
+    optimization_barrier""".split()
+)
+# Primitives that call a jaxpr of their own, looked into.
+_CALLS = frozenset("jit pjit closed_call core_call custom_jvp_call custom_vjp_call cond".split())
+
+
+def between_nodes(fn, *args):
+    """``fn(*args)`` inside a jit named ``SYNC_NAME``: the part of a sharded step's sync that
+    ``check_elementwise`` leaves out. Inlined by XLA: it changes no value."""
+
+    def jax_bytegrad_between_nodes(*args):
+        return fn(*args)
+
+    return jax.jit(jax_bytegrad_between_nodes)(*args)
+
+
+def _offender(jaxpr) -> str | None:
+    """The first primitive of ``jaxpr`` that mixes elements, or None."""
+    from jax.extend import core
+
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("jit", "pjit") and eqn.params.get("name") == SYNC_NAME:
+            continue
+        if name in _CALLS or name in ("while", "custom_lin"):
+            for sub in core.jaxprs_in_params(eqn.params):
+                found = _offender(sub)
+                if found:
+                    return found
+            continue
+        if name in ELEMENTWISE:
+            continue
+        # On scalars (step counts, schedules) or PRNG keys, nothing of a block is mixed.
+        operands = [v.aval for v in eqn.invars if hasattr(v.aval, "shape")]
+        if all(
+            np.prod(a.shape) <= 1 or jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+            for a in operands
+        ):
+            continue
+        return name
+    return None
+
+
+def check_elementwise(jaxpr, where: str) -> None:
+    """Raises a ``ValueError`` unless the optimizer's update ``jaxpr`` (of a step whose state
+    is split within the node) is elementwise outside its sync: each device updates its blocks
+    alone, so a transformation that reduces over a whole leaf or over all of them (global-norm
+    clipping, factored or layer-wise optimizers) would see one block and silently differ."""
+    found = _offender(jaxpr)
+    if found is not None:
+        raise ValueError(
+            f"{where}: with shard=..., each device updates its blocks of the parameters, so "
+            "the optimizer after the sync must be elementwise (Adam, AdamW, SGD, Lion, "
+            f"RMSProp...); this one computes {found!r} over the update, which on a block would "
+            "give another result than on the whole (optax.clip_by_global_norm, adafactor, "
+            "lamb do this). Use shard=None, or clip elementwise (optax.clip)"
+        )
