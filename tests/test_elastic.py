@@ -8,6 +8,7 @@ checkpoints are resumed in this process (8 CPU devices) on other meshes.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -74,6 +75,15 @@ def reference(tmp_path_factory):
     for name in worker.ALGORITHMS:
         assert sorted(p.name for p in (out_dir / name).iterdir()) == ["2", "4", "6"], out
     return out_dir
+
+
+def test_checkpoints_come_with_the_plain_install():
+    # Checkpointer is core API (jax_bytegrad.Checkpointer): `pip install -e .` must bring orbax.
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0] for dep in project["dependencies"]]
+    assert "orbax-checkpoint" in names, project["dependencies"]
 
 
 # Restarts of real 2 x 4 runs over Gloo ------------------------------------------------------------

@@ -413,8 +413,10 @@ def launch(
 
     Besides the layout, each process's environment gets ``JAX_BYTEGRAD_FAIL_FAST=1``,
     ``JAX_BYTEGRAD_QUIET=1`` and ``NPROC`` (see the module's docstring), unless `env` sets them.
-    With ``JAX_BYTEGRAD_QUIET=1``, Gloo's lines of connections that went as expected are left
-    out of `out`.
+    Every line a process prints reaches `out` whole, prefixed with its rank. With
+    ``JAX_BYTEGRAD_QUIET=1``, Gloo's reports of connections that went as expected (whole, or
+    torn by the threads that print them) and JAX's echo of the launcher's own SIGTERM are left
+    out of it, on every attempt alike.
 
     Args:
       command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``, or a
