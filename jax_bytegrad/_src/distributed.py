@@ -384,9 +384,10 @@ def initialize(
 
     A process that stops sending heartbeats to the coordination service (dead, stopped, or cut
     off by a network partition) for ``heartbeat_timeout_seconds`` ends the whole run: the
-    service reports it to every process, and each aborts (SIGABRT, with a C++ stack trace). A
-    partition shorter than the timeout is ridden out. Restarting from a checkpoint after such
-    an abort is the launcher's (``--max-restarts``) or the job script's; see docs/elastic.md.
+    service reports it to the other processes, and each aborts (SIGABRT, with a C++ stack
+    trace). A partition shorter than the timeout is ridden out. Restarting from a checkpoint
+    after such an abort is the launcher's (``--max-restarts``) or the job script's; see
+    docs/elastic.md.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -419,9 +420,8 @@ def initialize(
     Raises:
       ValueError: The layout is only partly given (say a coordinator but no process id) and no
         SLURM or Open MPI job fills the gap; a number (a timeout included) is not a whole
-        number in range; or an environment
-        variable is not an integer (``JAX_BYTEGRAD_FAIL_FAST`` and ``JAX_BYTEGRAD_QUIET``: not
-        0 or 1).
+        number in range; or an environment variable is not an integer
+        (``JAX_BYTEGRAD_FAIL_FAST`` and ``JAX_BYTEGRAD_QUIET``: not 0 or 1).
       RuntimeError: It was called after the JAX backend started, or again with another layout.
 
     Examples:
