@@ -8,6 +8,7 @@ checkpoints are resumed in this process (8 CPU devices) on other meshes.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,17 @@ def _launch(out_dir: Path, *launcher_args: str, worker_args=()):
     return code, out
 
 
+def _assert_readable(out: str) -> None:
+    """Asserts that a run's output, restarts included, reads like a clean run's: every line a
+    whole line of one rank or of the launcher, and none of the native noise the launcher leaves
+    out (Gloo's connection reports, whole or torn; JAX's echo of the launcher's SIGTERM)."""
+    for line in out.splitlines():
+        assert line.startswith(("[rank 0] ", "[rank 1] ", "[launch] ")), line
+        assert "[Gloo]" not in line and "peer ranks" not in line, line
+        assert "SIGTERM caught" not in line, line
+        assert not line.partition("] ")[2].strip().isdigit(), line
+
+
 def _final_params(out_dir: Path, name: str) -> list[dict]:
     return [dict(np.load(out_dir / f"{name}_rank{r}.npz")) for r in (0, 1)]
 
@@ -63,6 +75,15 @@ def reference(tmp_path_factory):
     for name in worker.ALGORITHMS:
         assert sorted(p.name for p in (out_dir / name).iterdir()) == ["2", "4", "6"], out
     return out_dir
+
+
+def test_checkpoints_come_with_the_plain_install():
+    # Checkpointer is core API (jax_bytegrad.Checkpointer): `pip install -e .` must bring orbax.
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[<>=!~\[ ;]", dep, maxsplit=1)[0] for dep in project["dependencies"]]
+    assert "orbax-checkpoint" in names, project["dependencies"]
 
 
 # Restarts of real 2 x 4 runs over Gloo ------------------------------------------------------------
@@ -83,6 +104,7 @@ def test_a_killed_worker_is_restarted_and_ends_bit_identical(reference, tmp_path
     assert "[rank 1] killing myself after step 4" in out
     assert "[launch] rank 1 was killed by signal 9; stopped all 2 processes; restart 1 of 1" in out
     assert "[launch] all 2 processes exited 0; 1 of 1 restart(s) used" in out
+    _assert_readable(out)
     resumed = [line for line in out.splitlines() if "bytegrad: starts at step" in line]
     assert len(resumed) == 4, out  # two ranks, two attempts
     assert resumed[-1].endswith(("step 2", "step 4")), out  # the last finalized checkpoint
@@ -112,6 +134,40 @@ def test_a_stopped_worker_is_detected_by_the_progress_timeout(reference, tmp_pat
     assert launcher_lines == [
         "[launch] no progress for 30 s from rank 1 (after step 3); stopped all 2 processes; "
         "restart 1 of 1",
+        "[launch] all 2 processes exited 0; 1 of 1 restart(s) used",
+    ], out
+    _assert_readable(out)  # both ranks were stopped by the launcher's SIGTERM, then SIGKILL
+    starts = [line for line in out.splitlines() if "bytegrad: starts at step" in line]
+    assert sorted(starts) == sorted(
+        f"[rank {r}] bytegrad: starts at step {s}" for r in (0, 1) for s in (0, 2)
+    ), out
+    want = _final_params(reference, "bytegrad")
+    for got in _final_params(tmp_path, "bytegrad"):
+        assert_trees_all_equal(got, want[0])
+
+
+@pytest.mark.slow
+@requires_gloo
+def test_a_partition_past_the_heartbeat_timeout_aborts_and_the_restart_resumes(reference, tmp_path):
+    # Rank 1 goes silent after step 3 for 60 s (SIGSTOP, then SIGCONT from a child of its own),
+    # as behind a network partition that heals. Its heartbeat timeout, 5 s instead of JAX's
+    # 100, must reach the coordination service on rank 0: then the service declares rank 1
+    # dead and rank 0 aborts (SIGABRT), and the launcher restarts both. With JAX's default the
+    # run would ride the outage out and never restart. The restart resumes from the checkpoint
+    # of step 2 (finalized before rank 1 went silent) and ends bit-identical.
+    code, out = _launch(
+        tmp_path,
+        "--max-restarts",
+        "1",
+        worker_args=["--algorithms", "bytegrad", "--stop-step", "3", "--outage", "60"]
+        + ["--heartbeat-timeout", "5"],
+    )
+    assert code == 0, out
+    assert "[rank 1] stopping myself after step 3" in out
+    assert "stopped sending heartbeats" in out, out  # what the service said before the abort
+    launcher_lines = [line for line in out.splitlines() if line.startswith("[launch]")]
+    assert launcher_lines == [
+        "[launch] rank 0 was killed by signal 6; stopped all 2 processes; restart 1 of 1",
         "[launch] all 2 processes exited 0; 1 of 1 restart(s) used",
     ], out
     starts = [line for line in out.splitlines() if "bytegrad: starts at step" in line]

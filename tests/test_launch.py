@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +83,27 @@ def test_initialize_rejects_bad_values(clean_state, monkeypatch, env, match):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=match):
         distributed.initialize()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"heartbeat_timeout_seconds": 0},
+        {"heartbeat_timeout_seconds": 2.5},
+        {"heartbeat_timeout_seconds": True},
+        {"heartbeat_timeout_seconds": None},
+        {"initialization_timeout": -1},
+    ],
+    ids=["zero", "fraction", "bool", "none", "negative-initialization"],
+)
+def test_initialize_rejects_a_timeout_that_is_not_whole_seconds(clean_state, kwargs):
+    # Checked first, before the layout: a single process with a bad timeout is refused too.
+    ((name, value),) = kwargs.items()
+    with pytest.raises(
+        ValueError, match=f"initialize: {name} must be an int >= 1 seconds.*{value}"
+    ):
+        distributed.initialize(**kwargs)
+    assert distributed._STATE is None
 
 
 def test_initialize_after_backend_start_refuses_a_multi_process_layout(clean_state):
@@ -198,6 +220,18 @@ GLOO_LINE = (
 )
 
 
+# Four reports of Gloo's threads torn into each other on rank 1 of a 2 x 4 run (their counts are
+# 7: one rank's eight devices), as the launcher received them (JAX 0.10.2).
+GLOO_TORN_BURST = [
+    "[Gloo] Rank [Gloo] Rank 5 is connected to 7 peer ranks. Expected number of connected peer "
+    "ranks is : [Gloo] Rank 7 is connected to [Gloo] Rank 6 is connected to 7 peer ranks. "
+    "Expected number of connected peer ranks is : 74 is connected to 7 peer ranks. 7 peer ranks. ",
+    "Expected number of connected peer ranks is : 7",
+    "Expected number of connected peer ranks is : 7",
+    "7",
+]
+
+
 @pytest.mark.parametrize("quiet", [None, "0"], ids=["launcher-default", "quiet-off"])
 def test_launch_leaves_out_gloo_connection_lines_unless_told(tmp_path, quiet):
     env = {k: v for k, v in os.environ.items() if k not in _LAYOUT_VARS}
@@ -206,7 +240,17 @@ def test_launch_leaves_out_gloo_connection_lines_unless_told(tmp_path, quiet):
     # Gloo's threads print unlocked: pieces of two lines can share one (seen at 2 x 4).
     torn = ["[Gloo] Rank " + GLOO_LINE.format(0, 3), GLOO_LINE.format(1, 3).split("Rank ")[1]]
     other = "Rank 1 is connected to the database"
-    lines = [GLOO_LINE.format(0, 3), "step 1", *torn, other, GLOO_LINE.format(2, 2)]
+    lines = [
+        GLOO_LINE.format(0, 3),
+        "step 1",
+        "7",  # the script's own: no torn report is open
+        *torn,
+        other,
+        *GLOO_TORN_BURST,
+        "",  # the script's own empty line, after the burst has ended
+        "7",
+        GLOO_LINE.format(2, 2),
+    ]
     out_file = tmp_path / "out"
     with out_file.open("wb") as out:
         code = launch(_py(f"print({chr(10).join(lines)!r})"), nproc=2, env=env, out=out)
@@ -215,9 +259,59 @@ def test_launch_leaves_out_gloo_connection_lines_unless_told(tmp_path, quiet):
     for rank in (0, 1):
         mine = [line.removeprefix(f"[rank {rank}] ") for line in got if f"[rank {rank}]" in line]
         # A rank that connected to fewer peers than expected is news: that line always stays.
-        kept = ["step 1", other, GLOO_LINE.format(2, 2)]
+        kept = ["step 1", "7", other, "", "7", GLOO_LINE.format(2, 2)]
         expected = lines if quiet == "0" else kept
         assert mine == expected, got
+
+
+def test_a_sigterm_echo_is_left_out_only_when_the_launcher_sent_it():
+    from jax_bytegrad._src.worker_output import NoiseFilter
+
+    # JAX 0.10.2 logs it from preemption_notifier.cc:90, JAX 0.12 from line 94.
+    echo = b"W1125 18:15:47.007277    4272 preemption_notifier.cc:94] SIGTERM caught at 2026\n"
+    stopping = threading.Event()
+    noise = NoiseFilter(stopping)
+    assert not noise.is_noise(echo)  # a SIGTERM from elsewhere: kept
+    stopping.set()
+    assert noise.is_noise(echo)
+    assert not noise.is_noise(b"SIGTERM caught by my own handler\n")
+
+
+def test_the_first_process_to_end_is_the_one_named(tmp_path):
+    # Rank 1 dies by SIGKILL; rank 0 sees it dead, then fails as the peer of a dead process
+    # does (a collective's connection reset). Both may have ended by the launcher's next look;
+    # the one to blame is the first to end, rank 1, not the lowest rank.
+    pid_file = tmp_path / "rank1.pid"
+    with (tmp_path / "out").open("wb") as out:
+        code = launch(
+            _py(
+                f"""
+                import os, signal, time
+                from pathlib import Path
+                pid_file = Path({str(pid_file)!r})
+                if os.environ["JAX_BYTEGRAD_PROCESS_ID"] == "1":
+                    pid_file.write_text(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                while not pid_file.exists():
+                    time.sleep(0.01)
+                stat = Path(f"/proc/{{pid_file.read_text()}}/stat")
+                while True:  # until it is dead: a zombie, or reaped
+                    try:
+                        if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                            break
+                    except OSError:
+                        break
+                    time.sleep(0.001)
+                print("rank 0: my peer is gone", flush=True)
+                os._exit(1)
+                """
+            ),
+            nproc=2,
+            out=out,
+        )
+    text = (tmp_path / "out").read_text()
+    assert code == 128 + 9, text
+    assert "[launch] rank 1 was killed by signal 9; stopped all 2 processes" in text, text
 
 
 @pytest.mark.parametrize(

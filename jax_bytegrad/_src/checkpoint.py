@@ -53,13 +53,16 @@ from jax_bytegrad._src.steps.decentralized import consensus_params
 
 
 def _ocp():
+    # Imported on first use: orbax is a dependency of this package, but importing it takes as
+    # long as importing the rest of jax_bytegrad, and most processes never checkpoint.
     try:
         import orbax.checkpoint as ocp
-    except ImportError:  # pragma: no cover - orbax is in the test extra
+    except ImportError as e:  # pragma: no cover - a dependency, missing only if removed
         raise ImportError(
-            "jax_bytegrad.checkpoint needs orbax-checkpoint; pip install orbax-checkpoint "
-            "(or jax_bytegrad[test])"
-        ) from None
+            f"jax_bytegrad.checkpoint needs orbax-checkpoint, a dependency of jax_bytegrad that "
+            f"cannot be imported here ({e}); reinstall jax_bytegrad (pip install -e .) or "
+            "pip install orbax-checkpoint"
+        ) from e
     return ocp
 
 

@@ -28,7 +28,8 @@ count, if one was asked for.
 `initialize()` changes nothing process-wide beyond JAX's own configuration unless asked to: the
 exception hook (``fail_fast``) and native stdout (``quiet``) are the launcher's to turn on, for
 its workers, as are the XLA:CPU thread pool's size (``NPROC``, see `ensure_cpu_threads`) and
-glibc's huge pages.
+glibc's huge pages, which only the environment a process starts with can turn on: a CPU process
+that joins a run without them is told, once, what to set.
 
 References:
   - JAX multi-process guide: https://docs.jax.dev/en/latest/multi_process.html
@@ -39,10 +40,13 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import MutableMapping, Sequence
 from typing import NamedTuple
 
 import jax
+
+from jax_bytegrad._src import checks, hugepages
 
 COORDINATOR_ENV = "JAX_BYTEGRAD_COORDINATOR"
 NUM_PROCESSES_ENV = "JAX_BYTEGRAD_NUM_PROCESSES"
@@ -52,6 +56,8 @@ RESTART_ENV = "JAX_BYTEGRAD_RESTART"
 PROGRESS_FILE_ENV = "JAX_BYTEGRAD_PROGRESS_FILE"
 FAIL_FAST_ENV = "JAX_BYTEGRAD_FAIL_FAST"
 QUIET_ENV = "JAX_BYTEGRAD_QUIET"
+# jax.distributed.initialize's default (JAX 0.10.2 to 0.12).
+DEFAULT_HEARTBEAT_TIMEOUT = 100
 
 # The variables whose presence makes JAX's SLURM and Open MPI detectors step in. JAX derives
 # the coordinator from them; the process count and id are the schedulers' documented variables
@@ -232,6 +238,13 @@ def _quiet_native_stdout() -> None:
     sys.stdout = os.fdopen(keep, "w", buffering=1)
 
 
+def _advise_hugepages() -> None:
+    """Warns, once, a CPU process that runs without glibc's huge pages where they would help."""
+    message = hugepages.process_advice(getattr(jax.config, "jax_platforms", None))
+    if message is not None:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def _resolve_layout(coordinator_address, num_processes, process_id, cpu_devices):
     """The layout asked for, arguments over ``JAX_BYTEGRAD_*`` variables, range-checked."""
     coord = coordinator_address if coordinator_address is not None else _env_str(COORDINATOR_ENV)
@@ -338,6 +351,7 @@ def initialize(
     local_device_ids: Sequence[int] | None = None,
     cpu_devices: int | None = None,
     initialization_timeout: int = 300,
+    heartbeat_timeout_seconds: int = DEFAULT_HEARTBEAT_TIMEOUT,
     fail_fast: bool | None = None,
     quiet: bool | None = None,
 ) -> DistributedInfo:
@@ -359,10 +373,21 @@ def initialize(
     devices than its host has cores also needs `ensure_cpu_threads` (the launcher sees to it).
 
     CPU workers should run with glibc's large allocations on transparent huge pages
-    (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``): it makes a compressed sync several times
-    cheaper in CPU. glibc reads that setting only when a process starts, so this function
-    cannot turn it on; ``python -m jax_bytegrad.launch`` does by default, and under ``srun`` or
-    ``mpirun`` export it in the job's environment.
+    (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``): XLA:CPU allocates gradient-size buffers afresh
+    every step, and on 4 KiB pages their page faults take much of a compressed sync's CPU time.
+    glibc reads that setting only when a process starts, so this function cannot turn it on;
+    ``python -m jax_bytegrad.launch`` does by default, and under ``srun`` or ``mpirun`` export
+    it in the job's environment. A process that joins a multi-process run on the CPU without it
+    gets a `RuntimeWarning` saying so, once, where it would help: glibc >= 2.35 and its malloc
+    in use, and the kernel's transparent huge pages in ``madvise`` mode. Setting
+    ``glibc.malloc.hugetlb=0`` keeps 4 KiB pages without the warning.
+
+    A process that stops sending heartbeats to the coordination service (dead, stopped, or cut
+    off by a network partition) for ``heartbeat_timeout_seconds`` ends the whole run: the
+    service reports it to the other processes, and each aborts (SIGABRT, with a C++ stack
+    trace). A partition shorter than the timeout is ridden out. Restarting from a checkpoint
+    after such an abort is the launcher's (``--max-restarts``) or the job script's; see
+    docs/elastic.md.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator service.
@@ -374,6 +399,10 @@ def initialize(
       cpu_devices: Number of CPU devices this process exposes. Env: ``JAX_BYTEGRAD_CPU_DEVICES``.
         None keeps JAX's default (one, or ``--xla_force_host_platform_device_count``).
       initialization_timeout: Seconds to wait for every process to reach the coordinator.
+      heartbeat_timeout_seconds: Seconds without a heartbeat after which the coordination
+        service declares a process dead and aborts every process of the run; JAX's default is
+        100. Longer rides out longer network partitions, and takes as long to notice a host
+        that died without closing its connections (power loss, kernel panic).
       fail_fast: In a multi-process run, replace ``sys.excepthook`` so that an uncaught
         exception prints its traceback and exits the process with status 1 at once. Otherwise
         the process hangs at exit in `jax.distributed`'s shutdown barrier while the others wait
@@ -390,9 +419,9 @@ def initialize(
 
     Raises:
       ValueError: The layout is only partly given (say a coordinator but no process id) and no
-        SLURM or Open MPI job fills the gap; a number is out of range; or an environment
-        variable is not an integer (``JAX_BYTEGRAD_FAIL_FAST`` and ``JAX_BYTEGRAD_QUIET``: not
-        0 or 1).
+        SLURM or Open MPI job fills the gap; a number (a timeout included) is not a whole
+        number in range; or an environment variable is not an integer
+        (``JAX_BYTEGRAD_FAIL_FAST`` and ``JAX_BYTEGRAD_QUIET``: not 0 or 1).
       RuntimeError: It was called after the JAX backend started, or again with another layout.
 
     Examples:
@@ -412,6 +441,13 @@ def initialize(
     """
     global _STATE, _STATE_KEY
 
+    checks.integer(initialization_timeout, "initialization_timeout", "initialize", why=" seconds")
+    checks.integer(
+        heartbeat_timeout_seconds,
+        "heartbeat_timeout_seconds",
+        "initialize",
+        why=f" seconds (JAX's default: {DEFAULT_HEARTBEAT_TIMEOUT})",
+    )
     from_args = any(v is not None for v in (coordinator_address, num_processes, process_id))
     coord, nproc, pid, ncpu = _resolve_layout(
         coordinator_address, num_processes, process_id, cpu_devices
@@ -446,10 +482,13 @@ def initialize(
             local_device_ids=local_device_ids,
             cluster_detection_method=method,
             initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         )
         info = DistributedInfo(pid, nproc, coord, source)
         if quiet and info.process_id != 0:
             _quiet_native_stdout()  # Gloo connects at the first collective, after this
+        if info.num_processes > 1:
+            _advise_hugepages()
     _STATE, _STATE_KEY = info, key
     return info
 

@@ -13,16 +13,18 @@ Usage::
 
 The launcher owns the process-wide settings of its workers, through their environment; a
 value already in the launcher's environment wins, so ``JAX_BYTEGRAD_QUIET=0 python -m
-jax_bytegrad.launch ...`` shows every rank's Gloo connection lines:
+jax_bytegrad.launch ...`` shows everything every rank prints, Gloo's connection lines included:
 
 - ``JAX_BYTEGRAD_FAIL_FAST=1``: `jax_bytegrad.initialize` makes an uncaught exception end the
   process at once (its ``fail_fast``), so that the launcher sees the failure instead of a
   process hung at exit;
 - ``JAX_BYTEGRAD_QUIET=1``: on ranks other than 0, what native code prints to stdout (Gloo's
-  connection lines) is dropped (its ``quiet``); and the launcher drops, from every rank's
-  output, the lines where Gloo says a rank connected to as many peers as it expected
-  (``[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is :
-  3``, one per device and collective group). A line where the two counts differ is kept;
+  connection lines) is dropped (its ``quiet``); and the launcher leaves out of every rank's
+  output, on every attempt alike, Gloo's connection reports (``[Gloo] Rank 0 is connected to 3
+  peer ranks. Expected number of connected peer ranks is : 3``, one per device and collective
+  group), whole or torn into pieces by the threads that print them at once, and the
+  ``preemption_notifier.cc:NN] SIGTERM caught`` lines of workers it is stopping. A whole
+  report of fewer peers than expected is kept;
 - ``NPROC``: XLA:CPU's thread pool, sized for ``--devices-per-proc`` devices
   (`jax_bytegrad.distributed.ensure_cpu_threads`);
 - ``JAX_PLATFORMS=cpu`` and ``PYTHONUNBUFFERED=1``;
@@ -33,10 +35,13 @@ The processes run with glibc's large allocations on transparent huge pages
 the gradient's size every step, and with 4 KiB pages most of a compressed sync's CPU time goes
 to page faults (benchmarks/RESULTS.md). ``--no-hugepages`` leaves the allocator as it is.
 
-Each line a process prints is echoed as ``[rank k] line``. If one process fails (non-zero exit or
-killed by a signal), the launcher stops the others (SIGTERM to each process group, SIGKILL after
-``--grace`` seconds) and exits non-zero; likewise on Ctrl-C, SIGTERM or ``--timeout``. It exits 0
-only if every process exits 0.
+Each line a process prints is echoed whole as ``[rank k] line``, one line at a time, so lines of
+different ranks never interleave. If one process fails (non-zero exit or killed by a signal),
+the launcher names the first to end and stops the others (SIGTERM to each process group, SIGKILL
+after ``--grace`` seconds) and exits non-zero; likewise on Ctrl-C, SIGTERM or ``--timeout``. It
+exits 0 only if every process exits 0. A worker that called ``jax.distributed.initialize``
+ignores SIGTERM (JAX's preemption notifier catches it, in JAX 0.10.2 to 0.12), so it goes only
+at the SIGKILL, ``--grace`` seconds later.
 
 Restarts (``--max-restarts N``, after torchrun's ``--max-restarts``): when a process fails, or
 stops making progress, all processes are stopped and all started again, up to N times, each
@@ -72,7 +77,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -84,6 +88,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.hugepages import with_hugepages
+from jax_bytegrad._src.worker_output import NoiseFilter, pump
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
@@ -102,49 +108,9 @@ EXIT_HUNG = 125
 EXIT_USAGE = 2  # Python's status for a script it cannot open, argparse's for bad arguments
 
 _PREFIX = "[launch] "
-# Gloo prints "[Gloo] Rank 0 is connected to 7 peer ranks. Expected number of connected peer
-# ranks is : 7" to native stdout for each local device in each collective group it sets up, on
-# process 0 even when the launcher quiets the others (the other ranks' native stdout). Its
-# threads print at once, unlocked, so one line may hold pieces of two ("[Gloo] Rank [Gloo] Rank
-# 0 is connected to ...", then "0 is connected to ..." on the next): a line made only of these
-# pieces is one of them.
-_GLOO_PIECES = re.compile(
-    rb"\[Gloo\] Rank |\d+ is connected to |\d+ peer ranks\. "
-    rb"|Expected number of connected peer ranks is : \d+"
-)
-_GLOO_COUNTS = re.compile(
-    rb"connected to (\d+) peer ranks\. Expected number of connected peer ranks is : (\d+)"
-)
-HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 
 # Private helpers ----------------------------------------------------------------------------------
-
-
-def _gloo_connected(line: bytes) -> bool:
-    """Whether ``line`` is Gloo's report (or pieces of reports) of ranks that connected to
-    every peer they expected."""
-    text = line.strip()
-    if b"[Gloo]" not in text and b" is connected to " not in text:
-        return False
-    if _GLOO_PIECES.sub(b"", text).strip():
-        return False  # something else is on the line
-    return all(got == expected for got, expected in _GLOO_COUNTS.findall(text))
-
-
-def _pump(rank: int, stream, out, lock: threading.Lock, quiet: bool = False) -> None:
-    """Copies a process's output to `out` line by line, each line prefixed with its rank;
-    `quiet` drops Gloo's lines of connections that went as expected."""
-    prefix = f"[rank {rank}] ".encode()
-    for line in iter(stream.readline, b""):
-        if quiet and _gloo_connected(line):
-            continue
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        with lock:
-            out.write(prefix + line)
-            out.flush()
-    stream.close()
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -233,16 +199,38 @@ class _Outcome(NamedTuple):
     restartable: bool
 
 
-def _start(run: _Run, attempt: int, progress_dir: Path):
-    """Starts the `run.nproc` processes of one attempt; returns them and their output pumps."""
+@dataclasses.dataclass
+class _Attempt:
+    """The processes of one attempt, and what their threads report.
+
+    Each process has a thread that copies its output (`pump`) and one that waits for it and
+    appends ``(rank, exit code)`` to `exits`, so that `exits` is in the order the processes
+    ended: the first failure is the one to blame, not the lowest rank among those that were
+    found dead at the same look (a process killed with SIGKILL, then its peer failing in a
+    collective a moment later).
+    """
+
+    procs: list[subprocess.Popen] = dataclasses.field(default_factory=list)
+    threads: list[threading.Thread] = dataclasses.field(default_factory=list)
+    exits: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def spawn(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self.threads.append(thread)
+
+
+def _start(run: _Run, attempt_number: int, progress_dir: Path, attempt: _Attempt) -> None:
+    """Starts the `run.nproc` processes of one attempt, with their output and exit threads."""
     port = run.port if run.port is not None else checks.free_port()
-    procs, pumps = [], []
+    quiet = run.env.get(QUIET_ENV) == "1"
     for rank in range(run.nproc):
         proc_env = dict(run.env)
         proc_env[COORDINATOR_ENV] = f"{run.coordinator_host}:{port}"
         proc_env[NUM_PROCESSES_ENV] = str(run.nproc)
         proc_env[PROCESS_ID_ENV] = str(rank)
-        proc_env[RESTART_ENV] = str(attempt)
+        proc_env[RESTART_ENV] = str(attempt_number)
         proc_env[PROGRESS_FILE_ENV] = str(progress_dir / f"rank{rank}")
         (progress_dir / f"rank{rank}").unlink(missing_ok=True)  # the last attempt's
         p = subprocess.Popen(
@@ -255,19 +243,13 @@ def _start(run: _Run, attempt: int, progress_dir: Path):
             # whole group, the script's own children included.
             start_new_session=True,
         )
-        procs.append(p)
-        quiet = run.env.get(QUIET_ENV) == "1"
-        t = threading.Thread(
-            target=_pump, args=(rank, p.stdout, run.out, run.lock, quiet), daemon=True
-        )
-        t.start()
-        pumps.append(t)
-    return procs, pumps
+        attempt.procs.append(p)
+        noise = NoiseFilter(attempt.stopping) if quiet else None
+        attempt.spawn(pump, rank, p.stdout, run.out, run.lock, noise)
+        attempt.spawn(lambda rank, p: attempt.exits.append((rank, p.wait())), rank, p)
 
 
-def _watch(
-    run: _Run, procs: Sequence[subprocess.Popen], progress_dir: Path, started: float
-) -> _Outcome:
+def _watch(run: _Run, attempt: _Attempt, progress_dir: Path, started: float) -> _Outcome:
     """Waits until the attempt ends: all exited 0, one failed or hung, a signal, or the timeout.
 
     `started` is the attempt's wall-clock start (progress files carry wall-clock times).
@@ -277,24 +259,24 @@ def _watch(
             sig = run.received[0]
             code = EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + sig
             return _Outcome(code, f"got {signal.Signals(sig).name}", False)
-        codes = [p.poll() for p in procs]
-        failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+        exits = list(attempt.exits)  # in the order the processes ended
+        failed = [(r, c) for r, c in exits if c != 0]
         if failed:
             rank, c = failed[0]
             if c == EXIT_USAGE:
                 reason = f"rank {rank} {_describe(c)}, a usage error that no restart can cure"
                 return _Outcome(c, reason, False)
             return _Outcome(128 - c if c < 0 else c, f"rank {rank} {_describe(c)}", True)
-        if all(c == 0 for c in codes):
+        if len(exits) == run.nproc:
             return _Outcome(0, f"all {run.nproc} processes exited 0", False)
         if run.deadline is not None and time.monotonic() > run.deadline:
             return _Outcome(EXIT_TIMEOUT, f"timed out after {run.timeout:g} s", False)
         if run.progress_timeout is not None:
-            now = time.time()
+            now, ended = time.time(), {r for r, _ in exits}
             stalled = []
-            for rank, c in enumerate(codes):
+            for rank in range(run.nproc):
                 last, step = _last_progress(progress_dir / f"rank{rank}", started)
-                if c is None and now - last > run.progress_timeout:
+                if rank not in ended and now - last > run.progress_timeout:
                     at = f"after step {step}" if step is not None else "before its first step"
                     stalled.append(f"rank {rank} ({at})")
             if stalled:
@@ -303,16 +285,17 @@ def _watch(
         time.sleep(0.05)
 
 
-def _run_attempt(run: _Run, attempt: int, progress_dir: Path) -> _Outcome:
+def _run_attempt(run: _Run, attempt_number: int, progress_dir: Path) -> _Outcome:
     """Runs one attempt to its end and leaves no process of it running."""
-    procs, pumps = [], []
+    attempt = _Attempt()
     started = time.time()
     try:
-        procs, pumps = _start(run, attempt, progress_dir)
-        return _watch(run, procs, progress_dir, started)
+        _start(run, attempt_number, progress_dir, attempt)
+        return _watch(run, attempt, progress_dir, started)
     finally:
-        _stop_all(procs, run.grace)
-        for t in pumps:
+        attempt.stopping.set()  # before any signal: what the workers say of it is the launcher's
+        _stop_all(attempt.procs, run.grace)
+        for t in attempt.threads:
             t.join(timeout=5)
 
 
@@ -405,19 +388,6 @@ def _signals_recorded(received: list):
 # Public API ---------------------------------------------------------------------------------------
 
 
-def with_hugepages(env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with glibc's malloc on transparent huge pages, unless it already says otherwise.
-
-    glibc reads its tunables once, when a process starts, so this is for the environment of
-    processes yet to start; other tunables in ``GLIBC_TUNABLES`` are kept.
-    """
-    env = dict(env)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-    if not any(t.startswith("glibc.malloc.hugetlb=") for t in tunables):
-        env["GLIBC_TUNABLES"] = ":".join([*tunables, HUGEPAGES_TUNABLE])
-    return env
-
-
 def launch(
     command: Sequence[str] | Callable[[int], Sequence[str]],
     nproc: int,
@@ -443,8 +413,10 @@ def launch(
 
     Besides the layout, each process's environment gets ``JAX_BYTEGRAD_FAIL_FAST=1``,
     ``JAX_BYTEGRAD_QUIET=1`` and ``NPROC`` (see the module's docstring), unless `env` sets them.
-    With ``JAX_BYTEGRAD_QUIET=1``, Gloo's lines of connections that went as expected are left
-    out of `out`.
+    Every line a process prints reaches `out` whole, prefixed with its rank. With
+    ``JAX_BYTEGRAD_QUIET=1``, Gloo's reports of connections that went as expected (whole, or
+    torn by the threads that print them) and JAX's echo of the launcher's own SIGTERM are left
+    out of it, on every attempt alike.
 
     Args:
       command: The program and its arguments, e.g. ``[sys.executable, "train.py"]``, or a

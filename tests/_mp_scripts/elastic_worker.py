@@ -10,7 +10,10 @@ first device to ``OUT_DIR/<algorithm>_rank<k>.npz``.
 On the first attempt (`jax_bytegrad.distributed.restart_count` 0) rank ``--fail-rank`` kills
 itself with SIGKILL right after step ``--kill-step`` (and after starting that step's save, if
 it has one), or stops itself with SIGSTOP after step ``--stop-step`` (once the last save is
-finalized). With ``--kill-always`` it kills itself on every attempt. Each extra argument
+finalized), and with ``--outage S`` is continued S seconds later by a child process of its own:
+silent meanwhile, no heartbeat and no collective, as behind a network partition that heals.
+``--heartbeat-timeout N`` is passed to `jax_bytegrad.initialize`. With ``--kill-always`` it
+kills itself on every attempt. Each extra argument
 lands on the command line, where the test finds the processes of its run by ``--marker``.
 
 With ``--heartbeat S`` a thread also marks the progress file as fresh every S seconds, from
@@ -25,6 +28,7 @@ import argparse
 import importlib.util
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -115,6 +119,8 @@ def main(argv) -> int:
     parser.add_argument("--kill-step", type=int, default=None)
     parser.add_argument("--kill-always", action="store_true")
     parser.add_argument("--stop-step", type=int, default=None)
+    parser.add_argument("--outage", type=float, default=None)
+    parser.add_argument("--heartbeat-timeout", type=int, default=100)
     parser.add_argument("--heartbeat", type=float, default=None)
     parser.add_argument("--marker", default="")
     args = parser.parse_args(argv)
@@ -123,7 +129,7 @@ def main(argv) -> int:
 
     from jax_bytegrad.distributed import initialize, restart_count
 
-    info = initialize()  # before any JAX computation
+    info = initialize(heartbeat_timeout_seconds=args.heartbeat_timeout)  # before any JAX
     import jax
 
     import jax_bytegrad
@@ -141,6 +147,9 @@ def main(argv) -> int:
         if step == args.stop_step:
             ckpt.wait()  # so that what a hang loses is the steps since the last checkpoint
             print(f"stopping myself after step {step}", flush=True)
+            if args.outage is not None:  # in this process's group: the launcher stops it too
+                wake = f"time.sleep({args.outage}); os.kill({os.getpid()}, signal.SIGCONT)"
+                subprocess.Popen([sys.executable, "-c", "import os, signal, time; " + wake])
             os.kill(os.getpid(), signal.SIGSTOP)
 
     out = Path(args.out_dir)
