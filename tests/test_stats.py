@@ -5,9 +5,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jax_bytegrad
 from jax_bytegrad._src.hlo import (
     called_computations,
     conditional_branches,
@@ -646,3 +648,35 @@ def test_overlap_on_cpu_counts_traffic_that_starts_before_the_last_product():
     assert node.bytes_sent == 2 * 64.0  # two psums of 16 floats over 2 nodes: 2 (g-1)/g B each
     assert node.early_bytes <= 64.0  # the second psum can never start before the last product
     assert node.overlapped_ops == 0  # XLA:CPU runs collectives synchronously
+
+
+def test_the_default_strategies_compare_at_their_real_ratio():
+    """docs/performance.md's table: per device between nodes, the flat float32 all-reduce of
+    Strategy("gradient_allreduce") sends 7/4 of the hierarchical one, which sends about 4x
+    ByteGrad's 8-bit codes."""
+    mesh = jax_bytegrad.make_mesh(2, 4)
+
+    def loss_fn(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    params = {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512, 64))}
+    batch = {"x": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+    batch["y"] = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    node = {}
+    for name, kwargs in [
+        ("flat", {}),
+        ("hierarchical", {"hierarchical": True}),
+        ("bytegrad", {}),
+    ]:
+        algorithm = "bytegrad" if name == "bytegrad" else "gradient_allreduce"
+        strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, **kwargs)
+        with strategy.train_step(loss_fn, optax.adam(1e-3)) as step:
+            stats = step.communication_stats(step.state_shapes(params), batch)["step"]
+        node[name] = stats.bytes_on("node")
+    gradient = 4 * 163_840
+    # The loss's mean over all 8 devices adds 1.75 B where it is a collective of its own.
+    assert node["flat"] == pytest.approx(2 * 7 / 8 * gradient / 4, abs=2)
+    assert node["hierarchical"] == pytest.approx(2 * 1 / 2 * gradient / 4, abs=2)
+    assert node["bytegrad"] / 1024 == pytest.approx(40.63, abs=0.005)
+    assert node["flat"] / node["bytegrad"] == pytest.approx(6.89, abs=0.005)
+    assert node["hierarchical"] / node["bytegrad"] == pytest.approx(3.94, abs=0.005)

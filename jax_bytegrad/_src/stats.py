@@ -21,11 +21,10 @@ between nodes when their nodes differ, within a node otherwise.
 - all-to-all: pairwise; each device sends ``B / g`` straight to each other member.
 - collective-permute: each pair sends ``B`` straight from source to target.
 
-``CollectiveTraffic.link_bytes`` (and ``CommunicationStats.bytes_on``) are those bytes per
-device: what crosses each axis's links, summed over the collective, divided by the devices that
-send in it. Times the devices per node, that is what each node sends to the others. Other
-algorithms (NCCL's trees, a backend that reduces within each host first) cross differently;
-``bytes_sent`` stays what each device sends in all, whatever link it takes.
+``CollectiveTraffic.link_bytes`` and ``CommunicationStats.bytes_on`` are per device: what
+crosses an axis's links over the devices that send (times the devices per node: what each node
+sends to the others). Other algorithms (NCCL's trees, a backend that reduces within each host
+first) cross differently; ``bytes_sent`` is what each device sends over any link.
 
 References:
   Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
@@ -35,6 +34,7 @@ References:
   Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
 """
 
+import collections
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -267,10 +267,7 @@ def _bytes_sent(collective: hlo.Collective, num_devices: int) -> float:
     """Bytes the busiest device sends for one collective; see `communication_stats`."""
     b = collective.payload_bytes
     if collective.kind == "collective-permute":
-        sends: dict[int, int] = {}
-        for source, target in collective.pairs:
-            if source != target:
-                sends[source] = sends.get(source, 0) + 1
+        sends = collections.Counter(s for s, t in collective.pairs if s != t)
         return float(max(sends.values(), default=0) * b)
     groups = collective.groups or (tuple(range(num_devices)),)
     return _share(collective.kind, max(len(group) for group in groups), b)
@@ -285,14 +282,13 @@ def _check_devices(devices: Sequence[int], num_devices: int) -> None:
 
 
 def _messages(collective: hlo.Collective, coords: np.ndarray):
-    """``(sources, targets, bytes)`` arrays of the messages the module docstring's model
-    sends for one collective."""
+    """``(sources, targets, bytes)`` of the messages of the module docstring's model."""
     b, num_devices = collective.payload_bytes, coords.shape[0]
     if collective.kind == "collective-permute":
         pairs = np.array([p for p in collective.pairs if p[0] != p[1]], np.int64).reshape(-1, 2)
         _check_devices(pairs.ravel().tolist(), num_devices)
         return pairs[:, 0], pairs[:, 1], np.full(len(pairs), float(b))
-    sources, targets, sizes = [], [], []
+    parts = []
     for group in collective.groups or (tuple(range(num_devices)),):
         _check_devices(group, num_devices)
         g = len(group)
@@ -304,22 +300,19 @@ def _messages(collective: hlo.Collective, coords: np.ndarray):
         else:  # a ring in mesh order: each device's whole share goes to the next one
             source = np.asarray(sorted(group, key=lambda d: tuple(coords[d])), np.int64)
             target, size = np.roll(source, -1), _share(collective.kind, g, b)
-        sources.append(source)
-        targets.append(target)
-        sizes.append(np.full(len(source), float(size)))
-    return np.concatenate(sources), np.concatenate(targets), np.concatenate(sizes)
+        parts.append((source, target, np.full(len(source), float(size))))
+    return tuple(np.concatenate(part) for part in zip(*parts, strict=True))
 
 
 def _link_bytes(collective: hlo.Collective, coords: np.ndarray) -> tuple[float, ...]:
     """Per mesh axis, the bytes per sending device that cross its links (module docstring)."""
     sources, targets, sizes = _messages(collective, coords)
-    links = np.zeros(coords.shape[1])
     differ = coords[sources] != coords[targets]
-    moves = differ.any(axis=1)  # a ring of one device, or a pair i -> i, moves nothing
+    moves = differ.any(axis=1)  # a ring of one device moves nothing
+    links = np.zeros(coords.shape[1])
     # A message crosses the links of the outermost axis on which its two ends differ.
     np.add.at(links, np.argmax(differ[moves], axis=1), sizes[moves])
-    senders = len(np.unique(sources[moves]))
-    return tuple(float(v) for v in (links / senders if senders else links))
+    return tuple(float(v) for v in links / max(len(np.unique(sources[moves])), 1))
 
 
 def _axes_label(collective: hlo.Collective, coords: np.ndarray, axis_names: Sequence[str]) -> str:
@@ -532,6 +525,10 @@ def communication_stats(
     Groups of one device move nothing. Where groups (or senders) differ, the busiest device is
     reported. Each instruction counts once, so a collective inside a loop body counts once per
     compile, not per iteration.
+
+    Of those, ``bytes_on(axis)`` (per row, ``link_bytes``) is what crosses the axis's links per
+    device, under the module docstring's model: a flat all-reduce over 2 nodes of 4 devices
+    sends ``2 * 7/8 * B`` per device, of which ``2/8`` cross between nodes (2 hops of 8).
 
     HLO device ids are positions in the executable's device assignment, which for a ``jit`` over
     a ``Mesh`` is ``mesh.devices.flat``. Each group is labelled with the names of the mesh axes
