@@ -667,8 +667,11 @@ def test_the_default_strategies_compare_at_their_real_ratio():
         ("flat", {}),
         ("hierarchical", {"hierarchical": True}),
         ("bytegrad", {}),
+        ("bytegrad flat", {"hierarchical": False}),
+        ("bytegrad scatter_gather", {"wire": "scatter_gather"}),
+        ("bytegrad scatter_gather flat", {"wire": "scatter_gather", "hierarchical": False}),
     ]:
-        algorithm = "bytegrad" if name == "bytegrad" else "gradient_allreduce"
+        algorithm = "bytegrad" if name.startswith("bytegrad") else "gradient_allreduce"
         strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, **kwargs)
         with strategy.train_step(loss_fn, optax.adam(1e-3)) as step:
             stats = step.communication_stats(step.state_shapes(params), batch)["step"]
@@ -680,3 +683,7 @@ def test_the_default_strategies_compare_at_their_real_ratio():
     assert node["bytegrad"] / 1024 == pytest.approx(40.63, abs=0.005)
     assert node["flat"] / node["bytegrad"] == pytest.approx(6.89, abs=0.005)
     assert node["hierarchical"] / node["bytegrad"] == pytest.approx(3.94, abs=0.005)
+    # docs/bytegrad.md: ByteGrad's own exchange over all 8 devices (hierarchical=False).
+    assert node["bytegrad flat"] / node["bytegrad"] == pytest.approx(1.75, abs=0.005)
+    flat_sg = node["bytegrad scatter_gather flat"] / node["bytegrad scatter_gather"]
+    assert flat_sg == pytest.approx(2.87, abs=0.005)
