@@ -131,6 +131,15 @@ def test_a_guarded_checkpoint_restores_with_its_skipped_count(mesh, tmp_path):
                 assert skipped_steps(restored.opt_state) == 1
                 state, _ = step(restored, batch(2))
                 assert_trees_all_equal(jax.device_get(step.params(state)), saved_run)
+                # The watch of the resumed run names steps as the first run did, and counts
+                # from the restored count: nothing for step 3, then step 4's skip, 2 of 4.
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for i, poison in enumerate([True, False, False], start=3):
+                        jax.block_until_ready(state)
+                        state, _ = step(state, batch(i, poison))
+    (message,) = [str(w.message) for w in caught if w.category is DivergenceWarning]
+    assert "skipped step 4: " in message and "(2 of 4 steps skipped so far;" in message
 
 
 def test_decentralized_takes_the_guarded_optimizer(mesh):

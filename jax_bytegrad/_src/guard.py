@@ -18,6 +18,10 @@ as a ``DivergenceWarning`` that names the algorithm:
   ``"raise"``; ``STALL_STEPS`` skips in a row mean training has stopped, reported as
   divergence.
 
+Reports name a step by the state's count (``TrainState.step``, on the host), so a run restored
+from a checkpoint names its steps as the first run did; its first step's skip, if any, goes
+unreported (the count before it is the restored state's, which the watch never sees).
+
 The skipped count lives in the new state, which the next step donates (deletes): so that it
 can be read once ready, the watch copies it on the device as soon as it is given the state
 (one small asynchronous copy per step, only for an optimizer with ``skip_nonfinite``).
@@ -79,12 +83,12 @@ class DivergenceWarning(RuntimeWarning):
 
 class _Watch:
     def __init__(self):
-        self.pending: list[tuple[int, Any, list | None]] = []
+        self.pending: list[tuple[int, int, Any, list | None]] = []
         self.seen = 0
         self.reference = -math.inf  # the largest |loss| of the first REFERENCE_STEPS
         self.last: tuple[int, float] | None = None  # the last finite loss of a step applied
         self.peak = -math.inf  # the largest |loss| of the steps applied before that one
-        self.skipped = 0
+        self.skipped: int | None = None  # the count as of the last step read
         self.in_a_row = 0
         self.next_report = 1
         self.guards: tuple | None = None  # (treedef, indices) of the SkipNonFiniteStates
@@ -225,9 +229,16 @@ def _stall_message(algorithm: str, watch: _Watch, step: int) -> str:
     )
 
 
-def _check(step_obj, watch: _Watch, step: int, loss: float, skipped: int | None) -> None:
-    """Reports what one finished step's loss (and skipped count) says, if anything."""
+def _check(step_obj, watch: _Watch, number: int, step: int, loss: float, skipped) -> None:
+    """Reports what one finished step's loss (and skipped count) says, if anything.
+
+    ``number`` counts the steps this watch has seen, ``step`` the state's steps (they differ
+    after a restore), ``skipped`` is the guard's count after the step (None without one).
+    """
     algorithm, guarded = step_obj.algorithm, skipped is not None
+    if guarded and watch.skipped is None:
+        # A state restored mid-run brings its count; its first step here is taken as applied.
+        watch.skipped = 0 if step == number else skipped
     if guarded and skipped > watch.skipped:
         watch.skipped, watch.in_a_row = skipped, watch.in_a_row + 1
         if watch.in_a_row == STALL_STEPS:
@@ -242,11 +253,11 @@ def _check(step_obj, watch: _Watch, step: int, loss: float, skipped: int | None)
         message = _nonfinite_message(algorithm, watch, step, loss, guarded)
         _report(step_obj, watch, message, divergence=True)
         return
-    if step <= REFERENCE_STEPS:
+    if number <= REFERENCE_STEPS:
         watch.reference = max(watch.reference, abs(loss))
     # Magnitudes, so that a loss that may be negative (a log-likelihood bound) compares too.
     if (
-        step > REFERENCE_STEPS
+        number > REFERENCE_STEPS
         and watch.reference > 0
         and abs(loss) > DIVERGENCE_FACTOR * watch.reference
     ):
@@ -285,14 +296,18 @@ def watch_loss(step_obj, outputs):
     if watch.reported:
         return outputs
     watch.seen += 1
-    watch.pending.append((watch.seen, loss, _skip_counts(watch, outputs[0])))
+    state = outputs[0]
+    # The state's own count (host side: reading it waits for nothing) names the step.
+    step = getattr(state, "step", None)
+    step = int(step) if isinstance(step, (np.ndarray, np.integer, int)) else watch.seen
+    watch.pending.append((watch.seen, step, loss, _skip_counts(watch, state)))
     while watch.pending and not watch.reported:
-        number, value, counts = watch.pending[0]
+        number, step, value, counts = watch.pending[0]
         if not (_ready(value) and all(map(_ready, counts or ()))):
             break
         watch.pending.pop(0)
         skipped = None if counts is None else sum(_largest(c) for c in counts)
-        _check(step_obj, watch, number, float(np.asarray(value)), skipped)
+        _check(step_obj, watch, number, step, float(np.asarray(value)), skipped)
     return outputs
 
 
