@@ -154,6 +154,12 @@ def test_decentralized_takes_the_guarded_optimizer(mesh):
         # Only the poisoned device skipped; the gossip kept every model finite.
         assert np.all(np.isfinite(np.asarray(jax.device_get(step.params(state))["w"])))
         assert skipped_steps(state) >= 1
+    with jax_bytegrad.Strategy("decentralized", mesh=mesh).train_step(
+        loss_fn, skip_nonfinite(optax.adam(1e-2))
+    ) as step:
+        _, messages = run_with_poison(step, poisoned={2}, steps=4)
+    assert len(messages) == 1 and "skipped step 2: " in messages[0], messages
+    assert "stayed as they were on the devices that had one (1 of 2 steps" in messages[0]
 
 
 # --- the loss watch ---------------------------------------------------------------------

@@ -210,11 +210,13 @@ def _skip_message(algorithm: str, watch: _Watch, step: int, loss: float) -> str:
         kind, cause = _cause(watch, loss)
         why = f"its loss became {loss} {cause}"
         why += f"; {_advice(algorithm, True)}" if kind == "growth" else ""
+    # The decentralized pair skip per device (the count is the largest over the devices).
+    where = " on the devices that had one" if "decentralized" in algorithm else ""
     return (
         f"{algorithm}: skip_nonfinite skipped step {step}: its update had a NaN or inf, so the "
-        f"params and the optimizer state stayed as they were ({watch.skipped} of {step} steps "
-        f"skipped so far; reported again at {2 * watch.skipped} skipped). {why[0].upper()}"
-        f"{why[1:]}."
+        f"params and the optimizer state stayed as they were{where} ({watch.skipped} of {step} "
+        f"steps skipped so far; reported again at {2 * watch.skipped} skipped). "
+        f"{why[0].upper()}{why[1:]}."
     )
 
 
