@@ -108,6 +108,40 @@ def test_one_device_nan_is_skipped_on_every_replica(mesh, name, kwargs, guarded)
         assert np.all(np.isfinite(jax.device_get(step.params(state))["w"]))
 
 
+def test_a_guarded_checkpoint_restores_with_its_skipped_count(mesh, tmp_path):
+    """The guard's state keeps the layout checkpoints were written with: two fields, named
+    ``inner_state`` and ``skipped`` (orbax stores them by name); a run restored from one goes on
+    as the saved run does."""
+    assert jax_bytegrad.SkipNonFiniteState._fields == ("inner_state", "skipped")
+    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DivergenceWarning)  # the NaN is on purpose
+        with jax_bytegrad.Checkpointer(tmp_path, every=1) as ckpt:
+            with strategy.train_step(loss_fn, skip_nonfinite(optax.adam(1e-2))) as step:
+                state = step.init(params0())
+                for i, poison in enumerate([False, True]):
+                    state, _ = step(state, batch(i, poison))
+                ckpt.save(2, state, force=True)
+                ckpt.wait()
+                state, _ = step(state, batch(2))
+                saved_run = jax.device_get(step.params(state))
+            with strategy.train_step(loss_fn, skip_nonfinite(optax.adam(1e-2))) as step:
+                host_params = jax.device_get(params0())  # the target is built abstractly
+                restored = ckpt.restore(2, lambda: step.init(host_params), mesh)
+                assert skipped_steps(restored.opt_state) == 1
+                state, _ = step(restored, batch(2))
+                assert_trees_all_equal(jax.device_get(step.params(state)), saved_run)
+                # The watch of the resumed run names steps as the first run did, and counts
+                # from the restored count: nothing for step 3, then step 4's skip, 2 of 4.
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    for i, poison in enumerate([True, False, False], start=3):
+                        jax.block_until_ready(state)
+                        state, _ = step(state, batch(i, poison))
+    (message,) = [str(w.message) for w in caught if w.category is DivergenceWarning]
+    assert "skipped step 4: " in message and "(2 of 4 steps skipped so far;" in message
+
+
 def test_decentralized_takes_the_guarded_optimizer(mesh):
     strategy = jax_bytegrad.Strategy("decentralized", mesh=mesh)
     with strategy.train_step(loss_fn, skip_nonfinite(optax.adam(1e-2))) as step:
@@ -120,6 +154,12 @@ def test_decentralized_takes_the_guarded_optimizer(mesh):
         # Only the poisoned device skipped; the gossip kept every model finite.
         assert np.all(np.isfinite(np.asarray(jax.device_get(step.params(state))["w"])))
         assert skipped_steps(state) >= 1
+    with jax_bytegrad.Strategy("decentralized", mesh=mesh).train_step(
+        loss_fn, skip_nonfinite(optax.adam(1e-2))
+    ) as step:
+        _, messages = run_with_poison(step, poisoned={2}, steps=4)
+    assert len(messages) == 1 and "skipped step 2: " in messages[0], messages
+    assert "stayed as they were on the devices that had one (1 of 2 steps" in messages[0]
 
 
 # --- the loss watch ---------------------------------------------------------------------
@@ -162,6 +202,111 @@ def test_raise_mode_and_a_healthy_run(mesh):
             for i in range(30):
                 state, _ = step(state, batch(i))
                 jax.block_until_ready(state)
+
+
+def run_with_poison(step, poisoned, steps):
+    """Steps 1..``steps`` of ``step`` on fresh batches, those in ``poisoned`` holding a NaN on
+    one device; returns the final state and the DivergenceWarnings' messages."""
+    state = step.init(params0())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for number in range(1, steps + 1):
+            state, _ = step(state, batch(number, poison=number in poisoned))
+            jax.block_until_ready(state)  # the watch reads a finished step at the next call
+    found = [w for w in caught if w.category is DivergenceWarning]
+    assert all(w.filename == __file__ for w in found), [w.filename for w in found]
+    return state, [str(w.message) for w in found]
+
+
+def test_a_nan_batch_without_the_guard_names_the_batch(mesh):
+    """Unguarded, one NaN on one device makes every parameter NaN on every replica; the
+    warning names the batch as the likely cause (the loss was finite and falling), not the
+    learning rate, and says how to skip such steps."""
+    with jax_bytegrad.Strategy("bytegrad", mesh=mesh).train_step(loss_fn, optax.adam(1e-2)) as step:
+        state, messages = run_with_poison(step, poisoned={5}, steps=8)
+    for shard in state.params["w"].addressable_shards:
+        assert np.isnan(np.asarray(shard.data)).all()
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("bytegrad: the training loss became nan at step 5 at once")
+    assert "a batch holding a NaN or inf is the likely cause" in messages[0]
+    assert "(np.isfinite)" in messages[0] and "restore the last checkpoint" in messages[0]
+    assert "jax_bytegrad.skip_nonfinite(...)" in messages[0]
+    assert "learning rate" not in messages[0]
+
+
+def test_a_skipped_step_says_so_and_how_often(mesh):
+    """Guarded, each skip at the 1st, 2nd and 4th count says it was skipped and how often so
+    far, and never advises the guard it has. A handled skip warns even in "raise" mode."""
+    with jax_bytegrad.Strategy("bytegrad", mesh=mesh).train_step(
+        loss_fn, skip_nonfinite(optax.adam(1e-2))
+    ) as step:
+        step.on_divergence = "raise"
+        state, messages = run_with_poison(step, poisoned={3, 6, 7, 9}, steps=12)
+    assert skipped_steps(state.opt_state) == 4
+    assert [m.split(":")[1] for m in messages] == [
+        " skip_nonfinite skipped step 3",
+        " skip_nonfinite skipped step 6",
+        " skip_nonfinite skipped step 9",
+    ]
+    assert "(1 of 3 steps skipped so far; reported again at 2 skipped)" in messages[0]
+    assert "(4 of 9 steps skipped so far; reported again at 8 skipped)" in messages[2]
+    assert "a batch holding a NaN or inf is the likely cause" in messages[0]
+    assert not [m for m in messages if "wrap the optimizer" in m or "learning rate" in m]
+
+
+def test_skips_in_a_row_mean_training_has_stopped(mesh):
+    with jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh).train_step(
+        loss_fn, skip_nonfinite(optax.sgd(0.01))
+    ) as step:
+        step.on_divergence = "raise"
+        with pytest.raises(FloatingPointError, match="skipped the last 10 steps in a row") as e:
+            run_with_poison(step, poisoned=set(range(3, 40)), steps=40)
+    assert "(to step 12; 10 of 12 in all), so training has stopped" in str(e.value)
+
+
+class FakeStep:
+    """What the watch reads of a train step: its algorithm and on_divergence."""
+
+    def __init__(self, algorithm="bytegrad"):
+        self.algorithm = algorithm
+
+
+def watched(step, losses, skipped=None):
+    """Feeds ``losses`` (host values: ready at once) to the watch; ``skipped[i]``, when given,
+    is the guard's count after step i + 1. Returns the DivergenceWarnings' messages."""
+    from jax_bytegrad._src import guard
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, loss in enumerate(losses):
+            state = None
+            if skipped is not None:
+                state = (SkipNonFiniteStateOf(skipped[i]),)
+            guard.watch_loss(step, (state, {"loss": np.float32(loss)}))
+    return [str(w.message) for w in caught if w.category is DivergenceWarning]
+
+
+def SkipNonFiniteStateOf(count):  # noqa: N802 - builds a SkipNonFiniteState
+    return jax_bytegrad.SkipNonFiniteState((), np.int32(count))
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["unguarded", "guarded"])
+def test_a_loss_that_grew_into_nan_gets_the_algorithm_s_advice(guarded):
+    losses = [1.0, 0.9, 0.8, 3.0, 40.0, np.inf]
+    skipped = [0] * len(losses) if guarded else None
+    (message,) = watched(FakeStep(), losses, skipped)
+    assert message.startswith("bytegrad: the training loss became inf at step 6 after growing")
+    assert "(40 at step 5, over 2x the largest before it). It is diverging." in message
+    assert "Lower the learning rate; with bits=4" in message
+    assert ("skip_nonfinite" in message) is not guarded
+
+
+def test_a_nan_from_the_first_step_and_a_skip_with_a_finite_loss():
+    (first,) = watched(FakeStep("qadam"), [np.nan])
+    assert first.startswith("qadam: the training loss became nan at step 1 from the first step")
+    assert "pass skip_nonfinite=True to qadam" in first
+    (skip,) = watched(FakeStep(), [1.0, 0.5, 0.4], skipped=[0, 0, 1])
+    assert "skipped step 3" in skip and "Its loss was finite (0.4), so the gradient" in skip
 
 
 def test_qadam_warning_names_the_second_moment(mesh):

@@ -135,12 +135,19 @@ def test_bytegrad_step_has_no_float32_gradient_all_reduce():
     assert any(row.dtype == "u8" and "node" in row.axes for row in stats.rows), str(stats)
 
 
-def test_inter_node_bytes_at_most_026_of_gradient_allreduce():
+def test_inter_node_bytes_at_most_028_of_gradient_allreduce():
     bytegrad, grad_bytes = compiled_stats(optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-3)))
-    baseline, _ = compiled_stats(optax.chain(jax_bytegrad.gradient_allreduce(), optax.adam(1e-3)))
-    ratio = bytegrad.bytes_on("node") / baseline.bytes_on("node")
-    assert baseline.bytes_on("node") >= grad_bytes  # the baseline really moves the gradient
-    assert ratio <= 0.26, f"{ratio=}\n{bytegrad}\n{baseline}"
+    for hierarchical, share in ((True, 2 * 1 / 2 / 4), (False, 2 * 7 / 8 / 4)):
+        sync = jax_bytegrad.gradient_allreduce(hierarchical=hierarchical)
+        baseline, _ = compiled_stats(optax.chain(sync, optax.adam(1e-3)))
+        # The baseline really moves the gradient: per device, 1/4 of what leaves each of the 2
+        # nodes (its ring share: 2 (n - 1) / n of it hierarchical, 2 (nL - 1) / (nL) flat).
+        assert baseline.bytes_on("node") >= share * grad_bytes
+        # A quarter, plus headers and the padding of 38,410 values to whole blocks (6.6%); the
+        # flat ring sends 7/4 of the hierarchical all-reduce's bytes between nodes.
+        limit = 0.28 if hierarchical else 0.28 * 4 / 7
+        ratio = bytegrad.bytes_on("node") / baseline.bytes_on("node")
+        assert ratio <= limit, f"{ratio=}\n{bytegrad}\n{baseline}"
 
 
 def test_unsynchronized_optimizer_raises_clear_error():

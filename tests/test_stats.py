@@ -5,9 +5,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jax_bytegrad
 from jax_bytegrad._src.hlo import (
     called_computations,
     conditional_branches,
@@ -82,8 +84,59 @@ def test_psum(shape, axes):
     assert row.bytes_sent == 2 * (g - 1) / g * 64
     assert stats.total_bytes == row.bytes_sent
     assert stats.bytes_by_axis() == {row.axes: row.bytes_sent}
-    crosses_node = mesh.shape["node"] > 1 and "node" in ((axes,) if isinstance(axes, str) else axes)
-    assert stats.bytes_on("node") == (row.bytes_sent if crosses_node else 0.0)
+    # A ring over the group in mesh order: of its g hops, those from one node to the next
+    # cross between nodes (every hop of a ring over "node" alone, one per node over both axes).
+    nodes = mesh.shape["node"] if "node" in row.axes else 1
+    hops_between_nodes = nodes if nodes > 1 else 0
+    assert stats.bytes_on("node") == hops_between_nodes / g * row.bytes_sent
+    assert stats.bytes_on("local") == (g - hops_between_nodes) / g * row.bytes_sent
+    assert row.link_bytes == (stats.bytes_on("node"), stats.bytes_on("local"))
+
+
+def test_a_flat_all_reduce_leaves_each_node_once():
+    """The model: a flat ring over 2 nodes of 4 devices crosses between nodes on 2 of its 8
+    hops, so each node sends one device's ring share, 2 (nL - 1) / (nL) B, to the other: 1.75x
+    what a hierarchical all-reduce sends per node, 2 (n - 1) / n B."""
+    mesh = _mesh(2, 4)
+    flat = communication_stats(_shard_map(lambda x: jax.lax.psum(x, ALL), mesh), _x())
+
+    def hierarchical(x):
+        part = jax.lax.psum_scatter(x, "local", tiled=True)
+        return jax.lax.all_gather(jax.lax.psum(part, "node"), "local", tiled=True)
+
+    hier = communication_stats(_shard_map(hierarchical, mesh), _x())
+    per_node = {name: 4 * stats.bytes_on("node") for name, stats in [("flat", flat), ("h", hier)]}
+    assert per_node == {"flat": 2 * 7 / 8 * 64, "h": 2 * 1 / 2 * 64}
+    assert flat.total_bytes == 2 * 7 / 8 * 64  # what each device sends, over any link
+    assert hier.bytes_on("local") == 2 * 3 / 4 * 64  # reduce-scatter and all-gather of 64 B
+
+
+def test_pairwise_and_permuted_traffic_between_nodes():
+    mesh = _mesh(2, 4)
+
+    def fn(x):
+        shift = [(i, (i + 1) % 8) for i in range(8)]  # over both axes: 3 -> 4 and 7 -> 0 cross
+        return (
+            jax.lax.all_to_all(x, ALL, 0, 0, tiled=True),
+            jax.lax.ppermute(x, ALL, shift),
+        )
+
+    stats = communication_stats(_shard_map(fn, mesh, out_specs=(P(ALL),) * 2), _x())
+    rows = {row.kind: row for row in stats.rows}
+    # All-to-all: 64 / 8 bytes to each of 7 peers, 4 of them on the other node.
+    assert rows["all-to-all"].link_bytes == (4 / 8 * 64, 3 / 8 * 64)
+    assert rows["collective-permute"].link_bytes == (2 * 64 / 8, 6 * 64 / 8)
+    assert rows["collective-permute"].bytes_sent == 64  # each device sends its 64 B once
+
+
+def test_a_ring_follows_mesh_order_whatever_the_listed_order():
+    # XLA may list a group's devices in any order: the ring is laid out node after node.
+    hlo = (
+        "  %r = f32[16]{0} all-reduce(f32[16]{0} %p), "
+        "replica_groups={{0,4,1,5,2,6,3,7}}, to_apply=%add\n"
+    )
+    row = _only_row(stats_from_hlo(hlo, ALL, (2, 4)))
+    assert row.link_bytes == (2 / 8 * 2 * 7 / 8 * 64, 6 / 8 * 2 * 7 / 8 * 64)
 
 
 @pytest.mark.parametrize("shape", [(2, 4), (4, 2), (1, 8)], ids=["2x4", "4x2", "1x8"])
@@ -265,15 +318,24 @@ def test_table():
         "count",
         "payload",
         "sent/device",
+        "on node",
+        "on local",
     ]
     expected_rows = [
-        ["all-reduce", "node+local", "f32", "1", "64 B", "112 B"],
-        ["all-to-all", "node", "u8", "1", "4.00 KiB", "2.00 KiB"],
-        ["collective-permute", "local", "f32", "1", "64 B", "64 B"],
+        ["all-reduce", "node+local", "f32", "1", "64 B", "112 B", "28 B", "84 B"],
+        ["all-to-all", "node", "u8", "1", "4.00 KiB", "2.00 KiB", "2.00 KiB", "0 B"],
+        ["collective-permute", "local", "f32", "1", "64 B", "64 B", "0 B", "64 B"],
     ]
     assert [re.split(r"\s{2,}", line) for line in lines[3:6]] == expected_rows
     table = [line for line in lines if not line.startswith("Overlap ")]
-    assert re.split(r"\s{2,}", table[-1]) == ["total", "3", "4.12 KiB", "2.17 KiB"]
+    assert re.split(r"\s{2,}", table[-1]) == [
+        "total",
+        "3",
+        "4.12 KiB",
+        "2.17 KiB",
+        "2.03 KiB",
+        "148 B",
+    ]
     # Columns line up: every row is as wide as the header.
     assert len({len(line) for line in table[1:]}) <= 2
     # One overlap line per axis that carries traffic, after the table.
@@ -375,8 +437,10 @@ def test_parse_async_and_variadic_hlo():
         ("collective-permute", "node", "f32"): (1, 64, 64.0),
         ("collective-permute", "-", "f32"): (1, 64, 0.0),
     }
-    assert stats.bytes_on("node") == 64 + 64 + 14 + 7 * 64
-    assert stats.bytes_on("local") == 2 * 3 / 4 * 128 + 14 + 7 * 64
+    # The rings over all 8 devices (the pred all-reduce, the all-gather) cross between nodes on
+    # 2 of their 8 hops; the permute's senders are devices 0 and 4, both across.
+    assert stats.bytes_on("node") == 64 + 64 + 2 / 8 * (14 + 7 * 64)
+    assert stats.bytes_on("local") == 2 * 3 / 4 * 128 + 6 / 8 * (14 + 7 * 64)
 
 
 def test_stats_from_hlo_with_device_positions():
@@ -506,6 +570,7 @@ def test_merge_sums_rows_of_programs_and_sorts_them():
     (row,) = merged.rows
     assert (row.kind, row.axes, row.count) == ("all-reduce", "local", 2)
     assert row.payload_bytes == 32 and row.bytes_sent == 2 * one.rows[0].bytes_sent
+    assert row.link_bytes == (0.0, 2 * one.rows[0].bytes_sent)
     assert merged.branches == () and merged.unconditional is None
     with pytest.raises(ValueError, match="over one mesh"):
         merge([one, stats_from_hlo(_COND_HLO, ALL, (2, 1))])
@@ -583,3 +648,42 @@ def test_overlap_on_cpu_counts_traffic_that_starts_before_the_last_product():
     assert node.bytes_sent == 2 * 64.0  # two psums of 16 floats over 2 nodes: 2 (g-1)/g B each
     assert node.early_bytes <= 64.0  # the second psum can never start before the last product
     assert node.overlapped_ops == 0  # XLA:CPU runs collectives synchronously
+
+
+def test_the_default_strategies_compare_at_their_real_ratio():
+    """docs/performance.md's table: per device between nodes, the flat float32 all-reduce of
+    Strategy("gradient_allreduce") sends 7/4 of the hierarchical one, which sends about 4x
+    ByteGrad's 8-bit codes."""
+    mesh = jax_bytegrad.make_mesh(2, 4)
+
+    def loss_fn(p, b):
+        return jnp.mean((jnp.tanh(b["x"] @ p["w1"]) @ p["w2"] - b["y"]) ** 2)
+
+    params = {"w1": jnp.zeros((256, 512)), "w2": jnp.zeros((512, 64))}
+    batch = {"x": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+    batch["y"] = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    node = {}
+    for name, kwargs in [
+        ("flat", {}),
+        ("hierarchical", {"hierarchical": True}),
+        ("bytegrad", {}),
+        ("bytegrad flat", {"hierarchical": False}),
+        ("bytegrad scatter_gather", {"wire": "scatter_gather"}),
+        ("bytegrad scatter_gather flat", {"wire": "scatter_gather", "hierarchical": False}),
+    ]:
+        algorithm = "bytegrad" if name.startswith("bytegrad") else "gradient_allreduce"
+        strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, **kwargs)
+        with strategy.train_step(loss_fn, optax.adam(1e-3)) as step:
+            stats = step.communication_stats(step.state_shapes(params), batch)["step"]
+        node[name] = stats.bytes_on("node")
+    gradient = 4 * 163_840
+    # The loss's mean over all 8 devices adds 1.75 B where it is a collective of its own.
+    assert node["flat"] == pytest.approx(2 * 7 / 8 * gradient / 4, abs=2)
+    assert node["hierarchical"] == pytest.approx(2 * 1 / 2 * gradient / 4, abs=2)
+    assert node["bytegrad"] / 1024 == pytest.approx(40.63, abs=0.005)
+    assert node["flat"] / node["bytegrad"] == pytest.approx(6.89, abs=0.005)
+    assert node["hierarchical"] / node["bytegrad"] == pytest.approx(3.94, abs=0.005)
+    # docs/bytegrad.md: ByteGrad's own exchange over all 8 devices (hierarchical=False).
+    assert node["bytegrad flat"] / node["bytegrad"] == pytest.approx(1.75, abs=0.005)
+    flat_sg = node["bytegrad scatter_gather flat"] / node["bytegrad scatter_gather"]
+    assert flat_sg == pytest.approx(2.87, abs=0.005)

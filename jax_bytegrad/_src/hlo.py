@@ -34,7 +34,6 @@ _MESH_GROUPS_RE = re.compile(
     r"mesh\[(?P<axes>[^\]]*)\]\s*(?:<=\[(?P<dims>[\d,\s]+)\](?:T\((?P<perm>[\d,\s]+)\))?)?"
     r"\s*\{(?P<group>[^{}]*)\}"
 )
-# Label of a collective whose groups all have one member, or whose pairs are all i -> i.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,26 @@ it combined, bfloat16 reductions it promoted, and the all-reduce that ``jax.grad
 ring/pairwise algorithms (Thakur et al., 2005), as used to account for traffic in Bagua
 (Gan et al., VLDB 2022).
 
+Which links the bytes cross is a model, one per collective kind. The mesh's first axis is the
+outermost (a ``("node", "local")`` mesh holds each node's devices together), and a message
+between two devices crosses the links of the first axis on which their coordinates differ:
+between nodes when their nodes differ, within a node otherwise.
+
+- all-reduce, reduce-scatter, all-gather: a ring over each group's devices in mesh order, as
+  NCCL's ring algorithm lays it out (a node's devices next to each other); each device sends
+  its whole share (the formulas of ``communication_stats``) to the next one, and only the hops
+  from one node to the next leave a node. A flat all-reduce of ``B`` bytes over ``n`` nodes of
+  ``L`` devices thus leaves each node once: ``2 (nL - 1) / (nL) * B`` per node, against
+  ``2 (n - 1) / n * B`` for a hierarchical one (reduce-scatter within the node, all-reduce of
+  ``B / L`` between nodes, all-gather within).
+- all-to-all: pairwise; each device sends ``B / g`` straight to each other member.
+- collective-permute: each pair sends ``B`` straight from source to target.
+
+``CollectiveTraffic.link_bytes`` and ``CommunicationStats.bytes_on`` are per device: what
+crosses an axis's links over the devices that send (times the devices per node: what each node
+sends to the others). Other algorithms (NCCL's trees, a backend that reduces within each host
+first) cross differently; ``bytes_sent`` is what each device sends over any link.
+
 References:
   Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
   MPICH", IJHPCA 2005.
@@ -14,6 +34,7 @@ References:
   Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
 """
 
+import collections
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -42,7 +63,11 @@ class CollectiveTraffic:
       count: number of collective instructions in the compiled HLO.
       payload_bytes: per-device operand bytes, summed over the instructions.
       bytes_sent: bytes each device sends, summed over the instructions (see
-        ``communication_stats`` for the formulas).
+        ``communication_stats`` for the formulas), over any link.
+      link_bytes: per mesh axis, in mesh order, the bytes per device that cross that axis's
+        links (``("node", "local")``: between nodes, then between the devices of one node),
+        under the model of the module docstring. They sum to what the average sending device
+        sends: ``bytes_sent`` where every device sends alike.
     """
 
     kind: str
@@ -51,6 +76,7 @@ class CollectiveTraffic:
     count: int
     payload_bytes: int
     bytes_sent: float
+    link_bytes: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +90,8 @@ class Overlap:
 
     Attributes:
       axis: the mesh axis.
-      bytes_sent: bytes each device sends per call over collectives whose groups span
-        ``axis`` (outside conditionals and loops).
+      bytes_sent: bytes per device and call that cross ``axis``'s links (as ``bytes_on``),
+        over the collectives outside conditionals and loops.
       early_bytes: of those, the bytes of collectives that start before the last matrix
         product or convolution: traffic that can run while the backward pass still computes.
       compute_ops: matrix products and convolutions in the schedule (gemms).
@@ -148,7 +174,8 @@ class CommunicationStats:
     def bytes_by_axis(self) -> dict[str, float]:
         """Bytes sent per device, keyed by axes label (``"node"``, ``"local"``, ``"node+local"``).
 
-        The values sum to ``total_bytes``. Use ``bytes_on`` for all traffic that crosses one axis.
+        The values sum to ``total_bytes``: a ``"node+local"`` collective counts whole here, on
+        whatever link each byte goes. Use ``bytes_on`` for the bytes that cross one axis.
         """
         totals: dict[str, float] = {}
         for row in self.rows:
@@ -156,16 +183,18 @@ class CommunicationStats:
         return totals
 
     def bytes_on(self, axis_name: str) -> float:
-        """Bytes sent per device by collectives whose groups span ``axis_name``.
+        """Bytes per device that cross ``axis_name``'s links, under the module's model.
 
-        For ``"node"`` this is the inter-node traffic: it includes collectives over
-        ``"node+local"``.
+        For ``"node"``: the bytes between nodes, a ``"node+local"`` collective counting only
+        its hops from one node to another (a flat ring all-reduce of ``B`` bytes over 2 nodes
+        of 4 devices: ``2 * 7/8 * B`` leave each node, ``2 * 7/8 * B / 4`` per device). For
+        ``"local"``: the bytes between the devices of one node.
 
         Args:
           axis_name: a mesh axis name.
 
         Returns:
-          The bytes each device sends through collectives whose groups vary along the axis.
+          The sum of the rows' ``link_bytes`` for the axis.
 
         Raises:
           ValueError: if ``axis_name`` is not a mesh axis.
@@ -175,18 +204,22 @@ class CommunicationStats:
                 f"bytes_on: axis {axis_name!r} is not in the mesh axes {self.axis_names}; "
                 "pass one of them"
             )
-        return float(sum(row.bytes_sent for row in self.rows if axis_name in row.axes.split("+")))
+        index = self.axis_names.index(axis_name)
+        return float(sum(row.link_bytes[index] for row in self.rows))
 
     def __str__(self) -> str:
         mesh = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
         header = ("kind", "axes", "dtype", "count", "payload", "sent/device")
+        header += tuple(f"on {name}" for name in self.axis_names)
 
-        def cells(kind: str, axes: str, dtype: str, count: int, payload: float, sent: float):
-            return (kind, axes, dtype, str(count), _format_bytes(payload), _format_bytes(sent))
+        def cells(kind, axes, dtype, count: int, payload: float, sent: float, links):
+            sizes = (_format_bytes(n) for n in (payload, sent, *links))
+            return (kind, axes, dtype, str(count), *sizes)
 
         lines = [cells(*dataclasses.astuple(row)) for row in self.rows]
         count = sum(row.count for row in self.rows)
-        total = cells("total", "", "", count, self.total_payload_bytes, self.total_bytes)
+        on = [self.bytes_on(name) for name in self.axis_names]
+        total = cells("total", "", "", count, self.total_payload_bytes, self.total_bytes, on)
         table = [header, *lines, total]
         widths = [max(len(line[i]) for line in table) for i in range(len(header))]
 
@@ -221,22 +254,65 @@ def _format_bytes(n: float) -> str:
     return f"{n:.2f} {unit}"
 
 
+def _share(kind: str, g: int, b: int) -> float:
+    """Bytes one device of a group of ``g`` sends for a collective of ``b`` payload bytes."""
+    if kind == "all-reduce":
+        return 2 * (g - 1) * b / g
+    if kind == "all-gather":
+        return float((g - 1) * b)  # B_out = g * B_in, so (g-1)/g * B_out
+    return (g - 1) * b / g  # reduce-scatter (B_in), all-to-all
+
+
 def _bytes_sent(collective: hlo.Collective, num_devices: int) -> float:
     """Bytes the busiest device sends for one collective; see `communication_stats`."""
     b = collective.payload_bytes
     if collective.kind == "collective-permute":
-        sends: dict[int, int] = {}
-        for source, target in collective.pairs:
-            if source != target:
-                sends[source] = sends.get(source, 0) + 1
+        sends = collections.Counter(s for s, t in collective.pairs if s != t)
         return float(max(sends.values(), default=0) * b)
     groups = collective.groups or (tuple(range(num_devices)),)
-    g = max(len(group) for group in groups)
-    if collective.kind == "all-reduce":
-        return 2 * (g - 1) * b / g
-    if collective.kind == "all-gather":
-        return float((g - 1) * b)  # B_out = g * B_in, so (g-1)/g * B_out
-    return (g - 1) * b / g  # reduce-scatter (B_in), all-to-all
+    return _share(collective.kind, max(len(group) for group in groups), b)
+
+
+def _check_devices(devices: Sequence[int], num_devices: int) -> None:
+    if max(devices, default=-1) >= num_devices:
+        raise ValueError(
+            f"communication_stats: the HLO names device {max(devices)} but the mesh has "
+            f"{num_devices} devices; pass the mesh the function was compiled for as mesh=..."
+        )
+
+
+def _messages(collective: hlo.Collective, coords: np.ndarray):
+    """``(sources, targets, bytes)`` of the messages of the module docstring's model."""
+    b, num_devices = collective.payload_bytes, coords.shape[0]
+    if collective.kind == "collective-permute":
+        pairs = np.array([p for p in collective.pairs if p[0] != p[1]], np.int64).reshape(-1, 2)
+        _check_devices(pairs.ravel().tolist(), num_devices)
+        return pairs[:, 0], pairs[:, 1], np.full(len(pairs), float(b))
+    parts = []
+    for group in collective.groups or (tuple(range(num_devices)),):
+        _check_devices(group, num_devices)
+        g = len(group)
+        if collective.kind == "all-to-all":  # pairwise: B / g to every other member
+            members = np.asarray(group, np.int64)
+            source, target = np.repeat(members, g), np.tile(members, g)
+            keep = source != target
+            source, target, size = source[keep], target[keep], b / g
+        else:  # a ring in mesh order: each device's whole share goes to the next one
+            source = np.asarray(sorted(group, key=lambda d: tuple(coords[d])), np.int64)
+            target, size = np.roll(source, -1), _share(collective.kind, g, b)
+        parts.append((source, target, np.full(len(source), float(size))))
+    return tuple(np.concatenate(part) for part in zip(*parts, strict=True))
+
+
+def _link_bytes(collective: hlo.Collective, coords: np.ndarray) -> tuple[float, ...]:
+    """Per mesh axis, the bytes per sending device that cross its links (module docstring)."""
+    sources, targets, sizes = _messages(collective, coords)
+    differ = coords[sources] != coords[targets]
+    moves = differ.any(axis=1)  # a ring of one device moves nothing
+    links = np.zeros(coords.shape[1])
+    # A message crosses the links of the outermost axis on which its two ends differ.
+    np.add.at(links, np.argmax(differ[moves], axis=1), sizes[moves])
+    return tuple(float(v) for v in links / max(len(np.unique(sources[moves])), 1))
 
 
 def _axes_label(collective: hlo.Collective, coords: np.ndarray, axis_names: Sequence[str]) -> str:
@@ -248,11 +324,7 @@ def _axes_label(collective: hlo.Collective, coords: np.ndarray, axis_names: Sequ
         groups = collective.groups or (tuple(range(num_devices)),)
     varies = np.zeros(len(axis_names), dtype=bool)
     for group in groups:
-        if max(group, default=-1) >= num_devices:
-            raise ValueError(
-                f"communication_stats: the HLO names device {max(group)} but the mesh has "
-                f"{num_devices} devices; pass the mesh the function was compiled for as mesh=..."
-            )
+        _check_devices(group, num_devices)
         members = coords[list(group)]
         varies |= (members != members[:1]).any(axis=0)
     names = [name for name, v in zip(axis_names, varies, strict=True) if v]
@@ -318,19 +390,18 @@ def _overlap(
     done_at = {start: position[done] for done, start in hlo.async_done(entry).items()}
     compute = sorted(position[n] for n in hlo.compute_instructions(instructions) if n in position)
     last = compute[-1] if compute else -1
+    links = {c.name: _link_bytes(c, coords) for c in collectives}
     out = []
-    for axis in axis_names:
+    for index, axis in enumerate(axis_names):
         sent = early = 0.0
         beside: set[int] = set()
         for c in collectives:
             name = starts[c.name]
-            if name not in position:  # inside a conditional or a loop
-                continue
-            if axis not in _axes_label(c, coords, axis_names).split("+"):
+            nbytes = links[c.name][index]
+            if name not in position or not nbytes:  # inside a conditional or a loop
                 continue
             start = position[name]
             end = done_at.get(name, start)
-            nbytes = _bytes_sent(c, coords.shape[0])
             sent += nbytes
             early += nbytes if start < last else 0.0
             beside.update(k for k in compute if start < k < end)
@@ -355,6 +426,7 @@ def _summary(
             1,
             collective.payload_bytes,
             _bytes_sent(collective, num_devices),
+            _link_bytes(collective, coords),
         )
         for collective in collectives
     ]
@@ -370,10 +442,13 @@ def _totals(
     """The given rows summed per (kind, axes, dtype), sorted by kind, axes and dtype."""
     totals: dict[tuple[str, str, str], list] = {}
     for row in rows:
-        entry = totals.setdefault((row.kind, row.axes, row.dtype), [0, 0, 0.0])
+        entry = totals.setdefault(
+            (row.kind, row.axes, row.dtype), [0, 0, 0.0, np.zeros(len(axis_names))]
+        )
         entry[0] += row.count
         entry[1] += row.payload_bytes
         entry[2] += row.bytes_sent
+        entry[3] += row.link_bytes
     order = {name: i for i, name in enumerate(axis_names)}
 
     def sort_key(key: tuple[str, str, str]) -> tuple:
@@ -385,8 +460,10 @@ def _totals(
         )
 
     merged = tuple(
-        CollectiveTraffic(*key, count, payload, sent)
-        for key, (count, payload, sent) in sorted(totals.items(), key=lambda kv: sort_key(kv[0]))
+        CollectiveTraffic(*key, count, payload, sent, tuple(float(v) for v in links))
+        for key, (count, payload, sent, links) in sorted(
+            totals.items(), key=lambda kv: sort_key(kv[0])
+        )
     )
     return CommunicationStats(merged, tuple(axis_names), tuple(int(s) for s in axis_sizes), **extra)
 
@@ -448,6 +525,10 @@ def communication_stats(
     Groups of one device move nothing. Where groups (or senders) differ, the busiest device is
     reported. Each instruction counts once, so a collective inside a loop body counts once per
     compile, not per iteration.
+
+    Of those, ``bytes_on(axis)`` (per row, ``link_bytes``) is what crosses the axis's links per
+    device, under the module docstring's model: a flat all-reduce over 2 nodes of 4 devices
+    sends ``2 * 7/8 * B`` per device, of which ``2/8`` cross between nodes (2 hops of 8).
 
     HLO device ids are positions in the executable's device assignment, which for a ``jit`` over
     a ``Mesh`` is ``mesh.devices.flat``. Each group is labelled with the names of the mesh axes
