@@ -192,6 +192,16 @@ def test_an_optimizer_that_reduces_over_the_whole_update_is_refused():
     train("bytegrad", "params", 2, optimizer=optax.chain(optax.clip(1.0), masked))
 
 
+def host(state) -> list[np.ndarray]:
+    """Every leaf of a train state as numpy (PRNG keys as their data)."""
+    return [
+        np.asarray(
+            jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        )
+        for x in jax.tree.leaves(state)
+    ]
+
+
 def test_a_checkpoint_restores_exactly_onto_another_shard_and_node_size(tmp_path):
     _, state, _ = train("bytegrad", "params", 3)
     with Checkpointer(tmp_path, every=1) as ckpt:
@@ -204,11 +214,11 @@ def test_a_checkpoint_restores_exactly_onto_another_shard_and_node_size(tmp_path
             ) as step:
                 target = step.state_shapes(params0())
                 restored = ckpt.restore(3, lambda t=target: t, target)
+                for got, want in zip(host(restored), host(state), strict=True):
+                    np.testing.assert_array_equal(got, want)
+                spec = restored.opt_state[1][0].mu["w1"].sharding.spec
+                assert spec == (P() if shard is None else P("local", None))
                 step(restored, batches(1)[0])  # the restored state runs
-            for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
-                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-            spec = restored.opt_state[1][0].mu["w1"].sharding.spec
-            assert spec == (P() if shard is None else P("local", None))
 
 
 def test_bfloat16_params_train_sharded():
@@ -264,3 +274,22 @@ def test_data_parallel_step_takes_shard_and_places_the_params():
     assert state.params["b2"].sharding == NamedSharding(mesh, P())
     state, metrics = step(state, batches(1)[0])
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_skip_nonfinite_skips_on_every_device_of_a_node_together():
+    """A NaN reaches some devices' blocks only: the node decides together, so the step is
+    skipped whole, not in the blocks that saw it."""
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    s = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="params")
+    with s.train_step(loss_fn, jax_bytegrad.skip_nonfinite(optax.adam(1e-2))) as step:
+        step.on_divergence = "ignore"
+        good, bad = batches(2)
+        state, _ = step(step.init(params0()), good)
+        before = jax.device_get(step.params(state))
+        x = bad[0].copy()
+        x[0, 0] = np.nan  # one row of the first device's slice
+        state, _ = step(state, (x, bad[1]))
+        after = jax.device_get(step.params(state))
+        assert jax_bytegrad.skipped_steps(state.opt_state) == 1
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])

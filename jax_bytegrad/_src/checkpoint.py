@@ -67,18 +67,28 @@ def _ocp():
 
 
 def _target_shardings(abstract, shardings):
-    """A sharding per leaf of `abstract`, from one Mesh, one Sharding or a matching pytree."""
+    """A sharding per leaf of `abstract`, from one Mesh, one Sharding or a matching pytree of
+    shardings, or of arrays or `jax.ShapeDtypeStruct`s that carry theirs (a train step's
+    `state_shapes`); there a leaf that carries none (the host step count) goes replicated on
+    the others' mesh."""
     if isinstance(shardings, Mesh):
         shardings = NamedSharding(shardings, P())
     if isinstance(shardings, Sharding):
         return jax.tree.map(lambda _: shardings, abstract)
     try:
-        return jax.tree.map(lambda _, s: s, abstract, shardings)
+        tree = jax.tree.map(lambda _, s: getattr(s, "sharding", s), abstract, shardings)
     except ValueError as e:
         raise ValueError(
             f"restore_or_init: shardings do not match the structure of init_fn()'s state ({e}); "
-            "pass one Mesh or Sharding for all leaves, or a pytree of shardings like the state"
+            "pass one Mesh or Sharding for all leaves, a pytree of shardings like the state, or "
+            "the train step's state_shapes(params)"
         ) from None
+    meshes = [s.mesh for s in jax.tree.leaves(tree) if isinstance(s, NamedSharding)]
+    if not meshes:
+        return tree
+    return jax.tree.map(
+        lambda s: s if isinstance(s, Sharding) else NamedSharding(meshes[0], P()), tree
+    )
 
 
 def _place(state, shardings):
@@ -180,8 +190,10 @@ class Checkpointer:
           step: A step in `steps`.
           init_fn: Returns a state of the saved structure, shapes and dtypes; only traced
             (`jax.eval_shape`), not run.
-          shardings: Where the leaves go: a `Mesh` (replicated on it), one `Sharding`, or a
-            pytree of shardings like the state. It need not be the mesh that saved it.
+          shardings: Where the leaves go: a `Mesh` (replicated on it), one `Sharding`, a
+            pytree of shardings like the state, or a state whose leaves carry theirs (a train
+            step's ``state_shapes(params)``, whose split leaves stay split). It need not be the
+            mesh, nor the ``shard=`` setting, that saved it.
 
         Returns:
           The restored state.

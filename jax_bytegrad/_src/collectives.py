@@ -183,7 +183,7 @@ def sync_mean(
         def between(tree, key, residuals):
             return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
 
-        return shards.between_nodes(between, tree, key, residuals)
+        return shards.agreed(between, tree, key, residuals)
     return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
 
 
@@ -321,7 +321,7 @@ def full_precision_mean(
     args = (node_axis, local_axis, hierarchical, average, order, sharded)
     if sharded is not None:
         # A jit of its own, which the sharded step's check of the optimizer leaves out.
-        return shards.between_nodes(lambda tree: _full_precision_mean(tree, *args), tree)
+        return shards.agreed(lambda tree: _full_precision_mean(tree, *args), tree)
     return _full_precision_mean(tree, *args)
 
 

@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jax_bytegrad._src import shards
+
 # A loss this many times the early steps' largest is taken for divergence.
 DIVERGENCE_FACTOR = 100.0
 # The steps whose largest loss is the reference.
@@ -348,8 +350,10 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
       inner: the transformation to guard, e.g. ``optax.adam(1e-3)`` or ``qadam(...)``.
 
     Returns:
-      An ``optax.GradientTransformation`` whose state is a ``SkipNonFiniteState``;
-      ``state.skipped`` counts the skipped updates.
+      An ``optax.GradientTransformationExtraArgs`` whose state is a ``SkipNonFiniteState``;
+      ``state.skipped`` counts the skipped updates. Its ``update`` passes extra arguments on
+      to ``inner``; with a sharded step's (``sharded``), the devices of a node decide
+      together from their blocks of the update.
 
     Raises:
       ValueError: when ``inner`` is not an optax transformation.
@@ -368,18 +372,29 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
             f"optax.adam(1e-3), got {inner!r}"
         )
 
+    inner = optax.with_extra_args_support(inner)
+
     def init_fn(params):
         return SkipNonFiniteState(inner.init(params), jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params=None, **extra):
         new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        ok = _all_finite(new_updates)
+        sharded = extra.get("sharded")
+        if sharded is None:
+            ok = _all_finite(new_updates)
+        else:
+            # Each device holds its blocks of the update: the node's devices decide together.
+            def node_finite(updates):
+                mine = _all_finite(updates).astype(jnp.int32)
+                return jax.lax.pmin(mine, sharded.local_axis) > 0
+
+            ok = shards.agreed(node_finite, new_updates)
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
         new_inner = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_inner, state.inner_state)
         skipped = jnp.where(ok, state.skipped, optax.safe_increment(state.skipped))
         return new_updates, SkipNonFiniteState(new_inner, skipped)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def skipped_steps(opt_state) -> int:

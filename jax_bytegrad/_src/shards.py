@@ -145,9 +145,10 @@ def node_sum(g: jax.Array, dim: int | None, axis: str) -> jax.Array:
 
 # The optimizer on blocks ----------------------------------------------------------------------
 
-# The name of the jitted function in which a sync crosses between nodes (``between_nodes``):
-# ``check_elementwise`` leaves it out, since its reductions are the wire's own.
-SYNC_NAME = "jax_bytegrad_between_nodes"
+# The name of the jitted functions that compute over the whole update and whose result the
+# node's devices agree on (``agreed``): a sync between nodes, a finite check reduced over the
+# node. ``check_elementwise`` leaves them out.
+AGREED_NAME = "jax_bytegrad_agreed"
 
 # Primitives whose every output element depends on the same element of each operand (or on
 # scalars): the optimizer's update may use them on blocks and get each block of the update
@@ -163,14 +164,16 @@ ELEMENTWISE = frozenset(
 _CALLS = frozenset("jit pjit closed_call core_call custom_jvp_call custom_vjp_call cond".split())
 
 
-def between_nodes(fn, *args):
-    """``fn(*args)`` inside a jit named ``SYNC_NAME``: the part of a sharded step's sync that
-    ``check_elementwise`` leaves out. Inlined by XLA: it changes no value."""
+def agreed(fn, *args):
+    """``fn(*args)`` inside a jit named ``AGREED_NAME``, for a computation over a sharded
+    step's whole update whose result the node's devices agree on (a sync between nodes; a
+    decision reduced over the node), which ``check_elementwise`` leaves out. Inlined by XLA:
+    it changes no value."""
 
-    def jax_bytegrad_between_nodes(*args):
+    def jax_bytegrad_agreed(*args):
         return fn(*args)
 
-    return jax.jit(jax_bytegrad_between_nodes)(*args)
+    return jax.jit(jax_bytegrad_agreed)(*args)
 
 
 def _offender(jaxpr) -> str | None:
@@ -179,7 +182,7 @@ def _offender(jaxpr) -> str | None:
 
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in ("jit", "pjit") and eqn.params.get("name") == SYNC_NAME:
+        if name in ("jit", "pjit") and eqn.params.get("name") == AGREED_NAME:
             continue
         if name in _CALLS or name in ("while", "custom_lin"):
             for sub in core.jaxprs_in_params(eqn.params):
