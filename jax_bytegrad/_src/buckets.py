@@ -131,45 +131,68 @@ def from_buckets(buckets, leaves, layout: Layout) -> list:
     return out
 
 
-def to_rows(leaves, layout: Layout, dims, axis: str) -> list[jax.Array]:
-    """This device's row of each bucket, where the state is split within the node.
+def _rows_of(leaf, dim, local: int) -> jax.Array:
+    """A whole leaf as ``local`` rows, flat in float32: row j its j-th block along ``dim``, or
+    (``dim`` None) its j-th equal part, zero-padded."""
+    if dim is not None:
+        return jnp.moveaxis(leaf, dim, 0).reshape(local, -1).astype(jnp.float32)
+    flat = leaf.reshape(-1).astype(jnp.float32)
+    per = -(-flat.size // local)
+    return jnp.pad(flat, (0, per * local - flat.size)).reshape(local, per)
 
-    ``leaves`` are the node's sums: this device's block of each leaf split along ``dims[i]``
-    over ``axis``, and the whole of each other leaf; ``layout`` is the whole leaves'. A bucket
-    is laid out as one row per device of ``axis``: row j holds, in float32, the j-th block of
-    every split leaf and the j-th of the equal parts of the bucket's whole leaves, flat, then
-    zeros up to ``padded // L``, the length of a device's shard in the replicated layout
-    (there is room: the split leaves fill L rows exactly). So the rows cross between nodes as
-    the replicated buckets' shards do, with the same sizes and residuals.
+
+def to_rows(leaves, layout: Layout, dims, axis: str, *, summed: bool) -> list[jax.Array]:
+    """Each bucket laid out in rows, where the state is split within the node.
+
+    A bucket is laid out as one row per device of ``axis``: row j holds, in float32, the j-th
+    block of every split leaf (``dims[i]`` the split dimension) and the j-th of the equal
+    parts of the bucket's whole leaves (whole leaves first joined, flat), then zeros up to
+    ``padded // L``, the length of a device's shard in the replicated layout (there is room:
+    the split leaves fill L rows exactly). So the rows cross between nodes as the replicated
+    buckets' shards do, with the same sizes and residuals. ``layout`` is the whole leaves'.
+
+    Returns, per bucket: without ``summed`` (``leaves`` are each device's whole leaves) all L
+    rows, flat, for a reduce-scatter over ``axis``; with ``summed`` (``leaves`` are the
+    node's sums, this device's blocks of the split leaves) this device's row of the sum.
     """
     local = int(jax.lax.axis_size(axis))
     me = jax.lax.axis_index(axis)
-    rows = []
+    out = []
     for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True):
-        parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in members if dims[i] is not None]
-        whole = [leaves[i].reshape(-1).astype(jnp.float32) for i in members if dims[i] is None]
+        split = [i for i in members if dims[i] is not None]
+        whole = [i for i in members if dims[i] is None]
+        if summed:  # each block flat with its split dimension first, as _rows_of lays it
+            parts = [
+                jnp.moveaxis(leaves[i], dims[i], 0).reshape(1, -1).astype(jnp.float32)
+                for i in split
+            ]
+        else:
+            parts = [_rows_of(leaves[i], dims[i], local) for i in split]
         if whole:
-            tail = jnp.concatenate(whole)
-            per = -(-tail.size // local)
-            tail = jnp.pad(tail, (0, per * local - tail.size))
-            parts.append(jax.lax.dynamic_slice_in_dim(tail, me * per, per))
-        row = jnp.concatenate(parts)
-        rows.append(jnp.pad(row, (0, padded // local - row.size)))
-    return rows
+            tail = jnp.concatenate([leaves[i].reshape(-1) for i in whole])
+            tail = _rows_of(tail, None, local)
+            parts.append(jax.lax.dynamic_slice_in_dim(tail, me, 1) if summed else tail)
+        rows = jnp.concatenate(parts, axis=1)
+        rows = jnp.pad(rows, ((0, 0), (0, padded // local - rows.shape[1])))
+        out.append(rows.reshape(-1))
+    return out
 
 
 def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
     """Inverse of ``to_rows``: this device's block of each split leaf, and each whole leaf
-    gathered over ``axis`` (typed as one value there), from the reduced rows; leaves outside
-    the buckets from ``leaves``."""
+    gathered over ``axis`` (typed as one value there), from this device's reduced rows;
+    leaves outside the buckets from ``leaves``."""
     local = int(jax.lax.axis_size(axis))
     out = list(leaves)
     for row, members in zip(rows, layout.buckets, strict=True):
         offset = 0
         for i in [i for i in members if dims[i] is not None]:
-            size = math.prod(leaves[i].shape)
-            out[i] = row[offset : offset + size].reshape(leaves[i].shape).astype(layout.dtypes[i])
-            offset += size
+            shape = list(layout.shapes[i])
+            shape[dims[i]] //= local
+            block = row[offset : offset + math.prod(shape)]
+            moved = [shape[dims[i]], *shape[: dims[i]], *shape[dims[i] + 1 :]]
+            out[i] = jnp.moveaxis(block.reshape(moved), 0, dims[i]).astype(layout.dtypes[i])
+            offset += math.prod(shape)
         whole = [i for i in members if dims[i] is None]
         if whole:
             total = sum(math.prod(layout.shapes[i]) for i in whole)
@@ -187,7 +210,7 @@ def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
         zip(layout.shapes, layout.dtypes, layout.bucketed, strict=True)
     ):
         if is_float and math.prod(shape) == 0:
-            out[i] = jnp.zeros(leaves[i].shape, dtype)
+            out[i] = jnp.zeros(shape, dtype)
     return out
 
 

@@ -183,7 +183,7 @@ def sync_mean(
         def between(tree, key, residuals):
             return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
 
-        return shards.agreed(between, tree, key, residuals)
+        return shards.block_aware(between, tree, key, residuals)
     return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
 
 
@@ -209,14 +209,17 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
     if sharded is None:
         parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
     else:
-        parts = bucketing.to_rows(leaves, layout, sharded.dims, config.local_axis)
+        parts = bucketing.to_rows(
+            leaves, layout, sharded.dims, config.local_axis, summed=sharded.summed
+        )
     shards, kept = [None] * len(parts), [None] * len(parts)
-    previous = None
+    last = None
     for i in bucketing.ready_order(layout, order):
-        if previous is not None:
+        if last is not None:
             # The buckets cross between nodes one after another, in the order the backward
-            # pass completes them (module docstring).
-            parts[i], _ = jax.lax.optimization_barrier((parts[i], previous))
+            # pass completes them (module docstring). The tied shard goes on from the
+            # barrier too: XLA's simplifier drops a barrier's operand whose result is unused.
+            parts[i], shards[last] = jax.lax.optimization_barrier((parts[i], shards[last]))
         shards[i], kept[i] = wires.sum_shard(
             parts[i],
             config,
@@ -225,9 +228,9 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
             weight=weight,
             key=None if key is None else jax.random.fold_in(key, i),
             residual=None if residuals is None else residuals[i],
-            scattered=sharded is not None,
+            scattered=sharded is not None and sharded.summed,
         )
-        previous = shards[i]
+        last = i
     if sharded is None:
         reduced = [wires.gather_shard(shard, config, local) for shard in shards]
         out = bucketing.from_buckets(reduced, leaves, layout)
@@ -321,7 +324,7 @@ def full_precision_mean(
     args = (node_axis, local_axis, hierarchical, average, order, sharded)
     if sharded is not None:
         # A jit of its own, which the sharded step's check of the optimizer leaves out.
-        return shards.agreed(lambda tree: _full_precision_mean(tree, *args), tree)
+        return shards.block_aware(lambda tree: _full_precision_mean(tree, *args), tree)
     return _full_precision_mean(tree, *args)
 
 
@@ -342,11 +345,16 @@ def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, ord
             return x
         return mean(jax.lax.psum(x, (node_axis, local_axis)))
 
+    summed = sharded is not None and sharded.summed
+
     def node_part(x, dim):
-        """This device's part of the node's sum (a block of it is one already)."""
+        """This device's part of the node's sum: its block of a split leaf, or of the flat
+        values of a whole one."""
         if dim is not None:
-            return x
-        if sharded is not None:
+            if summed:
+                return x
+            return jax.lax.psum_scatter(x, local_axis, scatter_dimension=dim, tiled=True)
+        if summed:
             return collective_ops.own_flat(x.reshape(-1), local_axis, local)
         return collective_ops.scatter_flat(x.reshape(-1), local_axis, local)
 
@@ -365,16 +373,17 @@ def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, ord
     held = {i for members in layout.buckets for i in members}
     # What no bucket holds (float0 and empty leaves) as the flat path does.
     reduced = [x if i in held else reduce(x) for i, x in enumerate(leaves)]
-    previous = None
+    parts, last = {}, None
     for b in bucketing.ready_order(layout, order):
         members = [leaves[i] for i in layout.buckets[b]]
-        if previous is not None:
-            members, _ = jax.lax.optimization_barrier((members, previous))
-        parts = [
+        if last is not None:  # the tied parts go on from the barrier, as in sync_mean
+            members, parts[last] = jax.lax.optimization_barrier((members, parts[last]))
+        parts[b] = [
             jax.lax.psum(node_part(x, dims[i]), node_axis)
             for i, x in zip(layout.buckets[b], members, strict=True)
         ]
-        for i, x, part in zip(layout.buckets[b], members, parts, strict=True):
-            reduced[i] = mean(whole(x, dims[i], part))
-        previous = parts
+        last = b
+    for b, members in enumerate(layout.buckets):
+        for i, part in zip(members, parts[b], strict=True):
+            reduced[i] = mean(whole(leaves[i], dims[i], part))
     return jax.tree.unflatten(treedef, reduced)

@@ -388,7 +388,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
                 mine = _all_finite(updates).astype(jnp.int32)
                 return jax.lax.pmin(mine, sharded.local_axis) > 0
 
-            ok = shards.agreed(node_finite, new_updates)
+            ok = shards.block_aware(node_finite, new_updates)
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
         new_inner = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_inner, state.inner_state)
         skipped = jnp.where(ok, state.skipped, optax.safe_increment(state.skipped))

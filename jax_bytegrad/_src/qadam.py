@@ -64,7 +64,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, collectives, guard
+from jax_bytegrad._src import checks, collectives, guard, shards
 from jax_bytegrad._src.config import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MESSAGE_BYTES,
@@ -159,14 +159,33 @@ def _follow_gradient(nu, mu_old, mu_new, b1: float, b2: float):
     return jax.tree.map(one, nu, mu_old, mu_new)
 
 
+def _momentum_within(mu, sharded):
+    """The momentum each device adds its gradient to, so that the node's sum of the devices'
+    ``b1 m + (1 - b1) g`` is what the sync sums: ``m`` itself on every device, but in a sharded
+    step (``shards.Sharded``), whose devices hold blocks of ``m``, ``L m`` in this device's
+    block (zeros elsewhere), or ``L m`` everywhere where the updates are the node's sums."""
+    if sharded is None:
+        return mu
+    local = jax.lax.axis_size(sharded.local_axis)
+    leaves, treedef = jax.tree.flatten(mu)
+    out = []
+    for m, dim in zip(leaves, sharded.dims, strict=True):
+        if sharded.summed or dim is not None:
+            m = m * np.asarray(local, m.dtype)
+        if not sharded.summed:
+            m = shards.place_block(m, dim, sharded.local_axis)
+        out.append(m)
+    return jax.tree.unflatten(treedef, out)
+
+
 def _where(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def _check_per_device(updates, node_axis: str, local_axis: str, sharded, where: str) -> None:
     """Raises unless every float gradient is typed as varying over both mesh axes (over the
-    node axis, for the node sums of a sharded step: ``shards.Sharded``)."""
-    axes = {node_axis} if sharded is not None else {node_axis, local_axis}
+    node axis, for the node sums a ``shard="params"`` step hands over: ``shards.Sharded``)."""
+    axes = {node_axis} if sharded is not None and sharded.summed else {node_axis, local_axis}
     averaged = [
         jax.tree_util.keystr(path)
         for path, leaf in jax.tree.leaves_with_path(updates)
@@ -339,12 +358,9 @@ def scale_by_qadam(
         return mu, nu, residuals
 
     def compressed(updates, mu, nu, residuals, count, order, sharded):
-        # Each device's local momentum b1 m + (1 - b1) g; a sharded step's updates are its
-        # node's sums, whose local momenta sum to L b1 m + (1 - b1) sum(g).
         within = mu
         if sharded is not None:
-            local = jax.lax.axis_size(local_axis)
-            within = jax.tree.map(lambda m: m * np.asarray(local, m.dtype), mu)
+            within = shards.block_aware(lambda m: _momentum_within(m, sharded), mu)
         local_mu = optax.tree.update_moment(updates, within, b1, 1)
         mu_old = mu
         mu = collectives.sync_mean(

@@ -84,23 +84,29 @@ class Sharded:
     """What a step whose state is split within the node hands its optimizer, as the
     ``sharded`` extra argument of ``update``.
 
-    The updates it passes are then the node's sums, not each device's gradient: for a split
-    leaf, this device's block of the sum of its node's gradients (``dims[i]`` the dimension
-    split over ``local_axis``); for a whole leaf (``dims[i]`` None), all of it, the same on the
-    node's devices. The gradient transformations that sync (``bytegrad``,
-    ``gradient_allreduce``, ``qadam``) then only cross between nodes, and return the mean over
-    every device, in the same blocks.
+    The gradient transformations that sync (``bytegrad``, ``gradient_allreduce``, ``qadam``)
+    then return the mean over every device in this device's blocks: for a split leaf
+    (``dims[i]`` the dimension split over ``local_axis``), its block; for a whole leaf
+    (``dims[i]`` None), all of it. The updates they are given are either each device's
+    gradient of the whole leaves (``summed`` False, ``shard="optimizer"``: the sync sums
+    within the node itself, each bucket's reduce-scatter in its own chain), or already the
+    node's sums in those blocks (``summed`` True, ``shard="params"``, where ``jax.grad`` of the
+    gather did the reduce-scatter): then only the hop between nodes is left.
 
     Attributes:
       local_axis: the mesh axis within a node.
       dims: per leaf of the updates, the dimension split over ``local_axis``, or None.
+      summed: whether the updates are the node's sums already.
     """
 
     local_axis: str
     dims: tuple[int | None, ...]
+    summed: bool
 
     def full_shapes(self, leaves, local: int) -> list[jax.ShapeDtypeStruct]:
-        """The whole leaves' shapes and dtypes, from this device's blocks of them."""
+        """The whole leaves' shapes and dtypes, from the updates' leaves."""
+        if not self.summed:
+            return [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
         out = []
         for leaf, dim in zip(leaves, self.dims, strict=True):
             shape = list(np.shape(leaf))
@@ -117,6 +123,18 @@ def own_block(x: jax.Array, dim: int | None, axis: str) -> jax.Array:
         return x
     size = x.shape[dim] // jax.lax.axis_size(axis)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * size, size, axis=dim)
+
+
+def place_block(block: jax.Array, dim: int | None, axis: str) -> jax.Array:
+    """The whole leaf that holds ``block`` where this device's block lies, zeros elsewhere
+    (``block`` itself for a leaf kept whole): summed over ``axis``, the whole leaf."""
+    if dim is None:
+        return block
+    local = jax.lax.axis_size(axis)
+    shape = list(block.shape)
+    shape[dim] *= local
+    start = jax.lax.axis_index(axis) * block.shape[dim]
+    return jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, block.dtype), block, start, dim)
 
 
 def gather_block(x: jax.Array, dim: int | None, axis: str, *, invariant: bool) -> jax.Array:
@@ -145,10 +163,10 @@ def node_sum(g: jax.Array, dim: int | None, axis: str) -> jax.Array:
 
 # The optimizer on blocks ----------------------------------------------------------------------
 
-# The name of the jitted functions that compute over the whole update and whose result the
-# node's devices agree on (``agreed``): a sync between nodes, a finite check reduced over the
-# node. ``check_elementwise`` leaves them out.
-AGREED_NAME = "jax_bytegrad_agreed"
+# The name of the jitted functions in which the library's own code handles the blocks of a
+# sharded step knowingly (``block_aware``): a sync, a decision reduced over the node, a block
+# placed in its whole leaf. ``check_elementwise`` leaves them out.
+BLOCK_AWARE = "jax_bytegrad_block_aware"
 
 # Primitives whose every output element depends on the same element of each operand (or on
 # scalars): the optimizer's update may use them on blocks and get each block of the update
@@ -164,16 +182,16 @@ ELEMENTWISE = frozenset(
 _CALLS = frozenset("jit pjit closed_call core_call custom_jvp_call custom_vjp_call cond".split())
 
 
-def agreed(fn, *args):
-    """``fn(*args)`` inside a jit named ``AGREED_NAME``, for a computation over a sharded
-    step's whole update whose result the node's devices agree on (a sync between nodes; a
-    decision reduced over the node), which ``check_elementwise`` leaves out. Inlined by XLA:
-    it changes no value."""
+def block_aware(fn, *args):
+    """``fn(*args)`` inside a jit named ``BLOCK_AWARE``: the library's own code over a sharded
+    step's blocks, which knows how they are split (a sync between nodes, a decision reduced
+    over the node, a block placed in its whole leaf) and which ``check_elementwise`` leaves
+    out. Inlined by XLA: it changes no value."""
 
-    def jax_bytegrad_agreed(*args):
+    def jax_bytegrad_block_aware(*args):
         return fn(*args)
 
-    return jax.jit(jax_bytegrad_agreed)(*args)
+    return jax.jit(jax_bytegrad_block_aware)(*args)
 
 
 def _offender(jaxpr) -> str | None:
@@ -182,7 +200,7 @@ def _offender(jaxpr) -> str | None:
 
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name in ("jit", "pjit") and eqn.params.get("name") == AGREED_NAME:
+        if name in ("jit", "pjit") and eqn.params.get("name") == BLOCK_AWARE:
             continue
         if name in _CALLS or name in ("while", "custom_lin"):
             for sub in core.jaxprs_in_params(eqn.params):

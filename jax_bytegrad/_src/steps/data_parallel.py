@@ -10,18 +10,19 @@ HSDP): per device, inside ``jax.shard_map``,
 
     shard="optimizer": params whole, optimizer state in blocks
         grads = grad of the loss at the whole params (each device its own batch slice)
-        node sums = reduce-scatter of grads within the node     this device's block of each
-        update = optimizer(node sums, state blocks)             between nodes: the sync only
+        update = optimizer(grads, state blocks): the sync reduce-scatters each bucket within
+            the node, in rows of this device's blocks, then crosses between nodes
         params = all_gather within the node of (block + update)
     shard="params": params in blocks too
         the loss gathers each block within the node where it runs; jax.grad of a gather is
         the reduce-scatter, so the gradient arrives as this device's block of the node sum
-        update = optimizer(node sums, state blocks),  params = block + update
+        update = optimizer(node sums, state blocks): the sync only crosses between nodes
+        params = block + update
 
-Leaves that the node's devices cannot split stay whole, summed within the node by a psum. The
-optimizer's sync (``bytegrad``, ``gradient_allreduce``, ``qadam``) is told so by the extra
-argument ``sharded`` and only crosses between nodes: the same rows, sizes and wires as the
-replicated step's shards.
+Leaves that the node's devices cannot split stay whole (summed within the node by a psum with
+"params"). The optimizer's sync (``bytegrad``, ``gradient_allreduce``, ``qadam``) is told all
+this by the extra argument ``sharded`` (``shards.Sharded``): its rows have the sizes, wires
+and residuals of the replicated step's shards.
 """
 
 import functools
@@ -47,6 +48,11 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+
+# With shard="params" on GPUs: the largest combined reduce-scatter within the node. Measured on
+# deviceless 2 x 8 H100s (an MLP of 8 2048 x 2048 layers): 30 MiB (XLA's default) starts no
+# byte between nodes before the last gemm, 16 MiB none, 4 MiB half of them.
+RS_COMBINE_BYTES = 4 * 2**20
 
 
 def _spec_axes(spec) -> set[str]:
@@ -202,22 +208,22 @@ class DataParallelStep(TrainStep):
 
         return loss
 
-    def _node_sums(self, grads, params):
-        """With ``shard=``: the node's sums of the gradient (each device its block of a split
-        leaf) and this device's blocks of the params."""
+    def _handed(self, grads, params):
+        """With ``shard=``: what the optimizer gets (``shards.Sharded``), and this device's
+        blocks of the params. ``"optimizer"``: each device's gradient, which the sync sums
+        within the node bucket by bucket. ``"params"``: the node's sums (jax.grad of the
+        in-loss gather summed the split leaves; a psum sums the whole ones)."""
         axis, dims = self._axes[1], self._dims
-        g, treedef = jax.tree.flatten(grads)
-        p = jax.tree.leaves(params)
         if self.shard == "optimizer":
-            sums = [shards.node_sum(x, d, axis) for x, d in zip(g, dims, strict=True)]
-            own = [shards.own_block(x, d, axis) for x, d in zip(p, dims, strict=True)]
-        else:  # "params": jax.grad of the gather summed the split leaves already
-            sums = [
-                x if d is not None else shards.node_sum(x, None, axis)
-                for x, d in zip(g, dims, strict=True)
-            ]
-            own = p
-        return jax.tree.unflatten(treedef, sums), jax.tree.unflatten(treedef, own)
+            leaves, treedef = jax.tree.flatten(params)
+            own = [shards.own_block(x, d, axis) for x, d in zip(leaves, dims, strict=True)]
+            return grads, jax.tree.unflatten(treedef, own)
+        leaves, treedef = jax.tree.flatten(grads)
+        sums = [
+            x if d is not None else shards.node_sum(x, None, axis)
+            for x, d in zip(leaves, dims, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, sums), params
 
     def per_device(self, phase: str | None = None) -> Callable:
         """The un-jitted, un-mapped step of one device, for a ``shard_map`` of your own:
@@ -250,8 +256,8 @@ class DataParallelStep(TrainStep):
             if shard is None:
                 updates, opt_state = optimizer.update(grads, opt_state, own, **extra)
             else:
-                grads, own = self._node_sums(grads, params)
-                extra["sharded"] = Sharded(axes[1], dims)
+                grads, own = self._handed(grads, params)
+                extra["sharded"] = Sharded(axes[1], dims, summed=shard == "params")
                 update = functools.partial(optimizer.update, **extra)
                 closed, (updates, opt_state) = _traced(update, grads, opt_state, own)
                 shards.check_elementwise(closed.jaxpr, self.algorithm)
@@ -314,8 +320,16 @@ class DataParallelStep(TrainStep):
             NamedSharding(self.mesh, P(self._axes)),
         )
         outputs = 1 + self.has_aux + self.model.has_state
+        options = None
+        if self.shard == "params" and self.mesh.devices.flat[0].platform == "gpu":
+            # jax.grad of the in-loss gathers reduce-scatters each leaf within the node, and
+            # XLA:GPU's combiner (30 MiB) would merge them all after the last gradient,
+            # holding every exchange between nodes back (benchmarks/RESULTS.md, "Sharded
+            # state on GPU").
+            options = {"xla_gpu_reduce_scatter_combine_threshold_bytes": RS_COMBINE_BYTES}
         fn = jax.jit(
             self.sharded(None, phase),
+            compiler_options=options,
             in_shardings=in_shardings,
             out_shardings=(params, self._shardings(specs), *[replicated] * outputs),
             # The model state too: the step returns its new value in a buffer of its own.
