@@ -6,6 +6,7 @@ Scaling up Distributed Learning with System Relaxations", VLDB 2022).
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -118,8 +119,19 @@ def shard_batch(
     return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), tree)
 
 
+def _per_device(node) -> bool:
+    """Whether an optimizer state's node holds each device's own values."""
+    return isinstance(node, (Residuals, optax.MultiStepsState))
+
+
 def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"):
-    """``shard_map`` specs for an optimizer state: residuals per device, the rest replicated.
+    """``shard_map`` specs for an optimizer state: each device's own values per device, the
+    rest replicated.
+
+    Each device's own: error feedback's ``Residuals``, and the gradients an
+    ``optax.MultiStepsState`` accumulates (``acc_grads``: in a ``shard_map`` of your own,
+    ``optax.MultiSteps(optax.chain(bytegrad(), ...), k)`` accumulates each device's gradient;
+    ``shard_state`` gives every device its own row).
 
     Args:
       opt_state: an optax state (or its ``jax.eval_shape``), e.g. from ``tx.init``.
@@ -128,8 +140,7 @@ def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"
 
     Returns:
       A pytree like ``opt_state`` of ``PartitionSpec``: ``P((node_axis, local_axis))`` for
-      every leaf of error feedback's ``Residuals`` (wherever they sit in the state), ``P()``
-      elsewhere.
+      every per-device leaf (along its first dimension), ``P()`` elsewhere.
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad
@@ -144,9 +155,18 @@ def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"
     def specs(node):
         if isinstance(node, Residuals):
             return jax.tree.map(lambda _: per_device, node)
+        if isinstance(node, optax.MultiStepsState):
+            inner = state_specs(node.inner_opt_state, node_axis=node_axis, local_axis=local_axis)
+            return node._replace(
+                mini_step=P(),
+                gradient_step=P(),
+                inner_opt_state=inner,
+                acc_grads=jax.tree.map(lambda _: per_device, node.acc_grads),
+                skip_state=jax.tree.map(lambda _: P(), node.skip_state),
+            )
         return P()
 
-    return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, Residuals))
+    return jax.tree.map(specs, opt_state, is_leaf=_per_device)
 
 
 class StateSpecs:
@@ -171,7 +191,8 @@ def shard_state(opt_state, mesh: Mesh, *, node_axis: str = "node", local_axis: s
     """Places an optimizer state (same value on every process) on ``mesh`` per ``state_specs``.
 
     Replicated leaves are copied to every device; each device gets its own slice of the
-    error-feedback residuals.
+    error-feedback residuals, and its own row of an ``optax.MultiStepsState``'s accumulated
+    gradients (every row a copy of ``opt_state``'s: zeros after ``init``).
 
     Args:
       opt_state: an optax state, e.g. from ``tx.init``.
@@ -182,6 +203,25 @@ def shard_state(opt_state, mesh: Mesh, *, node_axis: str = "node", local_axis: s
     Returns:
       The state as global arrays sharded as ``state_specs`` says.
     """
+    devices = mesh.shape[node_axis] * mesh.shape[local_axis]
+
+    def rows(node):
+        """An ``optax.MultiStepsState`` whose accumulated gradients are every device's own,
+        from the one value ``tx.init`` gives: each device's row is a copy of it."""
+        if not isinstance(node, optax.MultiStepsState):
+            return node
+        for path, x in jax.tree.leaves_with_path(node.acc_grads):
+            if np.ndim(x) == 0:
+                raise ValueError(
+                    f"shard_state: optax.MultiSteps accumulates a scalar gradient "
+                    f"({jax.tree_util.keystr(path)}), which has no axis to hold one row per "
+                    "device; make the parameter shape (1,), or accumulate with "
+                    "data_parallel_step(loss_fn, optax.MultiSteps(...), mesh)"
+                )
+        acc = jax.tree.map(lambda x: np.concatenate([np.asarray(x)] * devices), node.acc_grads)
+        return node._replace(acc_grads=acc)
+
+    opt_state = jax.tree.map(rows, opt_state, is_leaf=_per_device)
     specs = state_specs(opt_state, node_axis=node_axis, local_axis=local_axis)
 
     def place(x, spec):

@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 from jax_bytegrad._src import checks, qadam, sharding, transforms
 from jax_bytegrad._src.config import SyncConfig
 from jax_bytegrad._src.steps import asynchronous, decentralized, pipelined
+from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import TrainStep
 from jax_bytegrad._src.steps.data_parallel import (
     DataParallelStep,
@@ -72,6 +73,8 @@ def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
 
 def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model) -> TrainStep:
     """The data-parallel step of ``s``, named after its algorithm."""
+    model = dict(model)
+    accumulation = model.pop("accumulation", None)
     step = {k: s.setting(k) for k in _STEP}
     return DataParallelStep(
         s.algorithm,
@@ -85,6 +88,7 @@ def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model)
         flatten=s.flatten,
         model=ModelState.of(*model.values(), f"Strategy({s.algorithm!r})"),
         shard=step["shard"],
+        accumulation=accumulation,
     )
 
 
@@ -106,6 +110,8 @@ def _refuse_model(model, where: str, why: str) -> None:
 def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
     if s.setting("pipeline"):
         where = "Strategy('bytegrad', pipeline=True)"
+        if "accumulation" in model:
+            raise ValueError(f"{where} does not accumulate micro-steps; use pipeline=False")
         _refuse_model(model, where, "its programs carry the params and optimizer state only")
         return pipelined.PipelinedStep(
             "bytegrad",
@@ -463,10 +469,21 @@ class Strategy:
                 "momentum exchange), so train_step takes optimizer=None; pass its settings to "
                 f"the strategy: Strategy({name!r}, learning_rate=1e-3, warmup_steps=100, ...)"
             )
+        accumulation = None
+        if isinstance(optimizer, optax.MultiSteps):
+            if entry.build not in (_build_gradient_allreduce, _build_bytegrad):
+                raise ValueError(
+                    f"Strategy({name!r}): gradient accumulation (optax.MultiSteps) is supported "
+                    "by gradient_allreduce and bytegrad (and qadam through "
+                    "data_parallel_step(loss_fn, optax.MultiSteps(qadam(...), k), mesh))"
+                )
+            optimizer, accumulation = Accumulation.of(optimizer, f"Strategy({name!r})")
         if entry.takes_optimizer and not isinstance(optimizer, optax.GradientTransformation):
             raise ValueError(
                 f"Strategy({name!r}): optimizer must be an optax.GradientTransformation such "
-                f"as optax.adam(1e-3), got {optimizer!r}"
+                f"as optax.adam(1e-3) (or an optax.MultiSteps of one), got {optimizer!r}"
             )
         model = dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync)
+        if accumulation is not None:
+            model["accumulation"] = accumulation
         return entry.build(self, loss_fn, optimizer, has_aux, **model)

@@ -31,6 +31,8 @@ from typing import Any
 
 import jax
 import jax.extend
+import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -39,6 +41,8 @@ from jax_bytegrad._src import checks, shards
 from jax_bytegrad._src.collective_ops import make_varying
 from jax_bytegrad._src.sharding import replicate, state_specs
 from jax_bytegrad._src.shards import Shard, Sharded
+from jax_bytegrad._src.steps import accumulation as accumulation_lib
+from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import (
     Program,
     TrainState,
@@ -48,6 +52,9 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+
+# The phase of the micro-steps that only accumulate (``accumulation.py``).
+ACCUMULATE = "accumulate"
 
 # With shard="params" on GPUs: the largest combined reduce-scatter within the node. Measured on
 # deviceless 2 x 8 H100s (an MLP of 8 2048 x 2048 layers): 30 MiB (XLA's default) starts no
@@ -104,28 +111,41 @@ def traced_gradient(grad_fn, params, *args):
 
 
 class DataParallelStep(TrainStep):
-    """The ``TrainStep`` of ``data_parallel_step``: one program per optimizer phase."""
+    """The ``TrainStep`` of ``data_parallel_step``: one program per optimizer phase (and one
+    for the micro-steps that accumulate, with ``accumulation``)."""
 
     def __init__(self, algorithm, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate,
-                 axes, flatten, model=None, shard: Shard | None = None):  # fmt: skip
+                 axes, flatten, model=None, shard: Shard | None = None,
+                 accumulation: Accumulation | None = None):  # fmt: skip
         super().__init__(
             algorithm, mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
             donate=donate, model=model,
         )  # fmt: skip
         self._optimizers = dict(optimizers)
         self._phase_of = phase_of
-        self.phases = tuple(self._optimizers)
         self.shard = shard
+        self.accumulation = accumulation
+        self.phases = tuple(self._optimizers)
+        if accumulation is not None:
+            if ACCUMULATE in self._optimizers:
+                raise ValueError(f"{algorithm}: a phase may not be named {ACCUMULATE!r}")
+            self.phases = (ACCUMULATE, *self.phases)
+            self._extra_keys = (accumulation_lib.ACCUMULATED,)
         self._local = int(mesh.shape[axes[1]])
         # The specs of the params and of the optimizer state, from the first state seen.
         self._specs = None
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
-        name = self._phase_of(steps_taken)
+        taken = steps_taken
+        if self.accumulation is not None:
+            taken, micro, k = self.accumulation.position(steps_taken)
+            if micro < k - 1:
+                return ACCUMULATE, ACCUMULATE
+        name = self._phase_of(taken)
         if name not in self._optimizers:
             raise ValueError(
-                f"{self.algorithm}: phase_of({steps_taken}) gave {name!r}, which is not one of "
-                f"the optimizers' phases {self.phases}"
+                f"{self.algorithm}: phase_of({taken}) gave {name!r}, which is not one of "
+                f"the optimizers' phases {tuple(self._optimizers)}"
             )
         return name, name
 
@@ -158,6 +178,14 @@ class DataParallelStep(TrainStep):
             self._update_specs = shards.leaf_specs(params, self._axes[1], local)
         return self._specs
 
+    def _accumulated(self, params) -> dict:
+        """``extra``'s accumulator, as placed ``ShapeDtypeStruct``s; empty without one."""
+        if self.accumulation is None:
+            return {}
+        dims = shards.split_dims(params, self._local) if self.shard else None
+        acc = accumulation_lib.shapes(params, self.mesh, self._axes, self.accumulation, dims)
+        return {accumulation_lib.ACCUMULATED: acc}
+
     def _shardings(self, specs):
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
 
@@ -179,7 +207,8 @@ class DataParallelStep(TrainStep):
             )
         else:
             params = replicate(params, self.mesh)
-        return TrainState(count(0), params, self._init_program(params)(params), {})
+        extra = jax.tree.map(accumulation_lib.zeros, self._accumulated(params))
+        return TrainState(count(0), params, self._init_program(params)(params), extra)
 
     def _state_shapes(self, params) -> TrainState:
         params = jax.tree.map(
@@ -187,7 +216,8 @@ class DataParallelStep(TrainStep):
             params,
             self._shardings(self._param_specs(params)),
         )
-        return TrainState(count(0), params, self._init_program(params).eval_shape(params), {})
+        opt_state = self._init_program(params).eval_shape(params)
+        return TrainState(count(0), params, opt_state, self._accumulated(params))
 
     # The program. -------------------------------------------------------------------------
 
@@ -208,22 +238,75 @@ class DataParallelStep(TrainStep):
 
         return loss
 
-    def _handed(self, grads, params):
-        """With ``shard=``: what the optimizer gets (``shards.Sharded``), and this device's
-        blocks of the params. ``"optimizer"``: each device's gradient, which the sync sums
-        within the node bucket by bucket. ``"params"``: the node's sums (jax.grad of the
-        in-loss gather summed the split leaves; a psum sums the whole ones)."""
-        axis, dims = self._axes[1], self._dims
-        if self.shard == "optimizer":
-            leaves, treedef = jax.tree.flatten(params)
-            own = [shards.own_block(x, d, axis) for x, d in zip(leaves, dims, strict=True)]
-            return grads, jax.tree.unflatten(treedef, own)
+    def _node_sums(self, grads):
+        """The node's sums of the gradient: this device's block of each split leaf (jax.grad
+        of the in-loss gather summed those already with ``shard="params"``), all of a whole
+        one."""
+        axis, summed = self._axes[1], self.shard == "params"
         leaves, treedef = jax.tree.flatten(grads)
         sums = [
-            x if d is not None else shards.node_sum(x, None, axis)
-            for x, d in zip(leaves, dims, strict=True)
+            x if summed and d is not None else shards.node_sum(x, d, axis)
+            for x, d in zip(leaves, self._dims, strict=True)
         ]
-        return jax.tree.unflatten(treedef, sums), params
+        return jax.tree.unflatten(treedef, sums)
+
+    def _gradient(self):
+        """``(params, batch, *model_inputs) -> ((loss, aux, model_state), grads, order)``:
+        what this device hands its optimizer: its gradient, or with ``shard="params"`` its
+        node's sums (``_node_sums``)."""
+        axes = self._axes
+        grad_fn = self.model.value_and_grad(self._loss(), self.has_aux, axes)
+
+        def gradient(params, batch, *model_inputs):
+            # Varying params: jax.grad of a replicated value would come back already summed
+            # over the devices, through a hidden float32 all-reduce.
+            varying = make_varying(params, axes)
+            (outputs, grads), order = traced_gradient(grad_fn, varying, batch, *model_inputs)
+            if self.shard == "params":
+                grads = self._node_sums(grads)
+            return outputs, grads, order
+
+        return gradient
+
+    def _update(self, optimizer, grads, opt_state, params, order, summed: bool):
+        """The optimizer's update of this device's (blocks of the) params, checked."""
+        axes, shard, dims = self._axes, self.shard, self._dims
+        extra = {"gradient_order": order}
+        own = params
+        if shard is None:
+            updates, opt_state = optimizer.update(grads, opt_state, own, **extra)
+        else:
+            if shard == "optimizer":
+                own = jax.tree.map(
+                    lambda x, d: shards.own_block(x, d, axes[1]),
+                    params,
+                    jax.tree.unflatten(jax.tree.structure(params), dims),
+                )
+            extra["sharded"] = Sharded(axes[1], dims, summed=summed)
+            update = functools.partial(optimizer.update, **extra)
+            closed, (updates, opt_state) = _traced(update, grads, opt_state, own)
+            shards.check_elementwise(closed.jaxpr, self.algorithm)
+        unsynced = _unsynced(updates, self._update_specs, opt_state, self._specs[1], axes)
+        if unsynced:
+            raise ValueError(
+                f"{self.algorithm}: the optimizer leaves updates or state that differ "
+                f"between devices ({', '.join(unsynced[:3])}); put jax_bytegrad.bytegrad() "
+                "or gradient_allreduce() first in the optax chain, or use jax_bytegrad.qadam()"
+            )
+        params = optax.apply_updates(own, updates)
+        if shard == "optimizer":
+            params = jax.tree.map(
+                lambda x, d: shards.gather_block(x, d, axes[1], invariant=True),
+                params,
+                jax.tree.unflatten(jax.tree.structure(params), dims),
+            )
+        return params, opt_state
+
+    def _metrics(self, loss, aux, model_state) -> tuple:
+        axes = self._axes
+        out = (jax.lax.pmean(loss, axes),)
+        out += (jax.lax.pmean(aux, axes),) if self.has_aux else ()
+        return out + ((model_state,) if self.model.has_state else ())
 
     def per_device(self, phase: str | None = None) -> Callable:
         """The un-jitted, un-mapped step of one device, for a ``shard_map`` of your own:
@@ -233,93 +316,85 @@ class DataParallelStep(TrainStep):
         a step with several; None for the only one. A step built with ``model_state=``
         or ``rng_seed=`` takes ``(params, opt_state, *model_inputs, batch)``, the model
         inputs being ``state.model_state``, then ``state.rng`` and the step count as uint32,
-        and returns the synced model state last. With ``shard=``, ``init`` or
-        ``state_shapes`` must have been called first (they fix the layout).
+        and returns the synced model state last. A step that accumulates takes the
+        accumulator (its row) and the micro-step's index (uint32) after ``opt_state`` and
+        returns the new accumulator after the new ``opt_state``; its ``"accumulate"`` phase
+        takes and returns no ``opt_state``, and leaves the params as they are. With
+        ``shard=``, ``init`` or ``state_shapes`` must have been called first (they fix the
+        layout).
         """
-        optimizer = optax.with_extra_args_support(
-            self._optimizers[phase if phase is not None else self.phases[0]]
-        )
-        axes, has_aux, model, shard = self._axes, self.has_aux, self.model, self.shard
-        grad_fn = model.value_and_grad(self._loss(), has_aux, axes)
-        _, specs = self._specs
-        update_specs, dims = self._update_specs, self._dims
+        phase = phase if phase is not None else next(iter(self._optimizers))
+        gradient, accumulation = self._gradient(), self.accumulation
+        summed = self.shard == "params" or (self.shard is not None and accumulation is not None)
+        if phase == ACCUMULATE:
+
+            def accumulate(params, acc, micro, *rest):
+                *model_inputs, batch = rest
+                (loss, aux, model_state), grads, _ = gradient(params, batch, *model_inputs)
+                if self.shard == "optimizer":
+                    grads = self._node_sums(grads)
+                acc = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
+                acc = jax.tree.map(lambda a: a[None], acc)
+                return (acc, *self._metrics(loss, aux, model_state))
+
+            return accumulate
+        optimizer = optax.with_extra_args_support(self._optimizers[phase])
 
         def step(params, opt_state, *rest):
-            *model_inputs, batch = rest
-            # Varying params: jax.grad of a replicated value would come back already summed
-            # over the devices, through a hidden float32 all-reduce.
-            varying = make_varying(params, axes)
-            traced, order = traced_gradient(grad_fn, varying, batch, *model_inputs)
-            (loss, aux, model_state), grads = traced
-            extra = {"gradient_order": order}
-            own = params
-            if shard is None:
-                updates, opt_state = optimizer.update(grads, opt_state, own, **extra)
-            else:
-                grads, own = self._handed(grads, params)
-                extra["sharded"] = Sharded(axes[1], dims, summed=shard == "params")
-                update = functools.partial(optimizer.update, **extra)
-                closed, (updates, opt_state) = _traced(update, grads, opt_state, own)
-                shards.check_elementwise(closed.jaxpr, self.algorithm)
-            unsynced = _unsynced(updates, update_specs, opt_state, specs, axes)
-            if unsynced:
-                raise ValueError(
-                    f"{self.algorithm}: the optimizer leaves updates or state that differ "
-                    f"between devices ({', '.join(unsynced[:3])}); put jax_bytegrad.bytegrad() "
-                    "or gradient_allreduce() first in the optax chain, or use "
-                    "jax_bytegrad.qadam()"
-                )
-            params = optax.apply_updates(own, updates)
-            if shard == "optimizer":
-                params = jax.tree.map(
-                    lambda x, d: shards.gather_block(x, d, axes[1], invariant=True),
-                    params,
-                    jax.tree.unflatten(jax.tree.structure(params), dims),
-                )
-            out = (params, opt_state, jax.lax.pmean(loss, axes))
-            out += (jax.lax.pmean(aux, axes),) if has_aux else ()
-            return out + ((model_state,) if model.has_state else ())
+            *inputs, batch = rest
+            acc, micro, *model_inputs = inputs if accumulation else (None, None, *inputs)
+            (loss, aux, model_state), grads, order = gradient(params, batch, *model_inputs)
+            if accumulation is not None:
+                if self.shard == "optimizer":
+                    grads = self._node_sums(grads)
+                total = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
+                grads = optax.tree.cast_like(total, grads)
+                acc = (jax.tree.map(jnp.zeros_like, acc),)
+            params, opt_state = self._update(optimizer, grads, opt_state, params, order, summed)
+            return (params, opt_state, *(acc or ()), *self._metrics(loss, aux, model_state))
 
         return step
+
+    def _specs_of(self, phase) -> tuple[tuple, tuple]:
+        """The ``shard_map`` in and out specs of a phase's program, the batch's last."""
+        param_specs, specs = self._specs
+        params = param_specs if self.shard == "params" else P()
+        metrics = (P(),) * (1 + self.has_aux + self.model.has_state)
+        model = (P(),) * self.model.num_inputs()
+        if self.accumulation is None:
+            return (params, specs, *model, P(self._axes)), (params, specs, *metrics)
+        acc = self._acc_specs
+        if phase == ACCUMULATE:
+            return (params, acc, P(), *model, P(self._axes)), (acc, *metrics)
+        return (params, specs, acc, P(), *model, P(self._axes)), (params, specs, acc, *metrics)
 
     def sharded(self, opt_state, phase: str | None = None) -> Callable:
         """The step as one ``jax.shard_map`` over the mesh, not jitted: call it inside a
         ``jax.jit`` of your own. ``opt_state`` (or its ``jax.eval_shape``) gives the specs
-        (with ``shard=``, call ``init`` or ``state_shapes`` first)."""
+        (with ``shard=`` or accumulation, call ``init`` or ``state_shapes`` first)."""
         if self._specs is None:
-            if self.shard is not None:
+            if self.shard is not None or self.accumulation is not None:
                 raise ValueError(
-                    f"{self.algorithm}: with shard={self.shard!r}, call step.init(params) or "
+                    f"{self.algorithm}: with shard= or accumulation, call step.init(params) or "
                     "step.state_shapes(params) before sharded(...): they fix the layout"
                 )
             self._specs = ((), self._state_specs(opt_state, None))
             self._dims = self._update_specs = None
-        param_specs, specs = self._specs
-        params_spec = param_specs if self.shard == "params" else P()
-        model_specs = (P(),) * self.model.num_inputs()
-        out_specs = (params_spec, specs, P()) + (P(),) * (self.has_aux + self.model.has_state)
+        in_specs, out_specs = self._specs_of(
+            phase if phase is not None else next(iter(self._optimizers))
+        )
         return jax.shard_map(
-            self.per_device(phase),
-            mesh=self.mesh,
-            in_specs=(params_spec, specs, *model_specs, P(self._axes)),
-            out_specs=out_specs,
+            self.per_device(phase), mesh=self.mesh, in_specs=in_specs, out_specs=out_specs
         )
 
     def program(self, state: TrainState) -> Program:
         self._learn_specs(state.params, state.opt_state)
+        if self.accumulation is not None:
+            self._acc_specs = accumulation_lib.specs(state.extra[accumulation_lib.ACCUMULATED])
         return super().program(state)
 
     def _build(self, phase) -> Program:
-        param_specs, specs = self._specs
-        replicated = NamedSharding(self.mesh, P())
-        params = self._shardings(param_specs) if self.shard == "params" else replicated
-        in_shardings = (
-            params,
-            self._shardings(specs),
-            *[replicated] * self.model.num_inputs(),
-            NamedSharding(self.mesh, P(self._axes)),
-        )
-        outputs = 1 + self.has_aux + self.model.has_state
+        in_specs, out_specs = self._specs_of(phase)
         options = None
         if self.shard == "params" and self.mesh.devices.flat[0].platform == "gpu":
             # jax.grad of the in-loss gathers reduce-scatters each leaf within the node, and
@@ -327,27 +402,52 @@ class DataParallelStep(TrainStep):
             # holding every exchange between nodes back (benchmarks/RESULTS.md, "Sharded
             # state on GPU").
             options = {"xla_gpu_reduce_scatter_combine_threshold_bytes": RS_COMBINE_BYTES}
+        # The params (unless the phase leaves them as they are), the optimizer state, the
+        # accumulator and the model state: the step returns their new values in their
+        # buffers.
+        if phase == ACCUMULATE:
+            donated = (1,)  # the accumulator: the params stay as they are
+        else:
+            donated = tuple(range(2 + (self.accumulation is not None)))
+        model_state = len(in_specs) - 1 - self.model.num_inputs()
+        donated += (model_state,) * self.model.has_state
         fn = jax.jit(
             self.sharded(None, phase),
             compiler_options=options,
-            in_shardings=in_shardings,
-            out_shardings=(params, self._shardings(specs), *[replicated] * outputs),
-            # The model state too: the step returns its new value in a buffer of its own.
-            donate_argnums=(0, 1, *[2] * self.model.has_state) if self._donate else (),
+            in_shardings=self._shardings(in_specs),
+            out_shardings=self._shardings(out_specs),
+            donate_argnums=donated if self._donate else (),
         )
-        return Program(fn, self._inputs, self._outputs)
+        inputs = functools.partial(self._inputs, phase=phase)
+        outputs = functools.partial(self._outputs, phase=phase)
+        return Program(fn, inputs, outputs)
 
-    def _inputs(self, state, batch):
+    def _inputs(self, state, batch, *, phase):
         self._learn_specs(state.params, state.opt_state)
         batch = global_batch(batch, self.mesh, self._axes)
-        return (state.params, state.opt_state, *self.model.inputs(state), batch)
+        model = self.model.inputs(state)
+        if self.accumulation is None:
+            return (state.params, state.opt_state, *model, batch)
+        acc = state.extra[accumulation_lib.ACCUMULATED]
+        micro = np.uint32(self.accumulation.position(int(state.step))[1])
+        if phase == ACCUMULATE:
+            return (state.params, acc, micro, *model, batch)
+        return (state.params, state.opt_state, acc, micro, *model, batch)
 
-    def _outputs(self, state, out):
-        metrics = {"loss": out[2]}
+    def _outputs(self, state, out, *, phase):
+        out = list(out)
+        if phase == ACCUMULATE:
+            params, opt_state = state.params, state.opt_state
+        else:
+            params, opt_state = out.pop(0), out.pop(0)
+        extra = {}
+        if self.accumulation is not None:
+            extra[accumulation_lib.ACCUMULATED] = out.pop(0)
+        metrics = {"loss": out.pop(0)}
         if self.has_aux:
-            metrics["aux"] = out[3]
-        extra = self.model.carried(state, out[-1] if self.model.has_state else None)
-        return TrainState(state.step, out[0], out[1], extra), metrics
+            metrics["aux"] = out.pop(0)
+        extra.update(self.model.carried(state, out.pop(0) if self.model.has_state else None))
+        return TrainState(state.step, params, opt_state, extra), metrics
 
 
 def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int], str]]:
@@ -381,7 +481,9 @@ def check_shard(shard, flatten: bool, where: str) -> None:
 
 def data_parallel_step(
     loss_fn: Callable[..., Any],
-    optimizer: optax.GradientTransformation | Mapping[str, optax.GradientTransformation],
+    optimizer: optax.GradientTransformation
+    | optax.MultiSteps
+    | Mapping[str, optax.GradientTransformation],
     mesh: Mesh,
     *,
     has_aux: bool = False,
@@ -422,7 +524,10 @@ def data_parallel_step(
         ``loss_fn(params, batch, model_state=..., key=...) -> (loss, new_model_state)``.
       optimizer: an optax transformation that synchronizes the gradient first; or one per
         phase, ``{name: transformation}`` with the same state structure, with ``phase_of``
-        (``qadam(phase=...)``'s two phases, for instance).
+        (``qadam(phase=...)``'s two phases, for instance); or ``optax.MultiSteps(tx,
+        every_k_schedule=k)`` to accumulate k micro-steps' gradients before each update, with
+        one exchange between nodes per k micro-steps (``steps/accumulation.py``; its
+        accumulator is ``state.extra["accumulated"]``).
       mesh: from ``make_mesh``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``; float aux leaves are averaged.
       donate: donate the params and optimizer-state buffers to the step: pass it the state
@@ -480,6 +585,9 @@ def data_parallel_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "data_parallel_step"
+    accumulation = None
+    if isinstance(optimizer, optax.MultiSteps):
+        optimizer, accumulation = Accumulation.of(optimizer, where)
     optimizers, phase_of = optimizers_of(optimizer, phase_of, where)
     check_shard(shard, flatten, where)
     return DataParallelStep(
@@ -494,4 +602,5 @@ def data_parallel_step(
         flatten=flatten,
         model=ModelState.of(model_state, rng_seed, state_sync, where),
         shard=shard,
+        accumulation=accumulation,
     )

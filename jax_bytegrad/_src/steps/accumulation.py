@@ -1,0 +1,143 @@
+"""Gradient accumulation in a data-parallel step: the exchange between nodes once per k micro-steps.
+
+Follows ``optax.MultiSteps`` (the gradient accumulation of large-batch training; Goyal et al.,
+"Accurate, Large Minibatch SGD", 2017): the gradients of k micro-steps are averaged (or
+summed) and the optimizer runs once on the result, the step of a k times larger batch. Inside a
+``shard_map`` of one's own, ``optax.MultiSteps`` runs its inner optimizer, and so the sync
+between nodes, on every micro-step, and keeps the k-th result. A train step given one picks a
+program per micro-step on the host instead:
+
+    accumulate (micro-steps i = 0 .. k-2): acc = acc + (g - acc) / (i + 1)     no exchange
+    apply (micro-step k - 1):  g = acc + (g - acc) / k;  the optimizer on g;  acc = 0
+
+(``acc + g`` with ``use_grad_mean=False``). The accumulator is each device's own, in
+``TrainState.extra["accumulated"]``: each device's gradient, or with ``shard=`` its block of
+its node's sum (a reduce-scatter within the node each micro-step, as ZeRO-2 accumulates), so
+the accumulator is split within the node too. Between nodes, the traffic is the optimizer's
+once per k micro-steps: ``communication_stats`` gives the ``"accumulate"`` phase (nothing
+between nodes) and the optimizer's, and ``phase_counts`` how often each ran.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src import shards
+
+ACCUMULATED = "accumulated"
+
+
+def _default_skip(fn) -> bool:
+    return getattr(fn, "__qualname__", "").startswith("MultiSteps.__init__.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """How a step accumulates micro-steps (from an ``optax.MultiSteps``).
+
+    Attributes:
+      every_k: ``every_k(gradient_step) -> k``, the micro-steps of each gradient step.
+      mean: average the micro-steps' gradients (else sum them).
+      dtype: the accumulator's dtype.
+    """
+
+    every_k: Callable[[int], int]
+    mean: bool = True
+    dtype: np.dtype = np.dtype(np.float32)
+    # The first micro-step of each gradient step so far (grown as asked).
+    _starts: list = dataclasses.field(default_factory=lambda: [0], compare=False, repr=False)
+
+    @classmethod
+    def of(cls, multi_steps: optax.MultiSteps, where: str):
+        """``(inner optimizer, Accumulation)`` of an ``optax.MultiSteps``.
+
+        Raises:
+          ValueError: for a ``should_skip_update_fn``: it decides on the device which
+            micro-steps count, and the step picks each micro-step's program on the host.
+        """
+        try:
+            every_k = multi_steps._every_k_schedule
+            mean = multi_steps._use_grad_mean
+            dtype = multi_steps._accumulator_dtype
+            skip = multi_steps._should_skip_update_fn
+        except AttributeError as error:  # pragma: no cover - an optax that moved them
+            raise ValueError(
+                f"{where}: this optax.MultiSteps does not say how it accumulates ({error}); "
+                "pass the inner optimizer and accumulate=k"
+            ) from None
+        if not _default_skip(skip):
+            raise ValueError(
+                f"{where}: optax.MultiSteps(should_skip_update_fn=...) decides on the device "
+                "which micro-steps count, and this step picks each micro-step's program (with "
+                "or without the exchange between nodes) on the host; wrap the inner optimizer "
+                "in jax_bytegrad.skip_nonfinite(...) instead"
+            )
+        return multi_steps.inner_opt, cls(every_k, bool(mean), np.dtype(dtype))
+
+    def k_of(self, gradient_step: int) -> int:
+        k = int(np.asarray(self.every_k(np.int32(gradient_step))))
+        if k < 1:
+            raise ValueError(f"every_k_schedule({gradient_step}) gave {k}; it must be >= 1")
+        return k
+
+    def position(self, taken: int) -> tuple[int, int, int]:
+        """``(gradient step, micro-step index i, k)`` of the micro-step after ``taken``."""
+        starts = self._starts
+        while starts[-1] <= taken:
+            starts.append(starts[-1] + self.k_of(len(starts) - 1))
+        g = int(np.searchsorted(starts, taken, side="right")) - 1
+        return g, taken - starts[g], starts[g + 1] - starts[g]
+
+    def fold(self, acc, grads, micro):
+        """The accumulator after adding ``grads`` at micro-step index ``micro`` (a traced
+        scalar), as ``optax.MultiSteps`` adds them."""
+
+        def one(a, g):
+            g = g.astype(a.dtype)
+            if not self.mean:
+                return a + g
+            return a + (g - a) / (micro + 1).astype(a.dtype)
+
+        return jax.tree.map(one, acc, grads)
+
+
+def _spec(x, dim: int | None, axes: tuple[str, str], sharded: bool) -> P:
+    """The spec of a leaf's accumulator: a leading axis of one row per device (per node,
+    sharded, with the split dimension split within the node)."""
+    if not sharded:
+        return P(axes)
+    return P(axes[0], *shards.spec(dim, np.ndim(x), axes[1]))
+
+
+def shapes(params, mesh: Mesh, axes, accumulation: Accumulation, dims) -> dict:
+    """``extra["accumulated"]`` as placed ``ShapeDtypeStruct``s: one row per device (per
+    node, with ``dims``, split within the node)."""
+    leaves, treedef = jax.tree.flatten(params)
+    rows = mesh.shape[axes[0]] * (1 if dims is not None else mesh.shape[axes[1]])
+    out = []
+    for i, x in enumerate(leaves):
+        spec = _spec(x, None if dims is None else dims[i], axes, dims is not None)
+        sharding = NamedSharding(mesh, spec)
+        shape = (rows, *np.shape(x))
+        out.append(jax.ShapeDtypeStruct(shape, accumulation.dtype, sharding=sharding))
+    return jax.tree.unflatten(treedef, out)
+
+
+def zeros(abstract):
+    """Placed zeros of ``shapes``'s result."""
+    shardings = jax.tree.map(lambda x: x.sharding, abstract)
+    return jax.jit(
+        lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract),
+        out_shardings=shardings,
+    )()
+
+
+def specs(abstract):
+    """The ``shard_map`` specs of ``shapes``'s result."""
+    return jax.tree.map(lambda x: x.sharding.spec, abstract)
