@@ -77,7 +77,8 @@ class SyncConfig:
         into messages only runs slower (benchmarks/RESULTS.md), so ``bucket_bytes`` sizes it.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
       implementation: quantization kernels: ``"xla"``, ``"pallas"``,
-        ``"pallas_interpret"``, or None for the best available.
+        ``"pallas_interpret"``, or None for the best available. The integer wire's ops are
+        XLA fusions only: an explicit ``"pallas"`` raises ``NotImplementedError`` there.
       error_feedback: keep each device's compression errors and add them back next step.
       wire: how codes cross between nodes. ``"auto"`` (default): ``"allreduce"`` for 8-bit
         codes summed over at most 8 devices (the nodes, or every device with

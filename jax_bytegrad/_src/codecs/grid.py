@@ -15,12 +15,12 @@ A constant block (lo == hi) gets scale = lo and zero = -1, so codes 0 decode to 
 block with a non-finite bound gets scale = NaN and zero = 0, so it decodes to NaN. Why each
 piece: ``reference.py`` (the min-max codec) and ``integer.py`` (the integer wire's).
 
-Every codec computes this rule with the same operations in the same order, so their bits
-agree wherever their inputs do. Only a few operations are spelled differently (``Spelling``):
-Mosaic GPU lowers no ``floor``, ``ceil`` or ``isfinite`` (``pallas.py`` spells them with ops it
-lowers, exactly), and the range step ``(hi - lo) / D`` is written so that +-3e38 in one block
-does not overflow, in one of two forms (``split_step`` here; the integer wire's, in which no
-product feeds an add, in ``integer.py``).
+Every codec computes this rule through ``grid`` and ``codes`` below: its operations and their
+order are written once. Only a few are spelled differently (``Spelling``): Mosaic GPU lowers no
+``floor``, ``ceil`` or ``isfinite``, so ``pallas.py`` spells them with ops it lowers, exactly
+(the same bits as jnp's); and the range step ``(hi - lo) / D``, written so that +-3e38 in one
+block does not overflow, has two forms: ``split_step`` here (the min-max codec's), and the
+integer wire's, in which no product feeds an add (``integer.py``).
 """
 
 import dataclasses
@@ -84,9 +84,11 @@ def grid(lo, hi, *, levels, stochastic: bool, spelling: Spelling = XLA):
     shift = -lo * inv_scale
     zero = spelling.ceil(shift) if stochastic else jnp.round(shift)
     constant = hi == lo
+    scale = jnp.where(constant, lo, scale)
+    zero = jnp.where(constant, -1.0, zero)
     finite = spelling.isfinite(lo) & spelling.isfinite(hi)
-    scale = jnp.where(finite, jnp.where(constant, lo, scale), jnp.nan)
-    zero = jnp.where(finite, jnp.where(constant, -1.0, zero), 0.0)
+    scale = jnp.where(finite, scale, jnp.nan)
+    zero = jnp.where(finite, zero, 0.0)
     inv_scale = jnp.where(finite & ~constant, inv_scale, 0.0)
     return scale, zero, inv_scale
 

@@ -176,8 +176,9 @@ def _codes(x, u, zero, inv_scale, bits: int):
     return _grid.codes(x * inv_scale, zero, _grid.max_code(bits), u, _MOSAIC.floor)
 
 
-def _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic: bool, bits: int) -> None:
+def _encode_row(i, values, u_ref, codes_ref, header_ref, codec) -> None:
     """Encodes block ``i``, given as float32 ``values`` of its parts, into row ``i``."""
+    bits, stochastic = codec.bits, codec.stochastic
     lo = functools.reduce(jnp.minimum, [jnp.min(v) for v in values])
     hi = functools.reduce(jnp.maximum, [jnp.max(v) for v in values])
     scale, zero, inv_scale = _grid.grid(
@@ -193,35 +194,35 @@ def _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic: bool, bits:
     header_ref[2 * i + 1] = zero
 
 
-def _quantize_kernel(*refs, stochastic: bool, bits: int):
-    if stochastic:
+def _quantize_kernel(*refs, codec):
+    if codec.stochastic:
         x_ref, u_ref, codes_ref, header_ref = refs
     else:
         (x_ref, codes_ref, header_ref), u_ref = refs, None
-    parts = _parts(x_ref.shape[1], bits)
+    parts = _parts(x_ref.shape[1], codec.bits)
 
     def body(i, carry):
         values = [x_ref[i, part].astype(jnp.float32) for part in parts]
-        _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic, bits)
+        _encode_row(i, values, u_ref, codes_ref, header_ref, codec)
         return carry
 
     lax.fori_loop(0, x_ref.shape[0], body, 0)
 
 
-def _dequantize_kernel(codes_ref, header_ref, out_ref, *, bits: int):
-    parts = _parts(out_ref.shape[1], bits)
+def _dequantize_kernel(codes_ref, header_ref, out_ref, *, codec):
+    parts = _parts(out_ref.shape[1], codec.bits)
 
     def body(i, carry):
         scale, zero = header_ref[2 * i], header_ref[2 * i + 1]
-        for part, codes in zip(parts, _unpack(codes_ref[i], bits), strict=True):
+        for part, codes in zip(parts, _unpack(codes_ref[i], codec.bits), strict=True):
             out_ref[i, part] = _grid.decode(codes, zero, scale)
         return carry
 
     lax.fori_loop(0, codes_ref.shape[0], body, 0)
 
 
-def _average_requantize_kernel(*refs, weight: float, stochastic: bool, bits: int):
-    if stochastic:
+def _average_requantize_kernel(*refs, codec, weight: float):
+    if codec.stochastic:
         codes_ref, header_ref, u_ref, out_codes_ref, out_header_ref = refs
     else:
         (codes_ref, header_ref, out_codes_ref, out_header_ref), u_ref = refs, None
@@ -235,11 +236,12 @@ def _average_requantize_kernel(*refs, weight: float, stochastic: bool, bits: int
         for c in range(n):
             scale = header_ref[c, 2 * i] * weight
             zero = header_ref[c, 2 * i + 1]
-            values = [_grid.decode(codes, zero, scale) for codes in _unpack(codes_ref[c, i], bits)]
+            codes = _unpack(codes_ref[c, i], codec.bits)
+            values = [_grid.decode(part, zero, scale) for part in codes]
             if totals is not None:
                 values = [t + v for t, v in zip(totals, values, strict=True)]
             totals = values
-        _encode_row(i, totals, u_ref, out_codes_ref, out_header_ref, stochastic, bits)
+        _encode_row(i, totals, u_ref, out_codes_ref, out_header_ref, codec)
         return carry
 
     lax.fori_loop(0, out_codes_ref.shape[0], body, 0)
@@ -387,7 +389,7 @@ def quantize_blocks(codec, x, key=None, *, interpret=False, tiles=_DEFAULT_TILES
     u = _uniforms(codec, key, x.shape)
     inputs = [_as_lanes(_pad_blocks(a, padded, 0)) for a in (x, u) if a is not None]
     return _encode_launch(
-        functools.partial(_quantize_kernel, stochastic=codec.stochastic, bits=codec.bits),
+        functools.partial(_quantize_kernel, codec=codec),
         inputs,
         [_tile_spec(rows, block_size)] * len(inputs),
         code_width=code_width,
@@ -407,7 +409,7 @@ def dequantize_blocks(codec, codes, header, *, interpret=False, tiles=_DEFAULT_T
         return jnp.zeros((0, block_size), jnp.float32)
     rows, padded = _plan(num_blocks, block_size, tiles)
     out = _launch(
-        functools.partial(_dequantize_kernel, bits=codec.bits),
+        functools.partial(_dequantize_kernel, codec=codec),
         grid=padded // rows,
         in_specs=[_tile_spec(rows, code_width), _header_spec(rows)],
         out_specs=[_tile_spec(rows, block_size)],
@@ -440,12 +442,7 @@ def average_requantize(
         inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
         in_specs.append(_tile_spec(rows, block_size))
     return _encode_launch(
-        functools.partial(
-            _average_requantize_kernel,
-            weight=weight,
-            stochastic=codec.stochastic,
-            bits=codec.bits,
-        ),
+        functools.partial(_average_requantize_kernel, codec=codec, weight=weight),
         inputs,
         in_specs,
         code_width=code_width,

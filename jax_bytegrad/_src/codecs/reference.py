@@ -10,14 +10,10 @@ Every function here works on blocks that are already laid out as rows: ``x`` has
 Each takes a ``codecs.Codec`` first (its ``bits`` and rounding), then its arrays; every other
 implementation of the same op (``pallas.py``) takes the same arguments.
 
-Per block, with lo = min and hi = max of the block (in float32), M = 2**bits - 1 the
-largest code (255 for 8 bits, 15 for 4 bits), the grid of ``grid.py``:
-
-    scale = max((hi - lo) / D, max(|lo|, |hi|) * 2**-23)     D = M nearest, M - 1 stochastic
-    zero  = round(-lo / scale)   (nearest)      ceil(-lo / scale)   (stochastic)
-    code  = clip(round(y) + zero, 0, M)                   y = x / scale   (nearest)
-            clip(floor(y) + (u < y - floor(y)) + zero, 0, M), u ~ U[0, 1) (stochastic)
-    x_hat = clip((code - zero) * scale, -finfo.max, finfo.max)
+Each block is coded on the grid of ``grid.py`` (its module docstring has the formulas):
+lo = min and hi = max of the block in float32, and M = 2**bits - 1 levels, the largest code
+(255 for 8 bits, 15 for 4 bits), with D = M steps for nearest rounding and M - 1 for
+stochastic rounding.
 
 8-bit codes are one uint8 per value, ``(num_blocks, block_size)``. 4-bit codes are packed two
 per byte, ``(num_blocks, block_size // 2)``: byte j of a block holds value j in its low
