@@ -51,6 +51,7 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -63,7 +64,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from jax_bytegrad import DEFAULT_BLOCK_SIZES  # noqa: E402
-from jax_bytegrad._src.quantization import (  # noqa: E402
+from jax_bytegrad._src.codecs import (  # noqa: E402
+    Codec,
     average_requantize,
     dequantize_blocks,
     quantize_blocks,
@@ -94,10 +96,16 @@ def _timed(fn, *args, repeats):
 
 
 def _stages(n: int):
-    def average(c, h):
-        return average_requantize(c, h, weight=1.0 / n)
+    xla = Codec(implementation="xla")
 
-    return quantize_blocks, average, dequantize_blocks
+    def average(c, h):
+        return average_requantize(xla, c, h, weight=1.0 / n)
+
+    return (
+        functools.partial(quantize_blocks, xla),
+        average,
+        functools.partial(dequantize_blocks, xla),
+    )
 
 
 def _pipeline(quantize, average, dequantize, n: int, block: int):

@@ -36,12 +36,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_bytegrad._src.codecs import pallas as _pallas  # noqa: E402
-from jax_bytegrad._src.quantization import (  # noqa: E402
+from jax_bytegrad._src.codecs import (  # noqa: E402
+    Codec,
     average_requantize,
     dequantize_blocks,
     quantize_blocks,
 )
+from jax_bytegrad._src.codecs import pallas as _pallas  # noqa: E402
 
 HEADER_BYTES = 8
 
@@ -72,12 +73,12 @@ def _copy_bandwidth(size: int, repeats: int) -> float:
 
 
 def _ops(impl: str, bits: int):
-    static = dict(bits=bits, implementation=impl)
-    quantize = jax.jit(lambda x: quantize_blocks(x, **static))
-    dequantize = jax.jit(lambda c, h: dequantize_blocks(c, h, **static))
+    codec = Codec(bits=bits, implementation=impl)
+    quantize = jax.jit(lambda x: quantize_blocks(codec, x))
+    dequantize = jax.jit(lambda c, h: dequantize_blocks(codec, c, h))
 
     def average(weight):
-        return jax.jit(lambda c, h: average_requantize(c, h, weight=weight, **static))
+        return jax.jit(lambda c, h: average_requantize(codec, c, h, weight=weight))
 
     return quantize, dequantize, average
 

@@ -155,13 +155,16 @@ def _timed(fn, *args, repeats: int) -> tuple[float, float]:
 def _codec_pieces(size: int) -> dict:
     """Name -> (jitted fn, args) for each timed piece, on one device's `size` values."""
     from jax_bytegrad._src import wire as wire_lib
-    from jax_bytegrad._src.codecs import integer
-    from jax_bytegrad._src.quantization import dequantize_blocks, quantize_blocks
+    from jax_bytegrad._src.codecs import Codec, dequantize_blocks, integer, quantize_blocks
+
+    nearest, stochastic = Codec(implementation="xla"), Codec(stochastic=True, implementation="xla")
+    quantize = functools.partial(quantize_blocks, nearest)
+    dequantize = functools.partial(dequantize_blocks, nearest)
 
     block = jax_bytegrad.DEFAULT_BLOCK_SIZES[8]
     size = -(-size // block) * block
     x = jax.random.normal(jax.random.key(0), (size // block, block), jnp.float32)
-    codes, header = jax.jit(quantize_blocks)(x)
+    codes, header = jax.jit(quantize)(x)
     keys = {impl: jax.random.key(1, impl=impl) for impl in ("threefry2x32", "rbg", "unsafe_rbg")}
     width = integer.allreduce_width(8, 2)
     bounds = jax.jit(integer.block_bounds)(x)
@@ -187,10 +190,10 @@ def _codec_pieces(size: int) -> dict:
         return (total.astype(jnp.int32) - offset).astype(jnp.float32) * (scale * 0.5)
 
     pieces = {
-        "sg quantize (nearest)": (jax.jit(quantize_blocks), (x,)),
-        "sg dequantize": (jax.jit(dequantize_blocks), (codes, header)),
+        "sg quantize (nearest)": (jax.jit(quantize), (x,)),
+        "sg dequantize": (jax.jit(dequantize), (codes, header)),
         "sg quantize (stochastic, threefry)": (
-            jax.jit(lambda x, k: quantize_blocks(x, stochastic=True, key=k)),
+            jax.jit(lambda x, k: quantize_blocks(stochastic, x, k)),
             (x, keys["threefry2x32"]),
         ),
     }
@@ -222,19 +225,25 @@ def _codec_pieces(size: int) -> dict:
     # blocks), as in a train step: factors recomputed per value, or read as data.
     side = math.isqrt(size)
     moment = jnp.ones((side, side), jnp.float32)
-    factor_args = dict(width=width, group_size=2, weight=0.5, stochastic=False)
+    factor_args = dict(width=width, group_size=2, weight=0.5)
 
     def moment_pass(mu, total, factors):
-        mean = integer.integer_decode(total, factors, width=width)[: side * side]
+        mean = integer.integer_decode(nearest, total, factors, width=width)[: side * side]
         return 0.9 * mu + 0.1 * mean.reshape(side, side)
 
     pieces["ar decode in an Adam pass, factors computed in it"] = (
-        jax.jit(lambda mu, t, b: moment_pass(mu, t, integer.decode_factors(b, **factor_args))),
+        jax.jit(
+            lambda mu, t, b: moment_pass(mu, t, integer.decode_factors(nearest, b, **factor_args))
+        ),
         (moment, codes, bounds),
     )
     pieces["ar decode in an Adam pass, factors as data"] = (
         jax.jit(moment_pass),
-        (moment, codes, jax.jit(functools.partial(integer.decode_factors, **factor_args))(bounds)),
+        (
+            moment,
+            codes,
+            jax.jit(functools.partial(integer.decode_factors, nearest, **factor_args))(bounds),
+        ),
     )
 
     # The whole integer sync of one bucket as one device of two runs it (on one device here,
@@ -245,8 +254,8 @@ def _codec_pieces(size: int) -> dict:
 
         def sync(g, bits=bits):
             mean, _ = wire_lib.integer_sum(
-                g, None, group="node", group_size=2, weight=0.5, key=None, bits=bits,
-                block_size=jax_bytegrad.DEFAULT_BLOCK_SIZES[bits], stochastic=False,
+                g, None, group="node", group_size=2, weight=0.5, key=None,
+                block_size=jax_bytegrad.DEFAULT_BLOCK_SIZES[bits], codec=Codec(bits=bits),
             )  # fmt: skip
             return mean
 

@@ -9,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 from test_quantize import BITS, IMPLEMENTATIONS
 
 import jax_bytegrad
-from jax_bytegrad._src.quantization import dequantize_blocks, quantize_with_feedback
+from jax_bytegrad._src.codecs import Codec, dequantize_blocks
+from jax_bytegrad._src.quantization import quantize_with_feedback
 from jax_bytegrad.sharding import shard_state, state_specs
 
 
@@ -31,10 +32,9 @@ def test_sent_plus_new_residual_equals_input_plus_old_residual(impl, bits, stoch
     old = rng.standard_normal((6, 256)) * np.abs(x).max(axis=1, keepdims=True) * 0.05
     x, old = jnp.asarray(x, jnp.float32), jnp.asarray(old, jnp.float32)
     key = jax.random.key(5) if stochastic else None
-    codes, header, new = quantize_with_feedback(
-        x, old, stochastic=stochastic, key=key, bits=bits, implementation=impl
-    )
-    sent = dequantize_blocks(codes, header, bits=bits, implementation=impl)
+    codec = Codec(bits=bits, stochastic=stochastic, implementation=impl)
+    codes, header, new = quantize_with_feedback(codec, x, old, key)
+    sent = dequantize_blocks(codec, codes, header)
     lhs = np.asarray(sent + new)  # float32, as the next step will see it
     rhs = np.asarray(x + old)
     exact = np.asarray(rhs, np.float64) - np.asarray(sent, np.float64)
@@ -57,11 +57,12 @@ def test_feedback_cancels_the_error_of_a_repeated_input(bits):
     residual = jnp.zeros_like(x)
     sent_sum = np.zeros(x.shape)
     steps = 64
+    codec = Codec(bits=bits, implementation="xla")
     for _ in range(steps):
-        codes, header, residual = quantize_with_feedback(x, residual, bits=bits)
-        sent_sum += np.asarray(dequantize_blocks(codes, header, bits=bits), np.float64)
+        codes, header, residual = quantize_with_feedback(codec, x, residual)
+        sent_sum += np.asarray(dequantize_blocks(codec, codes, header), np.float64)
     plain = np.asarray(
-        dequantize_blocks(*quantize_with_feedback(x, jnp.zeros_like(x), bits=bits)[:2], bits=bits)
+        dequantize_blocks(codec, *quantize_with_feedback(codec, x, jnp.zeros_like(x))[:2])
     )
     plain_error = np.abs(plain - np.asarray(x)).max()
     feedback_error = np.abs(sent_sum / steps - np.asarray(x, np.float64)).max()
@@ -75,7 +76,7 @@ def test_feedback_cancels_the_error_of_a_repeated_input(bits):
 def test_non_finite_input_poisons_only_its_own_residual_block():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 256)), jnp.float32)
     x = x.at[1, 7].set(jnp.nan)
-    _, _, new = quantize_with_feedback(x, jnp.zeros_like(x), bits=4)
+    _, _, new = quantize_with_feedback(Codec(bits=4, implementation="xla"), x, jnp.zeros_like(x))
     new = np.asarray(new)
     assert np.isnan(new[1]).all()
     assert np.isfinite(new[[0, 2]]).all()

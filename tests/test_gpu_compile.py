@@ -253,8 +253,8 @@ def test_each_bucket_crosses_between_nodes_as_its_own_plan(platform, wire_name):
     layout = collectives.bucket_layout(params, sync, (2, 4))
     group = wire.group_of(sync, 2, 4)
     plan = (
-        wire.integer_plan(group, block_size=sync.block_size, bits=8, stochastic=False,
-                          start=0, stop=1, feedback=False)
+        wire.integer_plan(group, codec=sync.codec, block_size=sync.block_size, start=0,
+                          stop=1, feedback=False)
         if group.wire == "allreduce"
         else wire.scatter_gather_plan(sync, group, weight=1 / 8, held=((0, slice(0, 1)),),
                                       feedback=False)

@@ -18,7 +18,7 @@ from jax.sharding import SingleDeviceSharding
 from test_pallas import BITS, DTYPE_IDS, DTYPES, LAYOUT_IDS, LAYOUTS
 
 import jax_bytegrad
-from jax_bytegrad._src.codecs import Kernel
+from jax_bytegrad._src.codecs import Codec
 from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad.sharding import gpu_mesh
 
@@ -90,8 +90,8 @@ def test_quantize_kernel_lowers_for_cuda(num_blocks, block_size, tiles, dtype, s
     block_size = block_size * 8 // bits
 
     def fn(x, key):
-        kernel = Kernel.of("quantize_blocks", x, stochastic=stochastic, bits=bits)
-        return _pallas.quantize_blocks(kernel, x, key if stochastic else None, tiles=tiles)
+        codec = Codec(bits=bits, stochastic=stochastic)
+        return _pallas.quantize_blocks(codec, x, key if stochastic else None, tiles=tiles)
 
     text = lower_for_cuda(fn, spec((num_blocks, block_size), dtype), KEY)
     assert KERNEL_CALL in text
@@ -103,8 +103,7 @@ def test_dequantize_kernel_lowers_for_cuda(num_blocks, block_size, tiles, bits):
     code_width = block_size  # a layout's block size is its code width at 8 bits
 
     def fn(codes, header):
-        kernel = Kernel.of("dequantize_blocks", codes, header, bits=bits)
-        return _pallas.dequantize_blocks(kernel, codes, header, tiles=tiles)
+        return _pallas.dequantize_blocks(Codec(bits=bits), codes, header, tiles=tiles)
 
     text = lower_for_cuda(
         fn, spec((num_blocks, code_width), jnp.uint8), spec((num_blocks, 2), jnp.float32)
@@ -120,11 +119,9 @@ def test_average_requantize_kernel_lowers_for_cuda(
     num_blocks, block_size, tiles, n, stochastic, bits
 ):
     def fn(codes, header, key):
-        kernel = Kernel.of(
-            "average_requantize", codes, header, weight=1.0 / n, stochastic=stochastic, bits=bits
-        )
+        codec = Codec(bits=bits, stochastic=stochastic)
         key = key if stochastic else None
-        return _pallas.average_requantize(kernel, codes, header, key, tiles=tiles)
+        return _pallas.average_requantize(codec, codes, header, key, weight=1.0 / n, tiles=tiles)
 
     text = lower_for_cuda(
         fn,

@@ -12,6 +12,8 @@ import pytest
 from helpers import assert_trees_all_equal
 
 from jax_bytegrad._src import codecs as _codecs
+from jax_bytegrad._src.codecs import Codec
+from jax_bytegrad._src.codecs import grid as _grid
 from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad._src.codecs import reference as _reference
 
@@ -39,11 +41,9 @@ LAYOUTS = [
 LAYOUT_IDS = ["even", "halved", "odd", "single"]
 BITS = [pytest.param(8, id="8bit"), pytest.param(4, id="4bit")]
 
-_ref_quantize = jax.jit(_reference.quantize_blocks, static_argnames=("stochastic", "bits"))
-_ref_dequantize = jax.jit(_reference.dequantize_blocks, static_argnames="bits")
-_ref_average = jax.jit(
-    _reference.average_requantize, static_argnames=("weight", "stochastic", "bits")
-)
+_ref_quantize = jax.jit(_reference.quantize_blocks, static_argnames="codec")
+_ref_dequantize = jax.jit(_reference.dequantize_blocks, static_argnames="codec")
+_ref_average = jax.jit(_reference.average_requantize, static_argnames=("codec", "weight"))
 
 
 def _widen(block_size, bits):
@@ -53,11 +53,8 @@ def _widen(block_size, bits):
 
 def _roundtrip(x, bits, interpret):
     """The kernels' codes and header of ``x`` at the default tile, and their decoded values."""
-    encoded = _pallas.quantize_blocks(
-        _codecs.Kernel.of("quantize_blocks", x, bits=bits), x, interpret=interpret
-    )
-    kernel = _codecs.Kernel.of("dequantize_blocks", *encoded, bits=bits)
-    return encoded, _pallas.dequantize_blocks(kernel, *encoded, interpret=interpret)
+    encoded = _pallas.quantize_blocks(Codec(bits=bits), x, interpret=interpret)
+    return encoded, _pallas.dequantize_blocks(Codec(bits=bits), *encoded, interpret=interpret)
 
 
 def _blocks(num_blocks, block_size, dtype, seed):
@@ -81,14 +78,13 @@ def test_quantize_and_dequantize_match_reference(
     block_size = _widen(block_size, bits)
     x = _blocks(num_blocks, block_size, dtype, seed=num_blocks)
     key = jax.random.key(7) if stochastic else None
-    kernel = _codecs.Kernel.of("quantize_blocks", x, stochastic=stochastic, bits=bits)
-    got = _pallas.quantize_blocks(kernel, x, key, interpret=interpret, tiles=tiles)
-    want = _ref_quantize(x, stochastic=stochastic, key=key, bits=bits)
+    codec = Codec(bits=bits, stochastic=stochastic)
+    got = _pallas.quantize_blocks(codec, x, key, interpret=interpret, tiles=tiles)
+    want = _ref_quantize(codec, x, key)
     assert want[0].shape == (num_blocks, block_size * bits // 8)
     assert_trees_all_equal(got, want)
-    kernel = _codecs.Kernel.of("dequantize_blocks", *want, bits=bits)
-    decoded = _pallas.dequantize_blocks(kernel, *want, interpret=interpret, tiles=tiles)
-    assert_trees_all_equal(decoded, _ref_dequantize(*want, bits=bits))
+    decoded = _pallas.dequantize_blocks(codec, *want, interpret=interpret, tiles=tiles)
+    assert_trees_all_equal(decoded, _ref_dequantize(codec, *want))
 
 
 @pytest.mark.parametrize("interpret", MODES)
@@ -101,17 +97,17 @@ def test_average_requantize_matches_reference(
 ):
     block_size = _widen(block_size, bits)
     chunks = [
-        _ref_quantize(_blocks(num_blocks, block_size, jnp.float32, seed=s), bits=bits)
+        _ref_quantize(Codec(bits=bits), _blocks(num_blocks, block_size, jnp.float32, seed=s))
         for s in range(n)
     ]
     codes = jnp.stack([c for c, _ in chunks])
     header = jnp.stack([h for _, h in chunks])
     key = jax.random.key(3) if stochastic else None
-    kernel = _codecs.Kernel.of(
-        "average_requantize", codes, header, weight=1.0 / n, stochastic=stochastic, bits=bits
+    codec = Codec(bits=bits, stochastic=stochastic)
+    got = _pallas.average_requantize(
+        codec, codes, header, key, weight=1.0 / n, interpret=interpret, tiles=tiles
     )
-    got = _pallas.average_requantize(kernel, codes, header, key, interpret=interpret, tiles=tiles)
-    want = _ref_average(codes, header, weight=1.0 / n, stochastic=stochastic, key=key, bits=bits)
+    want = _ref_average(codec, codes, header, key, weight=1.0 / n)
     assert_trees_all_equal(got, want)
 
 
@@ -121,7 +117,7 @@ def test_non_finite_blocks_decode_to_nan(bits, interpret):
     x = _blocks(4, _widen(128, bits), jnp.float32, seed=1)
     x = x.at[0, 5].set(jnp.nan).at[2, 0].set(jnp.inf).at[3, 7].set(-jnp.inf)
     encoded, decoded = _roundtrip(x, bits, interpret)
-    assert_trees_all_equal(encoded, _ref_quantize(x, bits=bits))
+    assert_trees_all_equal(encoded, _ref_quantize(Codec(bits=bits), x))
     decoded = np.asarray(decoded)
     assert np.isnan(decoded[[0, 2, 3]]).all()
     assert np.isfinite(decoded[1]).all()
@@ -134,7 +130,7 @@ def test_extreme_magnitudes_stay_finite(bits, interpret):
     block_size = _widen(128, bits)
     x = jnp.asarray(np.linspace(-big, big, 2 * block_size, dtype=np.float32).reshape(2, -1))
     encoded, decoded = _roundtrip(x, bits, interpret)
-    assert_trees_all_equal(encoded, _ref_quantize(x, bits=bits))
+    assert_trees_all_equal(encoded, _ref_quantize(Codec(bits=bits), x))
     assert np.isfinite(np.asarray(decoded)).all()
 
 
@@ -169,6 +165,31 @@ def test_floor_and_ceil_spellings_are_exact():
     assert np.isnan(nan).all()
 
 
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_the_mosaic_spelling_of_the_grid_gives_the_same_bits(stochastic):
+    """grid.py's one rule, with the ops Mosaic GPU lowers (pallas._MOSAIC) and with jnp's."""
+    big = float(np.finfo(np.float32).max)
+    pairs = [
+        (-1.0, 1.0), (0.0, 0.0), (2.5, 2.5), (-3e38, 3e38), (-big, big), (1000.0, 1000.0001),
+        (1e-30, 2e-30), (-7.25, -0.5), (0.3, 9.0), (-jnp.inf, 1.0), (0.0, jnp.inf),
+        (jnp.nan, 1.0), (-0.0, 0.0),
+    ]  # fmt: skip
+    lo, hi = (jnp.asarray(v, jnp.float32) for v in zip(*pairs, strict=True))
+    for levels in (_grid.max_code(8), _grid.max_code(4)):
+        mine = jax.jit(
+            lambda lo, hi, levels=levels: _grid.grid(
+                lo, hi, levels=levels, stochastic=stochastic, spelling=_pallas._MOSAIC
+            )
+        )(lo, hi)
+        theirs = jax.jit(
+            lambda lo, hi, levels=levels: _grid.grid(lo, hi, levels=levels, stochastic=stochastic)
+        )(lo, hi)
+        for a, b in zip(mine, theirs, strict=True):  # bits: NaN and the sign of zero too
+            np.testing.assert_array_equal(
+                np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32)
+            )
+
+
 def test_four_bit_pack_and_unpack_cover_every_byte():
     codes = jnp.arange(256, dtype=jnp.uint8).reshape(2, 128)
     low, high = _pallas._unpack(codes, 4)
@@ -185,11 +206,13 @@ CHECKED_KERNELS = [
     kernel
     for bits in (8, 4)
     for kernel in (
-        _codecs.Kernel("quantize_blocks", bits, 1024),
-        _codecs.Kernel("quantize_blocks", bits, 512, dtype="bfloat16", stochastic=True),
-        _codecs.Kernel("dequantize_blocks", bits, 2048),
-        _codecs.Kernel("average_requantize", bits, 1024, chunks=2, weight=0.5),
-        _codecs.Kernel("average_requantize", bits, 256, stochastic=True, chunks=4, weight=0.25),
+        _codecs.Kernel("quantize_blocks", Codec(bits), 1024),
+        _codecs.Kernel("quantize_blocks", Codec(bits, stochastic=True), 512, dtype="bfloat16"),
+        _codecs.Kernel("dequantize_blocks", Codec(bits), 2048),
+        _codecs.Kernel("average_requantize", Codec(bits), 1024, chunks=2, weight=0.5),
+        _codecs.Kernel(
+            "average_requantize", Codec(bits, stochastic=True), 256, chunks=4, weight=0.25
+        ),
     )
 ]
 
@@ -200,7 +223,8 @@ CHECKED_KERNELS = [
 )
 def test_kernels_pass_the_automatic_check(kernel, interpret, monkeypatch):
     if interpret:
-        monkeypatch.setitem(_codecs.CODECS, "pallas", _codecs.CODECS["pallas_interpret"])
+        registered = _codecs.REGISTRY[kernel.op]
+        monkeypatch.setitem(registered, "pallas", registered["pallas_interpret"])
     assert _codecs.check(kernel, jax.devices()[0]) is None
 
 

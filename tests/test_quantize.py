@@ -1,6 +1,5 @@
 """Every guarantee of quantize/dequantize, run against every implementation."""
 
-import dataclasses
 import threading
 import warnings
 
@@ -8,16 +7,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad._src import codecs as _codecs
-from jax_bytegrad._src.codecs import pallas as _pallas
-from jax_bytegrad._src.quantization import (
+from jax_bytegrad._src.codecs import (
+    Codec,
     average_requantize,
     dequantize_blocks,
     quantize_blocks,
-    resolve_implementation,
 )
+from jax_bytegrad._src.codecs import pallas as _pallas
+from jax_bytegrad._src.quantization import resolve_implementation
 
 pytestmark = pytest.mark.usefixtures("strict_dtypes")
 SM90_GPU = _pallas.is_supported()  # where the compiled Mosaic GPU kernels can run
@@ -38,6 +39,7 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
 BITS = [pytest.param(8, id="8bit"), pytest.param(4, id="4bit")]
 F32_MAX = float(np.finfo(np.float32).max)
+AXES = ("node", "local")
 
 
 def smallest_block(bits):
@@ -254,18 +256,17 @@ def test_average_requantize_matches_exact_average(impl, weight, bits):
     chunks = rng.standard_normal((n, num_blocks, block_size)).astype(np.float32)
     chunks[:, 1] *= 1e4  # blocks of very different ranges
     chunks[2, 2, :] = 0.0
-    encoded = [quantize_blocks(jnp.asarray(c), bits=bits, implementation="xla") for c in chunks]
+    xla = Codec(bits=bits, implementation="xla")
+    encoded = [quantize_blocks(xla, jnp.asarray(c)) for c in chunks]
     codes = jnp.stack([c for c, _ in encoded])
     header = jnp.stack([h for _, h in encoded])
-    decoded = np.stack(
-        [np.asarray(dequantize_blocks(c, h, bits=bits), np.float64) for c, h in encoded]
-    )
+    decoded = np.stack([np.asarray(dequantize_blocks(xla, c, h), np.float64) for c, h in encoded])
     out_codes, out_header = average_requantize(
-        codes, header, weight=weight, bits=bits, implementation=impl
+        Codec(bits=bits, implementation=impl), codes, header, weight=weight
     )
     assert out_codes.shape == (num_blocks, block_size * bits // 8)
     assert out_codes.dtype == jnp.uint8 and out_header.shape == (num_blocks, 2)
-    result = np.asarray(dequantize_blocks(out_codes, out_header, bits=bits), np.float64)
+    result = np.asarray(dequantize_blocks(xla, out_codes, out_header), np.float64)
     expected = decoded.sum(axis=0) * weight
     spread = expected.max(axis=1, keepdims=True) - expected.min(axis=1, keepdims=True)
     bound = spread / (2 * (2**bits - 1)) * (1 + 1e-5) + 1e-6 * np.abs(expected) + 1e-30
@@ -276,18 +277,16 @@ def test_average_requantize_matches_exact_average(impl, weight, bits):
 @pytest.mark.parametrize("bits", BITS)
 def test_average_requantize_propagates_nan(impl, bits):
     chunk = jnp.asarray(random_input((2, smallest_block(bits)), jnp.float32, seed=3))
-    codes, header = quantize_blocks(chunk, bits=bits, implementation="xla")
-    bad_codes, bad_header = quantize_blocks(
-        chunk.at[0, 5].set(jnp.nan), bits=bits, implementation="xla"
-    )
+    xla = Codec(bits=bits, implementation="xla")
+    codes, header = quantize_blocks(xla, chunk)
+    bad_codes, bad_header = quantize_blocks(xla, chunk.at[0, 5].set(jnp.nan))
     out_codes, out_header = average_requantize(
+        Codec(bits=bits, implementation=impl),
         jnp.stack([codes, bad_codes]),
         jnp.stack([header, bad_header]),
         weight=0.5,
-        bits=bits,
-        implementation=impl,
     )
-    out = np.asarray(dequantize_blocks(out_codes, out_header, bits=bits))
+    out = np.asarray(dequantize_blocks(xla, out_codes, out_header))
     assert np.all(np.isnan(out[0])) and np.all(np.isfinite(out[1]))
 
 
@@ -333,8 +332,70 @@ def test_default_is_xla_where_no_kernel_can_run(monkeypatch):
         warnings.simplefilter("error", RuntimeWarning)
         q = jax_bytegrad.quantize(jnp.ones(300), bits=4)
         jax_bytegrad.dequantize(q)
-    kernel = _codecs.Kernel("quantize_blocks", 8, 1024)
-    assert _codecs.select(kernel) is _codecs.CODECS["xla"]
+    kernel = _codecs.Kernel("quantize_blocks", Codec(), 1024)
+    assert _codecs.select(kernel) == "xla"
+
+
+@pytest.mark.parametrize("op", list(_codecs.REGISTRY))
+def test_every_op_has_its_xla_implementation_and_refuses_missing_ones(op):
+    registered = _codecs.REGISTRY[op]
+    assert "xla" in registered and set(registered) <= set(_codecs.IMPLEMENTATIONS)
+    for name in _codecs.IMPLEMENTATIONS:
+        if name in registered:
+            assert _codecs.lookup(op, name) is registered[name]
+        else:  # the integer wire's ops: XLA fusions only, and no silent fallback to them
+            with pytest.raises(NotImplementedError, match=f"{op} is an XLA fusion"):
+                _codecs.lookup(op, name)
+    with pytest.raises(NotImplementedError, match=f"{op} has no implementation 'cuda'"):
+        _codecs.lookup(op, "cuda")
+
+
+def _integer_mean(implementation, key=None):
+    """compressed_mean on the integer wire, over 2 nodes of 1 device."""
+    mesh = jax_bytegrad.make_mesh(2, 1)
+    sync = jax_bytegrad.SyncConfig(
+        wire="allreduce",
+        implementation=implementation,
+        rounding="nearest" if key is None else "stochastic",
+        error_feedback=True,
+    )
+    x = random_input((2, 2048), jnp.float32, seed=12)
+    residuals = jax_bytegrad.Residuals([(jnp.zeros((2 * 2048,)), jnp.zeros((0,)))])
+
+    def body(g, residuals, key):
+        return jax_bytegrad.compressed_mean(g[0], sync=sync, key=key, residuals=residuals)[0]
+
+    specs = (P(AXES), P(AXES), P())
+    fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P())
+    return jax.jit(fn)(x, residuals, key)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "pallas_interpret"])
+def test_the_integer_wire_refuses_an_explicit_kernel(implementation):
+    with pytest.raises(NotImplementedError, match="the integer wire .* has none"):
+        _integer_mean(implementation)
+
+
+def test_the_integer_wire_runs_each_op_through_the_registry(monkeypatch):
+    calls = []
+
+    def spy(op, fn):
+        def traced(*args, **kwargs):
+            calls.append(op)
+            return fn(*args, **kwargs)
+
+        return traced
+
+    want = _integer_mean(None, jax.random.key(0))
+    for op in ("integer_bounds", "integer_encode", "decode_factors", "integer_decode"):
+        registered = _codecs.REGISTRY[op]
+        monkeypatch.setitem(registered, "xla", spy(op, registered["xla"]))
+    for implementation in (None, "xla"):
+        calls.clear()
+        got = _integer_mean(implementation, jax.random.key(0))
+        assert sorted(set(calls)) == ["decode_factors", "integer_bounds", "integer_decode",
+                                      "integer_encode"]  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.skipif(SM90_GPU, reason="checks the error raised where no supported GPU is")
@@ -355,7 +416,9 @@ def candidate(monkeypatch):
     """Makes this host look like a supported GPU whose compiled kernels are the interpreted
     ones, which the test may then break one at a time; every check starts afresh."""
     monkeypatch.setattr(_pallas, "is_supported", lambda: True)
-    monkeypatch.setitem(_codecs.CODECS, "pallas", _codecs.CODECS["pallas_interpret"])
+    for op in ("quantize_blocks", "dequantize_blocks", "average_requantize"):
+        registered = _codecs.REGISTRY[op]
+        monkeypatch.setitem(registered, "pallas", registered["pallas_interpret"])
     checked = []
     real_check = _codecs.check
 
@@ -367,9 +430,8 @@ def candidate(monkeypatch):
     _codecs.clear_checks()
 
     def replace(**ops):
-        monkeypatch.setitem(
-            _codecs.CODECS, "pallas", dataclasses.replace(_codecs.CODECS["pallas"], **ops)
-        )
+        for op, fn in ops.items():
+            monkeypatch.setitem(_codecs.REGISTRY[op], "pallas", fn)
 
     yield replace, checked
     _codecs.clear_checks()
@@ -391,12 +453,11 @@ def all_warnings(fn, *args):
 def test_automatic_choice_uses_each_kernel_that_passes_its_check(candidate, bits):
     replace, checked = candidate
     calls = []
-    interpreted = _codecs.CODECS["pallas_interpret"]
 
     def spy(name):
         def op(*args, **kwargs):
             calls.append(name)
-            return getattr(interpreted, name)(*args, **kwargs)
+            return _codecs.REGISTRY[name]["pallas_interpret"](*args, **kwargs)
 
         return op
 
@@ -447,8 +508,8 @@ def test_a_failing_kernel_alone_falls_back_with_one_warning(candidate):
         else:
             assert caught == []  # decided once per process and device kind
     assert sorted(op for op, _ in checked) == ["dequantize_blocks", "quantize_blocks"]
-    assert _codecs.select(_codecs.Kernel("quantize_blocks", 8, 256)).name == "xla"
-    assert _codecs.select(_codecs.Kernel("dequantize_blocks", 8, 256)).name == "pallas_interpret"
+    assert _codecs.select(_codecs.Kernel("quantize_blocks", Codec(), 256)) == "xla"
+    assert _codecs.select(_codecs.Kernel("dequantize_blocks", Codec(), 256)) == "pallas"
     want_q, want_x = quantize_roundtrip(x, implementation="xla")
     np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(want_q.codes))
     np.testing.assert_array_equal(np.asarray(x_hat), np.asarray(want_x))
@@ -469,7 +530,7 @@ def test_a_failing_kernel_alone_falls_back_with_one_warning(candidate):
 )
 def test_a_wrong_kernel_falls_back(candidate, op, wrong, why):
     replace, _ = candidate
-    right = getattr(_codecs.CODECS["pallas"], op)
+    right = _codecs.REGISTRY[op]["pallas"]
     replace(**{op: lambda *args, **kwargs: wrong(right(*args, **kwargs))})
     x = random_input((2, 256), jnp.float32, seed=5)
     _, caught = all_warnings(lambda: quantize_roundtrip(x))
@@ -480,28 +541,31 @@ def test_a_slow_kernel_falls_back_after_the_time_bound(candidate, monkeypatch):
     replace, _ = candidate
     monkeypatch.setattr(_codecs, "CHECK_TIMEOUT_S", 0.5)
     release = threading.Event()
-    interpreted = _codecs.CODECS["pallas"].average_requantize
+    interpreted = _codecs.REGISTRY["average_requantize"]["pallas"]
 
     def slow(*args, **kwargs):
         release.wait()  # a layout search that would outlast the bound
         return interpreted(*args, **kwargs)
 
     replace(average_requantize=slow)
-    codes, header = quantize_blocks(random_input((2, 256), jnp.float32, seed=6))
+    x = random_input((2, 256), jnp.float32, seed=6)
+    codes, header = quantize_blocks(Codec(implementation="xla"), x)
     try:
         out, caught = all_warnings(
             lambda: average_requantize(
-                jnp.stack([codes, codes]),
-                jnp.stack([header, header]),
-                weight=0.5,
-                implementation=None,
+                Codec(), jnp.stack([codes, codes]), jnp.stack([header, header]), weight=0.5
             )
         )
     finally:
         release.set()
     assert len(caught) == 1 and "average_requantize(bits=8" in caught[0], caught
     assert "did not finish within 0.5 s" in caught[0]
-    want = average_requantize(jnp.stack([codes, codes]), jnp.stack([header, header]), weight=0.5)
+    want = average_requantize(
+        Codec(implementation="xla"),
+        jnp.stack([codes, codes]),
+        jnp.stack([header, header]),
+        weight=0.5,
+    )
     np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(want[0]))
 
 

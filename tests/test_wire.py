@@ -22,7 +22,7 @@ import jax_bytegrad
 from jax_bytegrad import SyncConfig, compressed_mean, full_precision_mean
 from jax_bytegrad._src import collective_ops
 from jax_bytegrad._src import wire as wire_lib
-from jax_bytegrad._src.codecs import integer
+from jax_bytegrad._src.codecs import Codec, integer
 from jax_bytegrad._src.collectives import residual_sizes
 from jax_bytegrad.profiling import communication_stats
 
@@ -571,7 +571,7 @@ def test_a_bucket_in_parts_gives_the_whole_buckets_bits(feedback):
             parts = g if cut is None else (g[:cut], g[cut:])
             mean, kept = wire_lib.integer_sum(
                 parts, r, group=AXES, group_size=2, weight=0.5, block_size=BLOCK, key=device,
-                bits=8, stochastic=True,
+                codec=Codec(bits=8, stochastic=True),
             )  # fmt: skip
             return mean[None], (mean * 0 if kept is None else kept)[None]
 

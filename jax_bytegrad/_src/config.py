@@ -5,7 +5,7 @@ described by the same eleven settings, documented once, in ``SyncConfig``, and v
 there, once, when the config is built. The user-facing factories (``bytegrad``, ``qadam``,
 ``Strategy``) keep flat keyword arguments (the optax convention) and build one; everything
 below them (``compressed_mean``, ``scale_by_qadam``, the wires, the steps) takes that one
-config, and its ``codec`` is the small part the quantization functions read.
+config, and its ``codec`` (a ``codecs.Codec``) is the part that travels on to the codecs' ops.
 
 References:
   Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
@@ -17,6 +17,7 @@ from typing import Literal
 import jax
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation
 from jax_bytegrad._src.codecs.integer import check_fits
 
 # Big enough that each collective runs at link speed, small enough that a 25M-parameter
@@ -30,11 +31,9 @@ DEFAULT_BLOCK_SIZES = {8: 1024, 4: 512}
 # Kernels tile a block's (packed) codes as whole rows of 128 bytes.
 MIN_BLOCK_SIZE = 128
 
-Implementation = Literal["xla", "pallas", "pallas_interpret"]
 Rounding = Literal["nearest", "stochastic"]
 Bits = Literal[8, 4]
 Wire = Literal["auto", "scatter_gather", "allreduce", "ring"]
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 ROUNDINGS = ("nearest", "stochastic")
 WIRES = ("auto", "scatter_gather", "allreduce", "ring")
 # The largest group of devices whose 8-bit codes ``wire="auto"`` sums on the integer wire:
@@ -53,21 +52,6 @@ def check_block_size(block_size, where: str, bits: int = 8) -> int:
             f"{where}: block_size must be a power of two >= {smallest}, got {block_size!r}{packing}"
         )
     return int(block_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Codec:
-    """The part of a ``SyncConfig`` that the quantization functions read: ``SyncConfig.codec``.
-
-    Attributes:
-      stochastic: stochastic (unbiased) rounding, ``rounding="stochastic"``.
-      bits: bits per code, 8 or 4.
-      implementation: the quantization kernels, or None for the best available.
-    """
-
-    stochastic: bool = False
-    bits: Bits = 8
-    implementation: Implementation | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +77,8 @@ class SyncConfig:
         into messages only runs slower (benchmarks/RESULTS.md), so ``bucket_bytes`` sizes it.
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased).
       implementation: quantization kernels: ``"xla"``, ``"pallas"``,
-        ``"pallas_interpret"``, or None for the best available.
+        ``"pallas_interpret"``, or None for the best available. The integer wire's ops are
+        XLA fusions only: an explicit ``"pallas"`` raises ``NotImplementedError`` there.
       error_feedback: keep each device's compression errors and add them back next step.
       wire: how codes cross between nodes. ``"auto"`` (default): ``"allreduce"`` for 8-bit
         codes summed over at most 8 devices (the nodes, or every device with
@@ -160,8 +145,10 @@ class SyncConfig:
 
     @property
     def codec(self) -> Codec:
-        """The settings the quantization functions read (``Codec``)."""
-        return Codec(stochastic=self.stochastic, bits=self.bits, implementation=self.implementation)
+        """The part of these settings that the codecs' ops read: a ``codecs.Codec`` of
+        ``bits``, ``rounding`` and ``implementation``, the one object that travels from here
+        to a kernel."""
+        return Codec(bits=self.bits, stochastic=self.stochastic, implementation=self.implementation)
 
     def mesh_shape(self, mesh, where: str) -> tuple[int, int] | None:
         """(nodes, devices per node) of ``mesh`` along this config's axes, or None without a

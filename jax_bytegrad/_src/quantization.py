@@ -3,12 +3,15 @@
 Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., VLDB 2022), and adds a
 4-bit grid packed two codes per byte, as ZeRO++'s qgZ sends gradients. The numeric
 semantics live in ``codecs/reference.py``; this module validates arguments, lays arrays out
-as blocks, and dispatches each block function to a codec of ``codecs`` (the XLA reference,
-the compiled Mosaic GPU kernels or the interpreted ones), chosen per kernel for
-``implementation=None``.
+as blocks, and runs the block ops of ``codecs`` with one ``codecs.Codec`` (bits, rounding and
+implementation: the XLA reference, the compiled Mosaic GPU kernels or the interpreted ones,
+chosen per kernel for ``implementation=None``). It also composes those ops into the two that
+the scatter-gather wire runs with error feedback: ``average_blocks`` and
+``quantize_with_feedback``.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,9 @@ import numpy as np
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src import codecs as _codecs
+from jax_bytegrad._src.codecs import Codec
 from jax_bytegrad._src.codecs import pallas as _pallas
+from jax_bytegrad._src.codecs import reference as _reference
 from jax_bytegrad._src.config import (
     BITS,
     ROUNDINGS,
@@ -88,7 +93,7 @@ def resolve_implementation(implementation: Implementation | None) -> Implementat
       NotImplementedError: for ``"pallas"`` where the default backend is a GPU older than
         Hopper, or not an NVIDIA one.
     """
-    if implementation is not None and implementation not in tuple(_codecs.CODECS):
+    if implementation is not None and implementation not in _codecs.IMPLEMENTATIONS:
         raise ValueError(
             "implementation must be 'xla', 'pallas', 'pallas_interpret' or None, "
             f"got {implementation!r}"
@@ -102,95 +107,19 @@ def resolve_implementation(implementation: Implementation | None) -> Implementat
     return implementation
 
 
-def _dispatch(op: str, *arrays, key=None, implementation: Implementation | None = "xla", **static):
-    """Runs the reference function ``op`` on ``arrays`` through a codec.
-
-    ``static`` is the reference's keywords (``bits``, ``stochastic``, ``weight``), which
-    make the kernel; ``implementation`` names the codec, and None lets ``codecs.select``
-    choose one for this kernel.
-    """
-    kernel = _codecs.Kernel.of(op, *arrays, **static)
-    if implementation is None:
-        codec = _codecs.select(kernel)
-    else:
-        codec = _codecs.CODECS[implementation]
-    return kernel.run(codec, *arrays, key=key)
-
-
-# The three block functions take the reference's arguments, plus ``implementation``.
-
-
-def quantize_blocks(
-    x: jax.Array,
-    *,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-    bits: int = 8,
-    implementation: Implementation | None = "xla",
-) -> tuple[jax.Array, jax.Array]:
-    """Quantizes rows of a (num_blocks, block_size) array; see ``codecs/reference.py``."""
-    return _dispatch(
-        "quantize_blocks", x, key=key, implementation=implementation, bits=bits,
-        stochastic=stochastic,
-    )  # fmt: skip
-
-
-def dequantize_blocks(
-    codes: jax.Array, header: jax.Array, *, bits: int = 8,
-    implementation: Implementation | None = "xla",
-) -> jax.Array:  # fmt: skip
-    """Decodes (num_blocks, block_size * bits // 8) codes to float32; see the reference."""
-    return _dispatch("dequantize_blocks", codes, header, implementation=implementation, bits=bits)
-
-
-def average_requantize(
-    codes: jax.Array,
-    header: jax.Array,
-    *,
-    weight: float,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-    bits: int = 8,
-    implementation: Implementation | None = "xla",
-) -> tuple[jax.Array, jax.Array]:
-    """Fused decode of n chunks, weighted sum in float32, and re-encode; see the reference."""
-    return _dispatch(
-        "average_requantize", codes, header, key=key, implementation=implementation, bits=bits,
-        stochastic=stochastic, weight=weight,
-    )  # fmt: skip
-
-
-def average_blocks(
-    codes: jax.Array,
-    header: jax.Array,
-    *,
-    weight: float,
-    bits: int = 8,
-    implementation: Implementation | None = "xla",
-) -> jax.Array:
+def average_blocks(codec: Codec, codes: jax.Array, header: jax.Array, *, weight: float):
     """Decodes n chunks and sums them times ``weight`` in float32: the fused op's first half.
 
-    The weight is folded into each chunk's scale and the chunks are added in order, as in
-    ``average_requantize``, so a mean of values near finfo.max does not overflow.
+    ``reference.weighted_sum`` with ``codec``'s decoder: the weight is folded into each
+    chunk's scale and the chunks are added in order, as in ``average_requantize``, so a mean
+    of values near finfo.max does not overflow.
     """
-    fold = jnp.asarray([[weight, 1.0]], jnp.float32)
-    total = None
-    for i in range(codes.shape[0]):
-        part = dequantize_blocks(
-            codes[i], header[i] * fold, bits=bits, implementation=implementation
-        )
-        total = part if total is None else total + part
-    return total
+    decode = functools.partial(_codecs.dequantize_blocks, codec)
+    return _reference.weighted_sum(decode, codes, header, weight)
 
 
 def quantize_with_feedback(
-    x: jax.Array,
-    residual: jax.Array,
-    *,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-    bits: int = 8,
-    implementation: Implementation | None = "xla",
+    codec: Codec, x: jax.Array, residual: jax.Array, key: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Quantizes rows of ``x + residual``; returns codes, header and the new residual.
 
@@ -202,10 +131,8 @@ def quantize_with_feedback(
     makes its residual NaN, as it makes the decoded values NaN.
     """
     target = x + residual
-    codes, header = quantize_blocks(
-        target, stochastic=stochastic, key=key, bits=bits, implementation=implementation
-    )
-    decoded = dequantize_blocks(codes, header, bits=bits, implementation=implementation)
+    codes, header = _codecs.quantize_blocks(codec, target, key)
+    decoded = _codecs.dequantize_blocks(codec, codes, header)
     return codes, header, target - decoded
 
 
@@ -286,15 +213,14 @@ def quantize(
     stochastic = rounding == "stochastic"
     check_key(stochastic, key, "quantize")
     implementation = resolve_implementation(implementation)
+    codec = Codec(bits=bits, stochastic=stochastic, implementation=implementation)
     num_blocks = -(-x.size // block_size)
     flat = x.reshape(-1)
     pad = num_blocks * block_size - x.size
     if pad and x.size:
         flat = jnp.pad(flat, (0, pad), mode="edge")
     blocks = flat.reshape(num_blocks, block_size)
-    codes, header = quantize_blocks(
-        blocks, stochastic=stochastic, key=key, bits=bits, implementation=implementation
-    )
+    codes, header = _codecs.quantize_blocks(codec, blocks, key)
     return QuantizedArray(
         codes=codes, header=header, shape=tuple(x.shape), dtype=x.dtype, bits=bits
     )
@@ -328,8 +254,8 @@ def dequantize(q: QuantizedArray, *, implementation: Implementation | None = Non
     """
     if not isinstance(q, QuantizedArray):
         raise ValueError(f"dequantize: expected a QuantizedArray, got {type(q).__name__}")
-    implementation = resolve_implementation(implementation)
-    values = dequantize_blocks(q.codes, q.header, bits=q.bits, implementation=implementation)
+    codec = Codec(bits=q.bits, implementation=resolve_implementation(implementation))
+    values = _codecs.dequantize_blocks(codec, q.codes, q.header)
     size = int(np.prod(q.shape, dtype=np.int64))
     values = values.reshape(-1)[:size]
     finite_max = float(jnp.finfo(q.dtype).max)

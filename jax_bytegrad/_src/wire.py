@@ -50,17 +50,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs import integer
+from jax_bytegrad._src import codecs
+from jax_bytegrad._src.codecs import Codec, integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
-from jax_bytegrad._src.config import Codec, SyncConfig, Wire
-from jax_bytegrad._src.quantization import (
-    HEADER_WIDTH,
-    average_blocks,
-    average_requantize,
-    dequantize_blocks,
-    quantize_blocks,
-    quantize_with_feedback,
-)
+from jax_bytegrad._src.config import SyncConfig, Wire
+from jax_bytegrad._src.quantization import HEADER_WIDTH, average_blocks, quantize_with_feedback
 
 
 def code_exchange(wire: Wire, message_bytes: int | None):
@@ -165,11 +159,6 @@ def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
     return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
 
 
-def _arguments(codec: Codec) -> dict:
-    """The keyword arguments of the quantization functions that encode, from ``codec``."""
-    return dict(stochastic=codec.stochastic, bits=codec.bits, implementation=codec.implementation)
-
-
 def _piece_keys(key):
     """The two rounding keys of one message piece (its quantize and its requantize)."""
     return (None, None) if key is None else jax.random.split(key)
@@ -181,17 +170,17 @@ def sg_encode(x, send, *, key, codec: Codec):
     ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
     block_size): row j goes to peer j. Returns the message, each block's codes with its
     header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
-    ``codec`` is the config's ``Codec``; ``key`` is the piece's key (None for nearest
+    ``codec`` is the config's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
     rounding).
     """
     peers, blocks, block_size = x.shape
     x = x.reshape(peers * blocks, block_size)
     key = _piece_keys(key)[0]
     if send is None:
-        codes, header = quantize_blocks(x, key=key, **_arguments(codec))
+        codes, header = codecs.quantize_blocks(codec, x, key)
     else:
         send = send.reshape(x.shape)
-        codes, header, send = quantize_with_feedback(x, send, key=key, **_arguments(codec))
+        codes, header, send = quantize_with_feedback(codec, x, send, key)
         send = send.reshape(peers, blocks, block_size)
     return _pack(codes, header).reshape(peers, blocks, -1), send
 
@@ -206,14 +195,10 @@ def sg_average(received, mean, *, weight, key, codec: Codec, block_size):
     codes, header = _unpack(received, block_size * codec.bits // 8)
     key = _piece_keys(key)[1]
     if mean is None:
-        codes, header = average_requantize(
-            codes, header, weight=weight, key=key, **_arguments(codec)
-        )
+        codes, header = codecs.average_requantize(codec, codes, header, key, weight=weight)
     else:
-        total = average_blocks(
-            codes, header, weight=weight, bits=codec.bits, implementation=codec.implementation
-        )
-        codes, header, mean = quantize_with_feedback(total, mean, key=key, **_arguments(codec))
+        total = average_blocks(codec, codes, header, weight=weight)
+        codes, header, mean = quantize_with_feedback(codec, total, mean, key)
     return _pack(codes, header), mean
 
 
@@ -222,11 +207,8 @@ def sg_decode(gathered, *, codec: Codec, block_size):
     values of shape (peers, blocks, block_size)."""
     peers, blocks = gathered.shape[:2]
     codes, header = _unpack(gathered, block_size * codec.bits // 8)
-    decoded = dequantize_blocks(
-        codes.reshape(peers * blocks, -1),
-        header.reshape(peers * blocks, -1),
-        bits=codec.bits,
-        implementation=codec.implementation,
+    decoded = codecs.dequantize_blocks(
+        codec, codes.reshape(peers * blocks, -1), header.reshape(peers * blocks, -1)
     )
     return decoded.reshape(peers, blocks, block_size)
 
@@ -344,8 +326,8 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, res
 # The integer wire ---------------------------------------------------------------------------
 
 
-def integer_plan(group: Group, *, block_size: int, bits: int, stochastic: bool, start: int,
-                 stop: int, feedback: bool):  # fmt: skip
+def integer_plan(group: Group, *, codec: Codec, block_size: int, start: int, stop: int,
+                 feedback: bool):  # fmt: skip
     """The integer wire's stages for blocks ``[start, stop)`` of a bucket: encode -> psum ->
     decode.
 
@@ -354,8 +336,9 @@ def integer_plan(group: Group, *, block_size: int, bits: int, stochastic: bool, 
     and the bucket's ``agreed`` bounds and decode ``factors`` (the group's pmax of each
     device's, ``integer_sum``); with ``feedback`` it updates ``send`` (what this device's
     codes missed, as long as ``x``). Its ``decode`` is those blocks of the weighted sum, flat.
+    ``codec`` is the config's ``codecs.Codec``: its bits, rounding and implementation.
     """
-    width = integer.allreduce_width(bits, group.size)
+    width = integer.allreduce_width(codec.bits, group.size)
     lo, hi = start * block_size, stop * block_size
 
     def encode(*args):
@@ -368,9 +351,9 @@ def integer_plan(group: Group, *, block_size: int, bits: int, stochastic: bool, 
             if a < b:
                 values = part[a - offset : b - offset]
                 values = values + send[0][a:b] if send else values
-                coded = integer.integer_encode(
-                    values, agreed[a // block_size : b // block_size], block_size=block_size,
-                    width=width, stochastic=stochastic, seed=seed, first_block=a // block_size,
+                coded = codecs.integer_encode(
+                    codec, values, agreed[a // block_size : b // block_size],
+                    block_size=block_size, width=width, seed=seed, first_block=a // block_size,
                     feedback=bool(send),
                 )  # fmt: skip
                 codes.append(coded[0])
@@ -385,7 +368,7 @@ def integer_plan(group: Group, *, block_size: int, bits: int, stochastic: bool, 
         return (jax.lax.psum(codes, group.axis),)
 
     def decode(total, factors):
-        return (integer.integer_decode(total, factors[:, start:stop], width=width),)
+        return (codecs.integer_decode(codec, total, factors[:, start:stop], width=width),)
 
     return (
         Stage("encode", "compute", encode, ("x", "agreed", "key"), ("send",) if feedback else ()),
@@ -403,8 +386,7 @@ def integer_sum(
     weight: float,
     block_size: int,
     key: jax.Array | None,
-    bits: int,
-    stochastic: bool,
+    codec: Codec,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``weight`` times the sum over ``group`` of the flat vectors ``x``, as integer codes.
 
@@ -422,8 +404,8 @@ def integer_sum(
       weight: scales the decoded sum (1 / devices for a mean).
       block_size: values per grid.
       key: this device's PRNG key for stochastic rounding (None for nearest).
-      bits: 8 or 4 (see ``allreduce_width``).
-      stochastic: stochastic rounding.
+      codec: the ``codecs.Codec``: bits (8 or 4, see ``allreduce_width``), rounding and
+        implementation.
 
     Returns:
       The decoded weighted sum, typed as replicated over ``group``, and the new residual
@@ -433,18 +415,17 @@ def integer_sum(
     starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
     if residual is not None:
         parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
-    bounds = jnp.concatenate([integer.integer_bounds(part, block_size) for part in parts])
+    bounds = jnp.concatenate([codecs.integer_bounds(codec, part, block_size) for part in parts])
     agreed = jax.lax.pmax(bounds, group)
-    width = integer.allreduce_width(bits, group_size)
-    factors = integer.decode_factors(
-        agreed, width=width, group_size=group_size, weight=weight, stochastic=stochastic
+    width = integer.allreduce_width(codec.bits, group_size)
+    factors = codecs.decode_factors(
+        codec, agreed, width=width, group_size=group_size, weight=weight
     )
     # The same on every device: the pmax changes no bit (module docstring).
     factors = jax.lax.pmax(factors, group)
     plan = integer_plan(
-        Group(group, group, group_size, False, "allreduce"), block_size=block_size, bits=bits,
-        stochastic=stochastic, start=0, stop=starts[-1] // block_size,
-        feedback=residual is not None,
+        Group(group, group, group_size, False, "allreduce"), codec=codec, block_size=block_size,
+        start=0, stop=starts[-1] // block_size, feedback=residual is not None,
     )  # fmt: skip
     values = {"x": x, "agreed": agreed, "key": key, "factors": factors}
     if residual is not None:
@@ -458,8 +439,8 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual
     contract): its length a multiple of devices x block; returns ``sum_shard``'s shard and
     the new residuals, None without error feedback, else
     (send, mean) with ``mean`` empty (one compression, so one residual; ``residual_sizes``).
-    ``config.implementation`` is not used: this codec is jnp, which XLA fuses on every
-    backend.
+    This codec's ops are XLA fusions on every backend (``codecs/__init__.py``): an explicit
+    ``implementation="pallas"`` raises ``NotImplementedError`` here.
     """
     node_axis, local_axis = config.axes
     group = group_of(config, n, local)
@@ -481,8 +462,7 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual
         weight=weight,
         block_size=config.block_size,
         key=key,
-        bits=config.bits,
-        stochastic=config.stochastic,
+        codec=config.codec,
     )
     return x, None if residual is None else (send, residual[1])
 

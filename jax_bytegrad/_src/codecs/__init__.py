@@ -1,22 +1,37 @@
-"""Quantization codecs: one interface, three implementations, and a choice per kernel.
+"""The codecs: one settings object, every implementation of every op, and a choice per kernel.
 
-Every codec implements the three block functions of ``reference.py`` with the same results:
-``quantize_blocks``, ``dequantize_blocks`` and ``average_requantize``. A codec's function takes
-a ``Kernel`` (the op's static arguments: bits, rounding, weight), then the reference's arrays,
-so the static arguments are spelled once, in the reference's signatures.
+``Codec`` is what a codec call is told: bits, rounding and which implementation to run. It is
+the one object that travels from a ``SyncConfig`` (``SyncConfig.codec``) or the arguments of
+``quantize`` to an implementation, which reads its ``bits`` and ``stochastic``.
 
-* ``"xla"``: ``reference.py``, pure jnp. It owns the semantics and runs everywhere.
-* ``"pallas"``: ``pallas.py``'s kernels compiled by Mosaic GPU, for NVIDIA GPUs of compute
-  capability >= 9.0. They lower for CUDA from any host; lowering them for another platform
-  raises ``NotImplementedError``.
-* ``"pallas_interpret"``: the same kernel bodies in the Pallas interpreter, on any backend.
+``REGISTRY`` holds every implementation of every op, by op and then by name. Within an op,
+every implementation takes the same arguments (a ``Codec`` first) and returns the same
+structure as its ``"xla"`` one, and the functions here of the op's name dispatch on
+``codec.implementation``:
 
-``implementation=None`` asks for the best codec, chosen per kernel by ``select``: the XLA
-reference where no compiled kernel can run; on a supported GPU, the compiled kernel once it
-has reproduced the reference on a small input. That check runs once per process, device kind
-and kernel (an op with everything static about its call), with a time bound. A kernel that
-fails it or runs out of time is replaced by the XLA path for that kernel alone, with one
-warning that names the kernel and why; the other kernels keep their compiled versions.
+* The block codec (``reference.py``): ``quantize_blocks``, ``dequantize_blocks`` and
+  ``average_requantize``.
+
+  * ``"xla"``: ``reference.py``, pure jnp. It owns the semantics and runs everywhere.
+  * ``"pallas"``: ``pallas.py``'s kernels compiled by Mosaic GPU, for NVIDIA GPUs of compute
+    capability >= 9.0. They lower for CUDA from any host; lowering them for another platform
+    raises ``NotImplementedError``.
+  * ``"pallas_interpret"``: the same kernel bodies in the Pallas interpreter, on any backend.
+
+* The integer wire's codec (``integer.py``): ``integer_bounds``, ``integer_encode``,
+  ``decode_factors`` and ``integer_decode``, ``"xla"`` only. Each is an elementwise pass or a
+  row reduction that XLA fuses into one pass over memory (the decode into the optimizer's
+  own), which no kernel could make move fewer bytes (docs/gpu.md). Asking one of them for
+  ``"pallas"`` or ``"pallas_interpret"`` raises ``NotImplementedError``, as asking for a
+  kernel where none can run does: an explicit implementation never falls back silently.
+
+``implementation=None`` asks for the best implementation: an op's only one, or for the block
+codec the one ``select`` chooses per kernel: the XLA reference where no compiled kernel can
+run; on a supported GPU, the compiled kernel once it has reproduced the reference on a small
+input. That check runs once per process, device kind and kernel (an op with everything static
+about its call), with a time bound. A kernel that fails it or runs out of time is replaced by
+the XLA path for that kernel alone, with one warning that names the kernel and why; the other
+kernels keep their compiled versions.
 """
 
 import dataclasses
@@ -24,99 +39,212 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs import pallas, reference
+from jax_bytegrad._src.codecs import integer, pallas, reference
 
 # Seconds one kernel's check may take, compile included: a compile takes about a second, and a
 # layout search that Mosaic GPU cannot finish would take minutes of the user's first step.
 CHECK_TIMEOUT_S = 20.0
-# The ops every codec implements, named as the reference's functions.
-OPS = ("quantize_blocks", "dequantize_blocks", "average_requantize")
+Implementation = Literal["xla", "pallas", "pallas_interpret"]
+# Every implementation name an op may have.
+IMPLEMENTATIONS = get_args(Implementation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How values are coded: the settings every op of every codec reads. Frozen, hashable.
+
+    Attributes:
+      bits: bits per code, 8 or 4.
+      stochastic: stochastic (unbiased) rounding, ``rounding="stochastic"``; the ops that
+        encode then take a PRNG key.
+      implementation: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``, or None for the best
+        available (module docstring).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> codes, header = quantize_blocks(Codec(bits=4), jnp.ones((2, 256)))
+      >>> codes.shape, header.shape
+      ((2, 128), (2, 2))
+    """
+
+    bits: int = 8
+    stochastic: bool = False
+    implementation: Implementation | None = None
+
+
+def _interpreted(kernel: Callable) -> Callable:
+    return functools.partial(kernel, interpret=True)
+
+
+_BLOCK_OPS = ("quantize_blocks", "dequantize_blocks", "average_requantize")
+_INTEGER_OPS = ("integer_bounds", "integer_encode", "decode_factors", "integer_decode")
+# Every implementation of every op: op -> implementation name -> function (module docstring).
+REGISTRY: dict[str, dict[str, Callable]] = {
+    "quantize_blocks": {
+        "xla": reference.quantize_blocks,
+        "pallas": pallas.quantize_blocks,
+        "pallas_interpret": _interpreted(pallas.quantize_blocks),
+    },
+    "dequantize_blocks": {
+        "xla": reference.dequantize_blocks,
+        "pallas": pallas.dequantize_blocks,
+        "pallas_interpret": _interpreted(pallas.dequantize_blocks),
+    },
+    "average_requantize": {
+        "xla": reference.average_requantize,
+        "pallas": pallas.average_requantize,
+        "pallas_interpret": _interpreted(pallas.average_requantize),
+    },
+    "integer_bounds": {"xla": integer.integer_bounds},
+    "integer_encode": {"xla": integer.integer_encode},
+    "decode_factors": {"xla": integer.decode_factors},
+    "integer_decode": {"xla": integer.integer_decode},
+}
+
+
+def lookup(op: str, implementation: str) -> Callable:
+    """The implementation named ``implementation`` of ``op``.
+
+    Raises:
+      NotImplementedError: where ``op`` has none of that name, saying what to pass instead.
+    """
+    implementations = REGISTRY[op]
+    if implementation in implementations:
+        return implementations[implementation]
+    if implementation in IMPLEMENTATIONS and op in _INTEGER_OPS:
+        raise NotImplementedError(
+            f"jax_bytegrad: implementation={implementation!r} asks for the Pallas kernels, and "
+            f"the integer wire (wire='allreduce', which wire='auto' picks for 8-bit codes "
+            f"summed over at most 8 devices) has none: its op {op} is an XLA fusion, which "
+            "already moves the fewest bytes (docs/gpu.md). Pass implementation=None or 'xla', "
+            "or wire='scatter_gather' to run the kernels"
+        )
+    raise NotImplementedError(
+        f"jax_bytegrad: {op} has no implementation {implementation!r}; it has "
+        f"{', '.join(map(repr, implementations))}"
+    )
+
+
+def resolve(op: str, codec: Codec, *arrays, weight: float | None = None) -> Callable:
+    """The function that runs ``op`` on ``arrays`` for ``codec``: the implementation it
+    names, or for None the best available (the op's only one, or ``select``'s choice)."""
+    if codec.implementation is not None:
+        return lookup(op, codec.implementation)
+    if len(REGISTRY[op]) == 1:
+        return next(iter(REGISTRY[op].values()))
+    return lookup(op, select(Kernel.of(op, codec, *arrays, weight=weight)))
+
+
+# --- The ops: each dispatches on codec.implementation and takes its implementations' arguments.
+
+
+def quantize_blocks(codec: Codec, x: jax.Array, key: jax.Array | None = None):
+    """Quantizes rows of a (num_blocks, block_size) array: ``reference.quantize_blocks``."""
+    return resolve("quantize_blocks", codec, x)(codec, x, key)
+
+
+def dequantize_blocks(codec: Codec, codes: jax.Array, header: jax.Array) -> jax.Array:
+    """Decodes (num_blocks, block_size * bits // 8) codes: ``reference.dequantize_blocks``."""
+    return resolve("dequantize_blocks", codec, codes, header)(codec, codes, header)
+
+
+def average_requantize(codec: Codec, codes, header, key=None, *, weight: float):
+    """Decodes n chunks, sums them times ``weight`` and re-encodes: the reference's op."""
+    fn = resolve("average_requantize", codec, codes, header, weight=weight)
+    return fn(codec, codes, header, key, weight=weight)
+
+
+def integer_bounds(codec: Codec, x: jax.Array, block_size: int) -> jax.Array:
+    """The integer wire's block bounds: ``integer.integer_bounds``."""
+    return resolve("integer_bounds", codec)(codec, x, block_size)
+
+
+def integer_encode(codec: Codec, x, bounds, *, block_size, width, seed, first_block=0,
+                   feedback):  # fmt: skip
+    """The integer wire's codes on the group's grid: ``integer.integer_encode``."""
+    return resolve("integer_encode", codec)(
+        codec, x, bounds, block_size=block_size, width=width, seed=seed,
+        first_block=first_block, feedback=feedback,
+    )  # fmt: skip
+
+
+def decode_factors(codec: Codec, bounds, *, width, group_size, weight) -> jax.Array:
+    """The integer wire's decode factors per block: ``integer.decode_factors``."""
+    fn = resolve("decode_factors", codec)
+    return fn(codec, bounds, width=width, group_size=group_size, weight=weight)
+
+
+def integer_decode(codec: Codec, total, factors, *, width) -> jax.Array:
+    """The integer wire's decoded weighted sum: ``integer.integer_decode``."""
+    return resolve("integer_decode", codec)(codec, total, factors, width=width)
+
+
+# --- The choice for implementation=None: one check per kernel. ------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-    """One kernel: an op and everything static about its call except the block count.
+    """One kernel: a block op and everything static about its call except the block count.
 
     Attributes:
       op: ``"quantize_blocks"``, ``"dequantize_blocks"`` or ``"average_requantize"``.
-      bits: 8 or 4.
+      codec: its ``Codec`` (bits and rounding; the implementation is what is being chosen).
       block_size: values per block.
       dtype: the input dtype's name (quantize_blocks reads float32, bfloat16 or float16).
-      stochastic: stochastic rounding (the encoding ops).
       chunks: how many chunks average_requantize reads; 0 for the other ops.
       weight: average_requantize's weight; None for the other ops.
     """
 
     op: str
-    bits: int
+    codec: Codec
     block_size: int
     dtype: str = "float32"
-    stochastic: bool = False
     chunks: int = 0
     weight: float | None = None
 
     @classmethod
-    def of(
-        cls, op: str, *arrays, bits: int = 8, stochastic: bool = False, weight: float | None = None
-    ) -> "Kernel":
-        """The kernel of the call ``reference.<op>(*arrays, bits=..., ...)``.
-
-        Takes the reference's static keywords, so that a codec's caller passes them as it
-        would to the reference; a keyword the reference does not take raises ``TypeError``.
-        """
+    def of(cls, op: str, codec: Codec, *arrays, weight: float | None = None) -> "Kernel":
+        """The kernel of the call ``<op>(codec, *arrays, ..., weight=weight)``."""
+        codec = dataclasses.replace(codec, implementation=None)
         first = arrays[0]
         if op == "quantize_blocks":
-            dtype = jnp.dtype(first.dtype).name
-            return cls(op, bits, first.shape[-1], dtype=dtype, stochastic=stochastic)
-        block_size = first.shape[-1] * 8 // bits
+            return cls(op, codec, first.shape[-1], dtype=jnp.dtype(first.dtype).name)
+        block_size = first.shape[-1] * 8 // codec.bits
         if op == "dequantize_blocks":
-            if stochastic or weight is not None:
-                raise TypeError("dequantize_blocks takes neither stochastic nor weight")
-            return cls(op, bits, block_size)
+            return cls(op, codec, block_size)
         if op != "average_requantize":
-            raise ValueError(f"unknown codec op {op!r}; expected one of {OPS}")
-        if weight is None:
-            raise TypeError("average_requantize needs weight=...")
-        chunks = first.shape[0]
-        return cls(op, bits, block_size, stochastic=stochastic, chunks=chunks, weight=float(weight))
+            raise ValueError(f"{op!r} is not a block op; expected one of {_BLOCK_OPS}")
+        return cls(op, codec, block_size, chunks=first.shape[0], weight=float(weight))
 
     @property
     def encodes(self) -> bool:
         """Whether the op writes codes, and so takes a rounding and a key."""
         return self.op != "dequantize_blocks"
 
-    def arguments(self) -> dict:
-        """The static keyword arguments of this kernel's reference function."""
-        arguments = {"bits": self.bits}
-        if self.encodes:
-            arguments["stochastic"] = self.stochastic
-        if self.weight is not None:
-            arguments["weight"] = self.weight
-        return arguments
-
     def __str__(self) -> str:
-        args = [f"bits={self.bits}", f"block_size={self.block_size}"]
+        args = [f"bits={self.codec.bits}", f"block_size={self.block_size}"]
         if self.op == "quantize_blocks":
             args.append(f"dtype={self.dtype}")
         if self.encodes:
-            args.append(f"rounding={'stochastic' if self.stochastic else 'nearest'!r}")
+            args.append(f"rounding={'stochastic' if self.codec.stochastic else 'nearest'!r}")
         if self.op == "average_requantize":
             args += [f"chunks={self.chunks}", f"weight={self.weight}"]
         return f"{self.op}({', '.join(args)})"
 
-    def run(self, codec: "Codec", *arrays, key: jax.Array | None = None):
-        """Calls this kernel's op of ``codec`` on ``arrays`` (and ``key``, if it encodes)."""
-        fn = getattr(codec, self.op)
-        if self.encodes:
-            return fn(self, *arrays, key=key)
-        if key is not None:
-            raise TypeError(f"{self.op} takes no key")
-        return fn(self, *arrays)
+    def run(self, implementation: str, *arrays, key: jax.Array | None = None):
+        """Runs this kernel's op with ``implementation`` on ``arrays`` (and ``key``)."""
+        codec = dataclasses.replace(self.codec, implementation=implementation)
+        if self.op == "quantize_blocks":
+            return quantize_blocks(codec, *arrays, key)
+        if self.op == "dequantize_blocks":
+            return dequantize_blocks(codec, *arrays)
+        return average_requantize(codec, *arrays, key, weight=self.weight)
 
     def example(self) -> tuple[np.ndarray, ...]:
         """A small input that reaches every branch: zeros, a constant block, NaN and inf.
@@ -138,58 +266,13 @@ class Kernel:
 
         if self.op == "quantize_blocks":
             return (values(1).astype(jnp.dtype(self.dtype)),)
-        encode = jax.jit(functools.partial(reference.quantize_blocks, bits=self.bits))
+        encode = jax.jit(functools.partial(reference.quantize_blocks, Codec(bits=self.codec.bits)))
         if self.op == "dequantize_blocks":
             return tuple(np.asarray(a) for a in encode(values(1)))
         chunks = [encode(values(seed)) for seed in range(1, self.chunks + 1)]
         codes = np.stack([np.asarray(c) for c, _ in chunks])
         header = np.stack([np.asarray(h) for _, h in chunks])
         return codes, header
-
-
-@dataclasses.dataclass(frozen=True)
-class Codec:
-    """One implementation of the block codec: a function per op of ``reference.py``.
-
-    Each takes the ``Kernel`` (the op's static arguments) and then the reference function's
-    arrays: ``quantize_blocks(kernel, x, key=None) -> (codes, header)``,
-    ``dequantize_blocks(kernel, codes, header) -> values`` and
-    ``average_requantize(kernel, codes, header, key=None) -> (codes, header)``. The static
-    arguments are written once, in the reference's signature; ``Kernel.of`` reads a call in
-    that form.
-
-    Attributes:
-      name: ``"xla"``, ``"pallas"`` or ``"pallas_interpret"``.
-      quantize_blocks: the encoder.
-      dequantize_blocks: the decoder.
-      average_requantize: the fused decode, weighted sum and re-encode.
-    """
-
-    name: str
-    quantize_blocks: Callable
-    dequantize_blocks: Callable
-    average_requantize: Callable
-
-
-def _reference_op(op: str) -> Callable:
-    semantics = getattr(reference, op)
-    return lambda kernel, *arrays, **key: semantics(*arrays, **key, **kernel.arguments())
-
-
-def _pallas_codec(name: str, interpret: bool) -> Codec:
-    return Codec(
-        name,
-        functools.partial(pallas.quantize_blocks, interpret=interpret),
-        functools.partial(pallas.dequantize_blocks, interpret=interpret),
-        functools.partial(pallas.average_requantize, interpret=interpret),
-    )
-
-
-CODECS: dict[str, Codec] = {
-    "xla": Codec("xla", *(_reference_op(op) for op in OPS)),
-    "pallas": _pallas_codec("pallas", interpret=False),
-    "pallas_interpret": _pallas_codec("pallas_interpret", interpret=True),
-}
 
 
 def _unpacked(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -215,7 +298,8 @@ def mismatch(kernel: Kernel, got, want) -> str | None:
         return "its block scales differ from the reference's"
     if np.any(np.abs(header[:, 1] - ref_header[:, 1]) > 1):
         return "its zero points differ from the reference's"
-    steps = np.abs(_unpacked(codes, kernel.bits) - _unpacked(ref_codes, kernel.bits))
+    bits = kernel.codec.bits
+    steps = np.abs(_unpacked(codes, bits) - _unpacked(ref_codes, bits))
     if np.any(steps > 1):
         return f"{np.count_nonzero(steps > 1)} codes differ from the reference's by more than 1"
     return None
@@ -234,9 +318,9 @@ def check(kernel: Kernel, device) -> str | None:
         try:
             with jax.default_device(device):
                 arrays = kernel.example()
-                key = jax.random.key(0) if kernel.stochastic else None
-                got = jax.jit(functools.partial(kernel.run, CODECS["pallas"]))(*arrays, key=key)
-                want = jax.jit(functools.partial(kernel.run, CODECS["xla"]))(*arrays, key=key)
+                key = jax.random.key(0) if kernel.codec.stochastic else None
+                got = jax.jit(functools.partial(kernel.run, "pallas"))(*arrays, key=key)
+                want = jax.jit(functools.partial(kernel.run, "xla"))(*arrays, key=key)
                 outcome["result"] = mismatch(kernel, got, want)
         except Exception as error:  # noqa: BLE001 - any failure means "do not use it"
             outcome["result"] = f"it failed: {error!r:.300}"
@@ -278,15 +362,15 @@ def _compiled_kernel_works(kernel: Kernel) -> bool:
         return works
 
 
-def select(kernel: Kernel) -> Codec:
-    """The codec that runs ``kernel`` for ``implementation=None``.
+def select(kernel: Kernel) -> str:
+    """The implementation that runs ``kernel`` for ``implementation=None``.
 
     The XLA reference unless the default backend is a GPU that Mosaic GPU supports and the
     compiled kernel passed its check on every kind of local device (see ``check``).
     """
     if pallas.is_supported() and _compiled_kernel_works(kernel):
-        return CODECS["pallas"]
-    return CODECS["xla"]
+        return "pallas"
+    return "xla"
 
 
 def clear_checks() -> None:

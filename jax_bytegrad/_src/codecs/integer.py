@@ -7,8 +7,15 @@ quantizes onto the same grid per block, with headroom, so the group's codes sum 
 integer ``psum``; ``wire.integer_plan`` holds the stages around the collective, which the
 one-program sync runs inline and the pipelined step as programs of their own.
 
-The grid of a block, from the group's lo = min and hi = max (every device computes it from
-the same pmax, so every device holds the same grid), with L levels per device:
+Its four stages (``integer_bounds``, ``integer_encode``, ``decode_factors``,
+``integer_decode``) are ops of the codec registry (``codecs/__init__.py``) with one
+implementation, ``"xla"``: XLA fuses each into one pass over memory, which no kernel could
+make move fewer bytes (docs/gpu.md, "Which codec runs on GPU"); asking them for ``"pallas"``
+raises ``NotImplementedError``.
+
+The grid of a block is ``grid.py``'s rule, from the group's lo = min and hi = max (every
+device computes it from the same pmax, so every device holds the same grid), with L levels per
+device:
 
     scale = max((hi - lo) / D, max(|lo|, |hi|) * 2**-23)   D = L nearest, L - 1 stochastic
     zero  = round(-lo / scale) (nearest), ceil(-lo / scale) (stochastic), an integer
@@ -61,11 +68,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_bytegrad._src.codecs import grid as _grid
+
 # Largest group whose sum fits each width with enough levels per device (module docstring).
 MAX_GROUP = {4: 2, 8: 8}
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
-# Keeps |zero| <= 2**23, as in the min-max codec.
-_SCALE_FLOOR = 2.0**-23
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,30 +179,27 @@ def block_bounds(x: jax.Array) -> jax.Array:
     return jnp.where(finite[:, None], bounds, np.float32(np.inf))
 
 
-def grid(bounds: jax.Array, levels: int, stochastic: bool):
-    """Scale, integer zero point and 1 / scale per block, shape (blocks, 1), from the bounds."""
-    hi, lo = bounds[:, 0:1], -bounds[:, 1:2]
-    steps = levels - 1 if stochastic else levels
-    magnitude = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
-    # No product may feed an add (module docstring): the halves are exact products, so a
-    # contracted hi * 0.5 - lo * 0.5 rounds the same; they keep +-3e38 in one block from
-    # overflowing.
+def _unfused_step(lo, hi, steps):
+    """``(hi - lo) / steps`` with no product feeding an add (module docstring): the halves
+    are exact products, so a contracted hi * 0.5 - lo * 0.5 rounds the same; they keep
+    +-3e38 in one block from overflowing."""
     span = hi - lo
-    span = jnp.where(
+    return jnp.where(
         jnp.isfinite(span),
         span * np.float32(1 / steps),
         (hi * np.float32(0.5) - lo * np.float32(0.5)) * np.float32(2 / steps),
     )
-    scale = jnp.maximum(span, magnitude * np.float32(_SCALE_FLOOR))
-    inv_scale = jnp.where(scale > 0, 1.0 / scale, 0.0)
-    shift = -lo * inv_scale
-    zero = jnp.ceil(shift) if stochastic else jnp.round(shift)
-    constant = hi == lo
-    finite = jnp.isfinite(lo) & jnp.isfinite(hi)
-    scale = jnp.where(finite, jnp.where(constant, lo, scale), np.float32(np.nan))
-    zero = jnp.where(finite, jnp.where(constant, -1.0, zero), 0.0)
-    inv_scale = jnp.where(finite & ~constant, inv_scale, 0.0)
-    return scale, zero, inv_scale
+
+
+# The grid rule of grid.py, with this wire's spelling of the range step.
+_SPELLING = _grid.Spelling(step=_unfused_step)
+
+
+def grid(bounds: jax.Array, levels: int, stochastic: bool):
+    """Scale, integer zero point and 1 / scale per block, shape (blocks, 1), from the bounds
+    (``block_bounds``): ``grid.grid`` of lo = -bounds[:, 1], hi = bounds[:, 0]."""
+    hi, lo = bounds[:, 0:1], -bounds[:, 1:2]
+    return _grid.grid(lo, hi, levels=levels, stochastic=stochastic, spelling=_SPELLING)
 
 
 def encode(x, scale, zero, inv_scale, levels: int, uniforms):
@@ -204,15 +207,7 @@ def encode(x, scale, zero, inv_scale, levels: int, uniforms):
     # |y| <= 2**23 + levels on the grid: the clip changes no value, and keeps the product
     # from being contracted with ``y - floor`` (module docstring).
     y = jnp.clip(x * inv_scale, np.float32(-(2.0**24)), np.float32(2.0**24))
-    if uniforms is None:
-        y = jnp.round(y)
-    else:
-        floor = jnp.floor(y)
-        # Against the exact fraction, not floor(y + u): unbiased even where |y| nears 2**23.
-        y = floor + (uniforms < y - floor).astype(jnp.float32)
-    # Non-finite blocks have inv_scale = 0, so inf * 0 = NaN here; they decode via the scale.
-    y = jnp.where(jnp.isnan(y), 0.0, y)
-    return jnp.clip(y + zero, 0.0, np.float32(levels))
+    return _grid.codes(y, zero, np.float32(levels), uniforms)
 
 
 def to_wire(codes: jax.Array, width: Width) -> jax.Array:
@@ -238,23 +233,29 @@ def from_wire(total: jax.Array, width: Width) -> jax.Array:
     return total
 
 
-def integer_bounds(x: jax.Array, block_size: int) -> jax.Array:
+# The integer wire's stages, as ops of the codec registry (``codecs/__init__.py``): each takes
+# the ``Codec`` first, as every op does, and reads what it needs of it.
+
+
+def integer_bounds(codec, x: jax.Array, block_size: int) -> jax.Array:
     """The integer wire's first stage: each block's [max, -min] of the flat vector ``x``
     (after adding the residual), shape (blocks, 2); the group then agrees on them with one
-    ``pmax``."""
+    ``pmax``. The same for every ``codec``."""
+    del codec
     return block_bounds(x.reshape(-1, block_size))
 
 
-def integer_encode(x, bounds, *, block_size, width, stochastic, seed, first_block=0,
+def integer_encode(codec, x, bounds, *, block_size, width, seed, first_block=0,
                    feedback):  # fmt: skip
     """The integer wire's second stage: codes of the flat vector ``x`` on the group's grid.
 
     Args:
+      codec: its rounding: the grid of stochastic rounding (``seed`` draws the dither), or of
+        nearest rounding (``width`` stands for its bits).
       x: this device's values (residual added), a whole number of blocks.
       bounds: the group's ``pmax`` of ``integer_bounds`` for these blocks.
       block_size: values per block.
       width: ``allreduce_width`` of the group.
-      stochastic: the grid of stochastic rounding (``seed`` draws the dither).
       seed: None (nearest rounding), or this device's (2,) uint32 seed.
       first_block: the index of ``x``'s first block in its bucket: the dither is a function
         of the element's index in the bucket, so any split of a bucket sends the same codes.
@@ -265,7 +266,7 @@ def integer_encode(x, bounds, *, block_size, width, stochastic, seed, first_bloc
       block row, and the flat residual (None without ``feedback``).
     """
     blocks = x.reshape(-1, block_size)
-    scale, zero, inv_scale = grid(bounds, width.levels, stochastic)
+    scale, zero, inv_scale = grid(bounds, width.levels, codec.stochastic)
     uniforms = None
     if seed is not None:
         rows = jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 0)
@@ -278,39 +279,41 @@ def integer_encode(x, bounds, *, block_size, width, stochastic, seed, first_bloc
     if feedback:
         # The clip stands between the product and the subtraction: no fused multiply-add
         # (module docstring), the same residual for any split.
-        kept = (blocks - jnp.clip((codes - zero) * scale, -_F32_MAX, _F32_MAX)).reshape(-1)
+        kept = (blocks - _grid.decode(codes, zero, scale)).reshape(-1)
     return to_wire(codes, width), kept
 
 
-def decode_factors(bounds, *, width, group_size, weight, stochastic) -> jax.Array:
+def decode_factors(codec, bounds, *, width, group_size, weight) -> jax.Array:
     """The decode's factors per block from the group's bounds, shape (2, blocks) int32:
-    the float32 bits of ``scale * weight``, and ``g * zero``.
+    the float32 bits of ``scale * weight``, and ``g * zero``, on ``codec``'s grid.
 
     One int32 array, so that the group agrees on both with one exact ``pmax`` (module
     docstring: the factors then reach every fused decode as data). Each factor is a
     contiguous row: read from (blocks, 2) pairs, an Adam pass with the decode fused in took
     1.4x as long on one core (benchmarks/RESULTS.md, "Two layouts of the integer wire").
     """
-    scale, zero, _ = grid(bounds, width.levels, stochastic)
+    scale, zero, _ = grid(bounds, width.levels, codec.stochastic)
     # |zero| <= 2**23 + 1 and g <= 2**16 / levels: g * zero fits int32.
     offset = (np.int32(group_size) * zero.astype(jnp.int32)).astype(jnp.int32)
     factor = jax.lax.bitcast_convert_type(scale * np.float32(weight), jnp.int32)
     return jnp.stack([factor[:, 0], offset[:, 0]])
 
 
-def integer_decode(total, factors, *, width) -> jax.Array:
+def integer_decode(codec, total, factors, *, width) -> jax.Array:
     """The integer wire's last stage: ``weight`` times the decoded sum of the group's codes.
 
     ``total`` is the ``psum`` of ``integer_encode``'s codes, ``factors`` the group's
-    ``decode_factors`` of the same blocks. Returns the flat float32 values.
+    ``decode_factors`` of the same blocks (they hold all of ``codec`` that it needs).
+    Returns the flat float32 values.
     """
+    del codec
     factor = jax.lax.bitcast_convert_type(factors[0], jnp.float32)[:, None]
     offset = factors[1][:, None]
     total = from_wire(total, width)
     # sum - g * zero is exact in int32 (g * levels < 2**16); the one rounding to float32 and
     # the one product are the same on every device.
     decoded = (total - offset).astype(jnp.float32) * factor
-    return jnp.clip(decoded, -_F32_MAX, _F32_MAX).reshape(-1)
+    return jnp.clip(decoded, -_grid.F32_MAX, _grid.F32_MAX).reshape(-1)
 
 
 def dither_seed(key: jax.Array) -> jax.Array:

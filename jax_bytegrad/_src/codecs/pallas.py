@@ -2,8 +2,10 @@
 
 Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., "Bagua: Scaling up
 Distributed Learning with System Relaxations", VLDB 2022). ``reference.py`` owns the
-semantics; each kernel here computes the same formulas in the same order, so in interpret
-mode the codes and headers equal the jitted reference bit for bit (the tests check it). The
+semantics; each kernel here computes the same formulas in the same order (the grid rule is
+``grid.py``'s, spelled as Mosaic GPU lowers it: ``_MOSAIC``), so in interpret mode the codes
+and headers equal the jitted reference bit for bit (the tests check it). Each public function
+takes the reference's arguments: a ``codecs.Codec``, the arrays, and the key. The
 stochastic-rounding uniforms are drawn with ``jax.random.uniform(key, shape, float32)``
 outside the kernel, as the reference draws them, and streamed in.
 
@@ -62,9 +64,8 @@ from jax.experimental import pallas as pl
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-# Mirrors reference.py: keeps |zero| <= 2**23 so that code - zero is an exact float32 integer.
-_SCALE_FLOOR = 2.0**-23
-_F32_MAX = float(np.finfo(np.float32).max)
+from jax_bytegrad._src.codecs import grid as _grid
+
 # Lanes per row of a block: the 128 threads of a warpgroup, and <= the 256-element TMA box.
 _LANES = 128
 _GRID_AXIS = "programs"
@@ -131,14 +132,14 @@ def _ceil(v):
 
 
 def _isfinite(v):
-    return jnp.abs(v) <= _F32_MAX
+    return jnp.abs(v) <= _grid.F32_MAX
+
+
+# The grid rule of grid.py, as Mosaic GPU lowers it.
+_MOSAIC = _grid.Spelling(floor=_floor, ceil=_ceil, isfinite=_isfinite)
 
 
 # --- Kernel bodies: the reference formulas, one block (row of the tile) at a time. --------
-
-
-def _max_code(bits: int) -> float:
-    return float(2**bits - 1)
 
 
 def _parts(block_rows: int, bits: int) -> list[slice]:
@@ -171,46 +172,21 @@ def _unpack(codes, bits: int):
     return [codes - 16.0 * high, high]
 
 
-def _scale_and_zero(lo, hi, stochastic: bool, bits: int):
-    levels = _max_code(bits) - 1.0 if stochastic else _max_code(bits)
-    magnitude = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
-    scale = jnp.maximum(hi / levels - lo / levels, magnitude * _SCALE_FLOOR)
-    inv_scale = jnp.where(scale > 0, 1.0 / scale, 0.0)
-    shift = -lo * inv_scale
-    zero = _ceil(shift) if stochastic else jnp.round(shift)
-    constant = hi == lo
-    scale = jnp.where(constant, lo, scale)
-    zero = jnp.where(constant, -1.0, zero)
-    finite = _isfinite(lo) & _isfinite(hi)
-    scale = jnp.where(finite, scale, jnp.nan)
-    zero = jnp.where(finite, zero, 0.0)
-    inv_scale = jnp.where(finite & ~constant, inv_scale, 0.0)
-    return scale, zero, inv_scale
+def _codes(x, u, zero, inv_scale, bits: int):
+    return _grid.codes(x * inv_scale, zero, _grid.max_code(bits), u, _MOSAIC.floor)
 
 
-def _codes(x, u, zero, inv_scale, stochastic: bool, bits: int):
-    y = x * inv_scale
-    if stochastic:
-        floor = _floor(y)
-        y = floor + (u < y - floor).astype(jnp.float32)
-    else:
-        y = jnp.round(y)
-    y = jnp.where(jnp.isnan(y), 0.0, y)
-    return jnp.clip(y + zero, 0.0, _max_code(bits))
-
-
-def _decode(codes, scale, zero):
-    return jnp.clip((codes - zero) * scale, -_F32_MAX, _F32_MAX)
-
-
-def _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic: bool, bits: int) -> None:
+def _encode_row(i, values, u_ref, codes_ref, header_ref, codec) -> None:
     """Encodes block ``i``, given as float32 ``values`` of its parts, into row ``i``."""
+    bits, stochastic = codec.bits, codec.stochastic
     lo = functools.reduce(jnp.minimum, [jnp.min(v) for v in values])
     hi = functools.reduce(jnp.maximum, [jnp.max(v) for v in values])
-    scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic, bits)
+    scale, zero, inv_scale = _grid.grid(
+        lo, hi, levels=_grid.max_code(bits), stochastic=stochastic, spelling=_MOSAIC
+    )
     parts = _parts(codes_ref.shape[1] * 8 // bits, bits)
     codes = [
-        _codes(v, u_ref[i, part] if stochastic else None, zero, inv_scale, stochastic, bits)
+        _codes(v, u_ref[i, part] if stochastic else None, zero, inv_scale, bits)
         for v, part in zip(values, parts, strict=True)
     ]
     codes_ref[i] = _pack(codes, bits)
@@ -218,35 +194,35 @@ def _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic: bool, bits:
     header_ref[2 * i + 1] = zero
 
 
-def _quantize_kernel(*refs, stochastic: bool, bits: int):
-    if stochastic:
+def _quantize_kernel(*refs, codec):
+    if codec.stochastic:
         x_ref, u_ref, codes_ref, header_ref = refs
     else:
         (x_ref, codes_ref, header_ref), u_ref = refs, None
-    parts = _parts(x_ref.shape[1], bits)
+    parts = _parts(x_ref.shape[1], codec.bits)
 
     def body(i, carry):
         values = [x_ref[i, part].astype(jnp.float32) for part in parts]
-        _encode_row(i, values, u_ref, codes_ref, header_ref, stochastic, bits)
+        _encode_row(i, values, u_ref, codes_ref, header_ref, codec)
         return carry
 
     lax.fori_loop(0, x_ref.shape[0], body, 0)
 
 
-def _dequantize_kernel(codes_ref, header_ref, out_ref, *, bits: int):
-    parts = _parts(out_ref.shape[1], bits)
+def _dequantize_kernel(codes_ref, header_ref, out_ref, *, codec):
+    parts = _parts(out_ref.shape[1], codec.bits)
 
     def body(i, carry):
         scale, zero = header_ref[2 * i], header_ref[2 * i + 1]
-        for part, codes in zip(parts, _unpack(codes_ref[i], bits), strict=True):
-            out_ref[i, part] = _decode(codes, scale, zero)
+        for part, codes in zip(parts, _unpack(codes_ref[i], codec.bits), strict=True):
+            out_ref[i, part] = _grid.decode(codes, zero, scale)
         return carry
 
     lax.fori_loop(0, codes_ref.shape[0], body, 0)
 
 
-def _average_requantize_kernel(*refs, weight: float, stochastic: bool, bits: int):
-    if stochastic:
+def _average_requantize_kernel(*refs, codec, weight: float):
+    if codec.stochastic:
         codes_ref, header_ref, u_ref, out_codes_ref, out_header_ref = refs
     else:
         (codes_ref, header_ref, out_codes_ref, out_header_ref), u_ref = refs, None
@@ -260,11 +236,12 @@ def _average_requantize_kernel(*refs, weight: float, stochastic: bool, bits: int
         for c in range(n):
             scale = header_ref[c, 2 * i] * weight
             zero = header_ref[c, 2 * i + 1]
-            values = [_decode(codes, scale, zero) for codes in _unpack(codes_ref[c, i], bits)]
+            codes = _unpack(codes_ref[c, i], codec.bits)
+            values = [_grid.decode(part, zero, scale) for part in codes]
             if totals is not None:
                 values = [t + v for t, v in zip(totals, values, strict=True)]
             totals = values
-        _encode_row(i, totals, u_ref, out_codes_ref, out_header_ref, stochastic, bits)
+        _encode_row(i, totals, u_ref, out_codes_ref, out_header_ref, codec)
         return carry
 
     lax.fori_loop(0, out_codes_ref.shape[0], body, 0)
@@ -391,28 +368,28 @@ def _no_blocks(code_width: int):
     return jnp.zeros((0, code_width), jnp.uint8), jnp.zeros((0, 2), jnp.float32)
 
 
-def _uniforms(kernel, key, shape: tuple[int, int]):
+def _uniforms(codec, key, shape: tuple[int, int]):
     # The exact draw the reference makes, so stochastic codes match it bit for bit.
-    return jax.random.uniform(key, shape, jnp.float32) if kernel.stochastic else None
+    return jax.random.uniform(key, shape, jnp.float32) if codec.stochastic else None
 
 
-# The public functions take a ``codecs.Kernel`` for the reference's static arguments (bits,
-# rounding, weight), then the reference function's arrays and key; see ``codecs/__init__.py``.
-_STATIC = ("kernel", "interpret", "tiles")
+# The public functions take the reference's arguments: a ``codecs.Codec`` (bits, rounding),
+# the arrays and key, and average_requantize's weight; then how to run (``interpret``, ``tiles``).
+_STATIC = ("codec", "interpret", "tiles")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def quantize_blocks(kernel, x, key=None, *, interpret=False, tiles=_DEFAULT_TILES):
+def quantize_blocks(codec, x, key=None, *, interpret=False, tiles=_DEFAULT_TILES):
     """``reference.quantize_blocks`` of ``x`` (num_blocks, block_size), as a kernel."""
     num_blocks, block_size = x.shape
-    code_width = block_size * kernel.bits // 8
+    code_width = block_size * codec.bits // 8
     if num_blocks == 0:
         return _no_blocks(code_width)
     rows, padded = _plan(num_blocks, block_size, tiles)
-    u = _uniforms(kernel, key, x.shape)
+    u = _uniforms(codec, key, x.shape)
     inputs = [_as_lanes(_pad_blocks(a, padded, 0)) for a in (x, u) if a is not None]
     return _encode_launch(
-        functools.partial(_quantize_kernel, stochastic=kernel.stochastic, bits=kernel.bits),
+        functools.partial(_quantize_kernel, codec=codec),
         inputs,
         [_tile_spec(rows, block_size)] * len(inputs),
         code_width=code_width,
@@ -424,15 +401,15 @@ def quantize_blocks(kernel, x, key=None, *, interpret=False, tiles=_DEFAULT_TILE
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def dequantize_blocks(kernel, codes, header, *, interpret=False, tiles=_DEFAULT_TILES):
+def dequantize_blocks(codec, codes, header, *, interpret=False, tiles=_DEFAULT_TILES):
     """``reference.dequantize_blocks``: (num_blocks, block_size * bits // 8) codes to float32."""
     num_blocks, code_width = codes.shape
-    block_size = code_width * 8 // kernel.bits
+    block_size = code_width * 8 // codec.bits
     if num_blocks == 0:
         return jnp.zeros((0, block_size), jnp.float32)
     rows, padded = _plan(num_blocks, block_size, tiles)
     out = _launch(
-        functools.partial(_dequantize_kernel, bits=kernel.bits),
+        functools.partial(_dequantize_kernel, codec=codec),
         grid=padded // rows,
         in_specs=[_tile_spec(rows, code_width), _header_spec(rows)],
         out_specs=[_tile_spec(rows, block_size)],
@@ -442,8 +419,10 @@ def dequantize_blocks(kernel, codes, header, *, interpret=False, tiles=_DEFAULT_
     return out.reshape(padded, block_size)[:num_blocks]
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def average_requantize(kernel, codes, header, key=None, *, interpret=False, tiles=_DEFAULT_TILES):
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "weight"))
+def average_requantize(
+    codec, codes, header, key=None, *, weight, interpret=False, tiles=_DEFAULT_TILES
+):
     """``reference.average_requantize`` in one fused pass: decode, weighted sum, re-encode.
 
     ``codes`` is (n, num_blocks, block_size * bits // 8) and ``header`` (n, num_blocks, 2).
@@ -451,24 +430,19 @@ def average_requantize(kernel, codes, header, key=None, *, interpret=False, tile
     n, num_blocks, code_width = codes.shape
     if num_blocks == 0:
         return _no_blocks(code_width)
-    block_size = code_width * 8 // kernel.bits
+    block_size = code_width * 8 // codec.bits
     rows, padded = _plan(num_blocks, block_size, tiles)
     inputs = [
         _as_lanes(_pad_blocks(codes, padded, 1)),
         _pad_blocks(header, padded, 1).reshape(n, 2 * padded),
     ]
     in_specs = [_tile_spec(rows, code_width, lead=n), _header_spec(rows, lead=n)]
-    if kernel.stochastic:
-        u = _uniforms(kernel, key, (num_blocks, block_size))
+    if codec.stochastic:
+        u = _uniforms(codec, key, (num_blocks, block_size))
         inputs.append(_as_lanes(_pad_blocks(u, padded, 0)))
         in_specs.append(_tile_spec(rows, block_size))
     return _encode_launch(
-        functools.partial(
-            _average_requantize_kernel,
-            weight=kernel.weight,
-            stochastic=kernel.stochastic,
-            bits=kernel.bits,
-        ),
+        functools.partial(_average_requantize_kernel, codec=codec, weight=weight),
         inputs,
         in_specs,
         code_width=code_width,

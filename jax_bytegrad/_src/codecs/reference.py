@@ -7,15 +7,13 @@ offsets, extreme magnitudes never overflow, and non-finite blocks decode to NaN.
 
 Every function here works on blocks that are already laid out as rows: ``x`` has shape
 ``(num_blocks, block_size)``. ``quantization.py`` does the flattening, padding and validation.
+Each takes a ``codecs.Codec`` first (its ``bits`` and rounding), then its arrays; every other
+implementation of the same op (``pallas.py``) takes the same arguments.
 
-Per block, with lo = min and hi = max of the block (in float32), M = 2**bits - 1 the
-largest code (255 for 8 bits, 15 for 4 bits):
-
-    scale = max((hi - lo) / D, max(|lo|, |hi|) * 2**-23)     D = M nearest, M - 1 stochastic
-    zero  = round(-lo / scale)   (nearest)      ceil(-lo / scale)   (stochastic)
-    code  = clip(round(y) + zero, 0, M)                   y = x / scale   (nearest)
-            clip(floor(y) + (u < y - floor(y)) + zero, 0, M), u ~ U[0, 1) (stochastic)
-    x_hat = clip((code - zero) * scale, -finfo.max, finfo.max)
+Each block is coded on the grid of ``grid.py`` (its module docstring has the formulas):
+lo = min and hi = max of the block in float32, and M = 2**bits - 1 levels, the largest code
+(255 for 8 bits, 15 for 4 bits), with D = M steps for nearest rounding and M - 1 for
+stochastic rounding.
 
 8-bit codes are one uint8 per value, ``(num_blocks, block_size)``. 4-bit codes are packed two
 per byte, ``(num_blocks, block_size // 2)``: byte j of a block holds value j in its low
@@ -47,19 +45,13 @@ The header row of a block is ``[scale, zero]`` in float32. Why each piece:
   ``finfo(float32).tiny * 2**-23`` may decode to 0 (GPUs flush them anyway).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Keeps |zero| <= 2**23 so that code - zero is an exact float32 integer.
-_SCALE_FLOOR = 2.0**-23
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
-BITS = (8, 4)
-
-
-def max_code(bits: int) -> float:
-    """The largest code of a ``bits``-wide grid: 255 or 15."""
-    return float(2**bits - 1)
+from jax_bytegrad._src.codecs import grid as _grid
 
 
 def pack(codes: jax.Array, bits: int) -> jax.Array:
@@ -77,23 +69,6 @@ def unpack(codes: jax.Array, bits: int) -> jax.Array:
     return jnp.concatenate([codes & 15, codes >> 4], axis=-1)
 
 
-def _scale_and_zero(lo: jax.Array, hi: jax.Array, stochastic: bool, bits: int):
-    levels = max_code(bits) - 1.0 if stochastic else max_code(bits)
-    magnitude = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
-    scale = jnp.maximum(hi / levels - lo / levels, magnitude * _SCALE_FLOOR)
-    inv_scale = jnp.where(scale > 0, 1.0 / scale, 0.0)
-    shift = -lo * inv_scale
-    zero = jnp.ceil(shift) if stochastic else jnp.round(shift)
-    constant = hi == lo
-    scale = jnp.where(constant, lo, scale)
-    zero = jnp.where(constant, -1.0, zero)
-    finite = jnp.isfinite(lo) & jnp.isfinite(hi)
-    scale = jnp.where(finite, scale, jnp.nan)
-    zero = jnp.where(finite, zero, 0.0)
-    inv_scale = jnp.where(finite & ~constant, inv_scale, 0.0)
-    return scale, zero, inv_scale
-
-
 def _block_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Min and max of each row in one pass (one variadic reduce; NaN propagates)."""
     lo, hi = jax.lax.reduce(
@@ -105,66 +80,62 @@ def _block_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lo[:, None], hi[:, None]
 
 
-def _encode(x, lo, hi, *, stochastic: bool, key, bits: int):
-    scale, zero, inv_scale = _scale_and_zero(lo, hi, stochastic, bits)
-    y = x * inv_scale
-    if stochastic:
-        u = jax.random.uniform(key, x.shape, jnp.float32)
-        floor = jnp.floor(y)
-        y = floor + (u < y - floor).astype(jnp.float32)
-    else:
-        y = jnp.round(y)
-    # Non-finite x gives NaN here; those blocks have zero = 0 and decode to NaN via the scale.
-    y = jnp.where(jnp.isnan(y), 0.0, y)
-    codes = jnp.clip(y + zero, 0.0, max_code(bits)).astype(jnp.uint8)
+def _encode(codec, x, lo, hi, key):
+    levels = _grid.max_code(codec.bits)
+    scale, zero, inv_scale = _grid.grid(lo, hi, levels=levels, stochastic=codec.stochastic)
+    u = jax.random.uniform(key, x.shape, jnp.float32) if codec.stochastic else None
+    codes = _grid.codes(x * inv_scale, zero, levels, u).astype(jnp.uint8)
     header = jnp.concatenate([scale, zero], axis=1)
-    return pack(codes, bits), header
+    return pack(codes, codec.bits), header
 
 
-def quantize_blocks(
-    x: jax.Array, *, stochastic: bool = False, key: jax.Array | None = None, bits: int = 8
-) -> tuple[jax.Array, jax.Array]:
+def quantize_blocks(codec, x: jax.Array, key: jax.Array | None = None):
     """Quantizes rows of ``x`` (num_blocks, block_size) to uint8 codes and a (blocks, 2) header.
 
-    The codes are (num_blocks, block_size * bits // 8): packed two per byte for 4 bits.
+    Args:
+      codec: a ``codecs.Codec``: its ``bits`` and ``stochastic`` rounding (which needs ``key``).
+      x: float32, bfloat16 or float16 blocks.
+      key: a PRNG key for stochastic rounding, else None.
+
+    Returns:
+      ``(codes, header)``: codes (num_blocks, block_size * bits // 8), packed two per byte
+      for 4 bits; the header's rows are ``[scale, zero]`` in float32.
     """
     x = x.astype(jnp.float32)
     lo, hi = _block_range(x)
-    return _encode(x, lo, hi, stochastic=stochastic, key=key, bits=bits)
+    return _encode(codec, x, lo, hi, key)
 
 
-def dequantize_blocks(codes: jax.Array, header: jax.Array, *, bits: int = 8) -> jax.Array:
+def dequantize_blocks(codec, codes: jax.Array, header: jax.Array) -> jax.Array:
     """Decodes (num_blocks, block_size * bits // 8) uint8 codes with their header to float32."""
     scale = header[:, 0:1]
     zero = header[:, 1:2]
-    x = (unpack(codes, bits).astype(jnp.float32) - zero) * scale
-    return jnp.clip(x, -_F32_MAX, _F32_MAX)
+    return _grid.decode(unpack(codes, codec.bits).astype(jnp.float32), zero, scale)
 
 
-def _weighted_sum(codes: jax.Array, header: jax.Array, weight: float, bits: int) -> jax.Array:
-    # Slice by slice: XLA on CPU reduces a leading axis several times slower than it adds.
+def weighted_sum(decode, codes: jax.Array, header: jax.Array, weight: float) -> jax.Array:
+    """``weight`` times the sum of n chunks, each decoded by ``decode(codes, header)``.
+
+    The weight is folded into each chunk's scale, so a mean of values near finfo.max does not
+    overflow, and the chunks are added in order 0..n-1, so every caller rounds the same way.
+    Slice by slice: XLA on CPU reduces a leading axis several times slower than it adds.
+    """
     total = None
     for i in range(codes.shape[0]):
         weighted = header[i] * jnp.asarray([[weight, 1.0]], jnp.float32)
-        part = dequantize_blocks(codes[i], weighted, bits=bits)
+        part = decode(codes[i], weighted)
         total = part if total is None else total + part
     return total
 
 
 def average_requantize(
-    codes: jax.Array,
-    header: jax.Array,
-    *,
-    weight: float,
-    stochastic: bool = False,
-    key: jax.Array | None = None,
-    bits: int = 8,
+    codec, codes: jax.Array, header: jax.Array, key: jax.Array | None = None, *, weight: float
 ) -> tuple[jax.Array, jax.Array]:
     """Decodes n chunks, sums them times ``weight`` in float32, and quantizes the result.
 
-    ``codes`` is (n, num_blocks, block_size * bits // 8) and ``header`` (n, num_blocks, 2).
-    The weight is folded into each chunk's scale, so a mean of values near finfo.max does not
-    overflow.
+    ``codes`` is (n, num_blocks, block_size * bits // 8) and ``header`` (n, num_blocks, 2);
+    ``codec`` and ``key`` as in ``quantize_blocks``. The weight is folded into each chunk's
+    scale (``weighted_sum``).
 
     The float32 sum is computed twice, once for the block ranges and once for the encode,
     instead of being written to memory in between: decoding n bytes per element is cheaper
@@ -172,7 +143,8 @@ def average_requantize(
     from merging the two computations back into one stored intermediate; the values are the
     same.
     """
-    lo, hi = _block_range(_weighted_sum(codes, header, weight, bits))
+    decode = functools.partial(dequantize_blocks, codec)
+    lo, hi = _block_range(weighted_sum(decode, codes, header, weight))
     codes, header, lo, hi = jax.lax.optimization_barrier((codes, header, lo, hi))
-    total = _weighted_sum(codes, header, weight, bits)
-    return _encode(total, lo, hi, stochastic=stochastic, key=key, bits=bits)
+    total = weighted_sum(decode, codes, header, weight)
+    return _encode(codec, total, lo, hi, key)

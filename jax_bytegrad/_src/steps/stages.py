@@ -17,14 +17,9 @@ import numpy as np
 import optax
 
 from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import collective_ops
+from jax_bytegrad._src import codecs, collective_ops
 from jax_bytegrad._src import wire as wires
-from jax_bytegrad._src.codecs.integer import (
-    allreduce_width,
-    decode_factors,
-    integer_bounds,
-    integer_decode,
-)
+from jax_bytegrad._src.codecs.integer import allreduce_width
 from jax_bytegrad._src.config import SyncConfig
 from jax_bytegrad._src.programs import Program
 from jax_bytegrad._src.quantization import resolve_implementation
@@ -171,9 +166,8 @@ class Stages:
         if c.tag not in self.plans:
             if self.integer:
                 self.plans[c.tag] = wires.integer_plan(
-                    self.group, block_size=self.block, bits=self.sync.bits,
-                    stochastic=self.stochastic, start=c.start, stop=c.stop,
-                    feedback=self.feedback,
+                    self.group, codec=self.sync.codec, block_size=self.block, start=c.start,
+                    stop=c.stop, feedback=self.feedback,
                 )  # fmt: skip
             else:
                 self.plans[c.tag] = wires.scatter_gather_plan(
@@ -205,12 +199,12 @@ class Stages:
         return self._plan(c)[-1].fn(*values)[0]
 
     def _decode_sum(self, total, factors):
-        return integer_decode(total, factors, width=self.width)
+        return codecs.integer_decode(self.sync.codec, total, factors, width=self.width)
 
     def _decode_factors(self, agreed):
-        return decode_factors(
-            agreed, width=self.width, group_size=self.group.size, weight=self.weight,
-            stochastic=self.stochastic,
+        return codecs.decode_factors(
+            self.sync.codec, agreed, width=self.width, group_size=self.group.size,
+            weight=self.weight,
         )  # fmt: skip
 
     def _join(self, parts) -> jax.Array:
@@ -256,7 +250,7 @@ class Stages:
             if self.bounds_in_grad:
                 if feedback:
                     buckets = [x + r for x, r in zip(buckets, sends, strict=True)]
-                outs += [integer_bounds(x, block) for x in buckets]
+                outs += [codecs.integer_bounds(self.sync.codec, x, block) for x in buckets]
             return tuple(outs)
 
         inputs = ["params", "key", "batch"] if self.step else ["grads"]
@@ -282,7 +276,7 @@ class Stages:
 
         def bounds(*args):
             *send, x = args
-            return (integer_bounds(x + send[0] if feedback else x, block),)
+            return (codecs.integer_bounds(self.sync.codec, x + send[0] if feedback else x, block),)
 
         return Program(
             f"bounds{b}", "compute", bounds, [f"shard{b}"], [f"bounds{b}"],
