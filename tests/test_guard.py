@@ -304,7 +304,7 @@ def test_a_loss_that_grew_into_nan_gets_the_algorithm_s_advice(guarded):
 def test_a_nan_from_the_first_step_and_a_skip_with_a_finite_loss():
     (first,) = watched(FakeStep("qadam"), [np.nan])
     assert first.startswith("qadam: the training loss became nan at step 1 from the first step")
-    assert "pass skip_nonfinite=True to qadam" in first
+    assert "pass skip_nonfinite=True to Strategy('qadam'" in first
     (skip,) = watched(FakeStep(), [1.0, 0.5, 0.4], skipped=[0, 0, 1])
     assert "skipped step 3" in skip and "Its loss was finite (0.4), so the gradient" in skip
 

@@ -617,3 +617,43 @@ def test_qadam_binds_its_flat_keywords_into_the_sync_config_scale_by_qadam_takes
     assert_trees_all_equal(got[0], run(mesh, qadam(1e-2, warmup_steps=1, **settings), batches)[0])
     with pytest.raises(ValueError, match="scale_by_qadam: sync must be a jax_bytegrad.SyncConfig"):
         scale_by_qadam(warmup_steps=1, sync=settings)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2], ids=["no-decay", "decay"])
+@pytest.mark.parametrize("schedule", [False, True], ids=["float-lr", "schedule"])
+def test_the_state_has_one_structure_whatever_the_arguments(weight_decay, schedule):
+    lr = optax.linear_schedule(1e-2, 1e-3, 10) if schedule else 1e-2
+    state = qadam(lr, warmup_steps=2, weight_decay=weight_decay).init({"w": jnp.ones(3)})
+    assert len(state) == 2 and isinstance(state[0], jax_bytegrad.ScaleByQAdamState)
+    plain = qadam(1e-2, warmup_steps=2).init({"w": jnp.ones(3)})
+    assert jax.tree.structure(state[0]) == jax.tree.structure(plain[0])
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2], ids=["no-decay", "decay"])
+def test_a_checkpoint_of_the_earlier_chain_restores(tmp_path, weight_decay):
+    """Before, qadam chained add_decayed_weights only with a decay: its state was (qadam,
+    schedule) or (qadam, decay, schedule). Both restore into the one structure of today, the
+    second with relayout=True (Checkpointer names it)."""
+    from jax_bytegrad.checkpoint import Checkpointer
+
+    lr = optax.linear_schedule(1e-2, 1e-3, 10)
+    params = {"w": jnp.arange(3.0)}
+    earlier = [scale_by_qadam(warmup_steps=2), optax.scale_by_learning_rate(lr)]
+    if weight_decay:
+        earlier.insert(1, optax.add_decayed_weights(weight_decay))
+    first, *middle, schedule = optax.chain(*earlier).init(params)
+    count = jnp.asarray(7, jnp.int32)
+    saved = (first._replace(count=count), *middle, schedule._replace(count=count - 2))
+    mesh = jax_bytegrad.make_mesh(1, 1)
+    new = qadam(lr, warmup_steps=2, weight_decay=weight_decay).init(params)
+    with Checkpointer(tmp_path, every=1) as ckpt:
+        ckpt.save(1, saved)
+        ckpt.wait()
+        if weight_decay:
+            with pytest.raises(ValueError, match="pass relayout=True"):
+                ckpt.restore(1, lambda: new, mesh)
+            restored = ckpt.restore(1, lambda: new, mesh, relayout=True)
+        else:
+            restored = ckpt.restore(1, lambda: new, mesh)
+    assert int(restored[0].count) == 7 and int(restored[-1].count) == 5
+    assert jax.tree.structure(restored) == jax.tree.structure(new)

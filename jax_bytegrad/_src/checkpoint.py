@@ -91,6 +91,21 @@ def _target_shardings(abstract, shardings):
     )
 
 
+def _order(path) -> tuple:
+    """A key path as a sort key that a tuple saved as a list, or a NamedTuple saved as a dict,
+    share: names in alphabetical order, sequence positions in numeric order."""
+    out = []
+    for key in path:
+        name = getattr(key, "name", getattr(key, "key", None))
+        if name is None:
+            out.append((0, getattr(key, "idx", 0), ""))
+        elif isinstance(name, str) and name.isdigit():
+            out.append((0, int(name), ""))
+        else:
+            out.append((1, 0, str(name)))
+    return tuple(out)
+
+
 def _place(state, shardings):
     """Puts each leaf (this process's value of it) onto its target sharding."""
 
@@ -183,7 +198,7 @@ class Checkpointer:
         ocp = _ocp()
         return bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=True))
 
-    def restore(self, step: int, init_fn: Callable[[], Any], shardings):
+    def restore(self, step: int, init_fn: Callable[[], Any], shardings, *, relayout=False):
         """Restores the checkpoint of `step` onto `shardings`, shaped like ``init_fn()``.
 
         Args:
@@ -194,9 +209,18 @@ class Checkpointer:
             pytree of shardings like the state, or a state whose leaves carry theirs (a train
             step's ``state_shapes(params)``, whose split leaves stay split). It need not be the
             mesh, nor the ``shard=`` setting, that saved it.
+          relayout: For a checkpoint whose structure differs from ``init_fn()``'s only in
+            where its leaves sit (an optimizer chain of an earlier release, with an element
+            that holds no arrays added or removed): map its leaves onto the state in order,
+            after checking that their count, shapes and dtypes agree.
 
         Returns:
           The restored state.
+
+        Raises:
+          ValueError: The checkpoint's structure differs (naming the path; pass
+            ``relayout=True`` where only the positions changed), or with ``relayout``, its
+            leaves differ.
         """
         ocp = _ocp()
         abstract = jax.eval_shape(init_fn)
@@ -205,7 +229,53 @@ class Checkpointer:
             abstract,
             _target_shardings(abstract, shardings),
         )
-        return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        if relayout:
+            return self._relayout(step, target)
+        try:
+            return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+        except ValueError as e:
+            if "structure" not in str(e).lower():
+                raise
+            raise ValueError(
+                f"Checkpointer: the checkpoint of step {step} has another structure than the "
+                f"state to restore ({str(e).splitlines()[0][:300]}). If only where the leaves "
+                "sit changed (a state saved by an earlier release), pass relayout=True"
+            ) from None
+
+    def _relayout(self, step: int, target):
+        """``restore(..., relayout=True)``: the saved leaves, in order, in ``target``'s
+        structure."""
+        ocp = _ocp()
+        saved = self._manager.item_metadata(step)
+        saved = getattr(saved, "tree", saved)
+        have = sorted(jax.tree.flatten_with_path(saved)[0], key=lambda kv: _order(kv[0]))
+        want, treedef = jax.tree.flatten_with_path(target)
+        ranks = sorted(range(len(want)), key=lambda i: _order(want[i][0]))
+        if len(have) != len(want):
+            raise ValueError(
+                f"Checkpointer: the checkpoint of step {step} holds {len(have)} arrays, the "
+                f"state {len(want)}: it is not the same state in another layout"
+            )
+        shardings = {}
+        for (path, meta), i in zip(have, ranks, strict=True):
+            leaf = want[i][1]
+            if tuple(meta.shape) != tuple(leaf.shape) or str(meta.dtype) != str(leaf.dtype):
+                raise ValueError(
+                    f"Checkpointer: the saved {jax.tree_util.keystr(path)} is "
+                    f"{meta.dtype}{list(meta.shape)}, the state's "
+                    f"{jax.tree_util.keystr(want[i][0])} {leaf.dtype}{list(leaf.shape)}: it is "
+                    "not the same state in another layout"
+                )
+            shardings[jax.tree_util.keystr(path)] = leaf
+        saved_target = jax.tree_util.tree_map_with_path(
+            lambda path, _: shardings[jax.tree_util.keystr(path)], saved
+        )
+        restored = self._manager.restore(step, args=ocp.args.StandardRestore(saved_target))
+        got = sorted(jax.tree.flatten_with_path(restored)[0], key=lambda kv: _order(kv[0]))
+        leaves = [None] * len(want)
+        for (_, value), i in zip(got, ranks, strict=True):
+            leaves[i] = value
+        return jax.tree.unflatten(treedef, leaves)
 
     def restore_or_init(self, init_fn: Callable[[], Any], shardings) -> tuple[int, Any]:
         """Resumes from the newest readable checkpoint, or starts from ``init_fn()``.

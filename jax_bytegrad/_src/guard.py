@@ -74,7 +74,10 @@ _ADVICE = {
 }
 _DEFAULT_ADVICE = "lower the learning rate"
 # How to add the guard, where it is missing.
-_GUARD = {"qadam": "pass skip_nonfinite=True to qadam (or to Strategy('qadam', ...))"}
+_GUARD = {
+    "qadam": "pass skip_nonfinite=True to Strategy('qadam', ...) (or wrap it: "
+    "jax_bytegrad.skip_nonfinite(qadam(...)))"
+}
 _DEFAULT_GUARD = "wrap the optimizer in jax_bytegrad.skip_nonfinite(...)"
 
 

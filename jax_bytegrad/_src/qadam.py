@@ -64,7 +64,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, collectives, guard, shards
+from jax_bytegrad._src import checks, collectives, shards
 from jax_bytegrad._src.config import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MESSAGE_BYTES,
@@ -420,6 +420,21 @@ def scale_by_qadam(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _decay_and_scale(learning_rate, weight_decay: float, mask) -> optax.GradientTransformation:
+    """``add_decayed_weights`` then ``scale_by_learning_rate``, as one transformation whose state
+    is the learning rate's: the decay keeps no state, so QAdam's chain has the same structure
+    with or without it (and the layout its checkpoints always had)."""
+    decay = optax.add_decayed_weights(weight_decay, mask)
+    scale = optax.scale_by_learning_rate(learning_rate)
+
+    def update_fn(updates, state, params=None):
+        if weight_decay:
+            updates, _ = decay.update(updates, decay.init(params), params)
+        return scale.update(updates, state, params)
+
+    return optax.GradientTransformation(scale.init, update_fn)
+
+
 def qadam(
     learning_rate: float | Callable[[jax.Array], jax.Array],
     *,
@@ -432,7 +447,6 @@ def qadam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     mask: Any | Callable[[optax.Params], Any] | None = None,
-    skip_nonfinite: bool = False,
     node_axis: str = "node",
     local_axis: str = "local",
     hierarchical: bool = True,
@@ -467,11 +481,9 @@ def qadam(
       b1: decay of the first moment.
       b2: decay of the second moment (during warm-up).
       eps: added to the square root of the bias-corrected second moment.
-      weight_decay: decoupled weight decay, >= 0; 0 leaves it out of the chain.
+      weight_decay: decoupled weight decay, >= 0 (0: none; the chain's structure is the
+        same, as ``optax.adamw``'s).
       mask: which params to decay, as for ``optax.add_decayed_weights``.
-      skip_nonfinite: skip every step whose update has a NaN or inf, leaving the params and
-        the state as they were (``jax_bytegrad.skip_nonfinite``); the update is the same on
-        every replica, so every replica skips the same steps.
       node_axis, local_axis, hierarchical, bits, error_feedback, block_size, bucket_bytes,
         message_bytes, wire, implementation: the momentum exchange's settings, each
         documented in ``SyncConfig`` (``hierarchical`` and the axes apply to the float32
@@ -480,9 +492,11 @@ def qadam(
       phase: None, ``"warmup"`` or ``"compressed"``: see ``scale_by_qadam``.
 
     Returns:
-      An ``optax.GradientTransformation``; its state's first element is a
-      ``ScaleByQAdamState`` (with ``skip_nonfinite``, the ``SkipNonFiniteState``'s
-      ``inner_state``'s).
+      An ``optax.GradientTransformation``: ``chain(scale_by_qadam, decay_and_scale)``, the
+      decoupled weight decay and the learning rate, whatever the arguments: its state is
+      ``(ScaleByQAdamState, the learning rate's state)``. To skip non-finite updates, wrap it:
+      ``jax_bytegrad.skip_nonfinite(qadam(...))`` (its update is the same on every replica,
+      so every replica skips the same steps).
 
     Raises:
       ValueError: for bad arguments (here), error feedback without ``mesh``; at trace
@@ -509,7 +523,6 @@ def qadam(
     if not callable(learning_rate):
         checks.real(learning_rate, "learning_rate", where, minimum=0.0, why=" or a schedule")
     checks.real(weight_decay, "weight_decay", where, minimum=0.0)
-    checks.boolean(skip_nonfinite, "skip_nonfinite", where)
     sync = SyncConfig(
         node_axis=node_axis,
         local_axis=local_axis,
@@ -523,7 +536,7 @@ def qadam(
         wire=wire,
         where=where,
     )
-    transforms = [
+    return optax.chain(
         scale_by_qadam(
             b1,
             b2,
@@ -535,11 +548,6 @@ def qadam(
             sync=sync,
             mesh=mesh,
             phase=phase,
-        )
-    ]
-    if weight_decay:
-        transforms.append(optax.add_decayed_weights(weight_decay, mask))
-    transforms.append(optax.scale_by_learning_rate(learning_rate))
-    tx = optax.chain(*transforms)
-    # The update is the same on every replica, so every replica skips the same steps.
-    return guard.skip_nonfinite(tx) if skip_nonfinite else tx
+        ),
+        _decay_and_scale(learning_rate, weight_decay, mask),
+    )

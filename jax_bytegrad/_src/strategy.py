@@ -27,7 +27,7 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, qadam, sharding, transforms
+from jax_bytegrad._src import checks, guard, qadam, sharding, transforms
 from jax_bytegrad._src.config import SyncConfig
 from jax_bytegrad._src.steps import asynchronous, decentralized, pipelined
 from jax_bytegrad._src.steps.accumulation import Accumulation
@@ -135,6 +135,9 @@ def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainSt
     phases = {
         phase: qadam.qadam(mesh=s.mesh, phase=phase, **kwargs) for phase in ("warmup", "compressed")
     }
+    if s.setting("skip_nonfinite"):
+        # The update is the same on every replica, so every replica skips the same steps.
+        phases = {phase: guard.skip_nonfinite(tx) for phase, tx in phases.items()}
     phase_of = qadam.phase_schedule(
         s.setting("warmup_steps"),
         s.setting("nu_refresh_interval"),
@@ -216,6 +219,7 @@ def _check_gradient_allreduce(s: "Strategy") -> None:
 
 def _check_qadam(s: "Strategy") -> None:
     qadam.qadam(mesh=s.mesh, **_pick(s.kwargs, _QADAM))
+    checks.boolean(s.setting("skip_nonfinite"), "skip_nonfinite", "Strategy('qadam')")
     _check_shard(s)
 
 
@@ -236,7 +240,8 @@ REGISTRY: dict[str, Algorithm] = {
         check=_check_bytegrad,
     ),
     "qadam": Algorithm(
-        settings={**_QADAM, **_STEP},
+        # skip_nonfinite: wrap QAdam in skip_nonfinite (train_step takes no optimizer to wrap).
+        settings={**_QADAM, **_STEP, "skip_nonfinite": False},
         tunable=("wire", "bucket_bytes", "hierarchical", "message_bytes"),
         build=_build_qadam,
         takes_optimizer=False,
