@@ -343,6 +343,45 @@ def _from_cache(path, key, search):
     return int(hit), best_s, uncompressed_s
 
 
+def _trial_batches(batches, warmup_steps: int, steps_per_trial: int) -> list:
+    """The batches every trial reuses: one compiling step, the warm-up, the timed steps."""
+    needed = 1 + warmup_steps + steps_per_trial
+    batches = list(itertools.islice(iter(batches), needed))
+    if len(batches) < needed:
+        raise ValueError(
+            f"autotune: needs {needed} batches (1 compiling + {warmup_steps} warm-up + "
+            f"{steps_per_trial} timed steps), got {len(batches)}"
+        )
+    return batches
+
+
+def _search_trials(search, run, start, max_trials: int, deadline, say) -> list:
+    """Times the configurations ``search`` proposes, ``run(config)`` each, until it is done,
+    ``max_trials`` ran or the ``deadline`` (``time.perf_counter()``) passed, every process
+    agreeing on each one; returns the trials."""
+    trials = []
+    while len(trials) < max_trials:
+        index = search.next_index()
+        if deadline is not None and time.perf_counter() > deadline:
+            index = -1
+        index = _agree(index)
+        if index < 0:
+            break
+        config = search.candidates[index]
+        trial = _trial(
+            config,
+            lambda config=config: run(config),
+            # The strategy's own configuration is the user's step: its error is theirs.
+            fatal=config == start,
+            failed=f"skipped {label(config)}",
+            stacklevel=3,
+        )
+        search.scores[index] = trial.step_s
+        trials.append(trial)
+        say(f"autotune {len(trials):2d}: {label(config)}: {_said(trial)}")
+    return trials
+
+
 def autotune(
     strategy,
     loss_fn: Callable[..., Any],
@@ -439,13 +478,7 @@ def autotune(
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
     space = _distinct_buckets(strategy, params, space, start)
-    needed = 1 + warmup_steps + steps_per_trial
-    batches = list(itertools.islice(iter(batches), needed))
-    if len(batches) < needed:
-        raise ValueError(
-            f"autotune: needs {needed} batches (1 compiling + {warmup_steps} warm-up + "
-            f"{steps_per_trial} timed steps), got {len(batches)}"
-        )
+    batches = _trial_batches(batches, warmup_steps, steps_per_trial)
     say = print if verbose and jax.process_index() == 0 else (lambda *a, **k: None)
     search = _Search(space, start, max_trials)
 
@@ -488,28 +521,14 @@ def autotune(
         f"at most {max_trials} trials"
     )
     model = dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync)
-    trials = []
-    while len(trials) < max_trials:
-        index = search.next_index()
-        if time_budget_s is not None and time.perf_counter() - t_start > time_budget_s:
-            index = -1
-        index = _agree(index)
-        if index < 0:
-            break
-        config = search.candidates[index]
-        trial = _trial(
-            config,
-            lambda config=config: _run_trial(
-                strategy, config, loss_fn, optimizer, has_aux, params, batches, warmup_steps, model
-            ),
-            # The strategy's own configuration is the user's step: its error is theirs.
-            fatal=config == start,
-            failed=f"skipped {label(config)}",
-            stacklevel=2,
+
+    def run(config):
+        return _run_trial(
+            strategy, config, loss_fn, optimizer, has_aux, params, batches, warmup_steps, model
         )
-        search.scores[index] = trial.step_s
-        trials.append(trial)
-        say(f"autotune {len(trials):2d}: {label(config)}: {_said(trial)}")
+
+    deadline = None if time_budget_s is None else t_start + time_budget_s
+    trials = _search_trials(search, run, start, max_trials, deadline, say)
     measured = search.best()  # None: no trial ran within the time budget
     best = measured or start
     uncompressed = None

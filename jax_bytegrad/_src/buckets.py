@@ -70,7 +70,7 @@ def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout
 def ready_order(layout: Layout, order: tuple[int, ...] | None = None) -> list[int]:
     """Bucket indices in the order their gradients are complete: by the last leaf of each
     that the backward pass produces, ``order`` being the leaf indices in the order their
-    gradients are produced (``data_parallel.traced_gradient``); or, where that order is not
+    gradients are produced (``steps.tracing.traced_gradient``); or, where that order is not
     known (None), last bucket first, as the backward pass of a model whose parameters are
     listed in forward order produces them (PyTorch DDP's assumption too)."""
     if order is None or sorted(order) != list(range(len(layout.shapes))):
@@ -113,22 +113,32 @@ def to_bucket_parts(leaves, layout: Layout, block_size: int) -> list[tuple[jax.A
     return out
 
 
-def from_buckets(buckets, leaves, layout: Layout) -> list:
-    """Inverse of ``to_buckets``: float leaves from the buckets, the others from ``leaves``."""
-    out = list(leaves)
-    for bucket, members in zip(buckets, layout.buckets, strict=True):
-        offset = 0
-        for i in members:
-            size = math.prod(layout.shapes[i])
-            out[i] = bucket[offset : offset + size].reshape(layout.shapes[i])
-            out[i] = out[i].astype(layout.dtypes[i])
-            offset += size
+def _unpack(flat, members, layout: Layout, out: list) -> None:
+    """Writes the whole leaves ``members``, laid out one after another in ``flat``, into
+    ``out``, in their shapes and dtypes."""
+    offset = 0
+    for i in members:
+        size = math.prod(layout.shapes[i])
+        out[i] = flat[offset : offset + size].reshape(layout.shapes[i]).astype(layout.dtypes[i])
+        offset += size
+
+
+def _with_empty_leaves(out: list, layout: Layout) -> list:
+    """``out`` with the float leaves of no elements (which no bucket holds) as zeros."""
     for i, (shape, dtype, is_float) in enumerate(
         zip(layout.shapes, layout.dtypes, layout.bucketed, strict=True)
     ):
         if is_float and math.prod(shape) == 0:
             out[i] = jnp.zeros(shape, dtype)
     return out
+
+
+def from_buckets(buckets, leaves, layout: Layout) -> list:
+    """Inverse of ``to_buckets``: float leaves from the buckets, the others from ``leaves``."""
+    out = list(leaves)
+    for bucket, members in zip(buckets, layout.buckets, strict=True):
+        _unpack(bucket, members, layout, out)
+    return _with_empty_leaves(out, layout)
 
 
 def _rows_of(leaf, dim, local: int) -> jax.Array:
@@ -200,18 +210,8 @@ def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
             tail = jax.lax.all_gather(
                 row[offset : offset + per], axis, axis=0, tiled=True, to="invarying"
             )
-            start = 0
-            for i in whole:
-                size = math.prod(layout.shapes[i])
-                out[i] = tail[start : start + size].reshape(layout.shapes[i])
-                out[i] = out[i].astype(layout.dtypes[i])
-                start += size
-    for i, (shape, dtype, is_float) in enumerate(
-        zip(layout.shapes, layout.dtypes, layout.bucketed, strict=True)
-    ):
-        if is_float and math.prod(shape) == 0:
-            out[i] = jnp.zeros(shape, dtype)
-    return out
+            _unpack(tail, whole, layout, out)
+    return _with_empty_leaves(out, layout)
 
 
 def flatten_float32(tree) -> jax.Array:

@@ -52,6 +52,7 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+from jax_bytegrad._src.steps.tracing import traced, traced_gradient
 
 # The phase of the micro-steps that only accumulate (``accumulation.py``).
 ACCUMULATE = "accumulate"
@@ -82,32 +83,6 @@ def _unsynced(updates, update_specs, opt_state, specs, axes) -> list[str]:
         for (path, leaf), ok in zip(leaves, allowed, strict=True)
         if (checks.varying_axes(leaf) & set(axes)) - ok
     ]
-
-
-def _traced(fn, *args):
-    """``fn(*args)``, traced once: its jaxpr, and its result computed from that jaxpr."""
-    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    out = jax.extend.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
-    return closed, jax.tree.unflatten(jax.tree.structure(shape), out)
-
-
-def traced_gradient(grad_fn, params, *args):
-    """``grad_fn(params, *args)`` (whose result ends with the gradient), traced once, and the
-    params' leaf indices in the order its backward pass produces their gradients (ties: last
-    leaf first), read from that trace.
-
-    The sync of each bucket of the gradient runs in this order (``buckets.ready_order``), so
-    that the first bucket to cross between nodes is the first one complete.
-    """
-    closed, out = _traced(grad_fn, params, *args)
-    produced = {}
-    for index, equation in enumerate(closed.jaxpr.eqns):
-        for var in equation.outvars:
-            produced[id(var)] = index
-    leaves = len(jax.tree.leaves(params))
-    ranks = [produced.get(id(var), -1) for var in closed.jaxpr.outvars[-leaves:]]
-    order = tuple(sorted(range(leaves), key=lambda i: (ranks[i], -i)))
-    return out, order
 
 
 class DataParallelStep(TrainStep):
@@ -284,7 +259,7 @@ class DataParallelStep(TrainStep):
                 )
             extra["sharded"] = Sharded(axes[1], dims, summed=summed)
             update = functools.partial(optimizer.update, **extra)
-            closed, (updates, opt_state) = _traced(update, grads, opt_state, own)
+            closed, (updates, opt_state) = traced(update, grads, opt_state, own)
             shards.check_elementwise(closed.jaxpr, self.algorithm)
         unsynced = _unsynced(updates, self._update_specs, opt_state, self._specs[1], axes)
         if unsynced:
