@@ -138,15 +138,19 @@ def _check_residuals(residuals, layout, config: SyncConfig, mesh_shape, where: s
         )
 
 
-def _tie(x, previous):
+def _tie(x, previous, *, through: bool):
     """``x`` made to wait for ``previous`` (an ``optimization_barrier``): ``(x, previous)``.
 
-    ``previous`` goes on from the barrier too where JAX types the barrier's outputs as their
-    inputs (JAX >= 0.11): XLA's simplifier drops a barrier's operand whose result is unused,
-    and with it the tie (seen with the sharded layout's rows). JAX 0.10 types every output as
-    varying over all the inputs' axes, so there the tied value goes on as it was.
+    With ``through``, ``previous`` goes on from the barrier too, where JAX types the
+    barrier's outputs as their inputs (JAX >= 0.11): XLA's simplifier drops a barrier's operand
+    whose result is unused, and with it the tie, as it did with the sharded layout's rows
+    (benchmarks/RESULTS.md, "Sharded state within a node"). JAX 0.10 types every output as
+    varying over all the inputs' axes, so there the tied value goes on as it was. The
+    replicated layout keeps its tie without it, and its bits as they were.
     """
     x, tied = jax.lax.optimization_barrier((x, previous))
+    if not through:
+        return x, previous
     same = jax.tree.map(
         lambda a, b: checks.varying_axes(a) == checks.varying_axes(b), previous, tied
     )
@@ -234,7 +238,7 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
             # The buckets cross between nodes one after another, in the order the backward
             # pass completes them (module docstring). The tied shard goes on from the
             # barrier too: XLA's simplifier drops a barrier's operand whose result is unused.
-            parts[i], shards[last] = _tie(parts[i], shards[last])
+            parts[i], shards[last] = _tie(parts[i], shards[last], through=sharded is not None)
         shards[i], kept[i] = wires.sum_shard(
             parts[i],
             config,
@@ -392,7 +396,7 @@ def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, ord
     for b in bucketing.ready_order(layout, order):
         members = [leaves[i] for i in layout.buckets[b]]
         if last is not None:  # the tied parts go on from the barrier, as in sync_mean
-            members, parts[last] = _tie(members, parts[last])
+            members, parts[last] = _tie(members, parts[last], through=sharded is not None)
         parts[b] = [
             jax.lax.psum(node_part(x, dims[i]), node_axis)
             for i, x in zip(layout.buckets[b], members, strict=True)
