@@ -221,7 +221,7 @@ class PipelinedStep(TrainStep):
         layout = bucket_layout(leaves, self.sync, self.sync.mesh_shape(self.mesh, self.algorithm))
         stages = Stages(self.mesh, self.sync, layout, average=self._average, step=self)
         return Schedule(
-            stages.tasks(), _abstract(values, specs, P(self._axes)), self.mesh, self._axes,
+            stages.programs(), _abstract(values, specs, P(self._axes)), self.mesh, self._axes,
             donate_state=self._donate,
         )  # fmt: skip
 
@@ -267,7 +267,7 @@ class PipelinedMean:
             stages = Stages(self.mesh, self.sync, layout, average=self.average)
             inputs = _abstract(values, {Whole.KEY: P()}, P(self.sync.axes))
             self._schedule = Schedule(
-                stages.tasks(), inputs, self.mesh, self.sync.axes, donate_state=False
+                stages.programs(), inputs, self.mesh, self.sync.axes, donate_state=False
             )
         schedule = self._schedule
         keep = [Whole.MEAN, *residual_names(schedule, residuals)]

@@ -4,9 +4,10 @@ collectives, in the order the caller's thread walks them (``Stages``).
 ``steps/pipelined.py`` schedules them, the wire programs on a dispatch thread of their own;
 see its module docstring for why and where that overlaps. Each piece's programs are the
 stages of its wire's plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), which the
-one-program step runs inline, with the same keys: the values are the one-program step's, bit
-for bit. What is this step's own: the pieces (``bucket_bytes`` of each bucket per exchange),
-their software-pipelined order, and one pmax for every bucket's integer-wire bounds.
+one-program step runs inline, with the same keys (``collectives.device_key``, ``bucket_key``):
+the values are the one-program step's, bit for bit. What is this step's own: the pieces
+(``bucket_bytes`` of each bucket per exchange), their software-pipelined order, and one pmax
+for every bucket's integer-wire bounds.
 """
 
 import dataclasses
@@ -232,22 +233,23 @@ class Stages:
         # unless a float32 reduce-scatter within the node comes first.
         self.bounds_in_grad = self.integer and not self.group.plain and not self.group.scatter
 
-    def tasks(self) -> list[Program]:
-        tasks = [self._grad()]
+    def programs(self) -> list[Program]:
+        """Every program of the step, in the order the caller's thread walks them."""
+        programs = [self._grad()]
         if self.group.scatter:
-            tasks += [self._scatter(b) for b in self.buckets]
+            programs += [self._scatter(b) for b in self.buckets]
         last = self._update() if self.step else self._mean()
         metrics = [self._metrics()] if self.step or (self.integer and not self.group.plain) else []
         if self.group.plain:
-            return [*tasks, *metrics, *[self._plain(b) for b in self.buckets], last]
+            return [*programs, *metrics, *[self._plain(b) for b in self.buckets], last]
         if self.integer and self.group.scatter:
-            tasks += [self._bounds(b) for b in self.buckets]
-        tasks += metrics
+            programs += [self._bounds(b) for b in self.buckets]
+        programs += metrics
         stages = [self._piece(c) for pieces in self.chunks for c in pieces]
-        tasks += _pipeline(stages)
+        programs += _pipeline(stages)
         if self.group.scatter:
-            tasks += [self._gather(b) for b in self.buckets]
-        return [*tasks, last]
+            programs += [self._gather(b) for b in self.buckets]
+        return [*programs, last]
 
     def _plan(self, c: _Chunk) -> tuple:
         """The wire's stages for piece c, as the one-program sync runs them."""
