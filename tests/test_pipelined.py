@@ -441,12 +441,6 @@ def test_an_error_in_a_step_stops_the_rest_of_its_wire_programs():
     """A compute program that fails after exchanges were handed to the thread: the ones not
     started are cancelled, the step raises, and the thread goes on serving later steps."""
     ran = []
-
-    class Task:
-        def __init__(self, name, kind, fn, inputs=(), outputs=()):
-            self.name, self.kind, self.input_names, self.output_names = name, kind, inputs, outputs
-            self.jitted = fn
-
     started, release = threading.Event(), threading.Event()
 
     def slow_wire(*_):
@@ -464,9 +458,9 @@ def test_an_error_in_a_step_stops_the_rest_of_its_wire_programs():
         raise FloatingPointError("a program failed")
 
     tasks = [
-        Task("w1", "wire", slow_wire, (), ("a",)),
-        Task("w2", "wire", later_wire, (), ("b",)),
-        Task("c", "compute", failing_compute, (), ("c",)),
+        programs.Task("w1", "wire", slow_wire, (), ("a",)),
+        programs.Task("w2", "wire", later_wire, (), ("b",)),
+        programs.Task("c", "compute", failing_compute, (), ("c",)),
     ]
 
     class Schedule:
@@ -484,6 +478,50 @@ def test_an_error_in_a_step_stops_the_rest_of_its_wire_programs():
     finally:
         wire.close()
     assert not wire.alive
+
+
+def test_programs_pass_values_by_name_and_the_schedule_versions_each_chain():
+    """A program reads and returns its values by name; a chain it updates gets a new name,
+    ``Version(chain, n)``, after each update, and ``latest`` names the last one (the chain's
+    own name, the value the step was given, where no program updates it)."""
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    per_device = NamedSharding(mesh, P(AXES))
+    x = jax.device_put(np.arange(16, dtype=np.float32), per_device)
+    residual = jax.device_put(np.ones(16, np.float32), per_device)
+    add = programs.Program("add", "compute", lambda v: {"r": v["r"] + v["x"]}, ["x"], chains=["r"])
+    double = programs.Program("double", "compute", lambda v: {"y": 2 * v["r"]}, reads=["r"])
+    values = {"x": x, "r": residual, "untouched": residual}
+    abstract = {name: programs.Value(P(AXES), programs.aval(v)) for name, v in values.items()}
+    schedule = programs.Schedule(
+        [add, double, add], abstract, mesh, AXES, donate_state=False
+    )  # fmt: skip
+    assert [t.input_names for t in schedule.tasks] == [
+        ("r", "x"), (programs.Version("r", 1),), (programs.Version("r", 1), "x")
+    ]  # fmt: skip
+    assert [t.output_names for t in schedule.tasks] == [
+        (programs.Version("r", 1),), ("y",), (programs.Version("r", 2),)
+    ]  # fmt: skip
+    assert schedule.latest("r") == programs.Version("r", 2)
+    assert schedule.latest("untouched") == "untouched"
+    wire = programs.Dispatcher("test-names")
+    try:
+        keep = ["y", schedule.latest("r"), schedule.latest("untouched")]
+        out = programs.execute(schedule, values, wire, keep)
+    finally:
+        wire.close()
+    np.testing.assert_array_equal(out["y"], 2 * (1 + np.arange(16)))
+    np.testing.assert_array_equal(out[programs.Version("r", 2)], 1 + 2 * np.arange(16))
+    assert out["untouched"] is residual
+    # Version 0, the state's, is donated only with donate_state.
+    assert not residual.is_deleted()
+    donating = programs.Schedule([add], abstract, mesh, AXES, donate_state=True)
+    given = jax.device_put(np.ones(16, np.float32), per_device)
+    wire = programs.Dispatcher("test-donate")
+    try:
+        programs.execute(donating, {"x": x, "r": given}, wire, [donating.latest("r")])
+    finally:
+        wire.close()
+    assert given.is_deleted()
 
 
 def test_dispatcher_keeps_the_order_and_hands_back_errors():

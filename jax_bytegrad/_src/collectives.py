@@ -172,6 +172,22 @@ def _check_sharded(config: SyncConfig, sharded, leaves, where: str) -> None:
         )
 
 
+def device_key(key: jax.Array | None, axes) -> jax.Array | None:
+    """This device's rounding key of a step, from the step's ``key`` (None: nearest
+    rounding). Call it inside ``shard_map``.
+
+    Every device rounds independently; the mean is gathered, so every device still ends
+    with the same values. ``sync_mean`` and the pipelined step (``steps/stages.py``) both
+    take their keys from here and from ``bucket_key``.
+    """
+    return None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axes))
+
+
+def bucket_key(key: jax.Array | None, bucket: int) -> jax.Array | None:
+    """Bucket ``bucket``'s rounding key, from this device's (``device_key``)."""
+    return None if key is None else jax.random.fold_in(key, bucket)
+
+
 def sync_mean(
     tree,
     config: SyncConfig,
@@ -222,9 +238,7 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
     if residuals is not None:
         _check_residuals(residuals, layout, config, (n, local), where)
     weight = 1.0 / (n * local) if average else 1.0
-    if key is not None:
-        # Independent rounding on every device; the result is gathered, so still identical.
-        key = jax.random.fold_in(key, jax.lax.axis_index(config.axes))
+    key = device_key(key, config.axes)
     if sharded is None:
         parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
     else:
@@ -245,7 +259,7 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
             n=n,
             local=local,
             weight=weight,
-            key=None if key is None else jax.random.fold_in(key, i),
+            key=bucket_key(key, i),
             residual=None if residuals is None else residuals[i],
             scattered=sharded is not None and sharded.summed,
         )

@@ -16,7 +16,8 @@ import dataclasses
 import math
 import queue
 import threading
-from typing import Any
+from collections.abc import Hashable
+from typing import Any, NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -118,40 +119,50 @@ class Program:
     (``P()``). The output specs are read from each output's varying axes when the stage is
     traced, so each value keeps the type the one-program step gives it.
 
-    Error feedback's residuals (``chains``) are threaded through the programs that read or
-    write them, donated and updated in place: ``fn(*chains, *reads, *inputs) -> (*chains,
-    *outputs)``. ``reads`` are chains it only reads. ``link`` names each version of a chain
-    after the order the programs run in.
+    Values go by name (any hashable; ``steps/stages.py`` gives typed ones): ``fn(values)``
+    takes a dict of the values named by ``chains``, ``reads`` and ``inputs``, and returns a
+    dict of the chains' new values, under the chains' names, and of its outputs, under names
+    of its own. Error feedback's residuals (``chains``) are threaded through the programs that
+    read or write them, donated and updated in place; ``reads`` are chains it only reads.
+    ``Schedule`` names each version of a chain after the order the programs run in.
 
     Args:
       name: the program's name (``lower`` keys).
       kind: ``"compute"`` (dispatched by the caller's thread) or ``"wire"`` (it holds
         collectives: the dispatch thread runs it).
-      fn: the per-device function.
-      inputs, outputs: the names of its other values.
+      fn: the per-device function, from values by name to values by name.
+      inputs: the names of its other values.
       chains, reads: the chains it updates, and those it only reads.
-      donate: indices into ``inputs`` to donate.
-      donate_chains: donate the chains (False for a wire program: the dispatch thread
-        would then consume a buffer the caller's thread still reads).
+      donate: names in ``inputs`` to donate.
     """
 
-    def __init__(self, name, kind, fn, inputs=(), outputs=(), *, chains=(), reads=(),
-                 donate=(), donate_chains=True):  # fmt: skip
+    def __init__(self, name, kind, fn, inputs=(), *, chains=(), reads=(), donate=()):
         self.name, self.kind, self.fn = name, kind, fn
-        self.inputs, self.outputs = tuple(inputs), tuple(outputs)
-        self.chains, self.reads = tuple(chains), tuple(reads)
-        self.donate, self.donate_chains = tuple(donate), donate_chains
-        self.input_names = self.output_names = self.donate_argnums = None
-        self.jitted = None
+        self.inputs, self.chains, self.reads = tuple(inputs), tuple(chains), tuple(reads)
+        self.donate = tuple(donate)
 
-    def build(self, values: list[Value], mesh: Mesh, axes: tuple[str, str]) -> list[Value]:
-        """Builds the jitted program for these inputs; returns its outputs' values."""
+    @property
+    def arguments(self) -> tuple:
+        """The names of the jitted program's arguments, in order."""
+        return (*self.chains, *self.reads, *self.inputs)
+
+    def build(self, values: list[Value], mesh: Mesh, axes: tuple[str, str], *,
+              donate_argnums: tuple[int, ...]) -> tuple[Any, dict[Hashable, Value]]:  # fmt: skip
+        """The jitted program for these inputs (``arguments``' values, in order), and its
+        outputs' values by name, the chains' first, in the order the program returns them."""
         in_specs = tuple(v.spec for v in values)
         avals = tuple(v.aval for v in values)
         found = {}
 
+        def call(*args):
+            out = self.fn(dict(zip(self.arguments, args, strict=True)))
+            own = [name for name in out if name not in self.chains]
+            return tuple(out[name] for name in found.setdefault("names", (*self.chains, *own)))
+
+        call.__name__ = self.fn.__name__  # the HLO module's name
+
         def probe(*args):
-            out = self.fn(*args)
+            out = call(*args)
             found["vma"] = jax.tree.map(checks.varying_axes, out)
             found["local"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out)
             return jax.tree.map(lambda x: x[None], out)
@@ -176,49 +187,70 @@ class Program:
 
         is_leaf = lambda x: isinstance(x, frozenset)  # noqa: E731
         out_specs = jax.tree.map(spec_of, found["vma"], found["local"], is_leaf=is_leaf)
-        self.jitted = jax.jit(
-            jax.shard_map(self.fn, out_specs=out_specs, **mapped),
-            donate_argnums=self.donate_argnums,
+        jitted = jax.jit(
+            jax.shard_map(call, out_specs=out_specs, **mapped), donate_argnums=donate_argnums
         )
         out_avals = jax.tree.map(global_aval, out_specs, found["local"])
-        return [Value(s, a) for s, a in zip(out_specs, out_avals, strict=True)]
+        outputs = zip(out_specs, out_avals, strict=True)
+        return jitted, {n: Value(s, a) for n, (s, a) in zip(found["names"], outputs, strict=True)}
 
 
-def link(tasks: list[Program], *, donate_state: bool) -> dict[str, str]:
-    """Names each chain's versions in the order ``tasks`` run; returns each chain's last.
+class Version(NamedTuple):
+    """Version ``n`` (1 or more) of a chain: its value after the n-th program that updates
+    it. Version 0 is the chain's own name: the value the step was given."""
 
-    Version 0 of a chain is ``{chain}@0``, a residual of the state: donated only with
-    ``donate_state``; later versions always.
-    """
-    version: dict[str, int] = collections.defaultdict(int)
-    for task in tasks:
-        names = [f"{c}@{version[c]}" for c in (*task.chains, *task.reads)]
-        donate = []
-        if task.donate_chains:
-            donate = [i for i, c in enumerate(task.chains) if version[c] or donate_state]
-        donate += [len(names) + i for i in task.donate]
-        task.input_names = (*names, *task.inputs)
-        task.donate_argnums = tuple(donate)
-        for c in task.chains:
-            version[c] += 1
-        task.output_names = (*[f"{c}@{version[c]}" for c in task.chains], *task.outputs)
-    return {c: f"{c}@{v}" for c, v in version.items()}
+    chain: Hashable
+    n: int
+
+
+class Task(NamedTuple):
+    """A program as a schedule runs it: ``jitted(*values named input_names)`` gives the
+    values named ``output_names``."""
+
+    name: str
+    kind: str
+    jitted: Any
+    input_names: tuple
+    output_names: tuple
 
 
 class Schedule:
     """The programs of one step, in the order the caller's thread walks them, built from
-    the step's abstract inputs. ``values`` holds every value's spec and abstract value,
-    ``last`` the last version of each chain, ``last_use`` where each value is last read."""
+    the step's abstract inputs (by name) as ``Task``s. ``values`` holds every value's spec
+    and abstract value, ``last_use`` where each value is last read; ``latest(chain)`` names
+    a chain's last version.
 
-    def __init__(self, tasks, inputs: dict[str, Value], mesh, axes, *, donate_state: bool):
-        self.tasks = tasks
-        self.last = link(tasks, donate_state=donate_state)
+    Version 0 of a chain, a residual of the state, is donated only with ``donate_state``;
+    later versions always.
+    """
+
+    def __init__(self, programs: list[Program], inputs: dict[Hashable, Value], mesh, axes, *,
+                 donate_state: bool):  # fmt: skip
         self.values = dict(inputs)
-        self.last_use = {}
-        for i, task in enumerate(tasks):
-            outs = task.build([self.values[name] for name in task.input_names], mesh, axes)
-            self.values.update(zip(task.output_names, outs, strict=True))
-            self.last_use.update((name, i) for name in task.input_names)
+        self.tasks: list[Task] = []
+        self.last_use: dict[Hashable, int] = {}
+        self._updates: collections.Counter = collections.Counter()  # of each chain so far
+        for i, program in enumerate(programs):
+            self.tasks.append(self._build(program, mesh, axes, donate_state))
+            self.last_use.update((name, i) for name in self.tasks[-1].input_names)
+
+    def latest(self, chain: Hashable) -> Hashable:
+        """The name of ``chain``'s last version (its own name if no program updates it)."""
+        n = self._updates[chain]
+        return Version(chain, n) if n else chain
+
+    def _build(self, program: Program, mesh, axes, donate_state: bool) -> Task:
+        chained = [self.latest(c) for c in (*program.chains, *program.reads)]
+        names = (*chained, *program.inputs)
+        donate = [i for i, c in enumerate(program.chains) if self._updates[c] or donate_state]
+        donate += [len(chained) + program.inputs.index(n) for n in program.donate]
+        jitted, outputs = program.build(
+            [self.values[n] for n in names], mesh, axes, donate_argnums=tuple(donate)
+        )
+        self._updates.update(program.chains)
+        named = {self.latest(n) if n in program.chains else n: v for n, v in outputs.items()}
+        self.values.update(named)
+        return Task(program.name, program.kind, jitted, names, tuple(named))
 
 
 def execute(schedule: Schedule, values: dict, wire: Dispatcher, keep) -> dict:

@@ -40,7 +40,7 @@ overlapped. The backward pass is not overlapped with the sync: the gradient is o
 """
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -60,49 +60,88 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
 )
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
-from jax_bytegrad._src.steps.stages import Stages
+from jax_bytegrad._src.steps.stages import (
+    Stages,
+    Whole,
+    new_residuals,
+    residual_names,
+    residual_values,
+)
 from jax_bytegrad._src.transforms import ByteGradState, sync_gradients
 
 
-def _state_inputs(residuals) -> dict[str, Any]:
-    """Error feedback's residuals as the version 0 of their chains."""
+class _Chain(NamedTuple):
+    """``optax.chain(sync, inner)`` by its parts, in its order: the transformations it
+    chains (``optax.chain(*_Chain(...))``), and so the parts of its state
+    (``_Chain(*opt_state)``), the one-program step's."""
+
+    sync: Any  # bytegrad's: ByteGradState
+    inner: Any  # the user's optimizer's
+
+
+class _Inputs(NamedTuple):
+    """What a step's programs are given besides the batch."""
+
+    params: Any
+    key: jax.Array
+    inner: Any
+    residuals: Residuals
+
+
+def _named(inputs: _Inputs, batch) -> dict[Any, Any]:
+    """The schedule's input values, by name."""
+    return {
+        Whole.PARAMS: inputs.params, Whole.KEY: inputs.key, Whole.INNER: inputs.inner,
+        Whole.BATCH: batch, **residual_values(inputs.residuals),
+    }  # fmt: skip
+
+
+class _Outputs(NamedTuple):
+    """What a step's programs give back. ``params`` last: ``StepsInFlight`` waits on the
+    last leaf, one of the last program's."""
+
+    loss: jax.Array
+    aux: Any
+    key: jax.Array
+    residuals: Residuals
+    inner: Any
+    params: Any
+
+
+def _abstract(values: dict, specs: dict, default: P) -> dict[Any, Value]:
+    """The schedule's inputs as ``Value``s: each one's spec (``specs``' tree of specs, or one
+    spec for every leaf, ``default`` where it names none) and abstract value."""
     out = {}
-    for b, (send, mean) in enumerate(residuals):
-        out[f"send{b}@0"], out[f"mean{b}@0"] = send, mean
+    for name, value in values.items():
+        spec = specs.get(name, default)
+        if isinstance(spec, P):
+            spec = jax.tree.map(lambda _, s=spec: s, value)
+        out[name] = Value(spec, jax.tree.map(aval, value))
     return out
-
-
-def _residual_names(schedule: Schedule) -> list[str]:
-    return list(schedule.last.values())
-
-
-def _new_residuals(schedule: Schedule, values: dict, old) -> Residuals:
-    """The residuals after a step: each chain's last version (the integer wire never
-    writes its empty second one)."""
-    return Residuals(
-        tuple(values.get(schedule.last.get(f"{k}{b}"), old_one) for k, old_one in
-              zip(("send", "mean"), pair, strict=True))
-        for b, pair in enumerate(old)
-    )  # fmt: skip
 
 
 class _Scheduled:
     """The program of a pipelined step: its schedule's programs, run and lowered as one.
 
-    ``program(named, batch)`` runs one step (``execute``) and returns ``(values,
-    new_params)``: the last leaf is the update's, which the next step waits on.
+    ``program(inputs, batch)`` runs one step (``execute``) and returns its ``_Outputs``.
     """
 
     def __init__(self, step: "PipelinedStep"):
         self._step = step
 
-    def __call__(self, named, batch):
+    def __call__(self, inputs: _Inputs, batch) -> _Outputs:
         schedule = self._step._schedule
-        keep = ["new_params", "new_inner", "new_key", "loss", "aux", *_residual_names(schedule)]
-        values = execute(schedule, {**named, "batch": batch}, self._step._wire, keep)
-        return values, values["new_params"]
+        values = _named(inputs, batch)
+        keep = [Whole.NEW_PARAMS, Whole.NEW_INNER, Whole.NEW_KEY, Whole.LOSS, Whole.AUX]
+        keep += residual_names(schedule, inputs.residuals)
+        values = execute(schedule, values, self._step._wire, keep)
+        return _Outputs(
+            loss=values[Whole.LOSS], aux=values.get(Whole.AUX), key=values[Whole.NEW_KEY],
+            residuals=new_residuals(schedule, values, inputs.residuals),
+            inner=values[Whole.NEW_INNER], params=values[Whole.NEW_PARAMS],
+        )  # fmt: skip
 
-    def lower(self, named, batch) -> LoweredPrograms:
+    def lower(self, inputs: _Inputs, batch) -> LoweredPrograms:
         schedule = self._step._schedule
         return LoweredPrograms({
             task.name: task.jitted.lower(*[schedule.values[n].aval for n in task.input_names])
@@ -140,9 +179,9 @@ class PipelinedStep(TrainStep):
         self._average = average
         # The state is the one-program step's (bytegrad's state, then the optimizer's), placed
         # as that step places it.
-        chain = optax.chain(sync_gradients(sync, average=average, mesh=mesh, seed=seed), optimizer)
+        chain = _Chain(sync_gradients(sync, average=average, mesh=mesh, seed=seed), optimizer)
         self._one_program = DataParallelStep(
-            self.algorithm, self.loss_fn, {"step": chain}, lambda _: "step", mesh,
+            self.algorithm, self.loss_fn, {"step": optax.chain(*chain)}, lambda _: "step", mesh,
             has_aux=has_aux, donate=donate, axes=sync.axes, flatten=False,
         )  # fmt: skip
         self._state_specs = StateSpecs(self._axes)
@@ -161,38 +200,37 @@ class PipelinedStep(TrainStep):
     def _build(self, key) -> Program:
         return Program(_Scheduled(self), self._inputs, self._outputs)
 
-    def _inputs(self, state: TrainState, batch) -> tuple[dict[str, Any], Any]:
-        """The schedule's inputs by name, and the batch (planning the schedule once)."""
+    def _inputs(self, state: TrainState, batch) -> tuple[_Inputs, Any]:
+        """The programs' inputs, and the batch (planning the schedule once)."""
         batch = global_batch(batch, self.mesh, self._axes)
-        specs = self._state_specs(state.opt_state)
-        sync_state, inner = state.opt_state
-        named = {"params": state.params, "key": sync_state.key, "inner": inner}
-        named.update(_state_inputs(sync_state.residuals))
+        opt_state = _Chain(*state.opt_state)
+        inputs = _Inputs(state.params, opt_state.sync.key, opt_state.inner,
+                         opt_state.sync.residuals)  # fmt: skip
         if self._schedule is None:
-            self._schedule = self._plan(state.params, specs[1], {**named, "batch": batch})
-        return named, batch
+            self._schedule = self._plan(state, inputs, batch)
+        return inputs, batch
 
-    def _plan(self, params, inner_specs, values: dict[str, Any]) -> Schedule:
+    def _plan(self, state: TrainState, inputs: _Inputs, batch) -> Schedule:
         """The step's programs, built (traced, not compiled) from the abstract inputs."""
-        inputs = {}
-        for name, value in values.items():
-            spec = {"params": P(), "key": P(), "inner": inner_specs}.get(name, P(self._axes))
-            if name != "inner":
-                spec = jax.tree.map(lambda _, s=spec: s, value)
-            inputs[name] = Value(spec, jax.tree.map(aval, value))
-        leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(params)]
+        values = _named(inputs, batch)
+        specs = {
+            Whole.PARAMS: P(), Whole.KEY: P(),
+            Whole.INNER: _Chain(*self._state_specs(state.opt_state)).inner,
+        }  # fmt: skip
+        leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
         layout = bucket_layout(leaves, self.sync, self.sync.mesh_shape(self.mesh, self.algorithm))
         stages = Stages(self.mesh, self.sync, layout, average=self._average, step=self)
-        return Schedule(stages.tasks(), inputs, self.mesh, self._axes, donate_state=self._donate)
+        return Schedule(
+            stages.programs(), _abstract(values, specs, P(self._axes)), self.mesh, self._axes,
+            donate_state=self._donate,
+        )  # fmt: skip
 
-    def _outputs(self, state: TrainState, out) -> tuple[TrainState, dict[str, Any]]:
-        values, new_params = out
-        residuals = _new_residuals(self._schedule, values, state.opt_state[0].residuals)
-        opt_state = (ByteGradState(key=values["new_key"], residuals=residuals), values["new_inner"])
-        metrics = {"loss": values["loss"]}
+    def _outputs(self, state: TrainState, out: _Outputs) -> tuple[TrainState, dict[str, Any]]:
+        opt_state = _Chain(ByteGradState(key=out.key, residuals=out.residuals), out.inner)
+        metrics = {"loss": out.loss}
         if self.has_aux:
-            metrics["aux"] = values["aux"]
-        return TrainState(state.step, new_params, opt_state, {}), metrics
+            metrics["aux"] = out.aux
+        return TrainState(state.step, out.params, tuple(opt_state), {}), metrics
 
     def close(self) -> None:
         """Stops the dispatch thread (after what it was given has run). Calling it again does
@@ -218,28 +256,26 @@ class PipelinedMean:
         self._schedule = None
 
     def __call__(self, grads, key=None, residuals=None):
-        residuals = () if residuals is None else tuple(residuals)
-        values = {"grads": grads, **({} if key is None else {"key": key})}
-        values.update(_state_inputs(residuals))
+        residuals = Residuals(() if residuals is None else residuals)
+        values = {Whole.GRADS: grads, **({} if key is None else {Whole.KEY: key})}
+        values.update(residual_values(residuals))
         if self._schedule is None:
             leaves = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jax.tree.leaves(grads)]
             layout = bucket_layout(
                 leaves, self.sync, self.sync.mesh_shape(self.mesh, "pipelined_step")
             )
             stages = Stages(self.mesh, self.sync, layout, average=self.average)
-            inputs = {}
-            for name, v in values.items():
-                spec = P() if name == "key" else P(self.sync.axes)
-                inputs[name] = Value(jax.tree.map(lambda _, s=spec: s, v), jax.tree.map(aval, v))
+            inputs = _abstract(values, {Whole.KEY: P()}, P(self.sync.axes))
             self._schedule = Schedule(
-                stages.tasks(), inputs, self.mesh, self.sync.axes, donate_state=False
+                stages.programs(), inputs, self.mesh, self.sync.axes, donate_state=False
             )
         schedule = self._schedule
-        out = execute(schedule, values, self._wire, ["mean", *_residual_names(schedule)])
-        mean = jax.tree.unflatten(jax.tree.structure(grads), out["mean"])
+        keep = [Whole.MEAN, *residual_names(schedule, residuals)]
+        out = execute(schedule, values, self._wire, keep)
+        mean = jax.tree.unflatten(jax.tree.structure(grads), out[Whole.MEAN])
         if not self.sync.error_feedback:
             return mean
-        return mean, _new_residuals(schedule, out, residuals)
+        return mean, new_residuals(schedule, out, residuals)
 
     def close(self) -> None:
         self._wire.close()

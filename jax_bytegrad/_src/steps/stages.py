@@ -4,12 +4,15 @@ collectives, in the order the caller's thread walks them (``Stages``).
 ``steps/pipelined.py`` schedules them, the wire programs on a dispatch thread of their own;
 see its module docstring for why and where that overlaps. Each piece's programs are the
 stages of its wire's plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), which the
-one-program step runs inline, with the same keys: the values are the one-program step's, bit
-for bit. What is this step's own: the pieces (``bucket_bytes`` of each bucket per exchange),
-their software-pipelined order, and one pmax for every bucket's integer-wire bounds.
+one-program step runs inline, with the same keys (``collectives.device_key``, ``bucket_key``):
+the values are the one-program step's, bit for bit. What is this step's own: the pieces
+(``bucket_bytes`` of each bucket per exchange), their software-pipelined order, and one pmax
+for every bucket's integer-wire bounds.
 """
 
 import dataclasses
+import enum
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +23,89 @@ from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import codecs, collective_ops
 from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.codecs.integer import allreduce_width
-from jax_bytegrad._src.config import SyncConfig
-from jax_bytegrad._src.programs import Program
+from jax_bytegrad._src.collectives import bucket_key, device_key
+from jax_bytegrad._src.config import Residuals, SyncConfig
+from jax_bytegrad._src.programs import Program, Schedule
 from jax_bytegrad._src.quantization import resolve_implementation
+
+# The values the programs pass each other, by name. ----------------------------------------
+
+
+class Whole(enum.Enum):
+    """The values of the step as a whole (one each, not one per bucket)."""
+
+    PARAMS = enum.auto()  # the params, replicated
+    KEY = enum.auto()  # ByteGrad's key of the state; the sync alone: compressed_mean's key
+    INNER = enum.auto()  # the optimizer's state
+    BATCH = enum.auto()  # the global batch
+    GRADS = enum.auto()  # the sync alone: each device's gradient
+    DEVICE_LOSS = enum.auto()  # each device's loss (and aux), before their mean
+    DEVICE_AUX = enum.auto()
+    LOSS = enum.auto()  # the mean loss (and aux) over the devices: the metrics
+    AUX = enum.auto()
+    NEW_PARAMS = enum.auto()  # the state after the step
+    NEW_INNER = enum.auto()
+    NEW_KEY = enum.auto()
+    MEAN = enum.auto()  # the sync alone: the mean, a pytree like the gradient
+
+
+class Of(enum.Enum):
+    """What a value of one bucket is (``Bucket``)."""
+
+    BUCKET = enum.auto()  # the float32 bucket of the gradient
+    SHARD = enum.auto()  # its reduce-scatter within the node: this device's 1/L of the sum
+    KEY = enum.auto()  # its rounding key on this device (``collectives.bucket_key``), as data
+    BOUNDS = enum.auto()  # integer wire: this device's block bounds of what it compresses
+    AGREED = enum.auto()  # the group's pmax of those
+    FACTORS = enum.auto()  # the decode factors of the agreed bounds
+    MEAN = enum.auto()  # the bucket's mean (or sum), whole, replicated
+    SEND_RESIDUAL = enum.auto()  # error feedback's residuals (chains): a ``Residuals`` pair
+    MEAN_RESIDUAL = enum.auto()
+
+
+class Bucket(NamedTuple):
+    """The name of a value of one bucket: ``Bucket(Of.SHARD, b)``."""
+
+    of: Of
+    bucket: int
+
+
+class Piece(NamedTuple):
+    """The name of a value of one piece of a bucket: the output of its wire plan's stage
+    named ``stage`` (``wire.Stage.name``: ``"encode"``, ``"psum"``, ``"decode"``, ...)."""
+
+    stage: str
+    bucket: int
+    index: int
+
+
+# A ``Residuals`` pair's names, in its order.
+_RESIDUALS = (Of.SEND_RESIDUAL, Of.MEAN_RESIDUAL)
+
+
+def residual_values(residuals: Residuals) -> dict[Bucket, jax.Array]:
+    """Error feedback's residuals by name: the chains the pieces' programs update."""
+    return {
+        Bucket(of, b): residual
+        for b, pair in enumerate(residuals)
+        for of, residual in zip(_RESIDUALS, pair, strict=True)
+    }
+
+
+def residual_names(schedule: Schedule, residuals: Residuals) -> list:
+    """The names of the residuals' values after a step: each chain's last version."""
+    return [schedule.latest(name) for name in residual_values(residuals)]
+
+
+def new_residuals(schedule: Schedule, values: dict, residuals: Residuals) -> Residuals:
+    """The residuals after a step, from its ``values`` (``residual_names`` among them)."""
+    return Residuals(
+        tuple(values[schedule.latest(Bucket(of, b))] for of in _RESIDUALS)
+        for b in range(len(residuals))
+    )
+
+
+# The pieces. --------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +176,11 @@ class Stages:
     """The programs of one train step (or of the sync alone) for ``layout``, in the order
     the caller's thread walks them.
 
-    ``buf{b}`` is the vector bucket b's group compresses (the bucket, or its shard after a
-    reduce-scatter within the node); ``send{b}`` / ``mean{b}`` are its residuals, chains
-    (``Program``) that each piece's encode updates in place. Other values are named
-    ``{stage}{b}.{i}`` for piece i.
+    The values are named by ``Whole`` (the step's own), ``Bucket`` and ``Piece``. What
+    bucket b's group compresses is ``Bucket(Of.BUCKET, b)``, or after a reduce-scatter within
+    the node ``Bucket(Of.SHARD, b)``; its residuals are chains (``Program``) that each
+    piece's encode updates in place. The wire plan's own names (``wire.Stage``: ``"x"``,
+    ``"key"``, a stage's output) become the bucket's or the piece's (``_name``).
 
     Where the mean is decoded: as in the one-program step, so that XLA:CPU fuses the same
     operations and contracts the same fused multiply-adds. After a reduce-scatter within
@@ -144,22 +228,23 @@ class Stages:
         # unless a float32 reduce-scatter within the node comes first.
         self.bounds_in_grad = self.integer and not self.group.plain and not self.group.scatter
 
-    def tasks(self) -> list[Program]:
-        tasks = [self._grad()]
+    def programs(self) -> list[Program]:
+        """Every program of the step, in the order the caller's thread walks them."""
+        programs = [self._grad()]
         if self.group.scatter:
-            tasks += [self._scatter(b) for b in self.buckets]
+            programs += [self._scatter(b) for b in self.buckets]
         last = self._update() if self.step else self._mean()
         metrics = [self._metrics()] if self.step or (self.integer and not self.group.plain) else []
         if self.group.plain:
-            return [*tasks, *metrics, *[self._plain(b) for b in self.buckets], last]
+            return [*programs, *metrics, *[self._plain(b) for b in self.buckets], last]
         if self.integer and self.group.scatter:
-            tasks += [self._bounds(b) for b in self.buckets]
-        tasks += metrics
+            programs += [self._bounds(b) for b in self.buckets]
+        programs += metrics
         stages = [self._piece(c) for pieces in self.chunks for c in pieces]
-        tasks += _pipeline(stages)
+        programs += _pipeline(stages)
         if self.group.scatter:
-            tasks += [self._gather(b) for b in self.buckets]
-        return [*tasks, last]
+            programs += [self._gather(b) for b in self.buckets]
+        return [*programs, last]
 
     def _plan(self, c: _Chunk) -> tuple:
         """The wire's stages for piece c, as the one-program sync runs them."""
@@ -176,27 +261,35 @@ class Stages:
                 )  # fmt: skip
         return self.plans[c.tag]
 
-    def _name(self, c: _Chunk, name: str) -> str:
+    def _name(self, c: _Chunk, name: str) -> Bucket | Piece:
         """The schedule's name of a value a plan names: the bucket's own, or piece c's."""
         b = c.bucket
         of_bucket = {
-            "x": self._source(b), "key": "keys", "agreed": f"agreed{b}",
-            "factors": f"factors{b}", "send": f"send{b}", "mean": f"mean{b}",
+            "x": self._source(b), "key": Bucket(Of.KEY, b), "agreed": Bucket(Of.AGREED, b),
+            "factors": Bucket(Of.FACTORS, b), "send": Bucket(Of.SEND_RESIDUAL, b),
+            "mean": Bucket(Of.MEAN_RESIDUAL, b),
         }  # fmt: skip
-        return of_bucket.get(name, f"{name}{c.tag}")
+        return of_bucket.get(name, Piece(name, b, c.index))
 
-    def _decode_reads(self, c: _Chunk) -> tuple[str, ...]:
-        """Piece c's last values: what its decode reads."""
-        return tuple(self._name(c, n) for n in self._plan(c)[-1].reads)
+    def _source(self, b: int) -> Bucket:
+        return Bucket(Of.SHARD if self.group.scatter else Of.BUCKET, b)
 
-    def _pieces(self):
-        """The pieces' last values, by bucket (``_decode_reads``)."""
-        return [[self._decode_reads(c) for c in cs] for cs in self.chunks]
+    def _run(self, c: _Chunk, stage: wires.Stage, given: dict) -> dict:
+        """One stage of piece c's plan on the schedule's values, as ``wire.run`` runs it in
+        one program: its new values, by the schedule's names. The bucket's key comes as key
+        data (None for nearest rounding)."""
+        key = None
+        if self.stochastic and "key" in stage.reads:
+            key = jax.random.wrap_key_data(given[Bucket(Of.KEY, c.bucket)])
+        names = (*stage.chains, *stage.reads)
+        outs = stage.fn(*[key if n == "key" else given[self._name(c, n)] for n in names])
+        names = [self._name(c, name) for name in (*stage.chains, stage.name)]
+        return dict(zip(names, outs, strict=True))
 
-    def _decode(self, c: _Chunk, *values):
-        """Piece c's part of the mean from its last values (``_pieces``): flat for the
-        integer wire, (peers, blocks, block) for the scatter-gather wire."""
-        return self._plan(c)[-1].fn(*values)[0]
+    def _inputs(self, c: _Chunk, stage: wires.Stage) -> list:
+        """The schedule's names of what a stage of piece c reads (no key for nearest
+        rounding)."""
+        return [self._name(c, n) for n in stage.reads if n != "key" or self.stochastic]
 
     def _decode_sum(self, total, factors):
         return codecs.integer_decode(self.sync.codec, total, factors, width=self.width)
@@ -208,80 +301,77 @@ class Stages:
         )  # fmt: skip
 
     def _join(self, parts) -> jax.Array:
-        """A bucket (or shard) from its pieces' parts of the mean."""
+        """A bucket (or shard) from its pieces' parts of the mean: flat for the integer wire,
+        (peers, blocks, block) for the scatter-gather wire."""
         if self.integer:
             return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
         return (parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)).reshape(-1)
 
-    def _residuals(self, b: int) -> tuple[str, ...]:
-        return (f"send{b}",) if self.feedback else ()
+    def _residuals(self, b: int) -> tuple[Bucket, ...]:
+        return (Bucket(Of.SEND_RESIDUAL, b),) if self.feedback else ()
 
     # Before the pieces. ----------------------------------------------------------------------
 
     def _grad(self) -> Program:
-        """Forward, backward, the buckets; the key of the step; the integer wire's bounds."""
+        """Forward, backward, the buckets; the key of the step and each bucket's; the
+        integer wire's bounds."""
         axes, layout, feedback = self.axes, self.layout, self.feedback
-        stochastic, block, num = self.stochastic, self.block, len(self.buckets)
+        block = self.block
 
-        def grad(*args):
-            args = list(args)
-            sends = args[:num] if self.bounds_in_grad and feedback else ()
-            args = args[len(sends) :]
+        def grad(given):
+            out = {}
             if self.step:
-                params, key, batch = args
                 # Varying params: as in data_parallel_step, no hidden float32 all-reduce.
-                out, grads = self.grad_fn(jax.lax.pcast(params, axes, to="varying"), batch)
-                loss, aux = out if self.has_aux else (out, None)
-                new_key, step_key = jax.random.split(key)
+                params = jax.lax.pcast(given[Whole.PARAMS], axes, to="varying")
+                value, grads = self.grad_fn(params, given[Whole.BATCH])
+                loss, aux = value if self.has_aux else (value, None)
+                # As bytegrad's update: the state's next key, and this step's.
+                new_key, step_key = jax.random.split(given[Whole.KEY])
             else:  # the sync alone: each device's own gradient, and compressed_mean's key
-                grads = jax.tree.map(lambda x: x[0], args[0])
-                step_key = args[1] if stochastic else None
-            buckets = bucketing.to_buckets(jax.tree.leaves(grads), layout)
-            outs = [*buckets]
+                grads = jax.tree.map(lambda x: x[0], given[Whole.GRADS])
+                step_key = given.get(Whole.KEY)
+            vectors = bucketing.to_buckets(jax.tree.leaves(grads), layout)
+            out.update((Bucket(Of.BUCKET, b), x) for b, x in enumerate(vectors))
             if self.step:
-                outs += [loss[None], new_key]
+                out[Whole.DEVICE_LOSS], out[Whole.NEW_KEY] = loss[None], new_key
             if self.has_aux:
-                outs.append(jax.tree.map(lambda a: a[None], aux))
-            if stochastic:
-                # As sync_mean: each device's key, then one per bucket.
-                device = jax.random.fold_in(step_key, jax.lax.axis_index(axes))
-                keys = [jax.random.key_data(jax.random.fold_in(device, b)) for b in range(num)]
-                outs.append(jnp.stack(keys))
+                out[Whole.DEVICE_AUX] = jax.tree.map(lambda a: a[None], aux)
+            if self.stochastic:
+                device = device_key(step_key, axes)
+                for b in self.buckets:
+                    out[Bucket(Of.KEY, b)] = jax.random.key_data(bucket_key(device, b))
             if self.bounds_in_grad:
-                if feedback:
-                    buckets = [x + r for x, r in zip(buckets, sends, strict=True)]
-                outs += [codecs.integer_bounds(self.sync.codec, x, block) for x in buckets]
-            return tuple(outs)
+                for b, x in enumerate(vectors):
+                    x = x + given[Bucket(Of.SEND_RESIDUAL, b)] if feedback else x
+                    out[Bucket(Of.BOUNDS, b)] = codecs.integer_bounds(self.sync.codec, x, block)
+            return out
 
-        inputs = ["params", "key", "batch"] if self.step else ["grads"]
-        inputs += ["key"] if stochastic and not self.step else []
-        outputs = [f"buf{b}" for b in self.buckets]
-        outputs += ["loss_d", "new_key"] if self.step else []
-        outputs += ["aux_d"] if self.has_aux else []
-        outputs += ["keys"] if stochastic else []
-        outputs += [f"bounds{b}" for b in self.buckets] if self.bounds_in_grad else []
-        reads = [f"send{b}" for b in self.buckets] if self.bounds_in_grad and feedback else []
-        return Program("grad", "compute", grad, inputs, outputs, reads=reads)
+        inputs = [Whole.PARAMS, Whole.KEY, Whole.BATCH] if self.step else [Whole.GRADS]
+        inputs += [Whole.KEY] if self.stochastic and not self.step else []
+        reads = [r for b in self.buckets for r in self._residuals(b)] if self.bounds_in_grad else []
+        return Program("grad", "compute", grad, inputs, reads=reads)
 
     def _scatter(self, b: int) -> Program:
         local_axis = self.sync.local_axis
 
-        def scatter(x):
-            return (jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True),)
+        def scatter(given):
+            x = given[Bucket(Of.BUCKET, b)]
+            shard = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+            return {Bucket(Of.SHARD, b): shard}
 
-        return Program(f"scatter{b}", "wire", scatter, [f"buf{b}"], [f"shard{b}"])
+        return Program(f"scatter{b}", "wire", scatter, [Bucket(Of.BUCKET, b)])
 
     def _bounds(self, b: int) -> Program:
         block, feedback = self.block, self.feedback
 
-        def bounds(*args):
-            *send, x = args
-            return (codecs.integer_bounds(self.sync.codec, x + send[0] if feedback else x, block),)
+        def bounds(given):
+            x = given[Bucket(Of.SHARD, b)]
+            x = x + given[Bucket(Of.SEND_RESIDUAL, b)] if feedback else x
+            return {Bucket(Of.BOUNDS, b): codecs.integer_bounds(self.sync.codec, x, block)}
 
         return Program(
-            f"bounds{b}", "compute", bounds, [f"shard{b}"], [f"bounds{b}"],
-            reads=self._residuals(b),
-        )  # fmt: skip
+            f"bounds{b}", "compute", bounds, [Bucket(Of.SHARD, b)], reads=self._residuals(b)
+        )
 
     def _metrics(self) -> Program:
         """The mean loss (and aux) over the devices; the integer wire's agreed bounds and
@@ -289,148 +379,127 @@ class Stages:
         axes, group = self.axes, self.group.axis
         agree = self.integer and not self.group.plain
 
-        def metrics(*rest):
-            rest = list(rest)
-            outs = [jax.lax.pmean(rest.pop(0)[0], axes)] if self.step else []
+        def metrics(given):
+            out = {}
+            if self.step:
+                out[Whole.LOSS] = jax.lax.pmean(given[Whole.DEVICE_LOSS][0], axes)
             if self.has_aux:
-                outs.append(jax.tree.map(lambda a: jax.lax.pmean(a[0], axes), rest.pop(0)))
+                mean = lambda a: jax.lax.pmean(a[0], axes)  # noqa: E731
+                out[Whole.AUX] = jax.tree.map(mean, given[Whole.DEVICE_AUX])
             if agree:
                 # One pmax for every bucket: the maximum is exact, so this is each bucket's.
-                cuts = np.cumsum([x.shape[0] for x in rest])[:-1].tolist()
-                agreed = jnp.split(jax.lax.pmax(jnp.concatenate(rest), group), cuts)
+                bounds = [given[Bucket(Of.BOUNDS, b)] for b in self.buckets]
+                cuts = np.cumsum([x.shape[0] for x in bounds])[:-1].tolist()
+                agreed = jnp.split(jax.lax.pmax(jnp.concatenate(bounds), group), cuts)
                 # The decode's factors: an output of this program, so the decoding programs
                 # read them as data (wire.py's pmax of them is for one program).
-                outs += [*agreed, *map(self._decode_factors, agreed)]
-            return tuple(outs)
+                out.update((Bucket(Of.AGREED, b), a) for b, a in enumerate(agreed))
+                for b, a in enumerate(agreed):
+                    out[Bucket(Of.FACTORS, b)] = self._decode_factors(a)
+            return out
 
-        inputs = ["loss_d"] if self.step else []
-        outputs = ["loss"] if self.step else []
-        inputs += ["aux_d"] if self.has_aux else []
-        outputs += ["aux"] if self.has_aux else []
-        if agree:
-            inputs += [f"bounds{b}" for b in self.buckets]
-            outputs += [f"agreed{b}" for b in self.buckets]
-            outputs += [f"factors{b}" for b in self.buckets]
-        return Program("metrics", "wire", metrics, inputs, outputs)
+        inputs = [Whole.DEVICE_LOSS] if self.step else []
+        inputs += [Whole.DEVICE_AUX] if self.has_aux else []
+        inputs += [Bucket(Of.BOUNDS, b) for b in self.buckets] if agree else []
+        return Program("metrics", "wire", metrics, inputs)
 
     def _plain(self, b: int) -> Program:
         """One device per group, nothing compressed: the bucket's float32 sum, as is (error
         feedback's residuals are empty then, and stay as they are)."""
         sync = self.sync
 
-        def total(x):
+        def total(given):
             out, _ = wires.sum_flat(
-                x, sync, n=self.n, local=self.local, weight=self.weight, key=None, residual=None
-            )
-            return (out,)
+                given[Bucket(Of.BUCKET, b)], sync, n=self.n, local=self.local,
+                weight=self.weight, key=None, residual=None,
+            )  # fmt: skip
+            return {Bucket(Of.MEAN, b): out}
 
-        return Program(f"sum{b}", "wire", total, [f"buf{b}"], [f"avg{b}"])
+        return Program(f"sum{b}", "wire", total, [Bucket(Of.BUCKET, b)])
 
     # The pieces. -----------------------------------------------------------------------------
-
-    def _key(self, keys, b: int):
-        return None if keys is None else jax.random.wrap_key_data(keys[b])
 
     def _piece(self, c: _Chunk) -> list[Program]:
         """Piece c's programs: one per stage of the wire's plan, but the decode (after a
         reduce-scatter within the node, a program beside the wire; otherwise in the last
         program)."""
-        return [self._stage(c, stage) for stage in self._plan(c)[:-1]] + self._piece_decode(c)
+        *stages, decode = self._plan(c)
+        programs = [self._stage(c, stage) for stage in stages]
+        return programs + ([self._stage(c, decode)] if self.group.scatter else [])
 
-    def _stage(self, c: _Chunk, stage) -> Program:
-        """One stage of piece c's plan as a program; the bucket's key is read from the
-        stacked keys."""
-        reads = [n for n in stage.reads if n != "key" or self.stochastic]
+    def _stage(self, c: _Chunk, stage: wires.Stage) -> Program:
+        """One stage of piece c's plan as a program."""
 
-        def run(*args):
-            chained, rest = args[: len(stage.chains)], args[len(stage.chains) :]
-            given = dict(zip(reads, rest, strict=True))
-            given["key"] = self._key(given.get("key"), c.bucket)
-            return stage.fn(*chained, *(given[n] for n in stage.reads))
+        def run(given):
+            return self._run(c, stage, given)
 
         return Program(
-            f"{stage.name}{c.tag}", stage.kind, run, [self._name(c, n) for n in reads],
-            [self._name(c, stage.name)], chains=[self._name(c, n) for n in stage.chains],
+            f"{stage.name}{c.tag}", stage.kind, run, self._inputs(c, stage),
+            chains=[self._name(c, n) for n in stage.chains],
         )  # fmt: skip
-
-    def _piece_decode(self, c: _Chunk) -> list[Program]:
-        """After a reduce-scatter within the node: piece c's decode, beside the wire."""
-        if not self.group.scatter:
-            return []
-        values = self._decode_reads(c)
-        return [
-            Program(
-                f"decode{c.tag}", "compute", lambda *v: (self._decode(c, *v),), values,
-                [f"part{c.tag}"],
-            )
-        ]  # fmt: skip
-
-    def _source(self, b: int) -> str:
-        return f"shard{b}" if self.group.scatter else f"buf{b}"
 
     # After the pieces. -----------------------------------------------------------------------
 
     def _gather(self, b: int) -> Program:
         """After a reduce-scatter within the node: the bucket's mean from its shards."""
         local_axis = self.sync.local_axis
+        parts = [Piece("decode", b, c.index) for c in self.chunks[b]]
 
-        def gather(*parts):
-            return (collective_ops.gather_invariant(self._join(parts), local_axis),)
+        def gather(given):
+            shard = self._join([given[name] for name in parts])
+            return {Bucket(Of.MEAN, b): collective_ops.gather_invariant(shard, local_axis)}
 
-        parts = [f"part{c.tag}" for c in self.chunks[b]]
-        return Program(f"gather{b}", "wire", gather, parts, [f"avg{b}"])
+        return Program(f"gather{b}", "wire", gather, parts)
 
-    def _tail(self):
-        """The last program's view of the means: its input names, and a function of those
-        inputs that gives the mean of every bucket."""
+    def _tail(self) -> list:
+        """What the last program reads the means from: each bucket's, or (decoded there)
+        what each piece's decode reads, each value once."""
         if self.group.plain or self.group.scatter:
-            return [f"avg{b}" for b in self.buckets], list
-        pieces = self._pieces()
-        names = [name for by_bucket in pieces for values in by_bucket for name in values]
+            return [Bucket(Of.MEAN, b) for b in self.buckets]
+        reads = [self._inputs(c, self._plan(c)[-1]) for chunks in self.chunks for c in chunks]
+        return list(dict.fromkeys(name for names in reads for name in names))
 
-        def means(values):
-            values, out = list(values), []
-            for chunks, by_bucket in zip(self.chunks, pieces, strict=True):
-                held = [[values.pop(0) for _ in names] for names in by_bucket]
-                if self.integer:
-                    # The bucket's sum decoded at once, as integer_sum does: the same fusion.
-                    out.append(self._decode_sum(self._join([h[0] for h in held]), held[0][1]))
-                else:
-                    parts = [self._decode(c, *h) for c, h in zip(chunks, held, strict=True)]
-                    out.append(self._join(parts))
-            return out
-
-        # A bucket's decode factors are read by each of its pieces: pass each value once.
-        unique = list(dict.fromkeys(names))
-        return unique, lambda values: means([values[unique.index(n)] for n in names])
+    def _means(self, given: dict) -> list[jax.Array]:
+        """Every bucket's mean, from the last program's values (``_tail``)."""
+        if self.group.plain or self.group.scatter:
+            return [given[Bucket(Of.MEAN, b)] for b in self.buckets]
+        if self.integer:
+            # The bucket's sum decoded at once, as integer_sum does: the same fusion.
+            return [
+                self._decode_sum(
+                    self._join([given[Piece("psum", b, c.index)] for c in chunks]),
+                    given[Bucket(Of.FACTORS, b)],
+                )
+                for b, chunks in enumerate(self.chunks)
+            ]
+        decoded = [
+            [self._run(c, self._plan(c)[-1], given)[Piece("decode", b, c.index)] for c in chunks]
+            for b, chunks in enumerate(self.chunks)
+        ]
+        return [self._join(parts) for parts in decoded]
 
     def _update(self) -> Program:
         """The optimizer on the mean gradient, and the new parameters."""
         layout, optimizer = self.layout, self.optimizer
-        names, means = self._tail()
 
-        def update(*args):
-            *values, params, inner = args
+        def update(given):
+            params, inner = given[Whole.PARAMS], given[Whole.INNER]
             leaves, treedef = jax.tree.flatten(params)
-            grads = bucketing.from_buckets(means(values), leaves, layout)
+            grads = bucketing.from_buckets(self._means(given), leaves, layout)
             updates, inner = optimizer.update(jax.tree.unflatten(treedef, grads), inner, params)
-            return optax.apply_updates(params, updates), inner
+            return {Whole.NEW_PARAMS: optax.apply_updates(params, updates), Whole.NEW_INNER: inner}
 
         return Program(
-            "update", "compute", update, [*names, "params", "inner"], ["new_params", "new_inner"],
-            donate=(len(names), len(names) + 1) if self.donate else (),
+            "update", "compute", update, [*self._tail(), Whole.PARAMS, Whole.INNER],
+            donate=(Whole.PARAMS, Whole.INNER) if self.donate else (),
         )  # fmt: skip
 
     def _mean(self) -> Program:
         """The sync alone: the mean as a pytree like the gradient, replicated."""
         layout = self.layout
-        names, means = self._tail()
 
-        def mean(*values):
+        def mean(given):
             leaves = [None] * len(layout.shapes)  # every leaf is a float leaf
-            return (bucketing.from_buckets(means(values), leaves, layout),)
+            return {Whole.MEAN: bucketing.from_buckets(self._means(given), leaves, layout)}
 
-        return Program("mean", "compute", mean, names, ["mean"])
-
-
-# The step -----------------------------------------------------------------------------------
+        return Program("mean", "compute", mean, self._tail())
