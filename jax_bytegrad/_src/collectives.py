@@ -172,6 +172,13 @@ def _check_sharded(config: SyncConfig, sharded, leaves, where: str) -> None:
         )
 
 
+def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(the key a sync's state keeps, this step's rounding key)`` from the state's key:
+    ``bytegrad``'s update and the pipelined step split it so."""
+    kept, step = jax.random.split(key)
+    return kept, step
+
+
 def device_key(key: jax.Array | None, axes) -> jax.Array | None:
     """This device's rounding key of a step, from the step's ``key`` (None: nearest
     rounding). Call it inside ``shard_map``.

@@ -157,7 +157,7 @@ def sync_gradients(
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
-        key, step_key = jax.random.split(state.key)
+        key, step_key = collectives.step_keys(state.key)
         updates = collectives.sync_mean(
             updates,
             config,

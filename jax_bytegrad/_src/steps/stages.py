@@ -23,7 +23,7 @@ from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import codecs, collective_ops
 from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.codecs.integer import allreduce_width
-from jax_bytegrad._src.collectives import bucket_key, device_key
+from jax_bytegrad._src.collectives import bucket_key, device_key, step_keys
 from jax_bytegrad._src.config import Residuals, SyncConfig
 from jax_bytegrad._src.programs import Program, Schedule
 from jax_bytegrad._src.quantization import resolve_implementation
@@ -326,7 +326,7 @@ class Stages:
                 value, grads = self.grad_fn(params, given[Whole.BATCH])
                 loss, aux = value if self.has_aux else (value, None)
                 # As bytegrad's update: the state's next key, and this step's.
-                new_key, step_key = jax.random.split(given[Whole.KEY])
+                new_key, step_key = step_keys(given[Whole.KEY])
             else:  # the sync alone: each device's own gradient, and compressed_mean's key
                 grads = jax.tree.map(lambda x: x[0], given[Whole.GRADS])
                 step_key = given.get(Whole.KEY)
