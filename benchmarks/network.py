@@ -94,7 +94,9 @@ def _worker(args) -> int:
             str(Path(args.trace) / f"host{info.process_id}"), create_perfetto_trace=True
         )
     for step in range(args.steps):
-        for name in args.ops:
+        # With --rotate, round s starts at op s: no op always runs right after the same one.
+        first = step % len(args.ops) if args.rotate else 0
+        for name in args.ops[first:] + args.ops[:first]:
             fn, fn_args = built[name]
             # Start together, so one host's late start is not counted as link time.
             multihost_utils.sync_global_devices(f"{name}-{step}")
@@ -157,6 +159,7 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
             if value is not None:
                 worker += [flag, str(value)]
         worker += ["--donate"] if args.donate else []
+        worker += ["--rotate"] if args.rotate else []
         worker += ["--trace", str(Path(args.trace).resolve())] if args.trace else []
         code = cluster.launch(
             worker,
@@ -219,6 +222,13 @@ def _parser() -> argparse.ArgumentParser:
         "data_parallel_step does by default (train_local excepted); psum_f32, psum_bf16 and the "
         "syncs of the integer and ring wires (ar8_sync, ar4_sync, ring_sync, ...) donate the "
         "gradient and get the result back in its buffer",
+    )
+    parser.add_argument(
+        "--rotate",
+        action="store_true",
+        help="start each round of steps at the next op (default: always in --ops order), so "
+        "that what one op leaves behind (freed memory, a busy core) does not always land on "
+        "the same next op",
     )
     parser.add_argument(
         "--no-hugepages",
