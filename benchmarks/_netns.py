@@ -212,9 +212,17 @@ class Cluster:
             "sh", "-c", 'hostname "$0" && exec "$@"', h.hostname, *argv,
         ]  # fmt: skip
 
-    def launch(self, argv: Sequence[str], *, timeout: float, hugepages: bool = True) -> int:
-        """Runs the Python program `argv` as one JAX process per host, under the library's
-        launcher (host 0 coordinates), with this checkout first on PYTHONPATH; its exit code."""
+    def launch(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float,
+        hugepages: bool = True,
+        devices_per_proc: int = 1,
+    ) -> int:
+        """Runs the Python program `argv` as one JAX process per host, with
+        `devices_per_proc` CPU devices each, under the library's launcher (host 0
+        coordinates), with this checkout first on PYTHONPATH; its exit code."""
         from jax_bytegrad._src import checks as _checks
         from jax_bytegrad.launch import launch
 
@@ -222,6 +230,7 @@ class Cluster:
         return launch(
             lambda rank: self.command(rank, argv),
             nproc=len(self.hosts),
+            devices_per_proc=devices_per_proc,
             coordinator_host=self.hosts[0].address,
             port=_checks.free_port(),
             timeout=timeout,

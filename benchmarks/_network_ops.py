@@ -388,9 +388,10 @@ def _train_step(mesh, num_params, step, *, carry: bool | None = None, state=None
     return _timed(step, state, _host_batch(mesh), carry=carry)
 
 
-def _train(mesh, num_params, *, algorithm: str, **settings):
+def _train(mesh, num_params, *, algorithm: str, shard: str | None = None, **settings):
     """`data_parallel_step` of the MLP: Adam after `algorithm`'s sync (QAdam: its compressed
-    phase alone, past warm-up, so that every timed step is a compressed one)."""
+    phase alone, past warm-up, so that every timed step is a compressed one), its state split
+    within each host with `shard` ("optimizer", "params"; None: every device holds it all)."""
     warmup = 4
     if algorithm == "qadam":
         tx = jax_bytegrad.qadam(1e-4, warmup_steps=warmup, phase="compressed", **_sizes())
@@ -399,7 +400,9 @@ def _train(mesh, num_params, *, algorithm: str, **settings):
     else:
         sync = jax_bytegrad.bytegrad(**settings, **_wire_sizes(settings.get("wire", "auto")))
         tx = optax.chain(sync, optax.adam(1e-4))
-    step = jax_bytegrad.data_parallel_step(mlp_loss, tx, mesh, donate=BUFFERS["donate"])
+    step = jax_bytegrad.data_parallel_step(
+        mlp_loss, tx, mesh, donate=BUFFERS["donate"], shard=shard
+    )
     state = step.init(mlp_init(num_params))
     if algorithm == "qadam":  # past warm-up: the count a compressed step sees
         qadam_state = state.opt_state[0]._replace(
@@ -510,6 +513,14 @@ _TABLE: dict[str, tuple[Builder, dict, float | None]] = {
     "train_local": (_train_local, {}, None),
     "train_allreduce": (_train, dict(algorithm="gradient_allreduce"), 4),
     "train_bytegrad": (_train, dict(algorithm="bytegrad"), _CODES_8),
+    # The same step with its state split over each host's devices (run them on 2+ devices per
+    # host: --devices-per-host): the same bytes between hosts.
+    "train_bytegrad_shard_optimizer": (
+        _train,
+        dict(algorithm="bytegrad", shard="optimizer"),
+        _CODES_8,
+    ),
+    "train_bytegrad_shard_params": (_train, dict(algorithm="bytegrad", shard="params"), _CODES_8),
     "train_qadam": (_train, dict(algorithm="qadam"), _CODES_8),
     "train_decentralized": (_train_decentralized, dict(low_precision=False), None),
     "train_lowprec_decentralized": (_train_decentralized, dict(low_precision=True), None),

@@ -46,8 +46,10 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         bound = "" if r["bound_ms"] is None else f"{r['bound_ms']:.0f}"
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        devices = r.get("devices", 1)  # per host; rows of older --json files have none
+        hosts = f"{r['hosts']} x {devices}" if devices > 1 else f"{r['hosts']}"
         lines.append(
-            f"| {r['hosts']} | {rate_label(r['mbit'])}"
+            f"| {hosts} | {rate_label(r['mbit'])}"
             f"{' + ' + format(r['delay_ms'], 'g') + ' ms' if r['delay_ms'] else ''} | "
             f"{r['op']} | {r['median_ms']:.1f} | {ratio} | {r['tx_mb']:.1f} | "
             f"{mbit_per_s(r):.0f} | {bound} |"

@@ -2,8 +2,9 @@
 
 Builds K hosts as network namespaces on one bridge (`_netns`), limits every link to a rate with
 `tc` (and optionally adds latency), runs one JAX process per host with one CPU device each (mesh
-(K, 1): the "node" axis is the hosts, Gloo over TCP between them) and times each registered
-operation on a gradient of ``--num-params`` parameters (25.2M by default, about ResNet-50).
+(K, 1): the "node" axis is the hosts, Gloo over TCP between them; ``--devices-per-host D``: mesh
+(K, D)) and times each registered operation on a gradient of ``--num-params`` parameters (25.2M
+by default, about ResNet-50).
 
 Usage (root; without root it says so and exits 0)::
 
@@ -93,7 +94,9 @@ def _worker(args) -> int:
             str(Path(args.trace) / f"host{info.process_id}"), create_perfetto_trace=True
         )
     for step in range(args.steps):
-        for name in args.ops:
+        # With --rotate, round s starts at op s: no op always runs right after the same one.
+        first = step % len(args.ops) if args.rotate else 0
+        for name in args.ops[first:] + args.ops[:first]:
             fn, fn_args = built[name]
             # Start together, so one host's late start is not counted as link time.
             multihost_utils.sync_global_devices(f"{name}-{step}")
@@ -156,8 +159,14 @@ def _run_config(cluster, args, mbit: float) -> dict[str, list[float]]:
             if value is not None:
                 worker += [flag, str(value)]
         worker += ["--donate"] if args.donate else []
+        worker += ["--rotate"] if args.rotate else []
         worker += ["--trace", str(Path(args.trace).resolve())] if args.trace else []
-        code = cluster.launch(worker, timeout=args.timeout, hugepages=args.hugepages)
+        code = cluster.launch(
+            worker,
+            timeout=args.timeout,
+            hugepages=args.hugepages,
+            devices_per_proc=args.devices_per_host,
+        )
         if code != 0:
             raise SystemExit(code)
         return json.loads(out.read_text())
@@ -176,6 +185,13 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated op names; op:KB sets its message size, op@MB its bucket size",
     )
     parser.add_argument("--num-params", type=int, default=DEFAULT_NUM_PARAMS)
+    parser.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=1,
+        help="CPU devices per host, the mesh's 'local' axis (default 1); with --pin they "
+        "share the host's one CPU",
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median is reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per configuration")
@@ -206,6 +222,13 @@ def _parser() -> argparse.ArgumentParser:
         "data_parallel_step does by default (train_local excepted); psum_f32, psum_bf16 and the "
         "syncs of the integer and ring wires (ar8_sync, ar4_sync, ring_sync, ...) donate the "
         "gradient and get the result back in its buffer",
+    )
+    parser.add_argument(
+        "--rotate",
+        action="store_true",
+        help="start each round of steps at the next op (default: always in --ops order), so "
+        "that what one op leaves behind (freed memory, a busy core) does not always land on "
+        "the same next op",
     )
     parser.add_argument(
         "--no-hugepages",
@@ -239,6 +262,8 @@ def main(argv=None) -> int:
         parser.error(f"unknown op(s) {unknown}; registered: {sorted(OPS)}")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
+    if args.devices_per_host < 1:
+        parser.error(f"--devices-per-host {args.devices_per_host}: must be at least 1")
 
     if args.worker:
         return _worker(args)
@@ -280,7 +305,8 @@ def main(argv=None) -> int:
                         med = statistics.median(result[op]["steps_s"])
                         rows.append(
                             {
-                                "hosts": k, "mbit": mbit, "delay_ms": args.delay, "op": op,
+                                "hosts": k, "devices": args.devices_per_host, "mbit": mbit,
+                                "delay_ms": args.delay, "op": op,
                                 "median_ms": 1e3 * med, "steps_s": result[op]["steps_s"],
                                 "tx_mb": result[op]["tx_bytes_per_host"] / 1e6,
                                 "bound_ms": report.ring_bound_ms(op, k, args.num_params, mbit),

@@ -69,6 +69,10 @@ class Config:
         ``"none"``, ``"embedded"`` (SQLite) or ``"redis"``; None: fixed-length windows.
       load_balance: with ``cache``: Bagua's load-balanced sampler (one replica per row, so a
         step's rows have similar lengths and pad little); otherwise a random shard.
+      shard: split the state within each node (``Strategy(..., shard=...)``):
+        ``"optimizer"`` (each device keeps 1/L of the optimizer state) or ``"params"`` (of the
+        parameters too); None keeps every device's copy whole. gradient_allreduce, bytegrad
+        and qadam only.
       autotune: time the algorithm's step under its system settings first
         (``jax_bytegrad.autotune``) and train with the fastest; cached in ``out_dir``.
       out_dir: where tables, plots and the autotune cache are written.
@@ -91,6 +95,7 @@ class Config:
     checkpoint_every: int = 50
     cache: str | None = None
     load_balance: bool = False
+    shard: str | None = None
     autotune: bool = False
     out_dir: str = "runs"
 

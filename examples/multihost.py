@@ -9,6 +9,12 @@
     python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 \\
         examples/multihost.py --algorithm bytegrad
 
+    # The state split within each node (each process): each of its 4 devices keeps 1/4 of
+    # the optimizer state (optimizer), or of the parameters too (params). Without
+    # --algorithm: gradient_allreduce, bytegrad and qadam, the algorithms that can.
+    python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 \\
+        examples/multihost.py --algorithm bytegrad --shard params
+
     # A SLURM cluster, one task per host (GPU or CPU): JAX reads the layout from SLURM.
     srun python examples/multihost.py --algorithm bytegrad
 

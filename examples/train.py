@@ -150,7 +150,8 @@ def evaluate(graphdef, rest, params, inputs, targets, mesh) -> tuple[float, floa
 def make_strategy(config: Config, name: str, mesh) -> tuple[jax_bytegrad.Strategy, Any]:
     """The strategy of algorithm ``name`` with the registry's arguments, and its optimizer."""
     entry = ALGORITHMS[name]
-    strategy = jax_bytegrad.Strategy(name, mesh=mesh, **entry.kwargs(config))
+    shard = {} if config.shard is None else {"shard": config.shard}
+    strategy = jax_bytegrad.Strategy(name, mesh=mesh, **entry.kwargs(config), **shard)
     optimizer = optax.adam(config.get("learning_rate")) if entry.takes_optimizer else None
     return strategy, optimizer
 
@@ -242,7 +243,8 @@ def _resume(config: Config, state, mesh):
         )
     directory = os.path.join(config.checkpoint_dir, config.algorithm)
     checkpointer = jax_bytegrad.Checkpointer(directory, every=config.checkpoint_every)
-    done, state = checkpointer.restore_or_init(lambda: state, mesh)
+    # Onto the state's own shardings: with --shard, split leaves stay split.
+    done, state = checkpointer.restore_or_init(lambda: state, state)
     if done:
         log(f"{config.algorithm}: resumed from the checkpoint of step {done} in {directory}")
     return done, state, checkpointer
@@ -355,17 +357,33 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
     )
 
 
+def shardable(name: str) -> bool:
+    """Whether algorithm ``name`` can split its state within a node (``--shard``)."""
+    return "shard" in jax_bytegrad.valid_kwargs(name)
+
+
+def skip_reason(config: Config, name: str) -> str | None:
+    """Why ``compare`` leaves algorithm ``name`` out of this run, or None."""
+    needed, why = ALGORITHMS[name].min_processes
+    if jax.process_count() < needed:
+        return (f"it needs {needed} or more processes ({why}); examples/multihost.py under "
+                "python -m jax_bytegrad.launch runs it")  # fmt: skip
+    if config.shard is not None and not shardable(name):
+        return f"--shard {config.shard}: it keeps its own copy of the model on every device"
+    return None
+
+
 def compare(config: Config, algorithms=None) -> list[Result]:
-    """Runs every algorithm this many processes can run, on the same data.
+    """Runs every algorithm this many processes (and ``config.shard``) can run, on the same
+    data.
 
     gradient_allreduce runs first: its bytes are every other algorithm's baseline.
     """
-    runnable = [n for n, a in ALGORITHMS.items() if jax.process_count() >= a.min_processes[0]]
+    runnable = [name for name in ALGORITHMS if skip_reason(config, name) is None]
     if algorithms is None:
-        for name in ALGORITHMS.keys() - set(runnable):
-            needed, why = ALGORITHMS[name].min_processes
-            log(f"{name}: skipped, it needs {needed} or more processes ({why}); "
-                "examples/multihost.py under python -m jax_bytegrad.launch runs it")  # fmt: skip
+        for name in ALGORITHMS:
+            if name not in runnable:
+                log(f"{name}: skipped, {skip_reason(config, name)}")
     names = sorted(algorithms or runnable, key=lambda name: name != BASELINE)
     results, baseline = [], None
     for name in names:
@@ -377,9 +395,10 @@ def compare(config: Config, algorithms=None) -> list[Result]:
 
 def describe(config: Config, mesh: jax.sharding.Mesh, num_params: int | None = None) -> str:
     size = "" if num_params is None else f", {num_params:,} parameters"
+    shard = "" if config.shard is None else f", state sharded within each node: {config.shard}"
     return (
         f"{config.model} on {config.get('dataset')}{size}; mesh {dict(mesh.shape)} on "
-        f"{jax.process_count()} process(es), {jax.default_backend()}; "
+        f"{jax.process_count()} process(es), {jax.default_backend()}{shard}; "
         f"{config.get('steps')} steps, global batch {config.get('batch_size')}"
     )
 
@@ -439,6 +458,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seq-len", type=int, default=64, help="transformer: tokens per row")
     parser.add_argument(
+        "--shard",
+        choices=["optimizer", "params"],
+        default=None,
+        help="split the state within each node: each device keeps 1/L of the optimizer state "
+        "(optimizer) or of the parameters too (params); gradient_allreduce, bytegrad, qadam",
+    )
+    parser.add_argument(
         "--autotune",
         action="store_true",
         help="time each algorithm's step under its message/bucket sizes and hierarchy first "
@@ -451,6 +477,12 @@ def parse_args(argv=None, *, processes: int = 1) -> argparse.Namespace:
     """The flags; a usage error (exit 2) for an algorithm that needs more than ``processes``."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.shard is not None and args.algorithm is not None and not shardable(args.algorithm):
+        parser.error(
+            f"--shard {args.shard} applies to "
+            f"{', '.join(n for n in ALGORITHMS if shardable(n))}; {args.algorithm} keeps its "
+            "own copy of the model on every device"
+        )
     if args.algorithm is not None:
         needed, why = ALGORITHMS[args.algorithm].min_processes
         if processes < needed:
@@ -479,6 +511,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         cache=args.cache,
         load_balance=args.load_balance,
         seq_len=args.seq_len,
+        shard=args.shard,
         autotune=args.autotune,
         out_dir=args.out_dir,
     )
