@@ -299,3 +299,14 @@ def test_skip_nonfinite_skips_on_every_device_of_a_node_together():
         assert jax_bytegrad.skipped_steps(state.opt_state) == 1
     for k in before:
         np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_a_state_placed_otherwise_is_refused_by_name():
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    replicated = jax_bytegrad.Strategy("bytegrad", mesh=mesh)
+    with replicated.train_step(loss_fn, optax.adam(1e-2)) as step:
+        state = step.init(params0())
+    sharded = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="params")
+    with sharded.train_step(loss_fn, optax.adam(1e-2)) as step:
+        with pytest.raises(ValueError, match="restore a checkpoint onto step.state_shapes"):
+            step(state, batches(1)[0])

@@ -109,6 +109,8 @@ def _default_space(strat) -> dict[str, tuple]:
     for name in strategy_lib.tunable_settings(strat.algorithm):
         if name == "hierarchical" and strat.mesh.shape[local_axis] == 1:
             continue  # one device per node: both forms run the same program
+        if name == "hierarchical" and strat.kwargs.get("shard") is not None:
+            continue  # state split within the node: only the hierarchical sync runs
         if name in strat.kwargs:
             continue  # the user chose it
         space[name] = _wires(strat) if name == "wire" else _VALUES[name]

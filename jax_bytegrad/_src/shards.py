@@ -23,6 +23,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src.config import Residuals
@@ -77,6 +78,22 @@ def state_specs(opt_state, params, *, axes: tuple[str, str], local: int):
         return P()
 
     return jax.tree.map(specs, opt_state, is_leaf=lambda x: isinstance(x, Residuals))
+
+
+def check_placed(tree, specs, mesh, where: str) -> None:
+    """Raises, naming ``state_shapes``, for an array of ``tree`` placed otherwise than
+    ``specs`` say on ``mesh`` (a state restored onto another ``shard=``'s shardings, say)."""
+    for (path, x), spec in zip(
+        jax.tree.leaves_with_path(tree), jax.tree.leaves(specs), strict=True
+    ):
+        want = NamedSharding(mesh, spec)
+        if isinstance(x, jax.Array) and not x.sharding.is_equivalent_to(want, x.ndim):
+            raise ValueError(
+                f"{where}: {jax.tree_util.keystr(path)} of the state is placed as "
+                f"{x.sharding}, and this step keeps it as {spec}: start from "
+                "step.init(params), or restore a checkpoint onto step.state_shapes(params), "
+                "which carries this step's shardings"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

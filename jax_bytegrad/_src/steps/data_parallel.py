@@ -57,9 +57,9 @@ from jax_bytegrad._src.steps.tracing import traced, traced_gradient
 # The phase of the micro-steps that only accumulate (``accumulation.py``).
 ACCUMULATE = "accumulate"
 
-# With shard="params" on GPUs: the largest combined reduce-scatter within the node. Measured on
-# deviceless 2 x 8 H100s (an MLP of 8 2048 x 2048 layers): 30 MiB (XLA's default) starts no
-# byte between nodes before the last gemm, 16 MiB none, 4 MiB half of them.
+# With shard="params" on GPUs: the largest combined reduce-scatter within the node. On 2 x 8
+# deviceless H100s (8 x 2048^2 MLP), 30 MiB (XLA's) or 16 start nothing between nodes before
+# the last gemm, 4 MiB half of it.
 RS_COMBINE_BYTES = 4 * 2**20
 
 
@@ -86,8 +86,8 @@ def _unsynced(updates, update_specs, opt_state, specs, axes) -> list[str]:
 
 
 class DataParallelStep(TrainStep):
-    """The ``TrainStep`` of ``data_parallel_step``: one program per optimizer phase (and one
-    for the micro-steps that accumulate, with ``accumulation``)."""
+    """``data_parallel_step``'s ``TrainStep``: a program per optimizer phase (and one for the
+    micro-steps that accumulate)."""
 
     def __init__(self, algorithm, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate,
                  axes, flatten, model=None, shard: Shard | None = None,
@@ -397,8 +397,16 @@ class DataParallelStep(TrainStep):
         outputs = functools.partial(self._outputs, phase=phase)
         return Program(fn, inputs, outputs)
 
+    def _check_placement(self, state) -> None:
+        param_specs, specs = self._specs
+        if self.shard != "params":
+            param_specs = jax.tree.map(lambda _: P(), state.params)
+        shards.check_placed((state.params, state.opt_state), (param_specs, specs), self.mesh,
+                            f"{self.algorithm} (shard={self.shard!r})")  # fmt: skip
+
     def _inputs(self, state, batch, *, phase):
         self._learn_specs(state.params, state.opt_state)
+        self._check_placement(state)
         batch = global_batch(batch, self.mesh, self._axes)
         model = self.model.inputs(state)
         if self.accumulation is None:
