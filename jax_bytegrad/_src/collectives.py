@@ -232,7 +232,10 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
         )
         last = i
     if sharded is None:
-        reduced = [wires.gather_shard(shard, config, local) for shard in shards]
+        reduced = [
+            wires.gather_shard(shard, config, local, layout.bucket_dtype(i))
+            for i, shard in enumerate(shards)
+        ]
         out = bucketing.from_buckets(reduced, leaves, layout)
     else:
         out = bucketing.from_rows(shards, leaves, layout, sharded.dims, config.local_axis)
