@@ -1,12 +1,13 @@
-"""Gradient means over a ("node", "local") mesh: 8- or 4-bit compressed between nodes, and float32.
+"""Gradient means over a ("node", "local") mesh: 8- or 4-bit codes between nodes, or uncompressed.
 
 Follows Bagua's ByteGrad and GradientAllReduce (Gan et al., "Bagua: Scaling up Distributed
 Learning with System Relaxations", VLDB 2022). Everything here runs inside ``jax.shard_map``
-on per-device values. A pytree's float leaves are cast to float32 and laid out in flat
-buckets (``buckets.py``); each bucket is summed by the wire of the ``SyncConfig``
-(``wire.py``: Bagua's scatter-gather of codes, an integer all-reduce of codes on a shared
-grid, or the scatter-gather as ppermute rings), and the buckets are unflattened back into the
-leaves' own dtypes. Every device decodes the same codes, so all replicas end bit-identical.
+on per-device values. A pytree's float leaves are laid out in flat buckets (``buckets.py``:
+bfloat16 where all of a bucket's leaves are, float32 otherwise); each bucket is summed by
+the wire of the ``SyncConfig`` (``wire.py``: Bagua's scatter-gather of codes, an integer
+all-reduce of codes on a shared grid, or the scatter-gather as ppermute rings), and the
+buckets are unflattened back into the leaves' own dtypes. Every device decodes the same
+codes, so all replicas end bit-identical.
 
 The buckets cross between nodes in the order the backward pass completes them
 (``buckets.ready_order``), each bucket's exchange between nodes tied to the previous one's
@@ -254,8 +255,10 @@ def compressed_mean(
     """Averages a pytree over all devices, 8- or 4-bit compressed between nodes (ByteGrad).
 
     Call it inside ``jax.shard_map`` on per-device values. Float leaves are bucketed,
-    reduced in float32 within a node, exchanged between nodes as block-wise 8- or 4-bit
-    codes, and returned in their own dtypes; every device returns bit-identical values.
+    reduced within a node in float32 (in bfloat16 for a bucket of bfloat16 leaves: half the
+    bytes, and an error far below the codes'; benchmarks/RESULTS.md, "bfloat16"), exchanged
+    between nodes as block-wise 8- or 4-bit codes, and returned in their own dtypes; every
+    device returns bit-identical values.
     With ``residuals`` (error feedback), each compression first adds what it left unsent
     last time, and the new residuals are returned too.
 

@@ -65,7 +65,8 @@ def bytegrad(
 ) -> optax.GradientTransformation:
     """Averages gradients over all devices with 8- or 4-bit compression between nodes.
 
-    Float32 within a node; block-wise 8-bit (or 4-bit) min-max codes between nodes, for
+    Float32 within a node (bfloat16 for bfloat16 gradients); block-wise 8-bit (or 4-bit)
+    min-max codes between nodes, for
     about 4x (8x) fewer inter-node bytes than a float32 all-reduce. Every replica receives
     bit-identical updates. Use it first in an optax chain, inside ``jax.shard_map`` on
     per-device gradients (``data_parallel_step`` does this for you).

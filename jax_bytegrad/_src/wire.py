@@ -7,11 +7,14 @@ own (``steps/stages.py``); the GPU schedule tests count its collectives per buck
 
 ``wire="scatter_gather"`` is Bagua's ByteGrad (Gan et al., VLDB 2022), per flat bucket:
 
-    psum_scatter over local (float32)      -> this device owns 1/L of its node's sum
+    psum_scatter over local (bucket dtype) -> this device owns 1/L of its node's sum
     quantize the owned shard as n chunks   -> all_to_all over node (uint8 + headers)
     decode n chunks, weighted sum, encode  -> one fused op, this device's chunk of the mean
     all_gather over node (uint8 + headers) -> decode: the whole owned shard
-    all_gather over local (float32)        -> the whole bucket
+    all_gather over local (bucket dtype)   -> the whole bucket
+
+The bucket's dtype within the node is float32, or bfloat16 for a bucket of bfloat16 leaves
+(``buckets.Layout.bucket_dtype``); the codecs read and write float32.
 
 No device gathers all n quantized gradients, and, unlike Bagua, which funnels a node's
 traffic through one leader GPU, all L devices of a node share the inter-node hop: 2 (n-1)/n N/L
@@ -26,13 +29,13 @@ runs at line rate (benchmarks/RESULTS.md, "Integer wire and rings"), hence the t
 ``hierarchical=False``) quantizes onto a grid the group agrees on, with headroom, so the codes
 add up in one integer ``psum`` (the codec and its semantics: ``codecs/integer.py``):
 
-    psum_scatter over local (float32)      -> this device owns 1/L of its node's sum
+    psum_scatter over local (bucket dtype) -> this device owns 1/L of its node's sum
     block bounds [max, -min], one pmax     -> every device has the same grid per block
     quantize onto the grid (L levels)      -> uint8 (or uint16) codes, g * L <= 2**bits - 1
     psum over the group (integers)         -> cannot overflow: headroom
     decode factors per block, one pmax     -> the same on every device
     decode the sum                         -> the same integers, the same float ops
-    all_gather over local (float32)        -> the whole bucket
+    all_gather over local (bucket dtype)   -> the whole bucket
 
 ``wire="ring"``: the scatter-gather wire with its all_to_all done as g - 1 ppermute shifts
 (``collective_ops.ring_all_to_all``). Same codes, same result, bit for bit.
