@@ -1,14 +1,23 @@
-"""Flattening a gradient pytree into flat float32 buckets, and back.
+"""Flattening a gradient pytree into flat buckets, and back.
 
 Follows the gradient bucketing of PyTorch DDP and Bagua (Li et al., "PyTorch Distributed",
 VLDB 2020): many small leaves become a few large flat buffers, so each collective is large
 enough to run at link speed, and several buckets let XLA overlap one bucket's communication
 with the next bucket's compute.
 
-Float leaves (float32, bfloat16, float16) are cast to float32 and concatenated in tree
-order, whole leaves per bucket; each bucket is zero-padded to a multiple of ``granularity``
-(devices x block size), so it splits evenly into per-device shards of whole blocks.
-Integer and bool leaves are not bucketed: ``from_buckets`` hands them back untouched.
+Float leaves (float32, bfloat16, float16) are concatenated in tree order, whole leaves per
+bucket, in their bucket's dtype (``Layout.bucket_dtype``: bfloat16 where every leaf of the
+bucket is bfloat16, float32 otherwise); each bucket is zero-padded to a multiple of
+``granularity`` (devices x block size), so it splits evenly into per-device shards of whole
+blocks. Integer and bool leaves are not bucketed: ``from_buckets`` hands them back untouched.
+
+Why bfloat16 buckets stay bfloat16: the bucket's dtype is what its reduce-scatter and
+all-gather within the node move, and a bfloat16 user's own all-reduce (``jax.lax.psum``,
+PyTorch DDP) sends bfloat16. Summing a node's bfloat16 gradients in bfloat16 adds an error
+far below the 8-bit codes' between nodes, and trains as float32 does (benchmarks/RESULTS.md,
+"bfloat16"); the gather loses nothing, its leaves being cast to bfloat16 after it. float16
+buckets are summed in float32: a node's sum can leave float16's range where its mean would
+not.
 """
 
 import dataclasses
@@ -38,6 +47,14 @@ class Layout:
     bucketed: tuple[bool, ...]
     buckets: tuple[tuple[int, ...], ...]
     padded_sizes: tuple[int, ...]
+
+    def bucket_dtype(self, bucket: int) -> np.dtype:
+        """The dtype bucket ``bucket`` is summed and gathered in within the node: bfloat16
+        where all its leaves are bfloat16, float32 otherwise (module docstring)."""
+        bf16 = jnp.dtype(jnp.bfloat16)
+        if all(self.dtypes[i] == bf16 for i in self.buckets[bucket]):
+            return bf16
+        return jnp.dtype(jnp.float32)
 
 
 def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout:
@@ -79,23 +96,28 @@ def ready_order(layout: Layout, order: tuple[int, ...] | None = None) -> list[in
     return sorted(range(len(layout.buckets)), key=lambda b: max(rank[i] for i in layout.buckets[b]))
 
 
-def _bucket(leaves, members, padded: int) -> jax.Array:
-    parts = [leaves[i].reshape(-1).astype(jnp.float32) for i in members]
+def _bucket(leaves, members, padded: int, dtype) -> jax.Array:
+    parts = [leaves[i].reshape(-1).astype(dtype) for i in members]
     size = sum(part.size for part in parts)
-    parts.append(jnp.zeros(padded - size, jnp.float32))
+    parts.append(jnp.zeros(padded - size, dtype))
     return jnp.concatenate(parts)
 
 
 def to_buckets(leaves, layout: Layout) -> list[jax.Array]:
-    """Concatenates each bucket's leaves as float32, zero-padded to its padded size."""
+    """Concatenates each bucket's leaves as float32, zero-padded to its padded size.
+
+    Float32 whatever ``bucket_dtype`` says: the pipelined step's buckets, which run on CPUs,
+    where XLA:CPU moves bfloat16 collectives as float32 anyway.
+    """
     return [
-        _bucket(leaves, members, padded)
+        _bucket(leaves, members, padded, jnp.float32)
         for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True)
     ]
 
 
 def to_bucket_parts(leaves, layout: Layout, block_size: int) -> list[tuple[jax.Array, ...]]:
-    """``to_buckets``, each bucket as consecutive parts of whole blocks that concatenate to it.
+    """The buckets, each in its ``bucket_dtype``, as consecutive parts of whole blocks that
+    concatenate to it.
 
     A bucket of one leaf comes as two parts: the leaf's whole blocks, read where they lie, and
     the rest of it with the padding. XLA:CPU would otherwise copy the whole leaf into the padded
@@ -103,11 +125,12 @@ def to_bucket_parts(leaves, layout: Layout, block_size: int) -> list[tuple[jax.A
     as one part.
     """
     out = []
-    for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True):
-        flat = leaves[members[0]].reshape(-1).astype(jnp.float32)
+    for b, (members, padded) in enumerate(zip(layout.buckets, layout.padded_sizes, strict=True)):
+        dtype = layout.bucket_dtype(b)
+        flat = leaves[members[0]].reshape(-1).astype(dtype)
         head = flat.size // block_size * block_size
         if len(members) > 1 or head in (0, padded):
-            out.append((_bucket(leaves, members, padded),))
+            out.append((_bucket(leaves, members, padded, dtype),))
         else:
             out.append((flat[:head], jnp.pad(flat[head:], (0, padded - flat.size))))
     return out
@@ -141,12 +164,12 @@ def from_buckets(buckets, leaves, layout: Layout) -> list:
     return _with_empty_leaves(out, layout)
 
 
-def _rows_of(leaf, dim, local: int) -> jax.Array:
-    """A whole leaf as ``local`` rows, flat in float32: row j its j-th block along ``dim``, or
-    (``dim`` None) its j-th equal part, zero-padded."""
+def _rows_of(leaf, dim, local: int, dtype) -> jax.Array:
+    """A whole leaf as ``local`` rows, flat in ``dtype``: row j its j-th block along ``dim``,
+    or (``dim`` None) its j-th equal part, zero-padded."""
     if dim is not None:
-        return jnp.moveaxis(leaf, dim, 0).reshape(local, -1).astype(jnp.float32)
-    flat = leaf.reshape(-1).astype(jnp.float32)
+        return jnp.moveaxis(leaf, dim, 0).reshape(local, -1).astype(dtype)
+    flat = leaf.reshape(-1).astype(dtype)
     per = -(-flat.size // local)
     return jnp.pad(flat, (0, per * local - flat.size)).reshape(local, per)
 
@@ -154,7 +177,8 @@ def _rows_of(leaf, dim, local: int) -> jax.Array:
 def to_rows(leaves, layout: Layout, dims, axis: str, *, summed: bool) -> list[jax.Array]:
     """Each bucket laid out in rows, where the state is split within the node.
 
-    A bucket is laid out as one row per device of ``axis``: row j holds, in float32, the j-th
+    A bucket is laid out as one row per device of ``axis``: row j holds, in the bucket's
+    ``bucket_dtype``, the j-th
     block of every split leaf (``dims[i]`` the split dimension) and the j-th of the equal
     parts of the bucket's whole leaves (whole leaves first joined, flat), then zeros up to
     ``padded // L``, the length of a device's shard in the replicated layout (there is room:
@@ -168,19 +192,19 @@ def to_rows(leaves, layout: Layout, dims, axis: str, *, summed: bool) -> list[ja
     local = int(jax.lax.axis_size(axis))
     me = jax.lax.axis_index(axis)
     out = []
-    for members, padded in zip(layout.buckets, layout.padded_sizes, strict=True):
+    for b, (members, padded) in enumerate(zip(layout.buckets, layout.padded_sizes, strict=True)):
+        dtype = layout.bucket_dtype(b)
         split = [i for i in members if dims[i] is not None]
         whole = [i for i in members if dims[i] is None]
         if summed:  # each block flat with its split dimension first, as _rows_of lays it
             parts = [
-                jnp.moveaxis(leaves[i], dims[i], 0).reshape(1, -1).astype(jnp.float32)
-                for i in split
+                jnp.moveaxis(leaves[i], dims[i], 0).reshape(1, -1).astype(dtype) for i in split
             ]
         else:
-            parts = [_rows_of(leaves[i], dims[i], local) for i in split]
+            parts = [_rows_of(leaves[i], dims[i], local, dtype) for i in split]
         if whole:
-            tail = jnp.concatenate([leaves[i].reshape(-1) for i in whole])
-            tail = _rows_of(tail, None, local)
+            tail = jnp.concatenate([leaves[i].reshape(-1).astype(dtype) for i in whole])
+            tail = _rows_of(tail, None, local, dtype)
             parts.append(jax.lax.dynamic_slice_in_dim(tail, me, 1) if summed else tail)
         rows = jnp.concatenate(parts, axis=1)
         rows = jnp.pad(rows, ((0, 0), (0, padded // local - rows.shape[1])))
@@ -194,7 +218,7 @@ def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
     leaves outside the buckets from ``leaves``."""
     local = int(jax.lax.axis_size(axis))
     out = list(leaves)
-    for row, members in zip(rows, layout.buckets, strict=True):
+    for b, (row, members) in enumerate(zip(rows, layout.buckets, strict=True)):
         offset = 0
         for i in [i for i in members if dims[i] is not None]:
             shape = list(layout.shapes[i])
@@ -207,9 +231,9 @@ def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
         if whole:
             total = sum(math.prod(layout.shapes[i]) for i in whole)
             per = -(-total // local)
-            tail = jax.lax.all_gather(
-                row[offset : offset + per], axis, axis=0, tiled=True, to="invarying"
-            )
+            # In the bucket's dtype, which the leaves are then cast to: nothing is lost.
+            tail = row[offset : offset + per].astype(layout.bucket_dtype(b))
+            tail = jax.lax.all_gather(tail, axis, axis=0, tiled=True, to="invarying")
             _unpack(tail, whole, layout, out)
     return _with_empty_leaves(out, layout)
 

@@ -1,12 +1,13 @@
-"""Gradient means over a ("node", "local") mesh: 8- or 4-bit compressed between nodes, and float32.
+"""Gradient means over a ("node", "local") mesh: 8- or 4-bit codes between nodes, or uncompressed.
 
 Follows Bagua's ByteGrad and GradientAllReduce (Gan et al., "Bagua: Scaling up Distributed
 Learning with System Relaxations", VLDB 2022). Everything here runs inside ``jax.shard_map``
-on per-device values. A pytree's float leaves are cast to float32 and laid out in flat
-buckets (``buckets.py``); each bucket is summed by the wire of the ``SyncConfig``
-(``wire.py``: Bagua's scatter-gather of codes, an integer all-reduce of codes on a shared
-grid, or the scatter-gather as ppermute rings), and the buckets are unflattened back into the
-leaves' own dtypes. Every device decodes the same codes, so all replicas end bit-identical.
+on per-device values. A pytree's float leaves are laid out in flat buckets (``buckets.py``:
+bfloat16 where all of a bucket's leaves are, float32 otherwise); each bucket is summed by
+the wire of the ``SyncConfig`` (``wire.py``: Bagua's scatter-gather of codes, an integer
+all-reduce of codes on a shared grid, or the scatter-gather as ppermute rings), and the
+buckets are unflattened back into the leaves' own dtypes. Every device decodes the same
+codes, so all replicas end bit-identical.
 
 The buckets cross between nodes in the order the backward pass completes them
 (``buckets.ready_order``), each bucket's exchange between nodes tied to the previous one's
@@ -272,7 +273,10 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
         )
         last = i
     if sharded is None:
-        reduced = [wires.gather_shard(shard, config, local) for shard in shards]
+        reduced = [
+            wires.gather_shard(shard, config, local, layout.bucket_dtype(i))
+            for i, shard in enumerate(shards)
+        ]
         out = bucketing.from_buckets(reduced, leaves, layout)
     else:
         out = bucketing.from_rows(shards, leaves, layout, sharded.dims, config.local_axis)
@@ -291,8 +295,10 @@ def compressed_mean(
     """Averages a pytree over all devices, 8- or 4-bit compressed between nodes (ByteGrad).
 
     Call it inside ``jax.shard_map`` on per-device values. Float leaves are bucketed,
-    reduced in float32 within a node, exchanged between nodes as block-wise 8- or 4-bit
-    codes, and returned in their own dtypes; every device returns bit-identical values.
+    reduced within a node in float32 (in bfloat16 for a bucket of bfloat16 leaves: half the
+    bytes, and an error far below the codes'; benchmarks/RESULTS.md, "bfloat16"), exchanged
+    between nodes as block-wise 8- or 4-bit codes, and returned in their own dtypes; every
+    device returns bit-identical values.
     With ``residuals`` (error feedback), each compression first adds what it left unsent
     last time, and the new residuals are returned too.
 
@@ -338,6 +344,24 @@ def compressed_mean(
     return sync_mean(tree, config, average=average, key=key, residuals=residuals, where=where)
 
 
+def reduce_dtype_of(reduce_dtype, where: str) -> np.dtype | None:
+    """``reduce_dtype`` as a NumPy dtype, None kept (each leaf's own dtype); raises a
+    ``ValueError`` for anything but a float dtype the collectives average."""
+    if reduce_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(reduce_dtype)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype not in checks.FLOAT_DTYPES:
+        raise ValueError(
+            f"{where}: reduce_dtype must be None (each gradient's own dtype) or one of "
+            f"float32, bfloat16, float16, got {reduce_dtype!r}; pass reduce_dtype=jnp.float32 "
+            "to sum 16-bit gradients in float32"
+        )
+    return dtype
+
+
 def full_precision_mean(
     tree,
     *,
@@ -345,10 +369,12 @@ def full_precision_mean(
     local_axis: str = "local",
     hierarchical: bool = False,
     average: bool = True,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
     order: tuple[int, ...] | None = None,
     sharded: Sharded | None = None,
 ):
-    """Averages a pytree over all devices in its own dtype, uncompressed (GradientAllReduce).
+    """Averages a pytree over all devices, uncompressed (GradientAllReduce), by default in
+    each leaf's own dtype.
 
     With ``hierarchical=True`` each leaf is reduce-scattered within the node, all-reduced
     between nodes and gathered within the node, so each device sends 1/L of the bytes
@@ -357,24 +383,46 @@ def full_precision_mean(
     ``sharded`` (``sync_mean``), ``tree`` holds the node's sums and only the all-reduce
     between nodes is left, as with ``hierarchical=True``; split leaves stay blocks.
 
+    ``reduce_dtype`` (None: each leaf's own) is the dtype every collective sums in: each
+    leaf is cast to it first and the mean back to the leaf's dtype. ``jnp.float32`` sums
+    bfloat16 gradients in float32, as XLA:CPU does anyway (it runs bfloat16 collectives in
+    float32), at twice bfloat16's bytes on a GPU.
+
     Raises:
-      ValueError: outside ``shard_map``, for an axis name the mesh lacks, or for an integer
-        or bool leaf (float0 leaves, from ``jax.grad`` of integer parameters, pass through).
+      ValueError: outside ``shard_map``, for an axis name the mesh lacks, for an integer
+        or bool leaf (float0 leaves, from ``jax.grad`` of integer parameters, pass
+        through), or for a ``reduce_dtype`` that is not a float dtype.
     """
-    args = (node_axis, local_axis, hierarchical, average, order, sharded)
+    dtype = reduce_dtype_of(reduce_dtype, "full_precision_mean")
+    args = (node_axis, local_axis, hierarchical, average, dtype, order, sharded)
     if sharded is not None:
         # A jit of its own, which the sharded step's check of the optimizer leaves out.
         return shards.block_aware(lambda tree: _full_precision_mean(tree, *args), tree)
     return _full_precision_mean(tree, *args)
 
 
-def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, order, sharded):
+def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, dtype, order, sharded):
     where = "full_precision_mean"
-    n, local = axis_sizes(node_axis, local_axis, where)
-    devices = n * local
     paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
     leaves = [leaf for _, leaf in paths_and_leaves]
     _check_leaves(leaves, [path for path, _ in paths_and_leaves], where)
+    wide = [_cast(x, dtype) for x in leaves]
+    means = _summed_means(wide, node_axis, local_axis, hierarchical, average, order, sharded)
+    out = [_cast(mean, x.dtype) for mean, x in zip(means, leaves, strict=True)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _cast(x, dtype):
+    """``x`` in ``dtype``; as it is for None (no ``reduce_dtype``) and for a float0 leaf."""
+    if dtype is None or jnp.dtype(x.dtype) == jax.dtypes.float0:
+        return x
+    return x.astype(dtype)
+
+
+def _summed_means(leaves, node_axis, local_axis, hierarchical, average, order, sharded) -> list:
+    """``full_precision_mean`` of the flat leaves, each in its own dtype."""
+    n, local = axis_sizes(node_axis, local_axis, "full_precision_mean")
+    devices = n * local
     dims = (None,) * len(leaves) if sharded is None else sharded.dims
 
     def mean(x):
@@ -404,7 +452,7 @@ def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, ord
         return collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
 
     if sharded is None and not (hierarchical and local > 1):
-        return jax.tree.unflatten(treedef, [reduce(x) for x in leaves])
+        return [reduce(x) for x in leaves]
     # Each leaf is reduce-scattered within the node, summed between nodes and gathered. The
     # leaves go in buckets of whole leaves, in the order the backward pass completes them,
     # each bucket's sums between nodes tied to the previous bucket's, as sync_mean ties its
@@ -426,4 +474,4 @@ def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, ord
     for b, members in enumerate(layout.buckets):
         for i, part in zip(members, parts[b], strict=True):
             reduced[i] = mean(whole(leaves[i], dims[i], part))
-    return jax.tree.unflatten(treedef, reduced)
+    return reduced

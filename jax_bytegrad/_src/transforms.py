@@ -65,7 +65,8 @@ def bytegrad(
 ) -> optax.GradientTransformation:
     """Averages gradients over all devices with 8- or 4-bit compression between nodes.
 
-    Float32 within a node; block-wise 8-bit (or 4-bit) min-max codes between nodes, for
+    Float32 within a node (bfloat16 for bfloat16 gradients); block-wise 8-bit (or 4-bit)
+    min-max codes between nodes, for
     about 4x (8x) fewer inter-node bytes than a float32 all-reduce. Every replica receives
     bit-identical updates. Use it first in an optax chain, inside ``jax.shard_map`` on
     per-device gradients (``data_parallel_step`` does this for you).
@@ -182,11 +183,15 @@ def gradient_allreduce(
     local_axis: str = "local",
     hierarchical: bool = False,
     average: bool = True,
+    reduce_dtype: jax.typing.DTypeLike | None = None,
 ) -> optax.GradientTransformation:
-    """Averages gradients over all devices in full precision: the uncompressed baseline.
+    """Averages gradients over all devices, uncompressed: the baseline.
 
     Bagua's GradientAllReduce, with the same interface as ``bytegrad``. Use it where links
-    are fast, or to measure what compression saves.
+    are fast, or to measure what compression saves. Each gradient is summed in its own dtype
+    by default, as ``jax.lax.psum`` and PyTorch DDP sum it: bfloat16 gradients cross as
+    bfloat16, half float32's bytes (XLA:CPU runs bfloat16 collectives in float32, and its
+    ``communication_stats`` show float32; a GPU's show bfloat16).
 
     Args:
       node_axis: mesh axis between nodes.
@@ -194,17 +199,25 @@ def gradient_allreduce(
       hierarchical: reduce-scatter within the node, all-reduce between nodes, gather within
         the node; False (default) runs one all-reduce over both axes.
       average: divide by the device count (default); False sums.
+      reduce_dtype: the dtype the collectives sum in: each gradient is cast to it and its
+        mean back to its own dtype. None (default): each gradient's own dtype.
+        ``jnp.float32`` sums 16-bit gradients in float32, at twice their bytes.
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.
 
     Raises:
-      ValueError: for bad arguments (here), and at trace time when used outside
-        ``shard_map``, with an axis the mesh lacks, or for integer gradient leaves.
+      ValueError: for bad arguments (here, ``reduce_dtype`` included: a float dtype or None),
+        and at trace time when used outside ``shard_map``, with an axis the mesh lacks, or for
+        integer gradient leaves.
 
     Examples:
-      >>> import optax, jax_bytegrad
+      >>> import jax.numpy as jnp, optax, jax_bytegrad
       >>> tx = optax.chain(jax_bytegrad.gradient_allreduce(), optax.sgd(0.1))
+      >>> tx = jax_bytegrad.gradient_allreduce(reduce_dtype=jnp.float32)  # 16-bit summed in f32
+      >>> jax_bytegrad.gradient_allreduce(reduce_dtype="int8")
+      Traceback (most recent call last):
+      ValueError: gradient_allreduce: reduce_dtype must be None (each ... got 'int8'; ...
 
     References:
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
@@ -213,6 +226,7 @@ def gradient_allreduce(
     checks.axis_names(node_axis, local_axis, where)
     checks.boolean(hierarchical, "hierarchical", where)
     checks.boolean(average, "average", where)
+    reduce_dtype = collectives.reduce_dtype_of(reduce_dtype, where)
 
     def init_fn(params):
         del params
@@ -226,6 +240,7 @@ def gradient_allreduce(
             local_axis=local_axis,
             hierarchical=hierarchical,
             average=average,
+            reduce_dtype=reduce_dtype,
             order=gradient_order,
             sharded=sharded,
         )

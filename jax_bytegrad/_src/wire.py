@@ -7,11 +7,14 @@ own (``steps/stages.py``); the GPU schedule tests count its collectives per buck
 
 ``wire="scatter_gather"`` is Bagua's ByteGrad (Gan et al., VLDB 2022), per flat bucket:
 
-    psum_scatter over local (float32)      -> this device owns 1/L of its node's sum
+    psum_scatter over local (bucket dtype) -> this device owns 1/L of its node's sum
     quantize the owned shard as n chunks   -> all_to_all over node (uint8 + headers)
     decode n chunks, weighted sum, encode  -> one fused op, this device's chunk of the mean
     all_gather over node (uint8 + headers) -> decode: the whole owned shard
-    all_gather over local (float32)        -> the whole bucket
+    all_gather over local (bucket dtype)   -> the whole bucket
+
+The bucket's dtype within the node is float32, or bfloat16 for a bucket of bfloat16 leaves
+(``buckets.Layout.bucket_dtype``); the codecs read and write float32.
 
 No device gathers all n quantized gradients, and, unlike Bagua, which funnels a node's
 traffic through one leader GPU, all L devices of a node share the inter-node hop: 2 (n-1)/n N/L
@@ -26,13 +29,13 @@ runs at line rate (benchmarks/RESULTS.md, "Integer wire and rings"), hence the t
 ``hierarchical=False``) quantizes onto a grid the group agrees on, with headroom, so the codes
 add up in one integer ``psum`` (the codec and its semantics: ``codecs/integer.py``):
 
-    psum_scatter over local (float32)      -> this device owns 1/L of its node's sum
+    psum_scatter over local (bucket dtype) -> this device owns 1/L of its node's sum
     block bounds [max, -min], one pmax     -> every device has the same grid per block
     quantize onto the grid (L levels)      -> uint8 (or uint16) codes, g * L <= 2**bits - 1
     psum over the group (integers)         -> cannot overflow: headroom
     decode factors per block, one pmax     -> the same on every device
     decode the sum                         -> the same integers, the same float ops
-    all_gather over local (float32)        -> the whole bucket
+    all_gather over local (bucket dtype)   -> the whole bucket
 
 ``wire="ring"``: the scatter-gather wire with its all_to_all done as g - 1 ppermute shifts
 (``collective_ops.ring_all_to_all``). Same codes, same result, bit for bit.
@@ -301,8 +304,7 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, res
     """
     node_axis, local_axis = config.axes
     group = group_of(config, n, local)
-    if group.scatter and not scattered:
-        x = jax.lax.psum_scatter(x, local_axis, scatter_dimension=0, tiled=True)
+    x = _owned(x, config, group, scattered)
     if group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = x * jnp.float32(weight)
@@ -444,8 +446,7 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual
     """
     node_axis, local_axis = config.axes
     group = group_of(config, n, local)
-    if group.scatter and not scattered:
-        x = jax.lax.psum_scatter(_joined(x), local_axis, scatter_dimension=0, tiled=True)
+    x = _owned(x, config, group, scattered)
     if group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = _joined(x) * jnp.float32(weight)
@@ -508,6 +509,18 @@ def _joined(x) -> jax.Array:
     return jnp.concatenate(x) if isinstance(x, tuple) else x
 
 
+def _owned(x, config: SyncConfig, group: Group, scattered: bool):
+    """What this device compresses, in float32, the codecs' dtype: its share of its node's
+    sum, from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets:
+    half float32's bytes; ``buckets.Layout.bucket_dtype``) where the group needs one and
+    ``x`` is not that share already; else ``x`` itself, whole or as its parts."""
+    if group.scatter and not scattered:
+        x = jax.lax.psum_scatter(_joined(x), config.local_axis, scatter_dimension=0, tiled=True)
+    if isinstance(x, tuple):
+        return tuple(part.astype(jnp.float32) for part in x)
+    return x.astype(jnp.float32)
+
+
 def sum_shard(x, config: SyncConfig, *, n, local, weight, key, residual, scattered=False):
     """The part of a flat float32 bucket's all-reduce that crosses between nodes, over
     ``config``'s wire; the bucket's length is a multiple of devices x block. ``x`` may come
@@ -526,11 +539,13 @@ def sum_shard(x, config: SyncConfig, *, n, local, weight, key, residual, scatter
     return allreduce_sum_flat(x, config, **kwargs)
 
 
-def gather_shard(shard: jax.Array, config: SyncConfig, local: int) -> jax.Array:
+def gather_shard(shard: jax.Array, config: SyncConfig, local: int, dtype=jnp.float32) -> jax.Array:
     """``sum_shard``'s shard as the whole reduced bucket, typed as replicated over both
-    axes: a float32 all_gather within the node after a reduce-scatter there."""
+    axes: an all_gather within the node after a reduce-scatter there, in ``dtype``, the
+    bucket's (``buckets.Layout.bucket_dtype``; its leaves are cast to it after the gather,
+    so a bfloat16 gather loses nothing), float32 otherwise."""
     if config.hierarchical and local > 1:
-        return gather_invariant(shard, config.local_axis)
+        return gather_invariant(shard.astype(dtype), config.local_axis)
     return shard
 
 
@@ -540,7 +555,8 @@ def sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
     shard, residual = sum_shard(
         x, config, n=n, local=local, weight=weight, key=key, residual=residual, scattered=False
     )
-    return gather_shard(shard, config, local), residual
+    dtype = (x[0] if isinstance(x, tuple) else x).dtype
+    return gather_shard(shard, config, local, dtype), residual
 
 
 def residual_sizes(padded_sizes, config: SyncConfig, mesh_shape: tuple[int, int]) -> tuple:
