@@ -1,0 +1,88 @@
+"""State split within each node, compiled for GPUs that are not here (``sharding.gpu_mesh``):
+each device needs less memory with ``shard="optimizer"``, and holds less state again with
+``"params"``, while the same bytes cross between nodes as with the replicated step.
+
+``benchmarks/memory.py`` measures the same on a 6.44B-parameter model (benchmarks/RESULTS.md,
+"Sharded state within a node"); here a few small layers compile in seconds. Compiling for
+GPUs needs JAX's CUDA plugin (the ``cuda12`` extra, Python 3.12); without it these tests
+skip, and tests/test_sharding.py checks the same bytes and state on the CPU mesh.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jax_bytegrad as jbg
+from jax_bytegrad.sharding import gpu_mesh
+
+ALGORITHMS = {
+    # Hierarchical, as the sharded steps' sync between nodes is: the same bytes to compare.
+    "gradient_allreduce": {"hierarchical": True},
+    "bytegrad": {},
+    "bytegrad_4bit_ef": {"bits": 4, "error_feedback": True},
+    "qadam": {"learning_rate": 1e-3, "warmup_steps": 2},
+}
+LAYERS, DIM, ROWS = 4, 512, 64  # 4 MiB of float32 params; 8 rows per device
+
+
+@functools.cache
+def _plugin_error() -> str | None:
+    try:
+        gpu_mesh(1, 1)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+needs_plugin = pytest.mark.skipif(
+    _plugin_error() is not None,
+    reason="compiling for GPUs needs JAX's CUDA plugin: pip install -e '.[cuda12]' (Python 3.12)",
+)
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    for i, w in enumerate(params):
+        x = x @ w
+        if i < len(params) - 1:
+            x = jax.nn.relu(x)
+    return jnp.mean((x - y) ** 2)
+
+
+def _figures(name: str, shard):
+    """``memory_stats`` and the bytes between nodes of each phase, compiled for 2 x 4 H100s."""
+    algorithm = name.split("_4bit")[0]
+    strategy = jbg.Strategy(algorithm, mesh=gpu_mesh(2, 4), shard=shard, **ALGORITHMS[name])
+    optimizer = None if algorithm == "qadam" else optax.adam(1e-3)
+    params = [jax.ShapeDtypeStruct((DIM, DIM), jnp.float32)] * LAYERS
+    batch = (jax.ShapeDtypeStruct((ROWS, DIM), jnp.float32),) * 2
+    with strategy.train_step(loss_fn, optimizer) as step:
+        state = step.state_shapes(params)
+        memory = step.memory_stats(state, batch)
+        sent = {p: s.bytes_on("node") for p, s in step.communication_stats(state, batch).items()}
+    return memory, sent
+
+
+@needs_plugin
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_sharded_steps_need_less_memory_and_send_the_same_bytes_between_nodes(name):
+    figures = {shard: _figures(name, shard) for shard in (None, "optimizer", "params")}
+    memory = {shard: m for shard, (m, _) in figures.items()}
+    sent = {shard: s for shard, (_, s) in figures.items()}
+    params_bytes = LAYERS * DIM * DIM * 4
+    assert set(memory[None]) == set(memory["params"]) == set(sent[None])
+    for phase in memory[None]:
+        state = {shard: memory[shard][phase].argument_bytes for shard in memory}
+        # Params and two moments (Adam's, QAdam's): 3 P whole; P + 2 P / 4 with "optimizer";
+        # 3 P / 4 with "params". Residuals of error feedback and the batch are the same in all.
+        assert state["params"] < state["optimizer"] < state[None], (phase, state)
+        assert state[None] - state["optimizer"] >= 2 * params_bytes * 3 / 4, (phase, state)
+        assert state[None] - state["params"] >= 3 * params_bytes * 3 / 4, (phase, state)
+        peak = {shard: memory[shard][phase].peak_bytes for shard in memory}
+        assert max(peak["optimizer"], peak["params"]) < peak[None], (phase, peak)
+        assert sent[None][phase] > 0
+        for shard in ("optimizer", "params"):
+            assert sent[shard][phase] == pytest.approx(sent[None][phase], rel=0.01), (shard, phase)
