@@ -42,7 +42,7 @@ from jax_bytegrad._src.sharding import shard_batch as shard_batch
 from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
 from jax_bytegrad._src.stats import communication_stats as communication_stats
 from jax_bytegrad._src.steps.base import LoweredPrograms as LoweredPrograms
-from jax_bytegrad._src.steps.base import TrainState as TrainState
+from jax_bytegrad._src.steps.base import StepState as StepState
 from jax_bytegrad._src.steps.base import TrainStep as TrainStep
 from jax_bytegrad._src.steps.data_parallel import data_parallel_step as data_parallel_step
 from jax_bytegrad._src.steps.decentralized import consensus_params as consensus_params
@@ -78,7 +78,7 @@ __all__ = [
     "ScaleByQAdamState",
     "Strategy",
     "SyncConfig",
-    "TrainState",
+    "StepState",
     "TrainStep",
     "autotune",
     "bytegrad",

@@ -261,7 +261,7 @@ def test_resume_with_one_process(reference, tmp_path, name, shape):
     step_fn = jax_bytegrad.data_parallel_step(
         worker.train_worker.loss_fn, worker.optimizer(name, mesh), mesh, donate=False
     )
-    train = jax_bytegrad.TrainState(2, state["params"], state["opt_state"], {})
+    train = jax_bytegrad.StepState(2, state["params"], state["opt_state"], {})
     for t in range(2, worker.STEPS):
         batch = jax_bytegrad.shard_batch(worker.train_worker.global_batch(t), mesh)
         train, _ = step_fn(train, batch)

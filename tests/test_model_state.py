@@ -2,6 +2,7 @@
 parameters get the library's ValueError."""
 
 import itertools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import optax
 import pytest
 
 import jax_bytegrad
-from jax_bytegrad._src.steps.base import TrainState
+from jax_bytegrad._src.steps.base import StepState
 
 DEVICES = 8
 AXES = ("node", "local")
@@ -108,8 +109,37 @@ def test_a_restart_from_a_checkpoint_replays_the_keys(tmp_path):
     np.testing.assert_array_equal(np.asarray(state.model_state["draws"]), first_run)
 
 
+class TrainState(NamedTuple):
+    """The state's class as it was named before it became ``StepState``, fields unchanged."""
+
+    step: np.ndarray
+    params: Any
+    opt_state: Any
+    extra: dict[str, Any]
+
+
+def test_a_checkpoint_of_the_state_under_its_old_name_restores(tmp_path):
+    # orbax keys a NamedTuple by its field names, not its class: a checkpoint saved while
+    # the class was TrainState restores into a StepState.
+    strategy = _strategy("gradient_allreduce")
+    kwargs = dict(model_state=_probe_state(), rng_seed=5)
+    with strategy.train_step(_probe_loss, optax.sgd(0.1), **kwargs) as step:
+        state, _ = step(step.init(PARAMS), BATCH)
+        with jax_bytegrad.Checkpointer(tmp_path, every=1) as ckpt:
+            ckpt.save(1, TrainState(*state), force=True)
+            ckpt.wait()
+            restored = ckpt.restore(1, lambda: step.init(PARAMS), strategy.mesh)
+        assert type(restored) is StepState and int(restored.step) == 1
+        for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+            if jax.dtypes.issubdtype(want.dtype, jax.dtypes.prng_key):
+                got, want = jax.random.key_data(got), jax.random.key_data(want)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        after, metrics = step(restored, BATCH)
+    assert int(after.step) == 2 and np.isfinite(float(metrics["loss"]))
+
+
 def test_a_state_of_the_old_layout_restores(tmp_path):
-    # Checkpoints written before TrainState had model_state and rng hold four fields.
+    # Checkpoints written before the state had model_state and rng hold four fields.
     strategy = _strategy("gradient_allreduce")
     with strategy.train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.1)) as step:
         state = step.init(PARAMS)
@@ -204,7 +234,7 @@ def test_a_state_missing_its_model_state_or_key_is_refused():
     with strategy.train_step(lambda p, b, *, key: loss(p, b), optax.sgd(0.1), rng_seed=0) as step:
         with pytest.raises(ValueError, match="its rng is missing.*rng_seed"):
             step(state, BATCH)
-        with pytest.raises(ValueError, match="must be the TrainState"):
+        with pytest.raises(ValueError, match="must be the StepState"):
             step((state.params, state.opt_state), BATCH)
 
 
@@ -244,8 +274,8 @@ def test_autotune_takes_the_model_state():
 
 def test_train_state_keeps_its_four_fields():
     # The model state and key live in extra: a state without them is laid out as before.
-    state = TrainState(np.int64(0), {}, (), {})
-    assert TrainState._fields == ("step", "params", "opt_state", "extra")
+    state = StepState(np.int64(0), {}, (), {})
+    assert StepState._fields == ("step", "params", "opt_state", "extra")
     assert state.model_state is None and state.rng is None
 
 

@@ -71,7 +71,7 @@ def test_the_two_processes_end_bit_identical(two_process_run, name):
     initial = worker.init_params()
     leaves = jax.tree.leaves(state_shapes(name, jax_bytegrad.make_mesh(2, LOCAL), None))
     assert len(ranks[0]) == len(leaves)  # PRNG keys come as their data
-    assert int(ranks[0][0]) == worker.RUNS[name][2]  # TrainState.step: every step ran
+    assert int(ranks[0][0]) == worker.RUNS[name][2]  # StepState.step: every step ran
     for i, (a, b) in enumerate(zip(*ranks, strict=True)):
         np.testing.assert_array_equal(a, b, err_msg=f"{name} leaf {i}")
     # It trained: the first weight moved.

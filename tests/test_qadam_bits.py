@@ -57,7 +57,7 @@ def run(mesh, tx, batches, *, params=None, state=None):
     if params is None:
         train = step.init(init_params())
     else:
-        train = jax_bytegrad.TrainState(np.asarray(0), params, state, {})
+        train = jax_bytegrad.StepState(np.asarray(0), params, state, {})
     for batch in batches:
         train, _ = step(train, jax_bytegrad.shard_batch(batch, mesh))
         yield train.params, train.opt_state

@@ -18,7 +18,7 @@ as a ``DivergenceWarning`` that names the algorithm:
   ``"raise"``; ``STALL_STEPS`` skips in a row mean training has stopped, reported as
   divergence.
 
-Reports name a step by the state's count (``TrainState.step``, on the host), so a run restored
+Reports name a step by the state's count (``StepState.step``, on the host), so a run restored
 from a checkpoint names its steps as the first run did; its first step's skip, if any, goes
 unreported (the count before it is the restored state's, which the watch never sees).
 

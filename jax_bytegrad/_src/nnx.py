@@ -23,7 +23,7 @@ import jax
 import optax
 from flax import nnx
 
-from jax_bytegrad._src.steps.base import TrainState, TrainStep
+from jax_bytegrad._src.steps.base import StepState, TrainStep
 
 
 def _copy(state):
@@ -51,7 +51,7 @@ class NNXTrainStep:
         model state (for the decentralized pair, the mean over devices).
       train_step: the underlying ``TrainStep`` (``communication_stats``, ``phase_counts``,
         ``lower`` take ``step.state`` and a batch).
-      state: the ``TrainState``: checkpoint it as it is, and assign a restored one back
+      state: the ``StepState``: checkpoint it as it is, and assign a restored one back
         (``step.state = restored``), which also writes the model.
     """
 
@@ -63,11 +63,11 @@ class NNXTrainStep:
         self._state = train_step.init(params)
 
     @property
-    def state(self) -> TrainState:
+    def state(self) -> StepState:
         return self._state
 
     @state.setter
-    def state(self, state: TrainState) -> None:
+    def state(self, state: StepState) -> None:
         self._state = state
         self._write_back()
 

@@ -85,7 +85,7 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
         while step < STEPS:
             x, y = train_worker.global_batch(step)  # the data position is the step
             mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
-            train = jax_bytegrad.TrainState(step, state["params"], state["opt_state"], {})
+            train = jax_bytegrad.StepState(step, state["params"], state["opt_state"], {})
             train, metrics = step_fn(train, jax_bytegrad.shard_batch(mine, mesh))
             state, loss = {"params": train.params, "opt_state": train.opt_state}, metrics["loss"]
             step += 1

@@ -5,7 +5,7 @@ OUT_DIR``. Each process is a node of 4 devices and feeds its own rows of every g
 For each run of ``RUNS`` it trains ``Strategy(algorithm, shard=...)`` from the same
 parameters, then writes, from what its own devices hold (``addressable_shards``):
 
-- ``OUT_DIR/<run>_rank<k>.npz``: every leaf of the final ``TrainState``, whole (leaf i as
+- ``OUT_DIR/<run>_rank<k>.npz``: every leaf of the final ``StepState``, whole (leaf i as
   ``leaf<i>``), assembled from the blocks of this process's devices;
 - ``OUT_DIR/<run>_rank<k>.json``: per device, the shapes of its blocks of the optimizer
   state and their bytes, and the bytes of the whole optimizer state;

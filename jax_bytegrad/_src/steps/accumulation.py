@@ -11,7 +11,7 @@ program per micro-step on the host instead:
     apply (micro-step k - 1):  g = acc + (g - acc) / k;  the optimizer on g;  acc = 0
 
 (``acc + g`` with ``use_grad_mean=False``). The accumulator is each device's own, in
-``TrainState.extra["accumulated"]``: each device's gradient, or with ``shard=`` its block of
+``StepState.extra["accumulated"]``: each device's gradient, or with ``shard=`` its block of
 its node's sum (a reduce-scatter within the node each micro-step, as ZeRO-2 accumulates), so
 the accumulator is split within the node too. Between nodes, the traffic is the optimizer's
 once per k micro-steps: ``communication_stats`` gives the ``"accumulate"`` phase (nothing

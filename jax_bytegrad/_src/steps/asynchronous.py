@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jax_bytegrad._src import checks, memory, stats
 from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
 from jax_bytegrad._src.sharding import replicate
-from jax_bytegrad._src.steps.base import Program, TrainState, TrainStep, host_copy
+from jax_bytegrad._src.steps.base import Program, StepState, TrainStep, host_copy
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
 from jax_bytegrad._src.transforms import gradient_allreduce
 
@@ -315,14 +315,14 @@ class AsyncModelAverage(TrainStep):
     def _expected_opt_state(self, params):
         return self._global._expected_opt_state(params)
 
-    def _local_state(self, state: TrainState) -> TrainState:
+    def _local_state(self, state: StepState) -> StepState:
         """``state`` on this process's devices after the warm-up (unchanged before)."""
         if int(state.step) < self.warmup_steps:
             return state
         params, opt_state = self._to_local((state.params, state.opt_state))
-        return TrainState(state.step, params, opt_state, {})
+        return StepState(state.step, params, opt_state, {})
 
-    def program(self, state: TrainState) -> Program:
+    def program(self, state: StepState) -> Program:
         """The inner step's program for ``state``'s phase, on this process's devices after the
         warm-up, publishing each local step's params to the averaging."""
         key = self._phase(int(state.step))[1]
@@ -330,7 +330,7 @@ class AsyncModelAverage(TrainStep):
             return self._programs[key]
         inner = self._inner(key).program(self._local_state(state))
 
-        def outputs(state: TrainState, out):
+        def outputs(state: StepState, out):
             new, metrics = inner.outputs(state, out)
             taken = int(state.step)
             if taken < self.warmup_steps:
@@ -349,17 +349,17 @@ class AsyncModelAverage(TrainStep):
         )
         return self._programs[key]
 
-    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+    def step(self, state: StepState, batch) -> tuple[StepState, dict[str, Any]]:
         """One local train step, after applying the averaging rounds finished since the last."""
         self._averager.raise_error()
-        if isinstance(state, TrainState) and int(state.step) >= self.warmup_steps:
+        if isinstance(state, StepState) and int(state.step) >= self.warmup_steps:
             state = self._local_state(state)
             state = state._replace(params=self.pull(state.params))
         return super().step(state, batch)
 
     __call__ = step
 
-    def communication_stats(self, state: TrainState, batch) -> dict[str, Any]:
+    def communication_stats(self, state: StepState, batch) -> dict[str, Any]:
         """``{"step": ..., "averaging": ...}``: the next train step's bytes per device, and
         one background round's (see ``TrainStep.communication_stats``)."""
         mesh = self._inner(self._phase(int(state.step))[1]).mesh
@@ -368,12 +368,12 @@ class AsyncModelAverage(TrainStep):
             "averaging": stats.communication_stats(self.lower_averaging(state)),
         }
 
-    def memory_stats(self, state: TrainState, batch) -> dict[str, Any]:
+    def memory_stats(self, state: StepState, batch) -> dict[str, Any]:
         """``{"step": ...}``: the next train step's memory per device
         (``TrainStep.memory_stats``)."""
         return {"step": memory.memory_stats(self.lower(state, batch))}
 
-    def phase_counts(self, state: TrainState) -> dict[str, int]:
+    def phase_counts(self, state: StepState) -> dict[str, int]:
         """Steps taken, and background averaging rounds done."""
         return {"step": int(state.step), "averaging": self._averager.stats().rounds}
 

@@ -5,7 +5,7 @@ Follows Bagua's algorithm interface (Gan et al., "Bagua: Scaling up Distributed 
 System Relaxations", VLDB 2022), where every algorithm plugs into the same training loop. Here
 every builder (``data_parallel_step``, ``decentralized_step``,
 ``low_precision_decentralized_step``, ``experimental.async_model_average``) returns a
-``TrainStep``; the state it carries is a ``TrainState``.
+``TrainStep``; the state it carries is a ``StepState``.
 
 A step whose communication changes from step to step (QAdam's warm-up and compressed phases,
 decentralized SGD's gossip rounds) compiles one program per phase and picks it on the host from
@@ -30,7 +30,7 @@ from jax_bytegrad._src.sharding import shard_batch
 from jax_bytegrad._src.steps.model_state import ModelState
 
 
-class TrainState(NamedTuple):
+class StepState(NamedTuple):
     """What a train step carries from one step to the next; a pytree.
 
     Orbax checkpoints it as it is (``StandardCheckpointer().save(path, state)``) and restores
@@ -74,7 +74,7 @@ _PHASE_SEARCH = 1 << 24
 
 
 def count(n: int) -> np.ndarray:
-    """A step count as ``TrainState`` holds it."""
+    """A step count as ``StepState`` holds it."""
     return np.asarray(n, np.int64)
 
 
@@ -168,7 +168,7 @@ def _communication(lowered, mesh: Mesh | None) -> stats.CommunicationStats:
 
 
 class Program(NamedTuple):
-    """One phase's program, and its two adapters between a ``TrainState`` and its arguments.
+    """One phase's program, and its two adapters between a ``StepState`` and its arguments.
 
     ``program(state, batch)`` runs it: ``outputs(state, fn(*inputs(state, batch)))``.
 
@@ -181,13 +181,13 @@ class Program(NamedTuple):
     """
 
     fn: Callable
-    inputs: Callable[[TrainState, Any], tuple]
-    outputs: Callable[[TrainState, Any], tuple[TrainState, dict[str, Any]]]
+    inputs: Callable[[StepState, Any], tuple]
+    outputs: Callable[[StepState, Any], tuple[StepState, dict[str, Any]]]
 
-    def __call__(self, state: TrainState, batch):
+    def __call__(self, state: StepState, batch):
         return self.outputs(state, self.fn(*self.inputs(state, batch)))
 
-    def lower(self, state: TrainState, batch):
+    def lower(self, state: StepState, batch):
         return self.fn.lower(*self.inputs(state, batch))
 
 
@@ -250,16 +250,16 @@ class TrainStep:
     def _build(self, key) -> Program:
         raise NotImplementedError
 
-    def _init(self, params) -> TrainState:
+    def _init(self, params) -> StepState:
         raise NotImplementedError
 
-    def _state_shapes(self, params) -> TrainState:
+    def _state_shapes(self, params) -> StepState:
         raise NotImplementedError
 
     def _expected_opt_state(self, params):
         return None
 
-    def _params(self, state: TrainState):
+    def _params(self, state: StepState):
         return state.params
 
     # The protocol. ------------------------------------------------------------------------
@@ -284,7 +284,7 @@ class TrainStep:
         # vector; the loss function still sees the pytree.
         return lambda flat, batch, **kw: loss_fn(self._unravel(flat), batch, **kw)
 
-    def init(self, params: optax.Params) -> TrainState:
+    def init(self, params: optax.Params) -> StepState:
         """The state to start from: ``params`` (the same on every process) placed, and the
         optimizer's and algorithm's state initialized on the mesh (with the model state and
         key of a step built with ``model_state=`` or ``rng_seed=``).
@@ -302,9 +302,9 @@ class TrainStep:
 
     def _check_state(self, state) -> None:
         """Raises a ``ValueError`` naming both steps for a state another step made."""
-        if not isinstance(state, TrainState):
+        if not isinstance(state, StepState):
             raise ValueError(
-                f"{self.algorithm}: state must be the TrainState that step.init(params) or a "
+                f"{self.algorithm}: state must be the StepState that step.init(params) or a "
                 f"step returned, got {type(state).__name__}"
             )
         # Checked once per layout: the same tree and parameter shapes pass at once after.
@@ -321,8 +321,8 @@ class TrainStep:
         )  # fmt: skip
         self._checked.add(key)
 
-    def state_shapes(self, params: optax.Params) -> TrainState:
-        """The ``TrainState`` that ``init(params)`` would return, as ``jax.ShapeDtypeStruct``
+    def state_shapes(self, params: optax.Params) -> StepState:
+        """The ``StepState`` that ``init(params)`` would return, as ``jax.ShapeDtypeStruct``
         leaves with their shardings; allocates and runs nothing.
 
         With it, ``lower`` and ``communication_stats`` compile the step for a mesh whose
@@ -332,7 +332,7 @@ class TrainStep:
           params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` leaves.
 
         Returns:
-          A ``TrainState`` whose array leaves are ``ShapeDtypeStruct`` (``step`` is 0).
+          A ``StepState`` whose array leaves are ``ShapeDtypeStruct`` (``step`` is 0).
 
         Examples:
           >>> import jax, jax.numpy as jnp, optax, jax_bytegrad
@@ -360,14 +360,14 @@ class TrainStep:
             return state
         return state._replace(extra={**state.extra, **self.model.place_shapes(self.mesh)})
 
-    def program(self, state: TrainState) -> Program:
+    def program(self, state: StepState) -> Program:
         """The program the next ``step(state, batch)`` runs."""
         _, key = self._phase(int(state.step))
         if key not in self._programs:
             self._programs[key] = self._build(key)
         return self._programs[key]
 
-    def step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, Any]]:
+    def step(self, state: StepState, batch) -> tuple[StepState, dict[str, Any]]:
         """One train step: ``(state, batch) -> (state, metrics)``."""
         if self._closed:
             raise RuntimeError(f"{self.algorithm}: this train step was closed; build a new one")
@@ -385,13 +385,13 @@ class TrainStep:
 
     __call__ = step
 
-    def params(self, state: TrainState) -> optax.Params:
+    def params(self, state: StepState) -> optax.Params:
         """The model to evaluate or checkpoint, as a pytree of arrays over the mesh
         (replicated, or with ``shard="params"`` sharded within each node)."""
         params = self._params(state)
         return params if self._unravel is None else self._unravel(params)
 
-    def lower(self, state: TrainState, batch) -> jax.stages.Lowered | LoweredPrograms:
+    def lower(self, state: StepState, batch) -> jax.stages.Lowered | LoweredPrograms:
         """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing.
 
         ``state`` may be ``state_shapes(params)`` and ``batch`` a pytree of
@@ -408,7 +408,7 @@ class TrainStep:
         self._check_state(state)
         return self.program(state).lower(state, batch)
 
-    def _lowered_phases(self, state: TrainState, batch) -> dict[str, Any]:
+    def _lowered_phases(self, state: StepState, batch) -> dict[str, Any]:
         """Each phase's lowered program, by phase: the phase of the step ``state`` is at from
         the program that step runs, every other phase from its first step."""
         self._check_state(state)
@@ -420,7 +420,7 @@ class TrainStep:
             out[name] = self.program(state._replace(step=count(taken))).lower(state, batch)
         return out
 
-    def communication_stats(self, state: TrainState, batch) -> dict[str, stats.CommunicationStats]:
+    def communication_stats(self, state: StepState, batch) -> dict[str, stats.CommunicationStats]:
         """Bytes each device sends per step, for each phase; compiles, runs nothing.
 
         The phase of the step ``state`` is at is read from the program that step runs; every
@@ -437,7 +437,7 @@ class TrainStep:
         lowered = self._lowered_phases(state, batch)
         return {name: _communication(one, self.mesh) for name, one in lowered.items()}
 
-    def memory_stats(self, state: TrainState, batch) -> dict[str, memory.MemoryStats]:
+    def memory_stats(self, state: StepState, batch) -> dict[str, memory.MemoryStats]:
         """Memory each device needs to run a step, per phase, from XLA's memory analysis of
         the compiled program; compiles, runs nothing.
 
@@ -463,7 +463,7 @@ class TrainStep:
             f"the first {_PHASE_SEARCH} steps"
         )
 
-    def phase_counts(self, state: TrainState) -> dict[str, int]:
+    def phase_counts(self, state: StepState) -> dict[str, int]:
         """How many of the steps taken up to ``state`` ran each phase.
 
         Multiplying each phase's bytes (``communication_stats``) by its count gives the

@@ -45,7 +45,7 @@ from jax_bytegrad._src.steps import accumulation as accumulation_lib
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import (
     Program,
-    TrainState,
+    StepState,
     TrainStep,
     count,
     global_batch,
@@ -172,7 +172,7 @@ class DataParallelStep(TrainStep):
             init, in_shardings=(self._shardings(param_specs),), out_shardings=self._shardings(specs)
         )
 
-    def _init(self, params) -> TrainState:
+    def _init(self, params) -> StepState:
         params = host_copy(params)
         if self.shard == "params":
             params = jax.tree.map(
@@ -183,16 +183,16 @@ class DataParallelStep(TrainStep):
         else:
             params = replicate(params, self.mesh)
         extra = jax.tree.map(accumulation_lib.zeros, self._accumulated(params))
-        return TrainState(count(0), params, self._init_program(params)(params), extra)
+        return StepState(count(0), params, self._init_program(params)(params), extra)
 
-    def _state_shapes(self, params) -> TrainState:
+    def _state_shapes(self, params) -> StepState:
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             params,
             self._shardings(self._param_specs(params)),
         )
         opt_state = self._init_program(params).eval_shape(params)
-        return TrainState(count(0), params, opt_state, self._accumulated(params))
+        return StepState(count(0), params, opt_state, self._accumulated(params))
 
     # The program. -------------------------------------------------------------------------
 
@@ -362,7 +362,7 @@ class DataParallelStep(TrainStep):
             self.per_device(phase), mesh=self.mesh, in_specs=in_specs, out_specs=out_specs
         )
 
-    def program(self, state: TrainState) -> Program:
+    def program(self, state: StepState) -> Program:
         self._learn_specs(state.params, state.opt_state)
         if self.accumulation is not None:
             self._acc_specs = accumulation_lib.specs(state.extra[accumulation_lib.ACCUMULATED])
@@ -430,7 +430,7 @@ class DataParallelStep(TrainStep):
         if self.has_aux:
             metrics["aux"] = out.pop(0)
         extra.update(self.model.carried(state, out.pop(0) if self.model.has_state else None))
-        return TrainState(state.step, params, opt_state, extra), metrics
+        return StepState(state.step, params, opt_state, extra), metrics
 
 
 def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int], str]]:

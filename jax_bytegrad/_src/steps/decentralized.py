@@ -49,7 +49,7 @@ from jax_bytegrad._src.quantization import (
 )
 from jax_bytegrad._src.steps.base import (
     Program,
-    TrainState,
+    StepState,
     TrainStep,
     abstract,
     count,
@@ -194,7 +194,7 @@ class _PeerStep(TrainStep):
             )
 
         opt_state = jax.eval_shape(self.optimizer.init, params)
-        return TrainState(
+        return StepState(
             count(0), stacked(params), stacked(opt_state), stacked(self._extra_shapes(params))
         )
 
@@ -211,7 +211,7 @@ class _PeerStep(TrainStep):
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype), opt_state)
 
     def _init(self, params):
-        return TrainState(
+        return StepState(
             count(0),
             _stack_per_device(params, self.mesh, self._axes),
             _stack_per_device(self.optimizer.init(params), self.mesh, self._axes),
@@ -261,7 +261,7 @@ class _PeerStep(TrainStep):
         if self.has_aux:
             metrics["aux"] = _device_mean(out[4])
         extra = {**out[2], **self.model.carried(state, out[-1] if self.model.has_state else None)}
-        return TrainState(state.step, out[0], out[1], extra), metrics
+        return StepState(state.step, out[0], out[1], extra), metrics
 
     def _params(self, state):
         return consensus_params(state.params)

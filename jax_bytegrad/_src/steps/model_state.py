@@ -33,7 +33,7 @@ from jax_bytegrad._src import checks
 from jax_bytegrad._src.sharding import replicate
 
 StateSync = Literal["mean", "first"]
-# Their names in ``TrainState.extra``.
+# Their names in ``StepState.extra``.
 MODEL_STATE, RNG = "model_state", "rng"
 STATE_SYNCS = ("mean", "first")
 
@@ -147,7 +147,7 @@ class ModelState:
             )
 
     def place(self, mesh: Mesh) -> dict[str, Any]:
-        """What a new ``TrainState`` adds to its ``extra``: the model state and the key,
+        """What a new ``StepState`` adds to its ``extra``: the model state and the key,
         both replicated over ``mesh``."""
         out = {}
         if self.has_state:

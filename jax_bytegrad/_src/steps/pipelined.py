@@ -29,7 +29,7 @@ The programs are built in ``steps/stages.py``: each piece's are the stages of it
 plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), the same functions the
 one-program sync runs inline, with the same keys, so the step computes the same values as
 ``data_parallel_step`` with ``optax.chain(bytegrad(...), optimizer)``, bit for bit
-(tests/test_pipelined.py), and holds the same ``TrainState``: a checkpoint of one restores
+(tests/test_pipelined.py), and holds the same ``StepState``: a checkpoint of one restores
 into the other.
 
 Where it overlaps: with one device per process (one JAX process per host, the layout of CPU
@@ -55,7 +55,7 @@ from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
     LoweredPrograms,
     Program,
-    TrainState,
+    StepState,
     TrainStep,
     global_batch,
 )
@@ -191,16 +191,16 @@ class PipelinedStep(TrainStep):
     def _expected_opt_state(self, params):
         return self._one_program._expected_opt_state(params)
 
-    def _init(self, params) -> TrainState:
+    def _init(self, params) -> StepState:
         return self._one_program._init(params)
 
-    def _state_shapes(self, params) -> TrainState:
+    def _state_shapes(self, params) -> StepState:
         return self._one_program._state_shapes(params)
 
     def _build(self, key) -> Program:
         return Program(_Scheduled(self), self._inputs, self._outputs)
 
-    def _inputs(self, state: TrainState, batch) -> tuple[_Inputs, Any]:
+    def _inputs(self, state: StepState, batch) -> tuple[_Inputs, Any]:
         """The programs' inputs, and the batch (planning the schedule once)."""
         batch = global_batch(batch, self.mesh, self._axes)
         opt_state = _Chain(*state.opt_state)
@@ -210,7 +210,7 @@ class PipelinedStep(TrainStep):
             self._schedule = self._plan(state, inputs, batch)
         return inputs, batch
 
-    def _plan(self, state: TrainState, inputs: _Inputs, batch) -> Schedule:
+    def _plan(self, state: StepState, inputs: _Inputs, batch) -> Schedule:
         """The step's programs, built (traced, not compiled) from the abstract inputs."""
         values = _named(inputs, batch)
         specs = {
@@ -225,12 +225,12 @@ class PipelinedStep(TrainStep):
             donate_state=self._donate,
         )  # fmt: skip
 
-    def _outputs(self, state: TrainState, out: _Outputs) -> tuple[TrainState, dict[str, Any]]:
+    def _outputs(self, state: StepState, out: _Outputs) -> tuple[StepState, dict[str, Any]]:
         opt_state = _Chain(ByteGradState(key=out.key, residuals=out.residuals), out.inner)
         metrics = {"loss": out.loss}
         if self.has_aux:
             metrics["aux"] = out.aux
-        return TrainState(state.step, out.params, tuple(opt_state), {}), metrics
+        return StepState(state.step, out.params, tuple(opt_state), {}), metrics
 
     def close(self) -> None:
         """Stops the dispatch thread (after what it was given has run). Calling it again does
@@ -299,7 +299,7 @@ def pipelined_step(
     """Builds a ByteGrad train step whose compressed sync runs its codec beside the wire.
 
     The same step as ``data_parallel_step(loss_fn, optax.chain(bytegrad(...), optimizer),
-    mesh)``, bit for bit, with the same ``TrainState``, cut into programs at the sync's
+    mesh)``, bit for bit, with the same ``StepState``, cut into programs at the sync's
     collectives (module docstring): the wire programs run on a dispatch thread of the
     step's own, one at a time and in the same order on every process, while the caller's
     thread runs the codec of the pieces before and after. Each bucket crosses the wire in
