@@ -24,28 +24,26 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import (
-    DEFAULT_BLOCK_SIZES,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_MESSAGE_BYTES,
     Residuals,
     ScaleByQAdamState,
     SyncConfig,
     compressed_mean,
-    replicate,
     scale_by_qadam,
 )
+from jax_bytegrad._src.collective_ops import ring_all_gather
 from jax_bytegrad.experimental import (
     PipelinedMean,
     message_slices,
     residual_sizes,
-    ring_all_gather,
     ring_all_to_all,
     split_ppermute,
 )
 from jax_bytegrad.profiling import HEADER_WIDTH
-from jax_bytegrad.sharding import AXES
+from jax_bytegrad.sharding import AXES, replicate, shard_batch
 
-DEFAULT_BLOCK_SIZE = DEFAULT_BLOCK_SIZES[8]
+DEFAULT_BLOCK_SIZE = SyncConfig(bits=8).block_size
 
 DEFAULT_OPS = ("psum_f32", "psum_bf16")
 BASELINE_OP = "psum_f32"
@@ -62,7 +60,7 @@ BUFFERS: dict[str, bool] = {"donate": False}
 # (scale, zero) header, or the integer wire's (max, -min) bounds.
 _HEADER_BYTES = HEADER_WIDTH * 4
 _CODES_8 = 1 + _HEADER_BYTES / DEFAULT_BLOCK_SIZE
-_CODES_4 = 0.5 + _HEADER_BYTES / DEFAULT_BLOCK_SIZES[4]
+_CODES_4 = 0.5 + _HEADER_BYTES / SyncConfig(bits=4).block_size
 _BATCH_PER_DEVICE = 16
 
 
@@ -379,7 +377,7 @@ def _host_batch(mesh):
     """This host's batch of the MLP, placed on the mesh: its own rows on each process."""
     rows = _BATCH_PER_DEVICE * mesh.devices.shape[1]
     batch = mlp_batch(np.random.default_rng(1 + jax.process_index()), rows)
-    return jax_bytegrad.shard_batch(batch, mesh)
+    return shard_batch(batch, mesh)
 
 
 def _train_step(mesh, num_params, step, *, carry: bool | None = None, state=None):

@@ -49,7 +49,8 @@ from configs import ALGORITHMS, CPU_DEVICES_PER_NODE, CPU_NODES, Config  # noqa:
 import jax_bytegrad  # noqa: E402
 from jax_bytegrad import qadam  # noqa: E402
 from jax_bytegrad.distributed import ensure_cpu_threads  # noqa: E402
-from jax_bytegrad.sharding import shard_state, state_specs  # noqa: E402
+from jax_bytegrad.profiling import communication_stats  # noqa: E402
+from jax_bytegrad.sharding import replicate, shard_batch, shard_state, state_specs  # noqa: E402  # noqa: E402
 
 AXES = ("node", "local")
 MODELS = ("cnn", "transformer")
@@ -162,15 +163,15 @@ def train(
 
     tx = VARIANTS[name](mesh, config)
     state = shard_state(tx.init(params), mesh)
-    params = jax_bytegrad.replicate(params, mesh)
+    params = replicate(params, mesh)
     step = make_step(loss_fn, tx, mesh, state)
     next_batch = batches(config, data)
-    batch = jax_bytegrad.shard_batch(next_batch(), mesh)
-    stats = jax_bytegrad.communication_stats(step, params, state, batch, mesh=mesh)
+    batch = shard_batch(next_batch(), mesh)
+    stats = communication_stats(step, params, state, batch, mesh=mesh)
     losses = []
     for t in range(steps):
         if t:
-            batch = jax_bytegrad.shard_batch(next_batch(), mesh)
+            batch = shard_batch(next_batch(), mesh)
         params, state, loss = step(params, state, batch)
         losses.append(float(loss))  # one step in flight: see docs/qadam.md
 

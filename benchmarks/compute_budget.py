@@ -63,7 +63,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jax_bytegrad import DEFAULT_BLOCK_SIZES  # noqa: E402
+from jax_bytegrad import SyncConfig  # noqa: E402
 from jax_bytegrad._src.codecs import (  # noqa: E402
     Codec,
     average_requantize,
@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--elements", type=float, default=25.2e6)
     parser.add_argument("--nodes", default="2,4")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZES[8])
+    parser.add_argument("--block-size", type=int, default=SyncConfig(bits=8).block_size)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hlo", action="store_true", help="list the big fusions of each stage")
     parser.add_argument(

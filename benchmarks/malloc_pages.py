@@ -102,7 +102,7 @@ def worker(setting: str, part: str, repeats: int) -> dict:
         tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(1e-3))
         step = jax_bytegrad.data_parallel_step(mlp_loss, tx, mesh)
         state = [step.init(mlp_init(STEP_PARAMS))]
-        batch = jax_bytegrad.shard_batch(mlp_batch(np.random.default_rng(0), 32), mesh)
+        batch = jax_bytegrad.sharding.shard_batch(mlp_batch(np.random.default_rng(0), 32), mesh)
 
         def train_step():
             state[0], metrics = step(state[0], batch)

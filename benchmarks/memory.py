@@ -49,6 +49,7 @@ import gpu_schedule  # noqa: E402
 
 import jax_bytegrad as jbg  # noqa: E402
 from jax_bytegrad._src.memory import MemoryStats, memory_stats  # noqa: E402
+from jax_bytegrad.profiling import communication_stats  # noqa: E402
 from jax_bytegrad.sharding import GPUS, gpu_mesh  # noqa: E402
 
 DIM = 8192
@@ -92,7 +93,7 @@ def measure(mesh, layers: int, name: str, shard: str | None) -> dict[str, Row]:
             at = state._replace(step=np.asarray(taken, np.asarray(state.step).dtype))
             # One compile: Lowered.compile() keeps its executable for the second reader.
             lowered = step.lower(at, batch)
-            overlap = jbg.communication_stats(lowered).overlap_on("node")
+            overlap = communication_stats(lowered).overlap_on("node")
             rows[phase] = Row(memory_stats(lowered), overlap.bytes_sent, overlap.early_share)
     return rows
 

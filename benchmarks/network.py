@@ -57,7 +57,7 @@ DEFAULT_NUM_PARAMS = 25_200_000
 
 
 def _worker(args) -> int:
-    from jax_bytegrad.distributed import initialize
+    from jax_bytegrad import initialize
 
     info = initialize()
     SIZES.update(bucket_mb=args.bucket_mb, message_kb=args.message_kb)

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_bytegrad  # noqa: E402
 from jax_bytegrad import qadam  # noqa: E402
+from jax_bytegrad.sharding import shard_batch  # noqa: E402
 
 AXES = ("node", "local")
 # A fixed, version-stable choice of standard-library modules (about 420 kB of text).
@@ -159,7 +160,7 @@ def train(
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         val = [
-            evaluate(state.params, jax_bytegrad.shard_batch(b, mesh))
+            evaluate(state.params, shard_batch(b, mesh))
             for b in batches(val_data, eval_batches, 64, context, seed + 2)
         ]
     return np.asarray(losses), float(np.mean(jax.device_get(val)))

@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     import jax_bytegrad
 
     mesh = jax_bytegrad.make_mesh(args.nodes, args.devices_per_node)
-    batch = jax_bytegrad.shard_batch(mlp_batch(np.random.default_rng(0), 16 * devices), mesh)
+    batch = jax_bytegrad.sharding.shard_batch(
+        mlp_batch(np.random.default_rng(0), 16 * devices), mesh
+    )
     steps, states = {}, {}
     for shard in (None, "optimizer", "params"):
         tx = optax.chain(jax_bytegrad.bytegrad(), optax.adam(1e-4))

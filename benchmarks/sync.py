@@ -9,7 +9,7 @@ Compares, for each gradient size, inside one ``jax.shard_map`` over a ("node", "
 Inputs are per-device random gradients, sharded P(("node", "local")) along a leading device
 axis. Each row gives the median wall time of a synchronous step, its ratio to fp32 measured
 in the same run, and the bytes each device sends per step between nodes and within nodes,
-read from the compiled HLO by ``jax_bytegrad.profiling.communication_stats``.
+read from the compiled HLO by ``communication_stats``.
 
 On one CPU host the 8 "devices" share its memory and cores: the "network" is memcpy, so these
 timings show compute overhead (quantize, average, dequantize) against memory-speed
@@ -161,7 +161,7 @@ def _codec_pieces(size: int) -> dict:
     quantize = functools.partial(quantize_blocks, nearest)
     dequantize = functools.partial(dequantize_blocks, nearest)
 
-    block = jax_bytegrad.DEFAULT_BLOCK_SIZES[8]
+    block = jax_bytegrad.SyncConfig(bits=8).block_size
     size = -(-size // block) * block
     x = jax.random.normal(jax.random.key(0), (size // block, block), jnp.float32)
     codes, header = jax.jit(quantize)(x)
@@ -255,7 +255,7 @@ def _codec_pieces(size: int) -> dict:
         def sync(g, bits=bits):
             mean, _ = wire_lib.integer_sum(
                 g, None, group="node", group_size=2, weight=0.5, key=None,
-                block_size=jax_bytegrad.DEFAULT_BLOCK_SIZES[bits], codec=Codec(bits=bits),
+                block_size=jax_bytegrad.SyncConfig(bits=bits).block_size, codec=Codec(bits=bits),
             )  # fmt: skip
             return mean
 
@@ -380,7 +380,7 @@ def main(argv=None):
     print(
         f"jax {jax.__version__}, {len(jax.devices())} CPU devices on {os.cpu_count()} cores, "
         f"mesh node={n} x local={local}; median of {args.repeats} steps after 2 warm-ups; "
-        f"bytes sent per device per step from jax_bytegrad.profiling.communication_stats"
+        f"bytes sent per device per step from communication_stats"
     )
     print()
     head = (

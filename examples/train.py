@@ -30,7 +30,9 @@ import optax
 from flax import nnx
 
 import jax_bytegrad
+from jax_bytegrad.checkpoint import Checkpointer
 from jax_bytegrad.distributed import ensure_cpu_threads, report_progress
+from jax_bytegrad.sharding import shard_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cached_data  # noqa: E402
@@ -49,7 +51,7 @@ from report import Progress, Result, is_main_process, log, plot_losses, results_
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, dict]]
 
-__all__ = ["ALGORITHMS", "Config", "Result", "compare", "results_table", "plot_losses"]
+__all__ = ["ALGORITHMS", "Config", "Result", "compare", "plot_losses", "results_table"]
 
 
 def resolve_mesh(config: Config) -> jax.sharding.Mesh:
@@ -129,9 +131,7 @@ def evaluate(graphdef, rest, params, inputs, targets, mesh) -> tuple[float, floa
     weights = np.concatenate([np.ones(n, np.float32), np.zeros(pad, np.float32)])
     inputs = np.concatenate([inputs, np.zeros((pad, *inputs.shape[1:]), inputs.dtype)])
     targets = np.concatenate([targets, np.zeros((pad, *targets.shape[1:]), targets.dtype)])
-    batch = jax_bytegrad.shard_batch(
-        tuple(_process_rows(x) for x in (inputs, targets, weights)), mesh
-    )
+    batch = shard_batch(tuple(_process_rows(x) for x in (inputs, targets, weights)), mesh)
 
     @jax.jit
     def metrics(params, batch):
@@ -242,7 +242,7 @@ def _resume(config: Config, state, mesh):
             "per device or process (see docs/elastic.md for its rule)"
         )
     directory = os.path.join(config.checkpoint_dir, config.algorithm)
-    checkpointer = jax_bytegrad.Checkpointer(directory, every=config.checkpoint_every)
+    checkpointer = Checkpointer(directory, every=config.checkpoint_every)
     # Onto the state's own shardings: with --shard, split leaves stay split.
     done, state = checkpointer.restore_or_init(lambda: state, state)
     if done:
@@ -359,7 +359,7 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
 
 def shardable(name: str) -> bool:
     """Whether algorithm ``name`` can split its state within a node (``--shard``)."""
-    return "shard" in jax_bytegrad.valid_kwargs(name)
+    return "shard" in jax_bytegrad.Strategy.valid_kwargs(name)
 
 
 def skip_reason(config: Config, name: str) -> str | None:

@@ -1,9 +1,12 @@
 """jax_bytegrad: data-parallel training in JAX with 8-bit compressed traffic between nodes.
 
-The core API lives here; a few namespaces hold the rest: ``sharding`` (the mesh and placement),
-``distributed`` and ``launch`` (multi-process runs), ``checkpoint``, ``data``, ``profiling``
-(bytes on the wire), ``experimental`` (async model averaging) and ``nnx`` (Flax NNX models;
-imported on first use, since it needs Flax).
+What a training script needs lives here, each name in one place: the ``Strategy``, the mesh
+(``make_mesh``) and joining a multi-process run (``initialize``), the step builders, the
+transforms and their states. The namespaces hold the rest: ``sharding`` (placing trees on the
+mesh), ``distributed`` and ``launch`` (multi-process runs), ``checkpoint``, ``data``,
+``profiling`` (bytes on the wire), ``experimental`` (async model averaging)
+and ``nnx`` (Flax NNX models; imported on first use, since it needs Flax). docs/index.md lists
+each namespace's names; ``jax_bytegrad._src`` is private.
 """
 
 import importlib
@@ -15,15 +18,12 @@ from jax_bytegrad import profiling as profiling
 from jax_bytegrad import sharding as sharding
 from jax_bytegrad._src.autotune import AutotuneResult as AutotuneResult
 from jax_bytegrad._src.autotune import autotune as autotune
-from jax_bytegrad._src.checkpoint import Checkpointer as Checkpointer
 from jax_bytegrad._src.collectives import compressed_mean as compressed_mean
 from jax_bytegrad._src.collectives import full_precision_mean as full_precision_mean
-from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES
 from jax_bytegrad._src.config import DEFAULT_BUCKET_BYTES as DEFAULT_BUCKET_BYTES
 from jax_bytegrad._src.config import DEFAULT_MESSAGE_BYTES as DEFAULT_MESSAGE_BYTES
 from jax_bytegrad._src.config import Residuals as Residuals
 from jax_bytegrad._src.config import SyncConfig as SyncConfig
-from jax_bytegrad._src.distributed import DistributedInfo as DistributedInfo
 from jax_bytegrad._src.distributed import initialize as initialize
 from jax_bytegrad._src.guard import DivergenceWarning as DivergenceWarning
 from jax_bytegrad._src.guard import SkipNonFiniteState as SkipNonFiniteState
@@ -37,10 +37,6 @@ from jax_bytegrad._src.quantization import QuantizedArray as QuantizedArray
 from jax_bytegrad._src.quantization import dequantize as dequantize
 from jax_bytegrad._src.quantization import quantize as quantize
 from jax_bytegrad._src.sharding import make_mesh as make_mesh
-from jax_bytegrad._src.sharding import replicate as replicate
-from jax_bytegrad._src.sharding import shard_batch as shard_batch
-from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
-from jax_bytegrad._src.stats import communication_stats as communication_stats
 from jax_bytegrad._src.steps.base import LoweredPrograms as LoweredPrograms
 from jax_bytegrad._src.steps.base import StepState as StepState
 from jax_bytegrad._src.steps.base import TrainStep as TrainStep
@@ -50,12 +46,9 @@ from jax_bytegrad._src.steps.decentralized import decentralized_step as decentra
 from jax_bytegrad._src.steps.decentralized import (
     low_precision_decentralized_step as low_precision_decentralized_step,
 )
-from jax_bytegrad._src.steps.decentralized import shift_one_schedule as shift_one_schedule
-from jax_bytegrad._src.steps.model_state import step_key as step_key
 from jax_bytegrad._src.steps.pipelined import pipelined_step as pipelined_step
 from jax_bytegrad._src.strategy import ALGORITHMS as ALGORITHMS
 from jax_bytegrad._src.strategy import Strategy as Strategy
-from jax_bytegrad._src.strategy import valid_kwargs as valid_kwargs
 from jax_bytegrad._src.transforms import ByteGradState as ByteGradState
 from jax_bytegrad._src.transforms import bytegrad as bytegrad
 from jax_bytegrad._src.transforms import gradient_allreduce as gradient_allreduce
@@ -64,33 +57,28 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
-    "AutotuneResult",
-    "ByteGradState",
-    "Checkpointer",
-    "CommunicationStats",
-    "DEFAULT_BLOCK_SIZES",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MESSAGE_BYTES",
-    "DistributedInfo",
+    "AutotuneResult",
+    "ByteGradState",
+    "DivergenceWarning",
     "LoweredPrograms",
     "QuantizedArray",
     "Residuals",
     "ScaleByQAdamState",
+    "SkipNonFiniteState",
+    "StepState",
     "Strategy",
     "SyncConfig",
-    "StepState",
     "TrainStep",
     "autotune",
     "bytegrad",
     "checkpoint",
-    "communication_stats",
     "compressed_mean",
     "consensus_params",
     "data_parallel_step",
     "decentralized_step",
     "dequantize",
-    "DivergenceWarning",
-    "SkipNonFiniteState",
     "distributed",
     "experimental",
     "full_precision_mean",
@@ -103,15 +91,10 @@ __all__ = [
     "qadam",
     "quantize",
     "refresh_steps",
-    "replicate",
     "scale_by_qadam",
-    "shard_batch",
     "sharding",
-    "shift_one_schedule",
     "skip_nonfinite",
     "skipped_steps",
-    "step_key",
-    "valid_kwargs",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Multi-process runs: joining a ``jax.distributed`` cluster, restarts and progress reports."""
+"""Multi-process runs beyond ``jax_bytegrad.initialize`` (which joins the cluster): what it
+returns, the launcher's environment variables, restarts and progress reports."""
 
 from jax_bytegrad._src.distributed import COORDINATOR_ENV as COORDINATOR_ENV
 from jax_bytegrad._src.distributed import CPU_DEVICES_ENV as CPU_DEVICES_ENV
@@ -10,22 +11,20 @@ from jax_bytegrad._src.distributed import QUIET_ENV as QUIET_ENV
 from jax_bytegrad._src.distributed import RESTART_ENV as RESTART_ENV
 from jax_bytegrad._src.distributed import DistributedInfo as DistributedInfo
 from jax_bytegrad._src.distributed import ensure_cpu_threads as ensure_cpu_threads
-from jax_bytegrad._src.distributed import initialize as initialize
 from jax_bytegrad._src.distributed import report_progress as report_progress
 from jax_bytegrad._src.distributed import restart_count as restart_count
 
 __all__ = [
     "COORDINATOR_ENV",
     "CPU_DEVICES_ENV",
-    "DistributedInfo",
     "FAIL_FAST_ENV",
     "NUM_PROCESSES_ENV",
     "PROCESS_ID_ENV",
     "PROGRESS_FILE_ENV",
     "QUIET_ENV",
     "RESTART_ENV",
+    "DistributedInfo",
     "ensure_cpu_threads",
-    "initialize",
     "report_progress",
     "restart_count",
 ]

@@ -2,7 +2,6 @@
 and the collective patterns and residual sizes the benchmarks measure."""
 
 from jax_bytegrad._src.collective_ops import message_slices as message_slices
-from jax_bytegrad._src.collective_ops import ring_all_gather as ring_all_gather
 from jax_bytegrad._src.collective_ops import ring_all_to_all as ring_all_to_all
 from jax_bytegrad._src.collective_ops import split_ppermute as split_ppermute
 from jax_bytegrad._src.collectives import residual_sizes as residual_sizes
@@ -16,7 +15,6 @@ __all__ = [
     "async_model_average",
     "message_slices",
     "residual_sizes",
-    "ring_all_gather",
     "ring_all_to_all",
     "split_ppermute",
 ]

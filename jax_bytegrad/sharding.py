@@ -1,11 +1,11 @@
-"""The ("node", "local") mesh, and placing params, batches and optimizer state on it; meshes of
-deviceless GPUs to compile a cluster's step without its GPUs (``gpu_mesh``)."""
+"""Placing params, batches and optimizer state on the ("node", "local") mesh that
+``jax_bytegrad.make_mesh`` builds; meshes of deviceless GPUs to compile a cluster's step without
+its GPUs (``gpu_mesh``)."""
 
 from jax_bytegrad._src.gpu import GPUS as GPUS
 from jax_bytegrad._src.gpu import GpuSpec as GpuSpec
 from jax_bytegrad._src.gpu import gpu_mesh as gpu_mesh
 from jax_bytegrad._src.sharding import AXES as AXES
-from jax_bytegrad._src.sharding import make_mesh as make_mesh
 from jax_bytegrad._src.sharding import replicate as replicate
 from jax_bytegrad._src.sharding import shard_batch as shard_batch
 from jax_bytegrad._src.sharding import shard_state as shard_state
@@ -16,7 +16,6 @@ __all__ = [
     "GPUS",
     "GpuSpec",
     "gpu_mesh",
-    "make_mesh",
     "replicate",
     "shard_batch",
     "shard_state",

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
-from jax_bytegrad.sharding import shard_state, state_specs
+from jax_bytegrad.sharding import replicate, shard_batch, shard_state, state_specs
 
 K = 4
 
@@ -179,7 +179,7 @@ def test_multisteps_of_bytegrad_in_a_shard_map_of_ones_own():
     square = lambda params, batch: ((batch @ params["w"] - 1.0) ** 2).mean()  # noqa: E731
 
     def train(tx, batches):
-        params = jax_bytegrad.replicate({"w": np.zeros((64, 8), np.float32)}, mesh)
+        params = replicate({"w": np.zeros((64, 8), np.float32)}, mesh)
         state = shard_state(tx.init(params), mesh)
         specs = state_specs(state)
 
@@ -197,7 +197,7 @@ def test_multisteps_of_bytegrad_in_a_shard_map_of_ones_own():
             )
         )
         for batch in batches:
-            params, state = step(params, state, jax_bytegrad.shard_batch(batch, mesh))
+            params, state = step(params, state, shard_batch(batch, mesh))
         return np.asarray(params["w"])
 
     rng = np.random.default_rng(0)

@@ -21,8 +21,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
-from jax_bytegrad import communication_stats, compressed_mean, full_precision_mean
+from jax_bytegrad import compressed_mean, full_precision_mean
 from jax_bytegrad._src import buckets
+from jax_bytegrad.profiling import communication_stats
 from jax_bytegrad.sharding import gpu_mesh
 
 AXES = ("node", "local")
@@ -254,7 +255,7 @@ def test_a_bad_reduce_dtype_is_refused_by_name(bad):
 
 
 def test_the_strategy_takes_reduce_dtype_from_the_transform():
-    assert "reduce_dtype" in jax_bytegrad.valid_kwargs("gradient_allreduce")
+    assert "reduce_dtype" in jax_bytegrad.Strategy.valid_kwargs("gradient_allreduce")
     s = jax_bytegrad.Strategy("gradient_allreduce", mesh=jax_bytegrad.make_mesh(2, 4))
     assert s.setting("reduce_dtype") is None
     for good in (jnp.float32, "float32", np.dtype("float32"), F16):

@@ -7,6 +7,7 @@ import pytest
 from helpers import load_script
 
 import jax_bytegrad
+from jax_bytegrad.sharding import shard_batch
 
 cached_data = load_script(Path(__file__).parent.parent / "examples" / "cached_data.py")
 
@@ -29,7 +30,7 @@ def test_step_batches_cover_the_epoch_with_the_right_rows(cache, tmp_path):
             assert bytes(inputs[r, : n - 1].astype(np.uint8)) == sources[i][:-1]
             assert bytes(targets[r, : n - 1].astype(np.uint8)) == sources[i][1:]
             assert mask[r].sum() == n - 1
-        jax_bytegrad.shard_batch((inputs, targets, mask), mesh)
+        shard_batch((inputs, targets, mask), mesh)
     dataset.close()
 
 

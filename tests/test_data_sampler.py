@@ -10,6 +10,7 @@ from jax_bytegrad.data import (
     replica_ranks,
     token_budget_batches,
 )
+from jax_bytegrad.sharding import shard_batch
 
 
 def _lengths(n=203, seed=0):
@@ -131,7 +132,7 @@ def test_local_batches_match_the_mesh_slices():
     steps = list(s.local_batches(3, replicas))
     assert len(steps) == -(-len(s) // 3)
     for step, idx in enumerate(steps[:3]):
-        batch = jax_bytegrad.shard_batch(data[idx], mesh)
+        batch = shard_batch(data[idx], mesh)
         flat_devices = list(mesh.devices.reshape(-1))
         for shard in batch.addressable_shards:
             replica = flat_devices.index(shard.device)
@@ -221,7 +222,7 @@ def test_one_replica_per_row_balances_every_row_of_a_step_on_its_device():
     s = _sampler(lengths, replicas=24, seed=1)
     step = next(s.local_batches(1, rows))
     np.testing.assert_array_equal(step, s.order()[0])
-    batch = jax_bytegrad.shard_batch(lengths[step], mesh)
+    batch = shard_batch(lengths[step], mesh)
     flat_devices = list(mesh.devices.reshape(-1))
     for shard in batch.addressable_shards:
         d = flat_devices.index(shard.device)

@@ -1,4 +1,5 @@
-"""Tests for decentralized and low-precision decentralized SGD (jax_bytegrad/decentralized.py)."""
+"""Tests for decentralized and low-precision decentralized SGD
+(jax_bytegrad/_src/steps/decentralized.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,12 +9,11 @@ import pytest
 from helpers import assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
-from jax_bytegrad import (
-    consensus_params,
-    decentralized_step,
-    low_precision_decentralized_step,
-    shift_one_schedule,
-)
+from jax_bytegrad import consensus_params, decentralized_step, low_precision_decentralized_step
+
+# The shift_one pairings, private: the tests below check the schedule itself.
+from jax_bytegrad._src.steps.decentralized import shift_one_schedule
+from jax_bytegrad.profiling import communication_stats
 
 DIM = 5
 LR = 0.1
@@ -150,7 +150,7 @@ def test_decentralized_sends_no_gradient_all_reduce():
     mesh = jax_bytegrad.make_mesh(2, 4)
     train = decentralized_step(_loss, optax.sgd(LR), mesh, peer_selection_mode="shift_one")
     state = train.init(jnp.zeros(DIM))
-    stats = jax_bytegrad.communication_stats(train, state, _data(8))
+    stats = communication_stats(train, state, _data(8))
     # Only the node average (within a node) and ppermutes: no all-reduce across nodes.
     assert any(r.kind == "collective-permute" and r.axes == "node" for r in stats.rows), stats
     assert not [r for r in stats.rows if r.kind == "all-reduce" and "node" in r.axes], stats

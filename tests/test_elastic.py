@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer, average_replicas, replicated_shardings
+from jax_bytegrad.sharding import replicate, shard_batch
 
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
 WORKER = SCRIPTS / "elastic_worker.py"
@@ -78,7 +79,7 @@ def reference(tmp_path_factory):
 
 
 def test_checkpoints_come_with_the_plain_install():
-    # Checkpointer is core API (jax_bytegrad.Checkpointer): `pip install -e .` must bring orbax.
+    # Checkpointer is core API (jax_bytegrad.checkpoint): `pip install -e .` must bring orbax.
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -263,7 +264,7 @@ def test_resume_with_one_process(reference, tmp_path, name, shape):
     )
     train = jax_bytegrad.StepState(2, state["params"], state["opt_state"], {})
     for t in range(2, worker.STEPS):
-        batch = jax_bytegrad.shard_batch(worker.train_worker.global_batch(t), mesh)
+        batch = shard_batch(worker.train_worker.global_batch(t), mesh)
         train, _ = step_fn(train, batch)
     p, s = train.params, train.opt_state
     assert_trees_all_equal(got, {k: np.asarray(v.addressable_shards[0].data) for k, v in p.items()})
@@ -305,7 +306,7 @@ def mesh():
 def _save_steps(directory, steps, mesh, **kwargs):
     with Checkpointer(directory, every=1, **kwargs) as ckpt:
         for step in steps:
-            assert ckpt.save(step, jax_bytegrad.replicate(_tiny_state(step), mesh))
+            assert ckpt.save(step, replicate(_tiny_state(step), mesh))
 
 
 def _as_numpy(state):
@@ -341,7 +342,7 @@ def test_a_state_donated_right_after_save_is_saved_intact(tmp_path, mesh):
     # while the save is still writing in the background.
     big = {"w": np.random.default_rng(0).random(4_000_000, np.float32)}
     with Checkpointer(tmp_path, every=1) as ckpt:
-        state = jax_bytegrad.replicate(big, mesh)
+        state = replicate(big, mesh)
         assert ckpt.save(1, state)
         state["w"].delete()
     with Checkpointer(tmp_path, every=1) as ckpt:
@@ -374,7 +375,7 @@ def test_a_truncated_latest_checkpoint_falls_back_to_the_previous(tmp_path, mesh
         assert step == 2
         assert_trees_all_equal(_as_numpy(state), _as_numpy(_tiny_state(2)))
         assert ckpt.steps == [1, 2]  # the unreadable one is gone, so step 3 can be saved again
-        assert ckpt.save(3, jax_bytegrad.replicate(_tiny_state(3), mesh))
+        assert ckpt.save(3, replicate(_tiny_state(3), mesh))
 
 
 def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, mesh):
@@ -390,11 +391,12 @@ import os, signal, sys
 import numpy as np
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
+from jax_bytegrad.sharding import replicate
 mesh = jax_bytegrad.make_mesh(1, 1)
 ckpt = Checkpointer(sys.argv[1], every=1)
-ckpt.save(1, jax_bytegrad.replicate({"w": np.ones(1000, np.float32)}, mesh))
+ckpt.save(1, replicate({"w": np.ones(1000, np.float32)}, mesh))
 ckpt.wait()
-ckpt.save(2, jax_bytegrad.replicate({"w": np.ones(4_000_000, np.float32)}, mesh))
+ckpt.save(2, replicate({"w": np.ones(4_000_000, np.float32)}, mesh))
 os.kill(os.getpid(), signal.SIGKILL)  # while the 16 MB of step 2 are written in the background
 """
 

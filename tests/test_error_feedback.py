@@ -11,7 +11,8 @@ from test_quantize import BITS, IMPLEMENTATIONS
 import jax_bytegrad
 from jax_bytegrad._src.codecs import Codec, dequantize_blocks
 from jax_bytegrad._src.quantization import quantize_with_feedback
-from jax_bytegrad.sharding import shard_state, state_specs
+from jax_bytegrad.profiling import communication_stats
+from jax_bytegrad.sharding import replicate, shard_batch, shard_state, state_specs
 
 
 def _ulp(x: np.ndarray) -> np.ndarray:
@@ -123,11 +124,11 @@ def make_step(tx, mesh, state):
 
 
 def run(tx, mesh, steps, params=None, state=None, first=0):
-    params = jax_bytegrad.replicate(init_params(), mesh) if params is None else params
+    params = replicate(init_params(), mesh) if params is None else params
     state = shard_state(tx.init(init_params()), mesh) if state is None else state
     step = make_step(tx, mesh, state)
     for t in range(first, first + steps):
-        params, state = step(params, state, jax_bytegrad.shard_batch(batch(t), mesh))
+        params, state = step(params, state, shard_batch(batch(t), mesh))
         yield params, state
 
 
@@ -225,7 +226,7 @@ def test_inter_node_bytes_against_gradient_allreduce(mesh, bits, limit):
         fn = jax.jit(
             jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P(AXES)), out_specs=(P(), specs))
         )
-        return jax_bytegrad.communication_stats(fn, state, grads, mesh=mesh).bytes_on("node")
+        return communication_stats(fn, state, grads, mesh=mesh).bytes_on("node")
 
     baseline = node_bytes(jax_bytegrad.gradient_allreduce(hierarchical=True))
     for error_feedback in (False, True):
@@ -245,7 +246,7 @@ def test_data_parallel_step_and_strategy_carry_the_residuals(mesh):
     step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh)
     train_state = step.init(init_params())
     for t in range(6):
-        train_state, _ = step(train_state, jax_bytegrad.shard_batch(batch(t), mesh))
+        train_state, _ = step(train_state, shard_batch(batch(t), mesh))
     assert_same_on_every_device(train_state.params, device_copies(want_params))
     assert_same_on_every_device(train_state.opt_state, device_copies(want_state))
 

@@ -11,6 +11,7 @@ from helpers import assert_trees_all_equal
 
 import jax_bytegrad
 from jax_bytegrad import DivergenceWarning, skip_nonfinite, skipped_steps
+from jax_bytegrad.checkpoint import Checkpointer
 
 DEVICES = 8
 
@@ -116,7 +117,7 @@ def test_a_guarded_checkpoint_restores_with_its_skipped_count(mesh, tmp_path):
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DivergenceWarning)  # the NaN is on purpose
-        with jax_bytegrad.Checkpointer(tmp_path, every=1) as ckpt:
+        with Checkpointer(tmp_path, every=1) as ckpt:
             with strategy.train_step(loss_fn, skip_nonfinite(optax.adam(1e-2))) as step:
                 state = step.init(params0())
                 for i, poison in enumerate([False, True]):

@@ -1,4 +1,4 @@
-"""Tests for jax_bytegrad.distributed.initialize() and `python -m jax_bytegrad.launch`.
+"""Tests for jax_bytegrad.initialize() and `python -m jax_bytegrad.launch`.
 
 The multi-process tests start real processes that talk Gloo over TCP on 127.0.0.1.
 """
@@ -16,7 +16,11 @@ import pytest
 from conftest import requires_gloo
 from helpers import REPO, processes_with, run_launcher
 
-from jax_bytegrad._src import distributed
+import jax_bytegrad
+from jax_bytegrad import distributed
+
+# initialize()'s record of this process's run, which the tests reset and read: no public form.
+from jax_bytegrad._src import distributed as run_record
 from jax_bytegrad.launch import launch
 
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
@@ -47,25 +51,25 @@ def _run_launcher(*args: str, env: dict | None = None) -> tuple[int, str]:
 def clean_state(monkeypatch):
     for name in _LAYOUT_VARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(distributed, "_STATE", None)
-    monkeypatch.setattr(distributed, "_STATE_KEY", None)
+    monkeypatch.setattr(run_record, "_STATE", None)
+    monkeypatch.setattr(run_record, "_STATE_KEY", None)
 
 
 # initialize() in this process ---------------------------------------------------------------------
 
 
 def test_initialize_with_nothing_set_is_a_single_process_no_op(clean_state):
-    info = distributed.initialize()
+    info = jax_bytegrad.initialize()
     assert info == distributed.DistributedInfo(0, 1, None, "single")
     assert not jax.distributed.is_initialized()
     assert jax.process_count() == 1
-    assert distributed.initialize() is info  # idempotent
+    assert jax_bytegrad.initialize() is info  # idempotent
 
 
 def test_initialize_partial_layout_names_what_is_missing(clean_state, monkeypatch):
     monkeypatch.setenv(distributed.COORDINATOR_ENV, "127.0.0.1:1234")
     with pytest.raises(ValueError, match="JAX_BYTEGRAD_NUM_PROCESSES.*JAX_BYTEGRAD_PROCESS_ID"):
-        distributed.initialize()
+        jax_bytegrad.initialize()
     assert not jax.distributed.is_initialized()
 
 
@@ -82,7 +86,7 @@ def test_initialize_rejects_bad_values(clean_state, monkeypatch, env, match):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match=match):
-        distributed.initialize()
+        jax_bytegrad.initialize()
 
 
 @pytest.mark.parametrize(
@@ -102,14 +106,14 @@ def test_initialize_rejects_a_timeout_that_is_not_whole_seconds(clean_state, kwa
     with pytest.raises(
         ValueError, match=f"initialize: {name} must be an int >= 1 seconds.*{value}"
     ):
-        distributed.initialize(**kwargs)
-    assert distributed._STATE is None
+        jax_bytegrad.initialize(**kwargs)
+    assert run_record._STATE is None
 
 
 def test_initialize_after_backend_start_refuses_a_multi_process_layout(clean_state):
     jax.devices()  # the backend is running in this test process
     with pytest.raises(RuntimeError, match="before any JAX computation"):
-        distributed.initialize("127.0.0.1:1", num_processes=2, process_id=0)
+        jax_bytegrad.initialize("127.0.0.1:1", num_processes=2, process_id=0)
 
 
 def _subprocess_env(**extra: str) -> dict:
@@ -122,11 +126,12 @@ def _subprocess_env(**extra: str) -> dict:
 def test_initialize_single_process_sets_cpu_device_count():
     code = textwrap.dedent(
         """
+        import jax_bytegrad
         import jax_bytegrad._src.distributed as d
         import jax
         timeout = jax.config.jax_cpu_get_local_topology_timeout_minutes
         before = d._backend_started()
-        info = d.initialize()
+        info = jax_bytegrad.initialize()
         print(info.source, jax.local_device_count(), jax.config.jax_cpu_collectives_implementation)
         after = d._backend_started()
         print(before, after, jax.config.jax_cpu_get_local_topology_timeout_minutes == timeout)
@@ -146,9 +151,9 @@ def test_initialize_single_process_sets_cpu_device_count():
 
 _PROCESS_WIDE = """
 import os, sys
-import jax_bytegrad._src.distributed as d
+import jax_bytegrad
 hook, stdout_fd = sys.excepthook, sys.stdout.fileno()
-info = d.initialize("127.0.0.1:{port}", 1, 0{kwargs})  # a run of one process, through Gloo
+info = jax_bytegrad.initialize("127.0.0.1:{port}", 1, 0{kwargs})  # one process, through Gloo
 print(info.source, sys.excepthook is not hook, "NPROC" in os.environ, sys.stdout.fileno() == 1)
 sys.stdout.flush()
 raise RuntimeError(f"exiting {{info.process_id}}")  # through the hook, if it was replaced
@@ -183,7 +188,7 @@ def test_initialize_changes_process_wide_state_only_when_asked(kwargs, env, hook
 def test_initialize_rejects_a_flag_variable_that_is_not_0_or_1(clean_state, monkeypatch):
     monkeypatch.setenv(distributed.QUIET_ENV, "yes")
     with pytest.raises(ValueError, match="JAX_BYTEGRAD_QUIET='yes' is not 0 or 1"):
-        distributed.initialize()
+        jax_bytegrad.initialize()
 
 
 # The launcher alone (no JAX in the children) ------------------------------------------------------

@@ -14,6 +14,7 @@ from test_bytegrad import documented_bound, flat_f32, flat_result
 
 import jax_bytegrad
 from jax_bytegrad import scale_by_qadam
+from jax_bytegrad.profiling import communication_stats
 
 pytestmark = pytest.mark.usefixtures("strict_dtypes")
 
@@ -61,7 +62,7 @@ def test_message_size_changes_no_result_and_no_bytes(shape, hierarchical):
             message_bytes=message_bytes,
         )
         outs.append([np.asarray(x) for x in fn(grads)])
-        stats.append(jax_bytegrad.communication_stats(fn, grads))
+        stats.append(communication_stats(fn, grads))
     for out, message_bytes in zip(outs[1:], SPLITS[1:], strict=True):
         for got, want in zip(out, outs[0], strict=True):
             np.testing.assert_array_equal(got, want, err_msg=f"message_bytes={message_bytes}")
@@ -144,7 +145,7 @@ def test_split_train_step_has_no_float32_gradient_all_reduce():
     )
     step = jax_bytegrad.data_parallel_step(loss_fn, tx, mesh, donate=False)
     batch = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
-    stats = jax_bytegrad.communication_stats(step, step.init(params), batch)
+    stats = communication_stats(step, step.init(params), batch)
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
     f32_reductions = [r for r in stats.rows if r.kind == "all-reduce" and "f32" in r.dtype]
     assert sum(r.payload_bytes for r in f32_reductions) < grad_bytes / 8, str(stats)
@@ -187,7 +188,7 @@ def test_decentralized_exchanges_split_without_changing_the_weights(algorithm):
         for _ in range(4):
             state, _ = train.step(state, batch)
         finals.append(jax.tree.map(np.asarray, state))
-        stats = jax_bytegrad.communication_stats(train, state, batch)
+        stats = communication_stats(train, state, batch)
         permutes.append(sum(r.count for r in stats.rows if r.kind == "collective-permute"))
     jax.tree.map(np.testing.assert_array_equal, finals[1], finals[0])
     assert permutes[1] > permutes[0] > 0, permutes

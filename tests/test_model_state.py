@@ -11,7 +11,8 @@ import optax
 import pytest
 
 import jax_bytegrad
-from jax_bytegrad._src.steps.base import StepState
+from jax_bytegrad import StepState
+from jax_bytegrad.checkpoint import Checkpointer
 
 DEVICES = 8
 AXES = ("node", "local")
@@ -60,12 +61,11 @@ def test_each_device_gets_its_own_key_each_step_and_the_state_is_averaged(name):
     with strategy.train_step(_probe_loss, _tx(name), **kwargs) as step:
         state = step.init(PARAMS)
         seen = []
-        for taken in range(2):
-            state, _ = step(state, BATCH)
+        for _ in range(2):
             expected = [
-                jax.random.uniform(jax_bytegrad.step_key(jax.random.key(3), taken, d))
-                for d in range(DEVICES)
+                float(jax.random.uniform(step.device_key(state, d))) for d in range(DEVICES)
             ]
+            state, _ = step(state, BATCH)
             draws = np.asarray(state.model_state["draws"])
             # "mean": each slot is its device's draw times 8, averaged over 8 devices.
             np.testing.assert_allclose(draws, expected, rtol=1e-6)
@@ -77,6 +77,25 @@ def test_each_device_gets_its_own_key_each_step_and_the_state_is_averaged(name):
             np.asarray(jax.random.key_data(state.rng)).tolist()
             == np.asarray(jax.random.key_data(jax.random.key(3))).tolist()
         )
+
+
+def test_device_key_is_the_documented_fold_and_refuses_bad_calls():
+    strategy = _strategy("gradient_allreduce")
+    loss = lambda p, b: jnp.mean((b @ p["w"]) ** 2)  # noqa: E731
+    keyed = lambda p, b, *, key: loss(p, b) + 0.0 * jax.random.uniform(key)  # noqa: E731
+    with strategy.train_step(keyed, optax.sgd(0.1), rng_seed=3) as step:
+        state, _ = step(step.init(PARAMS), BATCH)
+        # Device 6 at step 1: fold_in(fold_in(key(seed), step), device), as the docs say.
+        want = jax.random.fold_in(jax.random.fold_in(jax.random.key(3), 1), 6)
+        got = step.device_key(state, 6)
+        np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
+        with pytest.raises(ValueError, match=r"device must be an int in \[0, 7\], got 8"):
+            step.device_key(state, 8)
+        with pytest.raises(ValueError, match="device_key needs a state of arrays"):
+            step.device_key(step.state_shapes(PARAMS), 0)
+    with strategy.train_step(loss, optax.sgd(0.1)) as plain:
+        with pytest.raises(ValueError, match="device_key needs a step built with rng_seed"):
+            plain.device_key(plain.init(PARAMS), 0)
 
 
 @pytest.mark.parametrize("name", ["gradient_allreduce", "decentralized"])
@@ -95,16 +114,20 @@ def test_a_restart_from_a_checkpoint_replays_the_keys(tmp_path):
     strategy = _strategy("gradient_allreduce")
     mesh = strategy.mesh
     kwargs = dict(model_state=_probe_state(), rng_seed=5)
-    with jax_bytegrad.Checkpointer(tmp_path, every=1) as ckpt:
+    with Checkpointer(tmp_path, every=1) as ckpt:
         with strategy.train_step(_probe_loss, optax.sgd(0.1), **kwargs) as step:
             state, _ = step(step.init(PARAMS), BATCH)
             ckpt.save(1, state, force=True)
             ckpt.wait()
+            keys = [jax.random.key_data(step.device_key(state, d)) for d in range(DEVICES)]
             state, _ = step(state, BATCH)
             first_run = np.asarray(state.model_state["draws"])
         with strategy.train_step(_probe_loss, optax.sgd(0.1), **kwargs) as step:
             restored = ckpt.restore(1, lambda: step.init(PARAMS), mesh)
             assert int(restored.step) == 1
+            for d in range(DEVICES):
+                again = jax.random.key_data(step.device_key(restored, d))
+                np.testing.assert_array_equal(np.asarray(again), np.asarray(keys[d]))
             state, _ = step(restored, BATCH)
     np.testing.assert_array_equal(np.asarray(state.model_state["draws"]), first_run)
 
@@ -125,7 +148,7 @@ def test_a_checkpoint_of_the_state_under_its_old_name_restores(tmp_path):
     kwargs = dict(model_state=_probe_state(), rng_seed=5)
     with strategy.train_step(_probe_loss, optax.sgd(0.1), **kwargs) as step:
         state, _ = step(step.init(PARAMS), BATCH)
-        with jax_bytegrad.Checkpointer(tmp_path, every=1) as ckpt:
+        with Checkpointer(tmp_path, every=1) as ckpt:
             ckpt.save(1, TrainState(*state), force=True)
             ckpt.wait()
             restored = ckpt.restore(1, lambda: step.init(PARAMS), strategy.mesh)
@@ -144,7 +167,7 @@ def test_a_state_of_the_old_layout_restores(tmp_path):
     with strategy.train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2), optax.sgd(0.1)) as step:
         state = step.init(PARAMS)
         old = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-        with jax_bytegrad.Checkpointer(tmp_path, every=1) as ckpt:
+        with Checkpointer(tmp_path, every=1) as ckpt:
             ckpt.save(0, {**old, "extra": {}}, force=True)
             ckpt.wait()
             restored = ckpt.restore(0, lambda: step.init(PARAMS), strategy.mesh)
@@ -272,7 +295,7 @@ def test_autotune_takes_the_model_state():
     assert len(result.trials) >= 2 and all(t.error is None for t in result.trials)
 
 
-def test_train_state_keeps_its_four_fields():
+def test_step_state_keeps_its_four_fields():
     # The model state and key live in extra: a state without them is laid out as before.
     state = StepState(np.int64(0), {}, (), {})
     assert StepState._fields == ("step", "params", "opt_state", "extra")
@@ -285,9 +308,8 @@ def test_flatten_carries_the_model_state_and_key(name):
     strategy = _strategy(name, flatten=True)
     kwargs = dict(model_state=_probe_state(), rng_seed=3)
     with strategy.train_step(_probe_loss, _tx(name), **kwargs) as step:
-        state, _ = step(step.init(PARAMS), BATCH)
-    expected = [
-        jax.random.uniform(jax_bytegrad.step_key(jax.random.key(3), 0, d)) for d in range(DEVICES)
-    ]
+        state = step.init(PARAMS)
+        expected = [float(jax.random.uniform(step.device_key(state, d))) for d in range(DEVICES)]
+        state, _ = step(state, BATCH)
     np.testing.assert_allclose(np.asarray(state.model_state["draws"]), expected, rtol=1e-6)
     assert jax.tree.map(np.shape, step.params(state)) == {"w": (256, 2)}

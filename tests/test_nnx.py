@@ -10,6 +10,7 @@ from flax import nnx
 from sklearn.datasets import load_digits
 
 import jax_bytegrad
+from jax_bytegrad.checkpoint import Checkpointer
 from tests.helpers import assert_trees_all_close
 
 STEPS, BATCH, DEVICES, SEED = 3, 64, 8, 7
@@ -48,7 +49,8 @@ def _device_grad(model, x, y, key):
 
 
 def _reference(batches, steps, tx, state_sync="mean"):
-    """Plain NNX on one device: each device's rows with its own dropout key (step_key), the
+    """Plain NNX on one device: each device's rows with its own dropout key (the device's key
+    at that step, as docs/strategy.md writes it and ``TrainStep.device_key`` computes it), the
     gradients averaged and the new batch statistics averaged (or device 0's), one optimizer
     update."""
     model = MLP(nnx.Rngs(0))
@@ -60,7 +62,7 @@ def _reference(batches, steps, tx, state_sync="mean"):
         grads, stats, shard_losses = [], [], []
         for device, rows in enumerate(np.split(np.arange(BATCH), DEVICES)):
             local = nnx.clone(model)
-            key = jax_bytegrad.step_key(rng, step, device)
+            key = jax.random.fold_in(jax.random.fold_in(rng, step), device)
             loss, grad = _device_grad(local, x[rows], y[rows], key)
             grads.append(grad)
             stats.append(nnx.state(local, nnx.BatchStat))
@@ -150,7 +152,7 @@ def test_a_checkpoint_restores_the_model_and_replays_the_dropout_keys(batches, t
     saved = jax.tree.map(np.asarray, _variables(model))
     mesh = jax_bytegrad.make_mesh(2, 4)
     strategy = jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh)
-    with jax_bytegrad.Checkpointer(tmp_path, every=1) as ckpt:
+    with Checkpointer(tmp_path, every=1) as ckpt:
         with jax_bytegrad.nnx.train_step(
             strategy, model, optax.sgd(0.1), loss_fn, has_aux=True, rng_seed=SEED
         ) as again:

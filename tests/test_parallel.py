@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 
 import jax_bytegrad
+from jax_bytegrad.profiling import communication_stats
+from jax_bytegrad.sharding import shard_batch
 
 AXES = ("node", "local")
 
@@ -120,7 +122,7 @@ def compiled_stats(tx):
     )
     batch = next(batches(1, 64))
     grad_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-    return jax_bytegrad.communication_stats(step, step.init(params), batch), grad_bytes
+    return communication_stats(step, step.init(params), batch), grad_bytes
 
 
 def test_bytegrad_step_has_no_float32_gradient_all_reduce():
@@ -311,7 +313,7 @@ def test_batch_splits_over_node_and_local_only_on_a_mesh_with_another_axis():
 def test_shard_batch_that_does_not_split_raises_clear_error():
     mesh = jax_bytegrad.make_mesh(2, 4)
     with pytest.raises(ValueError, match=r"shard_batch: batch leaf \['x'\] has shape \(12, 3\)"):
-        jax_bytegrad.shard_batch({"x": np.ones((12, 3), np.float32)}, mesh)
+        shard_batch({"x": np.ones((12, 3), np.float32)}, mesh)
 
 
 def test_reusing_a_donated_state_names_donation():

@@ -31,6 +31,8 @@ from jax_bytegrad._src import programs
 from jax_bytegrad._src.steps import pipelined
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
 from jax_bytegrad.experimental import PipelinedMean
+from jax_bytegrad.profiling import CommunicationStats, communication_stats
+from jax_bytegrad.sharding import shard_batch
 
 REPO = Path(__file__).resolve().parent.parent
 AXES = ("node", "local")
@@ -242,7 +244,7 @@ def test_without_aux_the_metrics_are_the_loss():
 def test_the_sync_alone_gives_compressed_means_bits():
     """``PipelinedMean`` (benchmarks/network.py times it) against ``compressed_mean`` in one
     program, with error feedback's residuals."""
-    from jax_bytegrad._src.collectives import residual_sizes
+    from jax_bytegrad.experimental import residual_sizes
 
     rng = np.random.default_rng(5)
     for shape, wire in (((8, 1), "allreduce"), ((2, 4), "scatter_gather")):
@@ -292,15 +294,13 @@ def test_a_users_jit_of_the_chain_stays_one_program_with_the_same_bits():
     reference = jax_bytegrad.data_parallel_step(_loss, tx, mesh, has_aux=True)
     state = reference.init(_params())
     params, opt_state = state.params, state.opt_state
-    batches = [jax_bytegrad.shard_batch(b, mesh) for b in _batches()]
+    batches = [shard_batch(b, mesh) for b in _batches()]
     for batch in batches:
         params, opt_state, *_ = jitted(params, opt_state, batch)
     # One program holds the whole sync: the block bounds' pmax and the codes' integer psum.
     kinds = {
         (row.kind, row.dtype)
-        for row in jax_bytegrad.communication_stats(
-            jitted.lower(params, opt_state, batches[0])
-        ).rows
+        for row in communication_stats(jitted.lower(params, opt_state, batches[0])).rows
     }
     assert {("all-reduce", "u8"), ("all-reduce", "f32")} <= kinds, kinds
     with jax_bytegrad.pipelined_step(_loss, optax.adam(1e-2), mesh, sync=sync, has_aux=True) as s:
@@ -340,7 +340,7 @@ def test_communication_stats_are_the_one_program_steps_bytes():
         # pmax); the pipelined step has its metrics program compute them instead.
         factors = [r for r in want.rows if r.dtype == "s32"]
         assert bool(factors) == (wire == "allreduce"), want
-        want = jax_bytegrad.CommunicationStats(
+        want = CommunicationStats(
             tuple(r for r in want.rows if r.dtype != "s32"), want.axis_names, want.axis_sizes
         )
         for axis in ("node", "local"):
@@ -348,11 +348,11 @@ def test_communication_stats_are_the_one_program_steps_bytes():
         assert got.bytes_on("node") > 0
         # The gradient program holds no collective: no hidden float32 all-reduce of the
         # gradient (params are made varying before differentiating).
-        assert jax_bytegrad.communication_stats(lowered["grad"]).rows == ()
+        assert communication_stats(lowered["grad"]).rows == ()
         compute = [n for n in lowered if n.startswith(("encode", "quantize", "decode"))]
         assert compute
         for name in compute:
-            assert jax_bytegrad.communication_stats(lowered[name]).rows == (), name
+            assert communication_stats(lowered[name]).rows == (), name
 
 
 def test_phase_counts_params_and_init():

@@ -13,6 +13,8 @@ from helpers import JitStep, assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
 from jax_bytegrad import ScaleByQAdamState, qadam, refresh_steps, scale_by_qadam
+from jax_bytegrad.profiling import communication_stats
+from jax_bytegrad.sharding import replicate, shard_batch
 
 AXES = ("node", "local")
 NODES, LOCAL = 2, 4
@@ -68,11 +70,11 @@ def run(mesh, tx, batches, *, params=None, state=None, loss=loss_fn, step=None, 
     ``params`` and ``state`` default to fresh ones; given, they must already be placed.
     """
     if params is None:
-        params, state = jax_bytegrad.replicate((init_params(), tx.init(init_params())), mesh)
+        params, state = replicate((init_params(), tx.init(init_params())), mesh)
     step = JitStep(loss, tx, mesh) if step is None else step
     history = []
     for batch in batches:
-        params, state, _ = step(params, state, jax_bytegrad.shard_batch(batch, mesh))
+        params, state, _ = step(params, state, shard_batch(batch, mesh))
         # One step in flight at a time: 8 host devices on 2 cores can otherwise starve a
         # device thread that a collective of the running step waits for.
         jax.block_until_ready((params, state))
@@ -210,9 +212,9 @@ def test_momentum_is_the_compressed_mean_of_local_momenta(mesh):
 def compile_step(mesh, tx):
     """Compiles the one-program data-parallel step of ``tx`` (build it with the
     scatter-gather wire for the all_to_all / all_gather rows below)."""
-    params = jax_bytegrad.replicate(init_params(), mesh)
-    state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
-    batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
+    params = replicate(init_params(), mesh)
+    state = replicate(tx.init(init_params()), mesh)
+    batch = shard_batch(make_batches(1)[0], mesh)
     return JitStep(loss_fn, tx, mesh).lower(params, state, batch).compile()
 
 
@@ -247,7 +249,7 @@ def test_compressed_phase_sends_only_8bit_momentum_between_nodes(compiled_step, 
     phases. Which branch is which is told by content, not by position, so XLA may reorder
     them.
     """
-    stats = jax_bytegrad.communication_stats(compiled_step, mesh=mesh)
+    stats = communication_stats(compiled_step, mesh=mesh)
     assert len(stats.branches) == 1, "expected both phases in one conditional"
     branches = stats.branches[0]
     assert len(branches) == 2
@@ -282,7 +284,7 @@ def test_compressed_phase_sends_only_8bit_momentum_between_nodes(compiled_step, 
 
 
 def test_communication_stats_show_uint8_between_nodes(compiled_step, mesh):
-    stats = jax_bytegrad.communication_stats(compiled_step, mesh=mesh)
+    stats = communication_stats(compiled_step, mesh=mesh)
     # The whole program holds both phases: float32 for warm-up, uint8 codes after it.
     kinds = {(r.kind, r.axes, r.dtype) for r in stats.rows}
     assert ("all-to-all", "node", "u8") in kinds
@@ -521,9 +523,9 @@ def test_warmup_steps_is_required_and_positive():
 def test_chaining_after_an_averaging_transform_raises(mesh, first):
     tx = optax.chain(first(), qadam(1e-2, warmup_steps=5))
     step = JitStep(loss_fn, tx, mesh)
-    params = jax_bytegrad.replicate(init_params(), mesh)
-    state = jax_bytegrad.replicate(tx.init(init_params()), mesh)
-    batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
+    params = replicate(init_params(), mesh)
+    state = replicate(tx.init(init_params()), mesh)
+    batch = shard_batch(make_batches(1)[0], mesh)
     with pytest.raises(ValueError, match="would communicate twice") as info:
         step(params, state, batch)
     assert "['w']" in str(info.value) and "qadam(...) as the whole optimizer" in str(info.value)

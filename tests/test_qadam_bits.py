@@ -11,7 +11,8 @@ from test_error_feedback import assert_same_on_every_device, device_copies
 import jax_bytegrad
 from jax_bytegrad import ScaleByQAdamState, qadam, scale_by_qadam
 from jax_bytegrad.checkpoint import Checkpointer
-from jax_bytegrad.sharding import state_specs
+from jax_bytegrad.profiling import communication_stats
+from jax_bytegrad.sharding import shard_batch, state_specs
 
 NODES, LOCAL = 2, 4
 DEVICES = NODES * LOCAL
@@ -59,7 +60,7 @@ def run(mesh, tx, batches, *, params=None, state=None):
     else:
         train = jax_bytegrad.StepState(np.asarray(0), params, state, {})
     for batch in batches:
-        train, _ = step(train, jax_bytegrad.shard_batch(batch, mesh))
+        train, _ = step(train, shard_batch(batch, mesh))
         yield train.params, train.opt_state
 
 
@@ -82,8 +83,8 @@ def test_four_bit_momentum_sends_an_eighth_of_the_float32_bytes(mesh):
     def node_bytes(**kwargs):
         tx = qadam(1e-2, warmup_steps=2, mesh=mesh, wire="scatter_gather", **kwargs)
         step = jax_bytegrad.data_parallel_step(batch_loss, tx, mesh, donate=False)
-        batch = jax_bytegrad.shard_batch(make_batches(1)[0], mesh)
-        stats = jax_bytegrad.communication_stats(step, step.init(params), batch, mesh=mesh)
+        batch = shard_batch(make_batches(1)[0], mesh)
+        stats = communication_stats(step, step.init(params), batch, mesh=mesh)
         node = [r for r in stats.rows if "node" in r.axes.split("+")]
         codes = sum(r.bytes_sent for r in node if r.dtype == "u8")
         warmup = sum(r.bytes_sent for r in node if r.kind == "all-reduce" and r.axes == "node")
@@ -254,4 +255,4 @@ def test_mesh_without_the_axes_raises():
 def test_strategy_rejects_bad_bits_when_built(mesh):
     with pytest.raises(ValueError, match="bits must be one of 8, 4, got 3"):
         jax_bytegrad.Strategy("qadam", mesh=mesh, learning_rate=1e-2, warmup_steps=2, bits=3)
-    assert {"bits", "error_feedback"} <= set(jax_bytegrad.valid_kwargs("qadam"))
+    assert {"bits", "error_feedback"} <= set(jax_bytegrad.Strategy.valid_kwargs("qadam"))

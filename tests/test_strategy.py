@@ -14,6 +14,7 @@ import jax_bytegrad
 from jax_bytegrad import decentralized_step
 from jax_bytegrad._src import strategy as strategy_lib
 from jax_bytegrad.experimental import async_model_average
+from jax_bytegrad.sharding import shard_batch
 
 BATCH = 32
 
@@ -115,7 +116,7 @@ def test_same_result_as_the_builders_it_wraps():
     raw = dp.init(_params())
     for batch in batches:
         state, _ = step(state, batch)
-        raw, _ = dp(raw, jax_bytegrad.shard_batch(batch, mesh))
+        raw, _ = dp(raw, shard_batch(batch, mesh))
     assert_trees_all_equal(step.params(state), raw.params)
 
     dec = jax_bytegrad.Strategy("decentralized", mesh=mesh, hierarchical=False)
@@ -125,7 +126,7 @@ def test_same_result_as_the_builders_it_wraps():
     raw = train.init(_params())
     for batch in batches:
         dstate, _ = dstep(dstate, batch)
-        raw, _ = train.step(raw, jax_bytegrad.shard_batch(batch, mesh))
+        raw, _ = train.step(raw, shard_batch(batch, mesh))
     assert_trees_all_equal(dstate.params, raw.params)
 
 
@@ -138,7 +139,7 @@ def test_unknown_algorithm_lists_the_names():
 def test_unknown_kwarg_lists_the_valid_ones(name):
     with pytest.raises(ValueError, match="unknown keyword argument.*no_such_option") as info:
         jax_bytegrad.Strategy(name, no_such_option=1)
-    for valid in jax_bytegrad.valid_kwargs(name):
+    for valid in jax_bytegrad.Strategy.valid_kwargs(name):
         assert valid in str(info.value)
 
 
@@ -182,10 +183,13 @@ def test_the_registry_matches_the_builders_keyword_arguments_and_defaults(name):
 
 
 def test_valid_kwargs_of_each_algorithm():
-    assert "sync_interval_ms" in jax_bytegrad.valid_kwargs("async")
-    assert "communication_interval" in jax_bytegrad.valid_kwargs("low_precision_decentralized")
-    assert "sync_interval_ms" not in jax_bytegrad.valid_kwargs("bytegrad")
-    assert "wire" in jax_bytegrad.valid_kwargs("qadam")
+    valid_kwargs = jax_bytegrad.Strategy.valid_kwargs
+    assert "sync_interval_ms" in valid_kwargs("async")
+    assert "communication_interval" in valid_kwargs("low_precision_decentralized")
+    assert "sync_interval_ms" not in valid_kwargs("bytegrad")
+    assert "wire" in valid_kwargs("qadam")
+    with pytest.raises(ValueError, match="unknown algorithm 'sgd'"):
+        valid_kwargs("sgd")
 
 
 def test_bad_values_are_rejected_at_construction():

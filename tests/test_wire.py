@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import SyncConfig, compressed_mean, full_precision_mean
-from jax_bytegrad._src import collective_ops
 from jax_bytegrad._src import wire as wire_lib
 from jax_bytegrad._src.codecs import Codec, integer
-from jax_bytegrad._src.collectives import residual_sizes
+from jax_bytegrad._src.collective_ops import ring_all_gather
+from jax_bytegrad.experimental import residual_sizes, ring_all_to_all
 from jax_bytegrad.profiling import communication_stats
 
 pytestmark = pytest.mark.usefixtures("strict_dtypes")
@@ -427,10 +427,10 @@ def test_ring_patterns_equal_all_to_all_and_all_gather(shape, axis):
     def body(x):
         x = x[0]
         return (
-            collective_ops.ring_all_to_all(x, axis)[None],
+            ring_all_to_all(x, axis)[None],
             jax.lax.all_to_all(x, axis, 0, 0, tiled=True)[None],
-            collective_ops.ring_all_to_all(x, axis, message_bytes=4)[None],
-            collective_ops.ring_all_gather(x[0], axis, n, message_bytes=7)[None],
+            ring_all_to_all(x, axis, message_bytes=4)[None],
+            ring_all_gather(x[0], axis, n, message_bytes=7)[None],
             jax.lax.all_gather(x[0], axis, axis=0)[None],
         )
 

@@ -118,7 +118,7 @@ def _default_space(strat) -> dict[str, tuple]:
 
 
 def _check_space(strat, space: Mapping[str, Sequence]) -> dict[str, tuple]:
-    valid = strategy_lib.valid_kwargs(strat.algorithm)
+    valid = strategy_lib.Strategy.valid_kwargs(strat.algorithm)
     checked = {}
     for name, values in space.items():
         if name not in valid:
@@ -193,7 +193,7 @@ def uncompressed_strategy(strat):
       >>> uncompressed_strategy(s)
       Strategy('gradient_allreduce', mesh={'node': 1, 'local': 1})
     """
-    shared = set(strategy_lib.valid_kwargs(UNCOMPRESSED)) - set(
+    shared = set(strategy_lib.Strategy.valid_kwargs(UNCOMPRESSED)) - set(
         strategy_lib.tunable_settings(UNCOMPRESSED)
     )
     kwargs = {k: v for k, v in strat.kwargs.items() if k in shared}

@@ -12,6 +12,7 @@ References:
 """
 
 import dataclasses
+import types
 from typing import Literal
 
 import jax
@@ -27,7 +28,8 @@ DEFAULT_BUCKET_BYTES = 32 * 2**20
 DEFAULT_MESSAGE_BYTES = 256 * 2**10
 BITS = (8, 4)
 # Elements per quantization block, per code width; see "4-bit block size" in RESULTS.md.
-DEFAULT_BLOCK_SIZES = {8: 1024, 4: 512}
+# Read-only: every default in the library reads it, so a write would change them all at once.
+DEFAULT_BLOCK_SIZES = types.MappingProxyType({8: 1024, 4: 512})
 # Kernels tile a block's (packed) codes as whole rows of 128 bytes.
 MIN_BLOCK_SIZE = 128
 
@@ -69,7 +71,7 @@ class SyncConfig:
         compresses over both axes as one group (L times more bytes between nodes).
       bits: bits per code between nodes, 8 or 4 (packed two per byte).
       block_size: elements per quantization block, a power of two >= 128 (>= 256 at 4
-        bits); None is resolved to ``DEFAULT_BLOCK_SIZES[bits]``.
+        bits); None is resolved to the default of ``bits``: 1024 at 8 bits, 512 at 4.
       bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
       message_bytes: bytes per message of the pairwise exchanges between nodes (the
         scatter-gather and ring wires); None for one message per peer. It changes the speed,

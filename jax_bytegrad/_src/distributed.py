@@ -427,14 +427,14 @@ def initialize(
     Examples:
       Alone, with nothing set, it is a no-op that reports one process:
 
-      >>> import jax_bytegrad.distributed as dist
-      >>> dist.initialize()  # doctest: +SKIP
+      >>> import jax_bytegrad
+      >>> jax_bytegrad.initialize()  # doctest: +SKIP
       DistributedInfo(process_id=0, num_processes=1, coordinator_address=None, source='single')
 
       Process 0 of two on one machine, by hand (``python -m jax_bytegrad.launch --nproc 2
       train.py`` does this through the environment):
 
-      >>> dist.initialize("127.0.0.1:12345", 2, 0, cpu_devices=4)  # doctest: +SKIP
+      >>> jax_bytegrad.initialize("127.0.0.1:12345", 2, 0, cpu_devices=4)  # doctest: +SKIP
 
     References:
       - JAX multi-process guide: https://docs.jax.dev/en/latest/multi_process.html

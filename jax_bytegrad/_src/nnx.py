@@ -12,8 +12,8 @@ script moves onto a ``Strategy`` by replacing its optimizer and its step functio
 nnx.Param, nnx.RngState, ...)``: the parameters are trained; the rest but the RNG streams
 (``nnx.BatchStat`` and any other variable) is the step's model state, synced over the mesh
 after each step (``state_sync``); the RNG streams (``nnx.Dropout``'s) are reseeded inside every
-step from ``step_key``, per device and per step, so every device drops different units and a
-restart from a checkpoint drops the same ones again.
+step from the key ``TrainStep.device_key`` gives, per device and per step, so every device
+drops different units and a restart from a checkpoint drops the same ones again.
 """
 
 from collections.abc import Callable

@@ -166,7 +166,7 @@ def quantize(
       x: a float32, bfloat16 or float16 array of any shape, size 0 included.
       bits: bits per code, 8 or 4.
       block_size: elements per block; a power of two >= 128 (>= 256 for 4 bits), or None
-        for ``DEFAULT_BLOCK_SIZES[bits]``.
+        for the default of ``bits`` (1024 at 8 bits, 512 at 4).
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; needs ``key``).
       key: a PRNG key, for stochastic rounding only.
       implementation: ``"xla"``, ``"pallas"`` (the kernel compiled by Mosaic GPU, for NVIDIA

@@ -278,26 +278,6 @@ def _entry(algorithm) -> Algorithm:
 # The entry point -------------------------------------------------------------------------
 
 
-def valid_kwargs(algorithm: str) -> tuple[str, ...]:
-    """The keyword arguments ``Strategy(algorithm, ...)`` accepts.
-
-    Args:
-      algorithm: one of ``ALGORITHMS``.
-
-    Returns:
-      The names, sorted.
-
-    Raises:
-      ValueError: for an unknown algorithm.
-
-    Examples:
-      >>> import jax_bytegrad
-      >>> "sync_interval_ms" in jax_bytegrad.valid_kwargs("async")
-      True
-    """
-    return tuple(sorted(_entry(algorithm).settings))
-
-
 def tunable_settings(algorithm: str) -> tuple[str, ...]:
     """The settings ``autotune`` may change for ``algorithm``, in search order."""
     return _entry(algorithm).tunable
@@ -316,8 +296,8 @@ class Strategy:
         so many small leaves gain most (benchmarks/RESULTS.md, "Flattened optimizer").
         ByteGrad then sends the model as one bucket (one message per collective), and
         mixed-dtype params are held in their common dtype.
-      **algorithm_kwargs: the algorithm's settings (``valid_kwargs(algorithm)`` lists
-        them): for ``gradient_allreduce``, ``bytegrad`` and ``qadam`` those of the transform
+      **algorithm_kwargs: the algorithm's settings (``Strategy.valid_kwargs(algorithm)``
+        lists them): for ``gradient_allreduce``, ``bytegrad`` and ``qadam`` those of the transform
         (``bytegrad()``, ...) and of ``data_parallel_step`` (``donate``, ``node_axis``,
         ``local_axis``); for the others, those of their step builder
         (``decentralized_step``, ``low_precision_decentralized_step``,
@@ -354,7 +334,7 @@ class Strategy:
     ):
         entry = _entry(algorithm)
         checks.boolean(flatten, "flatten", "Strategy")
-        valid = valid_kwargs(algorithm)
+        valid = Strategy.valid_kwargs(algorithm)
         unknown = sorted(set(algorithm_kwargs) - set(valid))
         if "shard" in unknown:
             supported = [name for name, e in REGISTRY.items() if "shard" in e.settings]
@@ -384,6 +364,26 @@ class Strategy:
         self.flatten = flatten
         if entry.check is not None:
             entry.check(self)  # bad values fail now, not at the first step
+
+    @staticmethod
+    def valid_kwargs(algorithm: str) -> tuple[str, ...]:
+        """The keyword arguments ``Strategy(algorithm, ...)`` accepts.
+
+        Args:
+          algorithm: one of ``ALGORITHMS``.
+
+        Returns:
+          The names, sorted.
+
+        Raises:
+          ValueError: for an unknown algorithm.
+
+        Examples:
+          >>> import jax_bytegrad
+          >>> "sync_interval_ms" in jax_bytegrad.Strategy.valid_kwargs("async")
+          True
+        """
+        return tuple(sorted(_entry(algorithm).settings))
 
     def __repr__(self) -> str:
         args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
@@ -418,7 +418,7 @@ class Strategy:
         if name not in settings:
             raise ValueError(
                 f"Strategy({self.algorithm!r}): no setting {name!r}; "
-                f"{self.algorithm} takes {', '.join(valid_kwargs(self.algorithm))}"
+                f"{self.algorithm} takes {', '.join(Strategy.valid_kwargs(self.algorithm))}"
             )
         return self.kwargs.get(name, settings[name])
 
@@ -446,7 +446,8 @@ class Strategy:
             aux), new_model_state)``); ``state.model_state`` carries it, replicated.
           rng_seed: the loss function also gets ``key=``, a PRNG key that differs per device
             and per step, derived from ``jax.random.key(rng_seed)`` (``state.rng``) and the
-            step count, so a restart from a checkpoint replays it (``step_key``).
+            step count, so a restart from a checkpoint replays it (``step.device_key(state,
+            device)`` computes it outside the step).
           state_sync: how the devices' new model states become one: ``"mean"`` over the
             mesh (cross-replica BatchNorm; integer leaves from device 0) or ``"first"``
             (device 0's, as DDP's ``broadcast_buffers``). Without ``model_state`` and

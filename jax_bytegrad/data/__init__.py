@@ -17,12 +17,12 @@ from jax_bytegrad.data.stores import SqliteStore as SqliteStore
 
 __all__ = [
     "CachedDataset",
-    "fingerprint",
     "LoadBalancingBatchSampler",
     "LoadBalancingSampler",
     "RedisServer",
     "RedisStore",
-    "replica_ranks",
     "SqliteStore",
+    "fingerprint",
+    "replica_ranks",
     "token_budget_batches",
 ]

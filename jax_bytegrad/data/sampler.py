@@ -10,7 +10,7 @@ device on the same padded shape, so the longest sequence of the step sets every 
 
 A replica is one slice of the global batch, which is one device of the ("node", "local")
 mesh: ``replica_ranks(mesh)`` lists the replicas this process feeds, in the order that
-``jax_bytegrad.shard_batch`` places its rows.
+``jax_bytegrad.sharding.shard_batch`` places its rows.
 
 Differences from Bagua, on purpose:
 - Without ``drop_last``, the last short group is padded with its sorted neighbours (the

@@ -13,7 +13,7 @@ Run it under ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 2``. I
 import sys
 import time
 
-from jax_bytegrad.distributed import initialize
+from jax_bytegrad import initialize
 
 initialize()  # must precede any JAX computation
 

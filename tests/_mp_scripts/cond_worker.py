@@ -9,7 +9,7 @@ parameters; a deadlock in XLA:CPU's collectives would leave the launcher's timeo
 
 import sys
 
-from jax_bytegrad.distributed import initialize
+from jax_bytegrad import initialize
 
 initialize()  # before any JAX computation
 

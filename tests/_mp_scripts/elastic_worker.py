@@ -86,7 +86,7 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
             x, y = train_worker.global_batch(step)  # the data position is the step
             mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
             train = jax_bytegrad.StepState(step, state["params"], state["opt_state"], {})
-            train, metrics = step_fn(train, jax_bytegrad.shard_batch(mine, mesh))
+            train, metrics = step_fn(train, jax_bytegrad.sharding.shard_batch(mine, mesh))
             state, loss = {"params": train.params, "opt_state": train.opt_state}, metrics["loss"]
             step += 1
             jax_bytegrad.distributed.report_progress(step)
@@ -127,7 +127,8 @@ def main(argv) -> int:
     if args.heartbeat is not None:
         start_heartbeat(args.heartbeat)
 
-    from jax_bytegrad.distributed import initialize, restart_count
+    from jax_bytegrad import initialize
+    from jax_bytegrad.distributed import restart_count
 
     info = initialize(heartbeat_timeout_seconds=args.heartbeat_timeout)  # before any JAX
     import jax

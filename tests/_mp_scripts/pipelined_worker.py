@@ -138,7 +138,7 @@ def users_loop_raises(mesh, rank: int, nproc: int) -> None:
 
 
 def main(out_dir: str, steps: int) -> int:
-    from jax_bytegrad.distributed import initialize
+    from jax_bytegrad import initialize
 
     info = initialize()  # before any JAX computation
     import jax

@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from jax_bytegrad.distributed import initialize
+from jax_bytegrad import initialize
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int, default=None)

@@ -127,12 +127,12 @@ def train(name: str, mesh, rank: int = 0, nproc: int = 1):
         for t in range(steps):
             x, y = global_batch(t)
             mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
-            state, _ = step(state, jax_bytegrad.shard_batch(mine, mesh))
+            state, _ = step(state, jax_bytegrad.sharding.shard_batch(mine, mesh))
     return step, state
 
 
 def main(out_dir: str) -> int:
-    from jax_bytegrad.distributed import initialize
+    from jax_bytegrad import initialize
 
     info = initialize()  # before any JAX computation
     import jax

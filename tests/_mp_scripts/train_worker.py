@@ -1,10 +1,10 @@
 """Worker for tests/test_multiprocess.py: ByteGrad and QAdam train steps on several processes.
 
 Run it under ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 4 train_worker.py
-OUT_DIR``. Each process feeds its own half of every global batch (`jax_bytegrad.shard_batch`),
-starts from the same replicated parameters (`jax_bytegrad.replicate`), trains a small MLP with
-each algorithm, and writes the final parameters as seen on its own devices to
-``OUT_DIR/<algorithm>_rank<k>.npz``.
+OUT_DIR``. Each process feeds its own half of every global batch
+(`jax_bytegrad.sharding.shard_batch`), starts from the same replicated parameters
+(`jax_bytegrad.sharding.replicate`), trains a small MLP with each algorithm, and writes the
+final parameters as seen on its own devices to ``OUT_DIR/<algorithm>_rank<k>.npz``.
 
 `train` is also imported by the test, which runs the same steps in one process on a 2 x 4 mesh of
 8 CPU devices and compares.
@@ -112,7 +112,7 @@ def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarra
     for t in range(ALGORITHMS[name]):
         x, y = global_batch(t)
         mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
-        state, _ = step(state, jax_bytegrad.shard_batch(mine, mesh))
+        state, _ = step(state, jax_bytegrad.sharding.shard_batch(mine, mesh))
         p, s = state.params, state.opt_state
         out = {}
         for k, leaf in p.items():
@@ -128,7 +128,7 @@ def train(name: str, mesh, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarra
 
 
 def main(out_dir: str) -> int:
-    from jax_bytegrad.distributed import initialize
+    from jax_bytegrad import initialize
 
     info = initialize()  # before any JAX computation
     import jax

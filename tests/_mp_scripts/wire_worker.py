@@ -44,8 +44,8 @@ def run_case(name: str, mesh, rows) -> dict[str, list[np.ndarray]]:
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from jax_bytegrad import SyncConfig
-    from jax_bytegrad._src.collectives import compressed_mean, residual_sizes
+    from jax_bytegrad import SyncConfig, compressed_mean
+    from jax_bytegrad.experimental import residual_sizes
     from jax_bytegrad.profiling import communication_stats
 
     kwargs = dict(CASES[name])
@@ -87,7 +87,7 @@ def run_case(name: str, mesh, rows) -> dict[str, list[np.ndarray]]:
 
 
 def main(out_dir: Path) -> None:
-    from jax_bytegrad.distributed import initialize
+    from jax_bytegrad import initialize
 
     info = initialize()  # before any JAX computation
     import jax

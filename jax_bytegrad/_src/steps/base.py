@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks, guard, memory, stats
 from jax_bytegrad._src.sharding import shard_batch
-from jax_bytegrad._src.steps.model_state import ModelState
+from jax_bytegrad._src.steps.model_state import ModelState, step_key
 
 
 class StepState(NamedTuple):
@@ -52,7 +52,8 @@ class StepState(NamedTuple):
       model_state: (property) ``extra["model_state"]``: the model's state that is not
         trained (BatchNorm statistics, counters), replicated; None without one.
       rng: (property) ``extra["rng"]``: ``jax.random.key(rng_seed)``, replicated, from which
-        each step's per-device keys derive with the step count (``step_key``); None without.
+        each step's per-device keys derive with the step count (``TrainStep.device_key``);
+        None without.
     """
 
     step: np.ndarray
@@ -139,7 +140,7 @@ class LoweredPrograms:
 
     It answers where a ``jax.stages.Lowered`` is used: ``.compile()`` (every program, for
     the programs' mesh, whose devices need not be here) and ``.as_text()``;
-    ``jax_bytegrad.communication_stats`` takes each of ``.programs``.
+    ``jax_bytegrad.profiling.communication_stats`` takes each of ``.programs``.
 
     Attributes:
       programs: ``{program name: jax.stages.Lowered}``, in the order the step dispatches
@@ -390,6 +391,55 @@ class TrainStep:
         (replicated, or with ``shard="params"`` sharded within each node)."""
         params = self._params(state)
         return params if self._unravel is None else self._unravel(params)
+
+    def device_key(self, state: StepState, device: int) -> jax.Array:
+        """The key device ``device`` gets as ``key=`` in the step ``state`` is at (the next
+        ``step(state, batch)``), computed outside the step, for a step built with
+        ``rng_seed=``: to draw that device's dropout mask again, or check it.
+
+        It is ``fold_in(fold_in(state.rng, state.step), device)``: nothing in it depends on
+        what ran before, so a run restored from a checkpoint gets the same keys again.
+
+        Args:
+          state: a state of this step (``init``'s, a step's, or a restored one).
+          device: the device's index over both mesh axes, node-major (``node * L + local``
+            on a mesh of ``L`` devices per node).
+
+        Returns:
+          A typed PRNG key on this process.
+
+        Raises:
+          ValueError: for a step built without ``rng_seed=``, or a ``device`` outside the
+            mesh.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, optax, jax_bytegrad
+          >>> mesh = jax_bytegrad.make_mesh(1, 2)
+          >>> def loss_fn(w, batch, *, key):
+          ...     return jnp.mean(batch @ w) * jax.random.uniform(key)
+          >>> strategy = jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh)
+          >>> with strategy.train_step(loss_fn, optax.sgd(0.1), rng_seed=0) as step:
+          ...     state = step.init(jnp.ones(3))
+          ...     key = step.device_key(state, 1)  # device 1's key in the first step
+          >>> key.shape, jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+          ((), True)
+        """
+        if not self.model.has_rng:
+            raise ValueError(
+                f"{self.algorithm}: device_key needs a step built with rng_seed=...; this "
+                "step gives the loss function no key"
+            )
+        self._check_state(state)
+        if not isinstance(state.rng, jax.Array):
+            raise ValueError(
+                f"{self.algorithm}: device_key needs a state of arrays (init's, a step's or a "
+                f"restored one), got state.rng of type {type(state.rng).__name__}"
+            )
+        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
+        device = checks.integer(device, "device", self.algorithm, minimum=0, maximum=devices - 1)
+        # Every process holds the whole key: fold it on this one, without a collective.
+        rng = state.rng.addressable_data(0)
+        return step_key(rng, int(state.step), device)
 
     def lower(self, state: StepState, batch) -> jax.stages.Lowered | LoweredPrograms:
         """Lowers the program the next step runs (as ``jax.jit(...).lower``); runs nothing.

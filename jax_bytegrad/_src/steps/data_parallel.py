@@ -525,7 +525,7 @@ def data_parallel_step(
         numeric arrays: batch statistics, counters); carried in ``state.model_state``,
         replicated. None (default): the loss function takes none.
       rng_seed: seeds ``state.rng``; the loss function then gets ``key=``, which differs
-        per device and per step (``step_key``) and replays after a restart. None: no key.
+        per device and per step (``step.device_key``) and replays after a restart. None: no key.
       state_sync: how the devices' new model states become one after each step:
         ``"mean"`` averages the float leaves over the mesh, as cross-replica BatchNorm does
         (integer leaves come from device 0); ``"first"`` takes every leaf from device 0, as

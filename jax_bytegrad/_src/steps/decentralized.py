@@ -83,7 +83,7 @@ def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
       ValueError: for ``num_peers < 1``.
 
     Examples:
-      >>> from jax_bytegrad import shift_one_schedule
+      >>> from jax_bytegrad._src.steps.decentralized import shift_one_schedule
       >>> shift_one_schedule(4)
       [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
     """
@@ -322,7 +322,8 @@ def decentralized_step(
       hierarchical: average within each node in float32 every step, and gossip only between
         nodes (default). With False, every device is a peer of its own.
       peer_selection_mode: ``"all"``: the mean over every peer; ``"shift_one"``: the mean
-        with one peer, a different one each communication round (``shift_one_schedule``).
+        with one peer, a different one each communication round (a round-robin tournament:
+        every pair of peers meets once per cycle; docs/decentralized.md).
       communication_interval: gossip every k steps; steps in between are local (apart from
         the node average with ``hierarchical``).
       message_bytes: bytes per message of the exchanges with peers; None for one message

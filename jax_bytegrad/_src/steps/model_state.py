@@ -16,8 +16,8 @@ The loss function opts in by keyword: with ``model_state=`` given to the builder
 ``state.rng`` is ``jax.random.key(rng_seed)`` and never changes, so a run restarted from a
 checkpoint replays the keys of the steps it repeats. ``device_index`` is the device's index
 over both mesh axes (``jax.lax.axis_index((node_axis, local_axis))``). ``step_key`` computes
-the same key outside a step. Without either keyword the step's programs are what they were:
-no input, no output and no collective is added.
+it, inside the step and outside (``TrainStep.device_key``). Without either keyword the step's
+programs are what they were: no input, no output and no collective is added.
 """
 
 import dataclasses
@@ -38,7 +38,7 @@ MODEL_STATE, RNG = "model_state", "rng"
 STATE_SYNCS = ("mean", "first")
 
 
-def step_key(rng: jax.Array, step: int, device: int) -> jax.Array:
+def step_key(rng: jax.Array, step, device) -> jax.Array:
     """The key that device ``device`` gets at step ``step`` of a step built with ``rng_seed=``.
 
     Args:
@@ -48,12 +48,6 @@ def step_key(rng: jax.Array, step: int, device: int) -> jax.Array:
 
     Returns:
       A typed PRNG key, the one the loss function got as ``key=``.
-
-    Examples:
-      >>> import jax, jax_bytegrad
-      >>> key = jax_bytegrad.step_key(jax.random.key(0), 3, 5)
-      >>> key.shape, jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-      ((), True)
     """
     return jax.random.fold_in(jax.random.fold_in(rng, step), device)
 
@@ -224,7 +218,7 @@ class ModelState:
             key = None
             if has_rng:
                 rng, step = inputs
-                key = jax.random.fold_in(jax.random.fold_in(rng, step), jax.lax.axis_index(axes))
+                key = step_key(rng, step, jax.lax.axis_index(axes))
             (value, (aux, model_state)), grads = grad_fn(params, batch, model_state, key)
             if has_state:
                 model_state = jax.tree.map(lambda x: _sync_leaf(x, axes, self.sync), model_state)
