@@ -48,8 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import gpu_schedule  # noqa: E402
 
 import jax_bytegrad as jbg  # noqa: E402
-from jax_bytegrad._src.memory import MemoryStats, memory_stats  # noqa: E402
-from jax_bytegrad.profiling import communication_stats  # noqa: E402
+from jax_bytegrad.profiling import MemoryStats, communication_stats, memory_stats  # noqa: E402
 from jax_bytegrad.sharding import GPUS, gpu_mesh  # noqa: E402
 
 DIM = 8192

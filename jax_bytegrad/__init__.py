@@ -4,7 +4,7 @@ What a training script needs lives here, each name in one place: the ``Strategy`
 (``make_mesh``) and joining a multi-process run (``initialize``), the step builders, the
 transforms and their states. The namespaces hold the rest: ``sharding`` (placing trees on the
 mesh), ``distributed`` and ``launch`` (multi-process runs), ``checkpoint``, ``data``,
-``profiling`` (bytes on the wire), ``experimental`` (async model averaging)
+``profiling`` (bytes on the wire, memory per device), ``experimental`` (async model averaging)
 and ``nnx`` (Flax NNX models; imported on first use, since it needs Flax). docs/index.md lists
 each namespace's names; ``jax_bytegrad._src`` is private.
 """

@@ -1,9 +1,12 @@
-"""What a compiled step sends: bytes per collective kind, mesh axis and dtype, read from HLO,
-and ``HEADER_WIDTH``, the float32 values of each block's header on the wire."""
+"""What a compiled step sends and holds: bytes per collective kind, mesh axis and dtype, read
+from HLO; the memory each device needs, from XLA's analysis; and ``HEADER_WIDTH``, the float32
+values of each block's header on the wire."""
 
 from jax_bytegrad._src.hlo import HloInstruction as HloInstruction
 from jax_bytegrad._src.hlo import array_shapes as array_shapes
 from jax_bytegrad._src.hlo import hlo_instructions as hlo_instructions
+from jax_bytegrad._src.memory import MemoryStats as MemoryStats
+from jax_bytegrad._src.memory import memory_stats as memory_stats
 from jax_bytegrad._src.quantization import HEADER_WIDTH as HEADER_WIDTH
 from jax_bytegrad._src.stats import CollectiveTraffic as CollectiveTraffic
 from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
@@ -14,7 +17,9 @@ __all__ = [
     "CollectiveTraffic",
     "CommunicationStats",
     "HloInstruction",
+    "MemoryStats",
     "array_shapes",
     "communication_stats",
     "hlo_instructions",
+    "memory_stats",
 ]

@@ -70,8 +70,29 @@ def _of(compiled: jax.stages.Compiled) -> MemoryStats:
 
 
 def memory_stats(lowered) -> MemoryStats:
-    """The ``MemoryStats`` of a lowered program (compiles it), or of the largest program of a
-    ``LoweredPrograms`` (programs that run one after another)."""
+    """The memory one device needs to run a lowered program; compiles it, runs nothing.
+
+    ``TrainStep.memory_stats(state, batch)`` is this on each phase of a step; on
+    ``step.lower(state, batch)`` it reads one phase, and that one lowering also serves
+    ``communication_stats``.
+
+    Args:
+      lowered: a ``jax.stages.Lowered``, or a ``LoweredPrograms`` (the pipelined step's
+        programs, which run one after another: the largest of them counts).
+
+    Returns:
+      A ``MemoryStats``.
+
+    Raises:
+      RuntimeError: the backend gives no memory analysis of compiled programs.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax_bytegrad.profiling import memory_stats
+      >>> stats = memory_stats(jax.jit(lambda x: 2 * x).lower(jnp.ones(256, jnp.float32)))
+      >>> stats.argument_bytes, stats.output_bytes
+      (1024, 1024)
+    """
     programs = getattr(lowered, "programs", None)
     if programs is None:
         return _of(lowered.compile())
