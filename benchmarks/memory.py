@@ -20,6 +20,9 @@ Model: N float32 8192 x 8192 layers, ReLU between them, mean squared error (the 
 ``optax.adam`` after the sync; QAdam is its own (both its phases). Each step is compiled once
 and both figures read from that executable.
 
+``--stacked`` makes the layers one ``(layers, 8192, 8192)`` leaf that the loss runs with
+``jax.lax.scan``, as a scanned stack of layers (``nnx.scan``) holds them.
+
 ``--search`` bisects on the layer count for the largest model whose ``shard="params"`` step
 fits the GPU's memory (``GPUS[gpu].memory_bytes``, 79.2 GiB for an H100 80GB): its peak
 (the largest phase's), with every probe printed.
@@ -28,6 +31,7 @@ Usage:
   python benchmarks/memory.py                                  # 96 layers, every row
   python benchmarks/memory.py --layers 48,96 --algorithms bytegrad
   python benchmarks/memory.py --search bytegrad,qadam          # largest that fits
+  python benchmarks/memory.py --layers 448 --algorithms bytegrad --shards params --stacked
 """
 
 import argparse
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -78,10 +83,30 @@ class Row(NamedTuple):
     early_share: float
 
 
-def measure(mesh, layers: int, name: str, shard: str | None) -> dict[str, Row]:
+def stacked_mlp(layers: int):
+    """``gpu_schedule.mlp`` with its layers stacked in one leaf and run by ``jax.lax.scan``."""
+
+    def loss_fn(params, batch):
+        x, y = batch
+        x = jax.lax.scan(lambda x, w: (jax.nn.relu(x @ w), None), x, params)[0]
+        return jnp.mean((x - y) ** 2)
+
+    params = jax.ShapeDtypeStruct((layers, DIM, DIM), jnp.float32)
+    batch = (jax.ShapeDtypeStruct((PER_DEVICE, DIM), jnp.float32),) * 2
+    return (
+        params,
+        loss_fn,
+        lambda devices: tuple(
+            jax.ShapeDtypeStruct((devices * PER_DEVICE, DIM), x.dtype) for x in batch
+        ),
+    )
+
+
+def measure(mesh, layers: int, name: str, shard: str | None, stacked: bool) -> dict[str, Row]:
     """Compiles one step of ``layers`` layers, each phase once: ``{phase: Row}``."""
     algorithm, settings, phases = ALGORITHMS[name]
-    params, loss_fn, batch = gpu_schedule.mlp(layers, DIM, PER_DEVICE)
+    model = stacked_mlp(layers) if stacked else gpu_schedule.mlp(layers, DIM, PER_DEVICE)
+    params, loss_fn, batch = model
     batch = batch(mesh.devices.size)
     strategy = jbg.Strategy(algorithm, mesh=mesh, shard=shard, **settings)
     optimizer = None if algorithm == "qadam" else optax.adam(1e-3)
@@ -102,6 +127,7 @@ def run_worker(layers: int, name: str, shard: str, args) -> dict[str, Row] | Non
     under ``args.timeout`` seconds: ``{phase: Row}``, or None when it ran out of time."""
     command = [sys.executable, __file__, "--worker", f"{layers},{name},{shard}"]
     command += ["--gpu", args.gpu, "--nodes", str(args.nodes), "--per-node", str(args.per_node)]
+    command += ["--stacked"] if args.stacked else []
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -170,10 +196,10 @@ def report(layers: int, table: dict) -> None:
             )
 
 
-def worker(spec: str, mesh) -> None:
+def worker(spec: str, mesh, stacked: bool) -> None:
     """``--worker LAYERS,NAME,SHARD``: one JSON line per phase on stdout."""
     layers, name, shard = spec.split(",")
-    for phase, row in measure(mesh, int(layers), name, SHARDS[shard]).items():
+    for phase, row in measure(mesh, int(layers), name, SHARDS[shard], stacked).items():
         fields = {"memory": dataclasses.asdict(row.memory), "node_bytes": row.node_bytes}
         print(json.dumps([phase, {**fields, "early_share": row.early_share}]), flush=True)
 
@@ -204,17 +230,19 @@ def main() -> None:
     parser.add_argument("--shards", default=",".join(SHARDS))
     parser.add_argument("--search", default=None, help="algorithms to bisect for, comma-separated")
     parser.add_argument("--search-range", default="96,845", help="lo,hi layer counts")
+    parser.add_argument("--stacked", action="store_true", help="one scanned leaf of layers")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per compile")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, gpu_mesh(args.nodes, args.per_node, args.gpu))
+        worker(args.worker, gpu_mesh(args.nodes, args.per_node, args.gpu), args.stacked)
         return
     device_bytes = GPUS[args.gpu].memory_bytes
     print(
         f"JAX {jax.__version__}; {args.nodes} x {args.per_node} {args.gpu} "
         f"({device_bytes / GIB:.2f} GiB each), compiled deviceless; {PER_DEVICE} rows per "
-        f"device; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        f"device; {'one scanned stack of' if args.stacked else 'a list of'} layers; "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
         flush=True,
     )
     if args.search:
