@@ -70,3 +70,12 @@ def test_bucket_parts_concatenate_to_the_buckets():
     assert [[p.shape[0] for p in bucket] for bucket in parts] == [[768, 256], [512], [512]]
     for bucket_parts, bucket in zip(parts, buckets.to_buckets(leaves, layout), strict=True):
         np.testing.assert_array_equal(jnp.concatenate(bucket_parts), bucket)
+
+
+def test_a_bucket_takes_leaves_past_its_size_until_it_holds_min_leaves():
+    leaves = leaves_of([(300,), (300,), (300,), (50,), (300,)])
+    one = buckets.make_layout(leaves, bucket_bytes=4 * 400, granularity=8)
+    two = buckets.make_layout(leaves, bucket_bytes=4 * 400, granularity=8, min_leaves=2)
+    assert one.buckets == ((0,), (1,), (2, 3), (4,))
+    # 300 + 300 passes 400, but a bucket of one leaf takes the next; 300 + 50 fits.
+    assert two.buckets == ((0, 1), (2, 3), (4,))
