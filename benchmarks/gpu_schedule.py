@@ -7,14 +7,18 @@ and prints, from ``communication_stats``'s ``overlap_on("node")``: the bytes eac
 sends between nodes, the share of them whose collectives start before the last gemm of the
 step, and how many of the step's gemms run while a collective between nodes is in flight.
 
+The compressed steps run with the library's default buckets (``bucket_bytes="auto"``: on
+a GPU mesh 24 MiB buckets of at least two leaves), or ``--bucket-mib``'s plain size.
+
 Models:
-  mlp          eight 2048 x 2048 layers (32M parameters), batch 64 per device.
+  mlp          eight 2048 x 2048 layers (32M parameters), batch 64 per device (--mlp-dim,
+               --mlp-layers).
   transformer  examples/models.py's CharTransformer, made larger (--dim, --depth).
 
 Usage:
   python benchmarks/gpu_schedule.py                       # both models, 2 x 4 H100
   python benchmarks/gpu_schedule.py --model mlp --gpu h200
-  python benchmarks/gpu_schedule.py --bucket-mib 16        # bucket_bytes of the compressed
+  python benchmarks/gpu_schedule.py --bucket-mib 32        # bucket_bytes of the compressed
 """
 
 import argparse
@@ -126,14 +130,18 @@ def main() -> None:
     parser.add_argument("--per-node", type=int, default=4)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--bucket-mib", type=int, default=None, help="bucket_bytes in MiB")
+    parser.add_argument("--mlp-dim", type=int, default=2048)
+    parser.add_argument("--mlp-layers", type=int, default=8)
+    parser.add_argument(
+        "--bucket-mib", type=int, default=None, help="bucket_bytes in MiB (default: 'auto')"
+    )
     args = parser.parse_args()
     bucket_bytes = None if args.bucket_mib is None else args.bucket_mib * 2**20
     mesh = gpu_mesh(args.nodes, args.per_node, args.gpu)
     devices = args.nodes * args.per_node
     print(f"JAX {jax.__version__}; {args.nodes} x {args.per_node} {args.gpu}, compiled deviceless")
     models = {
-        "mlp": lambda: mlp(),
+        "mlp": lambda: mlp(args.mlp_layers, args.mlp_dim),
         "transformer": lambda: transformer(args.dim, args.depth),
     }
     for name in models if args.model == "both" else (args.model,):

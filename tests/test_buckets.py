@@ -1,11 +1,15 @@
 """Bucketing: whole leaves per bucket, padding, and an exact round trip."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_bytegrad._src import buckets
+import jax_bytegrad as jbg
+from jax_bytegrad import SyncConfig
+from jax_bytegrad._src import buckets, collectives, config
 
 
 def leaves_of(shapes, dtypes=None):
@@ -70,3 +74,48 @@ def test_bucket_parts_concatenate_to_the_buckets():
     assert [[p.shape[0] for p in bucket] for bucket in parts] == [[768, 256], [512], [512]]
     for bucket_parts, bucket in zip(parts, buckets.to_buckets(leaves, layout), strict=True):
         np.testing.assert_array_equal(jnp.concatenate(bucket_parts), bucket)
+
+
+def test_a_bucket_takes_leaves_past_its_size_until_it_holds_min_leaves():
+    leaves = leaves_of([(300,), (300,), (300,), (50,), (300,)])
+    one = buckets.make_layout(leaves, bucket_bytes=4 * 400, granularity=8)
+    two = buckets.make_layout(leaves, bucket_bytes=4 * 400, granularity=8, min_leaves=2)
+    assert one.buckets == ((0,), (1,), (2, 3), (4,))
+    # 300 + 300 passes 400, but a bucket of one leaf takes the next; 300 + 50 fits.
+    assert two.buckets == ((0, 1), (2, 3), (4,))
+
+
+def test_auto_is_the_platforms_grain():
+    gpu = (config.GPU_BUCKET_BYTES, config.GPU_BUCKET_LEAVES)
+    assert SyncConfig().bucket_grain("gpu") == gpu == (24 * 2**20, 2)
+    assert SyncConfig().bucket_grain("cpu") == (config.DEFAULT_BUCKET_BYTES, 1) == (32 * 2**20, 1)
+    for explicit in (2**20, config.DEFAULT_BUCKET_BYTES, None):
+        assert SyncConfig(bucket_bytes=explicit).bucket_grain("gpu") == (explicit, 1)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["big", "AUTO", 0, -1, 1.5, True],
+    ids=["string", "AUTO", "zero", "negative", "float", "bool"],
+)
+def test_bad_bucket_bytes_name_auto(bad):
+    rule = r"bucket_bytes must be an int >= 1 or None, or 'auto' \(the platform's default\)"
+    with pytest.raises(ValueError, match=rf"SyncConfig: {rule}, got {re.escape(repr(bad))}"):
+        SyncConfig(bucket_bytes=bad)
+    with pytest.raises(ValueError, match=rf"bytegrad: {rule}"):
+        jbg.bytegrad(bucket_bytes=bad)
+    with pytest.raises(ValueError, match=rf"qadam: {rule}"):
+        jbg.qadam(1e-3, warmup_steps=2, bucket_bytes=bad)
+
+
+def test_bucket_layout_resolves_auto_for_the_platform_it_is_given():
+    # Four 20 MiB leaves: 32 MiB buckets hold one each; on GPUs, 24 MiB buckets of two.
+    leaves = [jax.ShapeDtypeStruct((5 * 2**20,), jnp.float32)] * 4
+    cpu = collectives.bucket_layout(leaves, SyncConfig(), (2, 4), "cpu")
+    gpu = collectives.bucket_layout(leaves, SyncConfig(), (2, 4), "gpu")
+    assert cpu.buckets == ((0,), (1,), (2,), (3,)) and gpu.buckets == ((0, 1), (2, 3))
+    assert len(collectives.residual_sizes(leaves, SyncConfig(), (2, 4), "gpu")) == 2
+    # Without a platform, the mesh being traced; outside shard_map, the default backend's.
+    assert collectives.bucket_layout(leaves, SyncConfig(), (2, 4)) == (
+        gpu if jax.default_backend() == "gpu" else cpu
+    )

@@ -239,7 +239,7 @@ def test_missing_axis_name_raises_clear_error():
         (dict(error_feedback=True), "error_feedback=True keeps residuals per device"),
         (dict(error_feedback=1, mesh=None), "error_feedback must be True or False"),
         (dict(rounding="floor"), "rounding must be"),
-        (dict(bucket_bytes=0), "bucket_bytes must be an int >= 1 or None, got 0"),
+        (dict(bucket_bytes=0), "bucket_bytes must be an int >= 1 or None, or 'auto'.*got 0"),
         (dict(hierarchical="yes"), "hierarchical must be True or False"),
         (dict(node_axis="x", local_axis="x"), "must differ"),
         (dict(implementation="cuda"), "implementation must be"),

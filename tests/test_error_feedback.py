@@ -258,3 +258,35 @@ def test_data_parallel_step_and_strategy_carry_the_residuals(mesh):
     for t in range(6):
         train_state, _ = train(train_state, batch(t))
     assert_same_on_every_device(train.params(train_state), device_copies(want_params))
+
+
+def test_a_checkpoint_of_other_buckets_names_bucket_bytes(mesh, tmp_path):
+    """Residuals are sized per bucket, and the default buckets differ between GPU meshes and
+    others (docs/gpu.md, "The bucket grain"): a checkpoint saved with other buckets is refused
+    with the setting to pass, by ``restore`` and by ``restore_or_init`` alike."""
+    from jax_bytegrad.checkpoint import Checkpointer
+
+    def tx(bucket_bytes):
+        sync = jax_bytegrad.bytegrad(
+            bits=4, error_feedback=True, mesh=mesh, block_size=256, bucket_bytes=bucket_bytes
+        )
+        return optax.chain(sync, optax.sgd(0.1))
+
+    one_bucket = shard_state(tx(None).init(init_params()), mesh)
+    assert len(one_bucket[0].residuals) == 1
+    with Checkpointer(tmp_path, every=1, async_save=False) as ckpt:
+        ckpt.save(1, one_bucket)
+        ckpt.wait()
+    three = lambda: tx(4 * IN_DIM * HIDDEN).init(init_params())  # noqa: E731
+    assert len(three()[0].residuals) == 3
+    want = r"bucket_bytes the checkpoint was saved with .*bucket_bytes=32 \* 2\*\*20"
+    with Checkpointer(tmp_path, every=1) as ckpt:
+        with pytest.raises(ValueError, match=want):
+            ckpt.restore(1, three, mesh)
+        with pytest.raises(RuntimeError, match=want):
+            ckpt.restore_or_init(three, mesh)
+        restored = ckpt.restore(1, lambda: tx(None).init(init_params()), mesh)
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(one_bucket), strict=True):
+        if jnp.issubdtype(want.dtype, jax.dtypes.prng_key):
+            got, want = jax.random.key_data(got), jax.random.key_data(want)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

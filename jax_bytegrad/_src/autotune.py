@@ -54,7 +54,7 @@ from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult,
     write_cache,
 )
 from jax_bytegrad._src.codecs import integer
-from jax_bytegrad._src.config import SyncConfig
+from jax_bytegrad._src.config import SyncConfig, platform_of
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
 # None (one message per peer) runs at about half the link rate through Gloo (benchmarks/
@@ -96,9 +96,14 @@ def _wires(strat) -> tuple[str, ...]:
 
 
 def _concrete(strat, config: Mapping[str, Any]) -> dict[str, Any]:
-    """``config`` with ``wire="auto"`` replaced by the wire it runs on this mesh."""
+    """``config`` with ``wire="auto"`` replaced by the wire it runs on this mesh, and
+    ``bucket_bytes="auto"`` by its size where a size is all it means (off GPU meshes)."""
+    config = dict(config)
+    if config.get("bucket_bytes") == "auto":
+        size, fewest = SyncConfig().bucket_grain(platform_of(strat.mesh))
+        config["bucket_bytes"] = size if fewest == 1 else "auto"
     if config.get("wire") != "auto":
-        return dict(config)
+        return config
     sync = SyncConfig(bits=strat.setting("bits"), wire="auto")
     return {**config, "wire": sync.wire_for(_group_size(strat))}
 
@@ -150,8 +155,11 @@ def _distinct_buckets(strat, params, space, start):
     if strat.flatten:  # the strategy trains one vector
         leaves = [jax.ShapeDtypeStruct((param_count(params),), np.float32)]
     kept, seen = [], {}
+    platform = platform_of(strat.mesh)
     for value in sorted(space["bucket_bytes"], key=lambda v: v != start["bucket_bytes"]):
-        grouping = buckets.make_layout(leaves, bucket_bytes=value, granularity=1).buckets
+        size, fewest = SyncConfig(bucket_bytes=value).bucket_grain(platform)
+        layout = buckets.make_layout(leaves, bucket_bytes=size, granularity=1, min_leaves=fewest)
+        grouping = layout.buckets
         if grouping not in seen:
             seen[grouping] = value
             kept.append(value)

@@ -57,12 +57,15 @@ class Layout:
         return jnp.dtype(jnp.float32)
 
 
-def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout:
+def make_layout(
+    leaves, *, bucket_bytes: int | None, granularity: int, min_leaves: int = 1
+) -> Layout:
     """Groups the float leaves (arrays or ShapeDtypeStructs) into buckets of whole leaves.
 
-    A bucket closes when the next leaf would take it past ``bucket_bytes`` of float32; a
-    leaf larger than that gets a bucket of its own. Whole leaves matter on XLA:CPU: a leaf
-    split across two buckets is reassembled by a slow concatenate fusion.
+    A bucket closes when the next leaf would take it past ``bucket_bytes`` of float32, once it
+    holds ``min_leaves`` leaves; with one, a leaf larger than that gets a bucket of its own.
+    Whole leaves matter on XLA:CPU: a leaf split across two buckets is reassembled by a slow
+    concatenate fusion.
     """
     shapes = tuple(tuple(leaf.shape) for leaf in leaves)
     dtypes = tuple(jnp.dtype(leaf.dtype) for leaf in leaves)
@@ -73,7 +76,7 @@ def make_layout(leaves, *, bucket_bytes: int | None, granularity: int) -> Layout
         n = math.prod(shape)
         if not is_float or n == 0:
             continue
-        if current and limit is not None and size + n > limit:
+        if len(current) >= min_leaves and limit is not None and size + n > limit:
             buckets.append((tuple(current), size))
             current, size = [], 0
         current.append(i)

@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.config import Residuals
 from jax_bytegrad._src.steps.decentralized import consensus_params
 
 # Private helpers ----------------------------------------------------------------------------------
@@ -88,6 +89,20 @@ def _target_shardings(abstract, shardings):
         return tree
     return jax.tree.map(
         lambda s: s if isinstance(s, Sharding) else NamedSharding(meshes[0], P()), tree
+    )
+
+
+def _residuals_hint(abstract) -> str:
+    """What to check when a state with error feedback's residuals does not restore: they are
+    sized per bucket, and the default buckets differ between GPU meshes and others."""
+    found = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, Residuals))
+    if not any(isinstance(x, Residuals) and len(x) for x in found):
+        return ""
+    return (
+        ". The state keeps error feedback's residuals, one pair per bucket: build the "
+        "optimizer with the bucket_bytes the checkpoint was saved with (one saved with the "
+        "default off a GPU mesh restores on a GPU mesh with bucket_bytes=32 * 2**20; "
+        "docs/gpu.md, 'The bucket grain')"
     )
 
 
@@ -239,7 +254,8 @@ class Checkpointer:
             raise ValueError(
                 f"Checkpointer: the checkpoint of step {step} has another structure than the "
                 f"state to restore ({str(e).splitlines()[0][:300]}). If only where the leaves "
-                "sit changed (a state saved by an earlier release), pass relayout=True"
+                f"sit changed (a state saved by an earlier release), pass relayout=True"
+                f"{_residuals_hint(abstract)}"
             ) from None
 
     def _relayout(self, step: int, target):
@@ -324,7 +340,7 @@ class Checkpointer:
             raise RuntimeError(
                 f"Checkpointer: none of the checkpoints {steps} in {self.directory} could be "
                 f"read (newest: {type(failed[0][1]).__name__}: "
-                f"{str(failed[0][1]).splitlines()[0][:200]}); move the directory away to start "
+                f"{str(failed[0][1]).splitlines()[0][:1000]}); move the directory away to start "
                 "from scratch"
             )
         state = init_fn()

@@ -30,7 +30,13 @@ import numpy as np
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks, collective_ops, shards
 from jax_bytegrad._src import wire as wires
-from jax_bytegrad._src.config import DEFAULT_BUCKET_BYTES, Residuals, SyncConfig, sync_config
+from jax_bytegrad._src.config import (
+    DEFAULT_BUCKET_BYTES,
+    Residuals,
+    SyncConfig,
+    platform_of,
+    sync_config,
+)
 from jax_bytegrad._src.quantization import check_key, resolve_implementation
 from jax_bytegrad._src.shards import Sharded
 
@@ -62,7 +68,9 @@ def axis_sizes(node_axis: str, local_axis: str, where: str) -> tuple[int, int]:
     return sizes[0], sizes[1]
 
 
-def residual_sizes(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> tuple:
+def residual_sizes(
+    tree, config: SyncConfig, mesh_shape: tuple[int, int], platform: str | None = None
+) -> tuple:
     """Per-device residual lengths of error feedback, one (send, mean) pair per bucket.
 
     ``send`` holds what the first compression left unsent: the device's share of its node's
@@ -74,6 +82,8 @@ def residual_sizes(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> tup
       tree: the gradient pytree (arrays or ``jax.ShapeDtypeStruct``), as one device has it.
       config: the sync's settings.
       mesh_shape: (nodes, devices per node).
+      platform: the mesh's JAX platform (``"gpu"``, ``"cpu"``), which sizes the buckets of
+        ``bucket_bytes="auto"``; None for the mesh being traced (``config.platform_of``).
 
     Returns:
       One (send, mean) pair of per-device lengths per bucket.
@@ -84,23 +94,31 @@ def residual_sizes(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> tup
       >>> residual_sizes({"w": jnp.ones(1000)}, SyncConfig(bits=4), (2, 4))
       ((1024, 512),)
     """
-    layout = bucket_layout(jax.tree.leaves(tree), config, mesh_shape)
+    layout = bucket_layout(jax.tree.leaves(tree), config, mesh_shape, platform)
     return wires.residual_sizes(layout.padded_sizes, config, mesh_shape)
 
 
-def bucket_layout(leaves, config: SyncConfig, mesh_shape: tuple[int, int]) -> bucketing.Layout:
-    """The buckets of ``leaves`` for ``config`` on a (nodes, devices per node) mesh: each
-    padded to a whole number of blocks on every device, as every wire needs."""
+def bucket_layout(
+    leaves, config: SyncConfig, mesh_shape: tuple[int, int], platform: str | None = None
+) -> bucketing.Layout:
+    """The buckets of ``leaves`` for ``config`` on a (nodes, devices per node) mesh of
+    ``platform`` (None: the mesh being traced): ``config.bucket_grain`` there, each padded
+    to a whole number of blocks on every device, as every wire needs."""
     nodes, per_node = mesh_shape
+    bucket_bytes, min_leaves = config.bucket_grain(platform or platform_of())
     return bucketing.make_layout(
         leaves,
-        bucket_bytes=config.bucket_bytes,
+        bucket_bytes=bucket_bytes,
         granularity=nodes * per_node * config.block_size,
+        min_leaves=min_leaves,
     )
 
 
-def mesh_residuals(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> Residuals:
-    """Zero residuals of every device, for an optimizer state that is placed on the mesh.
+def mesh_residuals(
+    tree, config: SyncConfig, mesh_shape: tuple[int, int], platform: str | None = None
+) -> Residuals:
+    """Zero residuals of every device, for an optimizer state that is placed on the mesh
+    (of ``platform``, as ``residual_sizes``).
 
     Each vector is the concatenation of every device's own residual in mesh order; the
     state's ``shard_map`` specs (``sharding.state_specs``) give each device its slice.
@@ -108,7 +126,7 @@ def mesh_residuals(tree, config: SyncConfig, mesh_shape: tuple[int, int]) -> Res
     devices = mesh_shape[0] * mesh_shape[1]
     return Residuals(
         (jnp.zeros(devices * send, jnp.float32), jnp.zeros(devices * mean, jnp.float32))
-        for send, mean in residual_sizes(tree, config, mesh_shape)
+        for send, mean in residual_sizes(tree, config, mesh_shape, platform)
     )
 
 

@@ -21,9 +21,15 @@ from jax_bytegrad._src import checks
 from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation
 from jax_bytegrad._src.codecs.integer import check_fits
 
-# Big enough that each collective runs at link speed, small enough that a 25M-parameter
-# model gets a few buckets whose communication can overlap the next one's quantize.
+# The bucket size off GPU meshes: big enough that each collective runs at link speed, small
+# enough that a 25M-parameter model gets a few buckets whose communication can overlap the next
+# one's quantize.
 DEFAULT_BUCKET_BYTES = 32 * 2**20
+# On GPU meshes: smaller buckets, each of at least two leaves. A bucket is the grain of the
+# overlap with the backward pass, and a bucket of one leaf leaves its exchange only the next
+# leaf's gemms to run beside (benchmarks/RESULTS.md, "The bucket grain on GPU meshes").
+GPU_BUCKET_BYTES = 24 * 2**20
+GPU_BUCKET_LEAVES = 2
 # Bytes per message of the exchanges between nodes (codes, per peer); see docs/performance.md.
 DEFAULT_MESSAGE_BYTES = 256 * 2**10
 BITS = (8, 4)
@@ -36,6 +42,7 @@ MIN_BLOCK_SIZE = 128
 Rounding = Literal["nearest", "stochastic"]
 Bits = Literal[8, 4]
 Wire = Literal["auto", "scatter_gather", "allreduce", "ring"]
+BucketBytes = int | Literal["auto"] | None
 ROUNDINGS = ("nearest", "stochastic")
 WIRES = ("auto", "scatter_gather", "allreduce", "ring")
 # The largest group of devices whose 8-bit codes ``wire="auto"`` sums on the integer wire:
@@ -72,7 +79,11 @@ class SyncConfig:
       bits: bits per code between nodes, 8 or 4 (packed two per byte).
       block_size: elements per quantization block, a power of two >= 128 (>= 256 at 4
         bits); None is resolved to the default of ``bits``: 1024 at 8 bits, 512 at 4.
-      bucket_bytes: float32 bytes per communication bucket; None for a single bucket.
+      bucket_bytes: float32 bytes per communication bucket, of whole leaves (a larger leaf
+        gets a bucket of its own); None for a single bucket. ``"auto"`` (default): the
+        platform's grain, resolved where the mesh is known (``bucket_grain``): on GPU meshes
+        24 MiB buckets of at least two leaves each (docs/gpu.md), elsewhere 32 MiB
+        (``DEFAULT_BUCKET_BYTES``). Error feedback's residuals are sized per bucket.
       message_bytes: bytes per message of the pairwise exchanges between nodes (the
         scatter-gather and ring wires); None for one message per peer. It changes the speed,
         never the result. The all-reduce wire sends one psum per bucket: an all-reduce cut
@@ -113,7 +124,7 @@ class SyncConfig:
     hierarchical: bool = True
     bits: Bits = 8
     block_size: int | None = None
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES
+    bucket_bytes: BucketBytes = "auto"
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES
     rounding: Rounding = "nearest"
     implementation: Implementation | None = None
@@ -127,7 +138,9 @@ class SyncConfig:
         checks.one_of(self.bits, BITS, "bits", where)
         block_size = check_block_size(self.block_size, where, self.bits)
         object.__setattr__(self, "block_size", block_size)
-        checks.integer(self.bucket_bytes, "bucket_bytes", where, or_none=True)
+        if self.bucket_bytes != "auto":
+            why = ", or 'auto' (the platform's default)"
+            checks.integer(self.bucket_bytes, "bucket_bytes", where, or_none=True, why=why)
         checks.integer(self.message_bytes, "message_bytes", where, or_none=True)
         checks.one_of(self.rounding, ROUNDINGS, "rounding", where)
         if self.implementation is not None:
@@ -151,6 +164,23 @@ class SyncConfig:
         ``bits``, ``rounding`` and ``implementation``, the one object that travels from here
         to a kernel."""
         return Codec(bits=self.bits, stochastic=self.stochastic, implementation=self.implementation)
+
+    def bucket_grain(self, platform: str) -> tuple[int | None, int]:
+        """``(bucket_bytes, fewest leaves per bucket)`` on ``platform`` (a JAX platform name,
+        ``platform_of``): ``bucket_bytes`` with any number of leaves, or ``"auto"`` resolved.
+
+        Examples:
+          >>> from jax_bytegrad import SyncConfig
+          >>> SyncConfig().bucket_grain("gpu"), SyncConfig().bucket_grain("cpu")
+          ((25165824, 2), (33554432, 1))
+          >>> SyncConfig(bucket_bytes=2**20).bucket_grain("gpu")
+          (1048576, 1)
+        """
+        if self.bucket_bytes != "auto":
+            return self.bucket_bytes, 1
+        if platform == "gpu":
+            return GPU_BUCKET_BYTES, GPU_BUCKET_LEAVES
+        return DEFAULT_BUCKET_BYTES, 1
 
     def mesh_shape(self, mesh, where: str) -> tuple[int, int] | None:
         """(nodes, devices per node) of ``mesh`` along this config's axes, or None without a
@@ -183,6 +213,16 @@ class SyncConfig:
     def replace(self, **changes) -> "SyncConfig":
         """A copy with some settings changed, validated again."""
         return dataclasses.replace(self, **changes)
+
+
+def platform_of(mesh=None) -> str:
+    """The JAX platform (``"cpu"``, ``"gpu"``, ...) of ``mesh``'s devices; without one, of the
+    mesh being traced (inside ``shard_map`` the abstract mesh knows it, deviceless meshes
+    included, on JAX 0.10.2 and 0.12), else the default backend's."""
+    if mesh is not None:
+        return mesh.devices.flat[0].platform
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def sync_config(sync: SyncConfig | None, where: str) -> SyncConfig:

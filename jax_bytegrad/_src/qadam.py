@@ -66,13 +66,14 @@ from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks, collectives, shards
 from jax_bytegrad._src.config import (
-    DEFAULT_BUCKET_BYTES,
     DEFAULT_MESSAGE_BYTES,
     Bits,
+    BucketBytes,
     Implementation,
     Residuals,
     SyncConfig,
     Wire,
+    platform_of,
     sync_config,
 )
 from jax_bytegrad._src.qadam_schedule import Phase as Phase
@@ -332,7 +333,9 @@ def scale_by_qadam(
             mu=optax.tree.zeros_like(params),
             nu=optax.tree.zeros_like(params),
             residuals=(
-                collectives.mesh_residuals(params, config, shape) if error_feedback else Residuals()
+                collectives.mesh_residuals(params, config, shape, platform_of(mesh))
+                if error_feedback
+                else Residuals()
             ),
         )
 
@@ -454,7 +457,7 @@ def qadam(
     error_feedback: bool = False,
     mesh: Mesh | None = None,
     block_size: int | None = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: BucketBytes = "auto",
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     wire: Wire = "auto",
     implementation: Implementation | None = None,

@@ -21,14 +21,15 @@ from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks, collectives
 from jax_bytegrad._src.config import (
-    DEFAULT_BUCKET_BYTES,
     DEFAULT_MESSAGE_BYTES,
     Bits,
+    BucketBytes,
     Implementation,
     Residuals,
     Rounding,
     SyncConfig,
     Wire,
+    platform_of,
 )
 
 
@@ -56,7 +57,7 @@ def bytegrad(
     error_feedback: bool = False,
     mesh: Mesh | None = None,
     block_size: int | None = None,
-    bucket_bytes: int | None = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: BucketBytes = "auto",
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     rounding: Rounding = "nearest",
     wire: Wire = "auto",
@@ -153,7 +154,7 @@ def sync_gradients(
     def init_fn(params):
         residuals = Residuals()
         if config.error_feedback:
-            residuals = collectives.mesh_residuals(params, config, shape)
+            residuals = collectives.mesh_residuals(params, config, shape, platform_of(mesh))
         return ByteGradState(key=jax.random.key(seed), residuals=residuals)
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):

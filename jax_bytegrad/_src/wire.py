@@ -56,7 +56,7 @@ import numpy as np
 from jax_bytegrad._src import codecs
 from jax_bytegrad._src.codecs import Codec, integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
-from jax_bytegrad._src.config import SyncConfig, Wire
+from jax_bytegrad._src.config import SyncConfig, Wire, platform_of
 from jax_bytegrad._src.quantization import HEADER_WIDTH, average_blocks, quantize_with_feedback
 
 
@@ -471,18 +471,11 @@ def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual
 _WARNED_PROMOTION: set[int] = set()
 
 
-def _traced_platform() -> str:
-    """The platform of the mesh being traced: the abstract mesh's device (JAX >= 0.11 knows
-    it inside ``shard_map``, deviceless meshes included), else the default backend."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
-
-
 def _warn_if_promoted(bits: int, group_size: int) -> None:
     """Warns, once per group size, when the integer wire's codes go as uint16 on a GPU:
     XLA:GPU promotes 16-bit integer all-reduces to 32 bits, float32's bytes."""
     width = integer.allreduce_width(bits, group_size)
-    if width.bits != 16 or _traced_platform() != "gpu" or group_size in _WARNED_PROMOTION:
+    if width.bits != 16 or platform_of() != "gpu" or group_size in _WARNED_PROMOTION:
         return
     _WARNED_PROMOTION.add(group_size)
     warnings.warn(

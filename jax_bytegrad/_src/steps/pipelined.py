@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.collectives import bucket_layout
-from jax_bytegrad._src.config import Residuals, SyncConfig, sync_config
+from jax_bytegrad._src.config import Residuals, SyncConfig, platform_of, sync_config
 from jax_bytegrad._src.programs import Dispatcher, Schedule, Value, aval, execute
 from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
@@ -261,9 +261,8 @@ class PipelinedMean:
         values.update(residual_values(residuals))
         if self._schedule is None:
             leaves = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jax.tree.leaves(grads)]
-            layout = bucket_layout(
-                leaves, self.sync, self.sync.mesh_shape(self.mesh, "pipelined_step")
-            )
+            shape = self.sync.mesh_shape(self.mesh, "pipelined_step")
+            layout = bucket_layout(leaves, self.sync, shape, platform_of(self.mesh))
             stages = Stages(self.mesh, self.sync, layout, average=self.average)
             inputs = _abstract(values, {Whole.KEY: P()}, P(self.sync.axes))
             self._schedule = Schedule(

@@ -24,7 +24,7 @@ from jax_bytegrad._src import codecs, collective_ops
 from jax_bytegrad._src import wire as wires
 from jax_bytegrad._src.codecs.integer import allreduce_width
 from jax_bytegrad._src.collectives import bucket_key, device_key, step_keys
-from jax_bytegrad._src.config import Residuals, SyncConfig
+from jax_bytegrad._src.config import Residuals, SyncConfig, platform_of
 from jax_bytegrad._src.programs import Program, Schedule
 from jax_bytegrad._src.quantization import resolve_implementation
 
@@ -137,12 +137,15 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
     return [(count * i // parts, count * (i + 1) // parts) for i in range(parts)]
 
 
-def _chunks(sync: SyncConfig, group: wires.Group, local: int, padded: int, b: int) -> list[_Chunk]:
-    """The pieces of bucket ``b`` (``padded`` values per device): at most ``bucket_bytes``
-    of float32 each, of whole blocks (integer wire) or whole messages (scatter-gather)."""
+def _chunks(
+    sync: SyncConfig, group: wires.Group, local: int, padded: int, b: int, limit: int | None
+) -> list[_Chunk]:
+    """The pieces of bucket ``b`` (``padded`` values per device): at most ``limit`` bytes (the
+    bucket size) of float32 each, of whole blocks (integer wire) or whole messages
+    (scatter-gather)."""
     block = sync.block_size
     size = padded // local if group.scatter else padded
-    wanted = 1 if sync.bucket_bytes is None else max(1, -(-padded * 4 // sync.bucket_bytes))
+    wanted = 1 if limit is None else max(1, -(-padded * 4 // limit))
     if group.wire == "allreduce" or group.plain:
         blocks = size // block
         parts = 1 if group.plain else min(wanted, blocks)
@@ -215,8 +218,10 @@ class Stages:
         if self.integer and not self.group.plain:
             self.width = allreduce_width(sync.bits, self.group.size)
         self.buckets = range(len(layout.buckets))
+        limit, _ = sync.bucket_grain(platform_of(mesh))
         self.chunks = [
-            _chunks(sync, self.group, self.local, layout.padded_sizes[b], b) for b in self.buckets
+            _chunks(sync, self.group, self.local, layout.padded_sizes[b], b, limit)
+            for b in self.buckets
         ]
         self.plans = {}  # each piece's wire plan, by tag, built once
         self.step = step is not None
