@@ -50,7 +50,7 @@ import jax_bytegrad  # noqa: E402
 from jax_bytegrad import qadam  # noqa: E402
 from jax_bytegrad.distributed import ensure_cpu_threads  # noqa: E402
 from jax_bytegrad.profiling import communication_stats  # noqa: E402
-from jax_bytegrad.sharding import replicate, shard_batch, shard_state, state_specs  # noqa: E402  # noqa: E402
+from jax_bytegrad.sharding import replicate, shard_batch, shard_state, state_specs  # noqa: E402
 
 AXES = ("node", "local")
 MODELS = ("cnn", "transformer")

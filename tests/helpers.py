@@ -1,6 +1,8 @@
 """Helpers shared by the tests: tree comparisons, replica checks, small training data,
-scripts loaded by path, and the launcher run in a subprocess."""
+scripts loaded by path, the launcher run in a subprocess, and the mark of tests that compile
+for GPUs that are not here."""
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -10,8 +12,29 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+
+from jax_bytegrad.sharding import gpu_mesh
 
 REPO = Path(__file__).parent.parent
+
+
+@functools.cache
+def gpu_plugin_error() -> str | None:
+    try:
+        gpu_mesh(1, 1)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def needs_gpu_plugin(covered_by: str = ""):
+    """Skips a test that compiles for deviceless GPUs (``gpu_mesh``) where JAX's CUDA plugin
+    is missing; ``covered_by`` says which CPU tests check the same logic."""
+    reason = "compiling for GPUs needs JAX's CUDA plugin: pip install -e '.[cuda12]' (Python 3.12)"
+    return pytest.mark.skipif(
+        gpu_plugin_error() is not None, reason=reason + (f"; {covered_by}" if covered_by else "")
+    )
 
 
 def run_launcher(*args: str, env: dict | None = None, timeout: float) -> tuple[int, str]:

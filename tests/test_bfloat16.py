@@ -25,6 +25,7 @@ from jax_bytegrad import compressed_mean, full_precision_mean
 from jax_bytegrad._src import buckets
 from jax_bytegrad.profiling import communication_stats
 from jax_bytegrad.sharding import gpu_mesh
+from tests.helpers import needs_gpu_plugin
 
 AXES = ("node", "local")
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -32,20 +33,7 @@ BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.
 NAMES = {BF16: "bf16", F16: "f16", F32: "f32"}
 
 
-@functools.cache
-def _plugin_error() -> str | None:
-    try:
-        gpu_mesh(1, 1)
-    except RuntimeError as error:
-        return str(error)
-    return None
-
-
-needs_plugin = pytest.mark.skipif(
-    _plugin_error() is not None,
-    reason="compiling for GPUs needs JAX's CUDA plugin: pip install -e '.[cuda12]' (Python 3.12); "
-    "the lowered-program tests check the same dtypes on CPU",
-)
+needs_plugin = needs_gpu_plugin("the lowered-program tests check the same dtypes on CPU")
 
 
 def params_of(dtype, f32_bias: bool = False):

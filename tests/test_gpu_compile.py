@@ -7,7 +7,6 @@ runs on the CPU mesh in every leg.
 """
 
 import collections
-import functools
 import warnings
 from pathlib import Path
 
@@ -16,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import load_script
 
 import jax_bytegrad as jbg
 from jax_bytegrad import SyncConfig
 from jax_bytegrad._src import codecs, collectives, config, hlo, wire
 from jax_bytegrad.sharding import GPUS, gpu_mesh
+from tests.helpers import gpu_plugin_error, load_script, needs_gpu_plugin
 
 ALGORITHMS = {
     "gradient_allreduce": {},
@@ -35,19 +34,7 @@ ALGORITHMS = {
 }
 
 
-@functools.cache
-def _plugin_error() -> str | None:
-    try:
-        gpu_mesh(1, 1)
-    except RuntimeError as error:
-        return str(error)
-    return None
-
-
-needs_plugin = pytest.mark.skipif(
-    _plugin_error() is not None,
-    reason="compiling for GPUs needs JAX's CUDA plugin: pip install -e '.[cuda12]' (Python 3.12)",
-)
+needs_plugin = needs_gpu_plugin()
 
 
 def _strategy(name: str, mesh) -> jbg.Strategy:
@@ -77,9 +64,9 @@ def _step(name, mesh, loss_fn):
 
 
 def test_gpu_mesh_without_the_plugin_names_the_extra():
-    if _plugin_error() is None:
+    if gpu_plugin_error() is None:
         pytest.skip("JAX's CUDA plugin is installed here; its absence is tested without it")
-    assert "pip install 'jax_bytegrad[cuda12]'" in _plugin_error()
+    assert "pip install 'jax_bytegrad[cuda12]'" in gpu_plugin_error()
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "gpu"), [(0, 4, "h100"), (2, 4, "b200")])
@@ -245,8 +232,8 @@ def test_each_bucket_crosses_between_nodes_as_its_own_plan(platform, wire_name):
     another bucket's, which would make every bucket wait for the whole gradient. (XLA:CPU in
     JAX 0.10 drops the ties and merges them; a CPU program runs its collectives one at a
     time anyway.)"""
-    if platform == "gpu" and _plugin_error() is not None:
-        pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin: {_plugin_error()}")
+    if platform == "gpu" and gpu_plugin_error() is not None:
+        pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin: {gpu_plugin_error()}")
     mesh = gpu_mesh(2, 4) if platform == "gpu" else jbg.make_mesh(2, 4)
     params, loss_fn = _mlp(512, 4)  # four 1 MiB leaves
     sync = SyncConfig(wire=wire_name, bucket_bytes=2**20, message_bytes=None)
@@ -290,8 +277,8 @@ def test_gpu_meshes_default_to_buckets_of_two_leaves(platform, shard):
     the traced mesh where the sync runs, deviceless meshes included: the two agree, or the
     step would refuse the residuals. Each bucket's codes cross between nodes in one u8
     all-reduce (the integer wire), so they count the buckets."""
-    if platform == "gpu" and _plugin_error() is not None:
-        pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin: {_plugin_error()}")
+    if platform == "gpu" and gpu_plugin_error() is not None:
+        pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin: {gpu_plugin_error()}")
     mesh = gpu_mesh(2, 4) if platform == "gpu" else jbg.make_mesh(2, 4)
     params, loss_fn = _mlp(2304, 4)  # four leaves of 20.25 MiB
     buckets = 2 if platform == "gpu" else 4

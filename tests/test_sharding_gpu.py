@@ -8,8 +8,6 @@ GPUs needs JAX's CUDA plugin (the ``cuda12`` extra, Python 3.12); without it the
 skip, and tests/test_sharding.py checks the same bytes and state on the CPU mesh.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -17,6 +15,7 @@ import pytest
 
 import jax_bytegrad as jbg
 from jax_bytegrad.sharding import gpu_mesh
+from tests.helpers import needs_gpu_plugin
 
 ALGORITHMS = {
     # Hierarchical, as the sharded steps' sync between nodes is: the same bytes to compare.
@@ -28,19 +27,7 @@ ALGORITHMS = {
 LAYERS, DIM, ROWS = 4, 512, 64  # 4 MiB of float32 params; 8 rows per device
 
 
-@functools.cache
-def _plugin_error() -> str | None:
-    try:
-        gpu_mesh(1, 1)
-    except RuntimeError as error:
-        return str(error)
-    return None
-
-
-needs_plugin = pytest.mark.skipif(
-    _plugin_error() is not None,
-    reason="compiling for GPUs needs JAX's CUDA plugin: pip install -e '.[cuda12]' (Python 3.12)",
-)
+needs_plugin = needs_gpu_plugin()
 
 
 def loss_fn(params, batch):
