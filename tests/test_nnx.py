@@ -195,3 +195,25 @@ def test_a_model_that_is_not_nnx_is_refused():
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(1, 1))
     with pytest.raises(ValueError, match="flax.nnx.Module"):
         jax_bytegrad.nnx.train_step(strategy, {"w": jnp.ones(3)}, optax.sgd(0.1), loss_fn)
+
+
+def test_the_step_reports_its_memory_and_each_devices_dropout_key(batches):
+    """``memory_stats`` and ``device_key`` read the step's own state: a sharded step needs less
+    memory per device, and device 1's key is the underlying step's, another than device 0's."""
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    peaks = {}
+    for shard in (None, "params"):
+        strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard=shard)
+        model = MLP(nnx.Rngs(0))
+        with jax_bytegrad.nnx.train_step(
+            strategy, model, optax.adam(1e-3), loss_fn, has_aux=True, rng_seed=SEED
+        ) as step:
+            memory = step.memory_stats(batches[0])["step"]
+            peaks[shard] = memory.argument_bytes
+            step(batches[0])
+            key = step.device_key(1)
+            want = step.train_step.device_key(step.state, 1)
+            assert jax.random.key_data(key).tolist() == jax.random.key_data(want).tolist()
+            other = jax.random.key_data(step.device_key(0)).tolist()
+            assert other != jax.random.key_data(key).tolist()
+    assert 0 < peaks["params"] < peaks[None]

@@ -49,8 +49,9 @@ class NNXTrainStep:
     Attributes:
       model: the NNX model; after every step it holds the trained parameters and the synced
         model state (for the decentralized pair, the mean over devices).
-      train_step: the underlying ``TrainStep`` (``communication_stats``, ``phase_counts``,
-        ``lower`` take ``step.state`` and a batch).
+      train_step: the underlying ``TrainStep`` (``phase_counts``, ``lower`` take
+        ``step.state`` and a batch; ``communication_stats``, ``memory_stats`` and
+        ``device_key`` are also this step's own, on its state).
       state: the ``StepState``: checkpoint it as it is, and assign a restored one back
         (``step.state = restored``), which also writes the model.
     """
@@ -88,6 +89,15 @@ class NNXTrainStep:
     def communication_stats(self, batch):
         """Bytes each device sends per step, by phase (see ``TrainStep``)."""
         return self.train_step.communication_stats(self._state, batch)
+
+    def memory_stats(self, batch):
+        """Memory one device needs for a step, by phase (``TrainStep.memory_stats``)."""
+        return self.train_step.memory_stats(self._state, batch)
+
+    def device_key(self, device: int) -> jax.Array:
+        """The PRNG key device ``device`` reseeds the model's Dropout streams with in the next
+        step (``TrainStep.device_key``); needs ``rng_seed=``."""
+        return self.train_step.device_key(self._state, device)
 
     def close(self) -> None:
         self.train_step.close()
