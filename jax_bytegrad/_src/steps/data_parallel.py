@@ -375,7 +375,7 @@ class DataParallelStep(TrainStep):
             # jax.grad of the in-loss gathers reduce-scatters each leaf within the node, and
             # XLA:GPU's combiner (30 MiB) would merge them all after the last gradient,
             # holding every exchange between nodes back (benchmarks/RESULTS.md, "Sharded
-            # state on GPU").
+            # state within a node": benchmarks/sharded_overlap.py).
             options = {"xla_gpu_reduce_scatter_combine_threshold_bytes": RS_COMBINE_BYTES}
         # The params (unless the phase leaves them as they are), the optimizer state, the
         # accumulator and the model state: the step returns their new values in their
