@@ -72,6 +72,15 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
+def classification_batches(steps: int, rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` batches of ``rows`` float32 rows of 64 features, each labelled by the largest
+    of its first 10 features: data a small classifier learns in a few steps."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(steps * rows, 64)).astype(np.float32)
+    y = x[:, :10].argmax(-1)
+    return [(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) for i in range(steps)]
+
+
 def load_script(path: Path):
     """A script that is not a package module (a worker, an example), imported by its path."""
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
+from tests.helpers import classification_batches
 
 SHARDS = ["optimizer", "params"]
 ALGORITHMS = {
@@ -40,10 +41,7 @@ def loss_fn(params, batch):
 
 
 def batches(steps, rows=64):
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(steps * rows, 64)).astype(np.float32)
-    y = x[:, :10].argmax(-1)
-    return [(x[i * rows : (i + 1) * rows], y[i * rows : (i + 1) * rows]) for i in range(steps)]
+    return classification_batches(steps, rows)
 
 
 def strategy(algorithm, mesh, shard, **extra):

@@ -8,14 +8,14 @@ GPUs needs JAX's CUDA plugin (the ``cuda12`` extra, Python 3.12); without it the
 skip, and tests/test_sharding.py checks the same bytes and state on the CPU mesh.
 """
 
-import jax
-import jax.numpy as jnp
+from pathlib import Path
+
 import optax
 import pytest
 
 import jax_bytegrad as jbg
 from jax_bytegrad.sharding import gpu_mesh
-from tests.helpers import needs_gpu_plugin
+from tests.helpers import load_script, needs_gpu_plugin
 
 ALGORITHMS = {
     # Hierarchical, as the sharded steps' sync between nodes is: the same bytes to compare.
@@ -24,19 +24,16 @@ ALGORITHMS = {
     "bytegrad_4bit_ef": {"bits": 4, "error_feedback": True},
     "qadam": {"learning_rate": 1e-3, "warmup_steps": 2},
 }
-LAYERS, DIM, ROWS = 4, 512, 64  # 4 MiB of float32 params; 8 rows per device
+LAYERS, DIM, PER_DEVICE = 4, 512, 8  # 4 MiB of float32 params
 
 
 needs_plugin = needs_gpu_plugin()
 
 
-def loss_fn(params, batch):
-    x, y = batch
-    for i, w in enumerate(params):
-        x = x @ w
-        if i < len(params) - 1:
-            x = jax.nn.relu(x)
-    return jnp.mean((x - y) ** 2)
+# The benchmark's MLP (benchmarks/gpu_schedule.py), small.
+GPU_SCHEDULE = load_script(
+    Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_schedule.py"
+)
 
 
 def _figures(name: str, shard):
@@ -44,8 +41,8 @@ def _figures(name: str, shard):
     algorithm = name.split("_4bit")[0]
     strategy = jbg.Strategy(algorithm, mesh=gpu_mesh(2, 4), shard=shard, **ALGORITHMS[name])
     optimizer = None if algorithm == "qadam" else optax.adam(1e-3)
-    params = [jax.ShapeDtypeStruct((DIM, DIM), jnp.float32)] * LAYERS
-    batch = (jax.ShapeDtypeStruct((ROWS, DIM), jnp.float32),) * 2
+    params, loss_fn, batch_of = GPU_SCHEDULE.mlp(LAYERS, DIM, PER_DEVICE)
+    batch = batch_of(8)
     with strategy.train_step(loss_fn, optimizer) as step:
         state = step.state_shapes(params)
         memory = step.memory_stats(state, batch)
