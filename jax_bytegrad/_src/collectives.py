@@ -276,8 +276,8 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
     for i in bucketing.ready_order(layout, order):
         if last is not None:
             # The buckets cross between nodes one after another, in the order the backward
-            # pass completes them (module docstring). The tied shard goes on from the
-            # barrier too: XLA's simplifier drops a barrier's operand whose result is unused.
+            # pass completes them (module docstring); in the sharded layout the tied shard
+            # goes on from the barrier too (``_tie``).
             parts[i], shards[last] = _tie(parts[i], shards[last], through=sharded is not None)
         shards[i], kept[i] = wires.sum_shard(
             parts[i],

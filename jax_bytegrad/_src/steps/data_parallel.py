@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks, shards
 from jax_bytegrad._src.collective_ops import make_varying
+from jax_bytegrad._src.config import platform_of
 from jax_bytegrad._src.sharding import replicate, state_specs
 from jax_bytegrad._src.shards import Shard, Sharded
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
@@ -371,7 +372,7 @@ class DataParallelStep(TrainStep):
     def _build(self, phase) -> Program:
         in_specs, out_specs = self._specs_of(phase)
         options = None
-        if self.shard == "params" and self.mesh.devices.flat[0].platform == "gpu":
+        if self.shard == "params" and platform_of(self.mesh) == "gpu":
             # jax.grad of the in-loss gathers reduce-scatters each leaf within the node, and
             # XLA:GPU's combiner (30 MiB) would merge them all after the last gradient,
             # holding every exchange between nodes back (benchmarks/RESULTS.md, "Sharded
