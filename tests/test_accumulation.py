@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import classification_batches
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
 from jax_bytegrad.sharding import replicate, shard_batch, shard_state, state_specs
-from tests.helpers import classification_batches
 
 K = 4
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import needs_gpu_plugin
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
@@ -25,7 +26,6 @@ from jax_bytegrad import compressed_mean, full_precision_mean
 from jax_bytegrad._src import buckets
 from jax_bytegrad.profiling import communication_stats
 from jax_bytegrad.sharding import gpu_mesh
-from tests.helpers import needs_gpu_plugin
 
 AXES = ("node", "local")
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)

@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import gpu_plugin_error, load_script, needs_gpu_plugin
 
 import jax_bytegrad as jbg
 from jax_bytegrad import SyncConfig
 from jax_bytegrad._src import codecs, collectives, config, hlo, wire
 from jax_bytegrad.sharding import GPUS, gpu_mesh
-from tests.helpers import gpu_plugin_error, load_script, needs_gpu_plugin
 
 ALGORITHMS = {
     "gradient_allreduce": {},

@@ -7,11 +7,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import assert_trees_all_close
 from sklearn.datasets import load_digits
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
-from tests.helpers import assert_trees_all_close
 
 STEPS, BATCH, DEVICES, SEED = 3, 64, 8, 7
 

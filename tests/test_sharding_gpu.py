@@ -12,10 +12,10 @@ from pathlib import Path
 
 import optax
 import pytest
+from helpers import load_script, needs_gpu_plugin
 
 import jax_bytegrad as jbg
 from jax_bytegrad.sharding import gpu_mesh
-from tests.helpers import load_script, needs_gpu_plugin
 
 ALGORITHMS = {
     # Hierarchical, as the sharded steps' sync between nodes is: the same bytes to compare.
