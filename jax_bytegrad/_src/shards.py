@@ -7,7 +7,7 @@ and, with ``shard="params"`` (ZeRO-3), of the parameters too; every node holds t
 model. Between nodes nothing changes: after the reduce-scatter within the node, each device
 owns 1/L of its node's summed gradient, which is what the hierarchical wires send.
 
-A leaf is split along its first dimension that the L devices divide (``split_dims``); a leaf
+A leaf is split along its largest dimension that the L devices divide (``split_dims``); a leaf
 with none (a scalar, a bias of odd size) stays whole on every device. The arrays stay global:
 a sharded state is the same pytree, of the same shapes, as the replicated one, only placed
 otherwise (``leaf_specs``), so a checkpoint restores onto any number of devices and any
@@ -33,14 +33,17 @@ SHARDS = ("optimizer", "params")
 
 
 def split_dim(shape: tuple[int, ...], local: int) -> int | None:
-    """The dimension of a leaf of ``shape`` that ``local`` devices split: the first whose size
-    they divide; None for a leaf kept whole (no such dimension, or one device)."""
+    """The dimension of a leaf of ``shape`` that ``local`` devices split: the largest whose
+    size they divide (the first of equals); None for a leaf kept whole (no such dimension, or
+    one device).
+
+    The largest, not the first: a scanned stack of layers, ``(layers, d_in, d_out)``, is then
+    split along a layer's own dimension, so each layer is gathered inside the loop, and not
+    along the one the scan runs over (which would gather the whole stack before it)."""
     if local == 1:
         return None
-    for dim, size in enumerate(shape):
-        if size >= local and size % local == 0:
-            return dim
-    return None
+    fits = [(size, -dim) for dim, size in enumerate(shape) if size >= local and size % local == 0]
+    return -max(fits)[1] if fits else None
 
 
 def split_dims(tree, local: int) -> tuple[int | None, ...]:

@@ -5,32 +5,34 @@ System Relaxations", VLDB 2022): parameters and optimizer state are replicated, 
 computes the gradient of its slice of the batch, and the optimizer's first transformation
 (``bytegrad``, ``gradient_allreduce``, ``qadam``) averages what must be averaged.
 
-With ``shard=`` the state is split within each node (``shards.py``; ZeRO within the node, as
-HSDP): per device, inside ``jax.shard_map``,
+With ``shard=`` the state is split within each node (ZeRO within the node, as HSDP), and
+where it lives is one placement object (``placement.py``) that gives the step its specs, its
+gradient, the frame of its update and its compiler options:
 
-    shard="optimizer": params whole, optimizer state in blocks
+    shard="optimizer": params whole, optimizer state in blocks (manual over both axes)
         grads = grad of the loss at the whole params (each device its own batch slice)
         update = optimizer(grads, state blocks): the sync reduce-scatters each bucket within
             the node, in rows of this device's blocks, then crosses between nodes
         params = all_gather within the node of (block + update)
-    shard="params": params in blocks too
-        the loss gathers each block within the node where it runs; jax.grad of a gather is
-        the reduce-scatter, so the gradient arrives as this device's block of the node sum
-        update = optimizer(node sums, state blocks): the sync only crosses between nodes
+    shard="params": params in blocks too (manual over the node axis only)
+        grads = grad of the node's loss, each device's rows under jax.vmap: XLA's partitioner
+            gathers each layer within the node where the model uses it (inside its remat,
+            inside a scan body) and reduce-scatters its gradient, the node's sum in blocks
+        update = optimizer(node sums, state blocks), in a shard_map over the local axis:
+            the sync only crosses between nodes
         params = block + update
 
-Leaves that the node's devices cannot split stay whole (summed within the node by a psum with
-"params"). The optimizer's sync (``bytegrad``, ``gradient_allreduce``, ``qadam``) is told all
-this by the extra argument ``sharded`` (``shards.Sharded``): its rows have the sizes, wires
-and residuals of the replicated step's shards.
+Leaves that the node's devices cannot split stay whole. The optimizer's sync (``bytegrad``,
+``gradient_allreduce``, ``qadam``) is told the layout by the extra argument ``sharded``
+(``shards.Sharded``): its rows have the sizes, wires and residuals of the replicated step's
+shards.
 """
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -39,9 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks, shards
 from jax_bytegrad._src.collective_ops import make_varying
-from jax_bytegrad._src.config import platform_of
-from jax_bytegrad._src.sharding import replicate, state_specs
-from jax_bytegrad._src.shards import Shard, Sharded
+from jax_bytegrad._src.shards import Shard
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import (
@@ -53,15 +53,11 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+from jax_bytegrad._src.steps.placement import placement_of
 from jax_bytegrad._src.steps.tracing import traced, traced_gradient
 
 # The phase of the micro-steps that only accumulate (``accumulation.py``).
 ACCUMULATE = "accumulate"
-
-# With shard="params" on GPUs: the largest combined reduce-scatter within the node. On 2 x 8
-# deviceless H100s (8 x 2048^2 MLP), 30 MiB (XLA's) or 16 start nothing between nodes before
-# the last gemm, 4 MiB half of it.
-RS_COMBINE_BYTES = 4 * 2**20
 
 
 def _spec_axes(spec) -> set[str]:
@@ -86,9 +82,34 @@ def _unsynced(updates, update_specs, opt_state, specs, axes) -> list[str]:
     ]
 
 
+class Layout(NamedTuple):
+    """A state's global specs, from its params' shapes alone (``DataParallelStep._layout``).
+
+    Attributes:
+      key: what it was computed from (the params' structure, shapes and dtypes).
+      dims: per leaf, the dimension split within the node, or None (none split).
+      params: the params' specs.
+      opt_state: the optimizer state's specs.
+      updates: the specs of each device's update (None: the whole of every leaf).
+      accumulated: the accumulator's specs (None without accumulation).
+    """
+
+    key: Any
+    dims: tuple[int | None, ...] | None
+    params: Any
+    opt_state: Any
+    updates: Any
+    accumulated: Any
+
+
+def _shapes_key(params) -> tuple:
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
+
+
 class DataParallelStep(TrainStep):
     """``data_parallel_step``'s ``TrainStep``: a program per optimizer phase (and one for the
-    micro-steps that accumulate)."""
+    micro-steps that accumulate), for each layout of params it is given."""
 
     def __init__(self, algorithm, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate,
                  axes, flatten, model=None, shard: Shard | None = None,
@@ -100,6 +121,7 @@ class DataParallelStep(TrainStep):
         self._optimizers = dict(optimizers)
         self._phase_of = phase_of
         self.shard = shard
+        self.placement = placement_of(shard, mesh, axes)
         self.accumulation = accumulation
         self.phases = tuple(self._optimizers)
         if accumulation is not None:
@@ -107,9 +129,7 @@ class DataParallelStep(TrainStep):
                 raise ValueError(f"{algorithm}: a phase may not be named {ACCUMULATE!r}")
             self.phases = (ACCUMULATE, *self.phases)
             self._extra_keys = (accumulation_lib.ACCUMULATED,)
-        self._local = int(mesh.shape[axes[1]])
-        # The specs of the params and of the optimizer state, from the first state seen.
-        self._specs = None
+        self._layouts: dict[Any, Layout] = {}
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         taken = steps_taken
@@ -133,182 +153,156 @@ class DataParallelStep(TrainStep):
     def _expected_opt_state(self, params):
         return jax.eval_shape(self._init_fn(), params)
 
-    def _param_specs(self, params):
-        if self.shard != "params":
-            return jax.tree.map(lambda _: P(), params)
-        return shards.leaf_specs(params, self._axes[1], self._local)
-
-    def _state_specs(self, opt_state, params):
-        if self.shard is None:
-            return state_specs(opt_state, node_axis=self._axes[0], local_axis=self._axes[1])
-        return shards.state_specs(opt_state, params, axes=self._axes, local=self._local)
-
-    def _learn_specs(self, params, opt_state) -> tuple:
-        """The specs of ``(params, opt_state)``, kept from the first state this step sees: a
-        step's state keeps its layout from step to step."""
-        if self._specs is None:
-            self._specs = (self._param_specs(params), self._state_specs(opt_state, params))
-            local = self._local if self.shard else 1
-            self._dims = shards.split_dims(params, local)
-            # What each device's update is: its blocks of the split leaves.
-            self._update_specs = shards.leaf_specs(params, self._axes[1], local)
-        return self._specs
-
-    def _accumulated(self, params) -> dict:
-        """``extra``'s accumulator, as placed ``ShapeDtypeStruct``s; empty without one."""
-        if self.accumulation is None:
-            return {}
-        dims = shards.split_dims(params, self._local) if self.shard else None
-        acc = accumulation_lib.shapes(params, self.mesh, self._axes, self.accumulation, dims)
-        return {accumulation_lib.ACCUMULATED: acc}
+    def _layout(self, params) -> Layout:
+        """The specs of a state whose params are ``params`` (arrays or shapes), as the
+        placement gives them for their shapes."""
+        key = _shapes_key(params)
+        if key not in self._layouts:
+            placement = self.placement
+            shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
+            acc = placement.accumulated(shapes, self.accumulation)
+            self._layouts[key] = Layout(
+                key,
+                placement.dims(shapes),
+                placement.param_specs(shapes),
+                placement.state_specs(jax.eval_shape(self._init_fn(), shapes), shapes),
+                placement.update_specs(shapes),
+                accumulation_lib.specs(acc[accumulation_lib.ACCUMULATED]) if acc else None,
+            )
+        return self._layouts[key]
 
     def _shardings(self, specs):
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
 
-    def _init_program(self, params):
+    def _init_program(self, layout: Layout):
         """The optimizer's init, jitted to place its state where it lives."""
-        init = self._init_fn()
-        param_specs, specs = self._learn_specs(params, jax.eval_shape(init, params))
         return jax.jit(
-            init, in_shardings=(self._shardings(param_specs),), out_shardings=self._shardings(specs)
+            self._init_fn(),
+            in_shardings=(self._shardings(layout.params),),
+            out_shardings=self._shardings(layout.opt_state),
         )
 
     def _init(self, params) -> StepState:
-        params = host_copy(params)
-        if self.shard == "params":
-            params = jax.tree.map(
-                lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i]),
-                params,
-                self._shardings(self._param_specs(params)),
-            )
-        else:
-            params = replicate(params, self.mesh)
-        extra = jax.tree.map(accumulation_lib.zeros, self._accumulated(params))
-        return StepState(count(0), params, self._init_program(params)(params), extra)
+        params = self.placement.place(host_copy(params))
+        layout = self._layout(params)
+        extra = jax.tree.map(
+            accumulation_lib.zeros, self.placement.accumulated(params, self.accumulation)
+        )
+        return StepState(count(0), params, self._init_program(layout)(params), extra)
 
     def _state_shapes(self, params) -> StepState:
+        layout = self._layout(params)
         params = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             params,
-            self._shardings(self._param_specs(params)),
+            self._shardings(layout.params),
         )
-        opt_state = self._init_program(params).eval_shape(params)
-        return StepState(count(0), params, opt_state, self._accumulated(params))
+        opt_state = self._init_program(layout).eval_shape(params)
+        accumulated = self.placement.accumulated(params, self.accumulation)
+        return StepState(count(0), params, opt_state, accumulated)
 
     # The program. -------------------------------------------------------------------------
 
-    def _loss(self):
-        """The loss of the params as the step holds them: with ``shard="params"``, each block
-        is gathered within the node where the loss uses it."""
-        if self.shard != "params":
-            return self.loss_fn
-        dims, axis, loss_fn = self._dims, self._axes[1], self.loss_fn
-
-        def loss(blocks, batch, **kwargs):
-            leaves, treedef = jax.tree.flatten(blocks)
-            whole = [
-                shards.gather_block(x, d, axis, invariant=False)
-                for x, d in zip(leaves, dims, strict=True)
-            ]
-            return loss_fn(jax.tree.unflatten(treedef, whole), batch, **kwargs)
-
-        return loss
-
-    def _node_sums(self, grads):
-        """The node's sums of the gradient: this device's block of each split leaf (jax.grad
-        of the in-loss gather summed those already with ``shard="params"``), all of a whole
-        one."""
-        axis, summed = self._axes[1], self.shard == "params"
-        leaves, treedef = jax.tree.flatten(grads)
-        sums = [
-            x if summed and d is not None else shards.node_sum(x, d, axis)
-            for x, d in zip(leaves, self._dims, strict=True)
-        ]
-        return jax.tree.unflatten(treedef, sums)
-
-    def _gradient(self):
+    def _gradient(self, layout: Layout):
         """``(params, batch, *model_inputs) -> ((loss, aux, model_state), grads, order)``:
-        what this device hands its optimizer: its gradient, or with ``shard="params"`` its
-        node's sums (``_node_sums``)."""
-        axes = self._axes
-        grad_fn = self.model.value_and_grad(self._loss(), self.has_aux, axes)
+        what the placement hands the optimizer: each device's gradient, or its node's sums
+        in blocks."""
+        placement = self.placement
+        grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
 
         def gradient(params, batch, *model_inputs):
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce.
-            varying = make_varying(params, axes)
-            (outputs, grads), order = traced_gradient(grad_fn, varying, batch, *model_inputs)
-            if self.shard == "params":
-                grads = self._node_sums(grads)
+            varying = make_varying(params, placement.manual_axes)
+            (outputs, grads), order, closed = traced_gradient(
+                grad_fn, varying, batch, *model_inputs
+            )
+            placement.check_gradient(closed, params, layout.dims, self.algorithm)
             return outputs, grads, order
 
         return gradient
 
-    def _update(self, optimizer, grads, opt_state, params, order, summed: bool):
-        """The optimizer's update of this device's (blocks of the) params, checked."""
-        axes, shard, dims = self._axes, self.shard, self._dims
+    def _update(self, optimizer, grads, opt_state, params, order, layout, accumulating: bool):
+        """The optimizer's update of this device's (blocks of the) params, checked, in the
+        placement's frame."""
+        placement, axes, dims = self.placement, self._axes, layout.dims
         extra = {"gradient_order": order}
-        own = params
-        if shard is None:
-            updates, opt_state = optimizer.update(grads, opt_state, own, **extra)
-        else:
-            if shard == "optimizer":
-                own = jax.tree.map(
-                    lambda x, d: shards.own_block(x, d, axes[1]),
-                    params,
-                    jax.tree.unflatten(jax.tree.structure(params), dims),
+        sharded = placement.sharded(dims, accumulating)
+        if sharded is not None:
+            extra["sharded"] = sharded
+
+        def update(grads, opt_state, params):
+            own = placement.own(params, dims)
+            fn = functools.partial(optimizer.update, **extra)
+            closed, (updates, opt_state) = traced(fn, grads, opt_state, own)
+            if sharded is not None:  # each device updates blocks: elementwise only
+                shards.check_elementwise(closed.jaxpr, self.algorithm)
+            unsynced = _unsynced(updates, layout.updates, opt_state, layout.opt_state, axes)
+            if unsynced:
+                raise ValueError(
+                    f"{self.algorithm}: the optimizer leaves updates or state that differ "
+                    f"between devices ({', '.join(unsynced[:3])}); put jax_bytegrad.bytegrad() "
+                    "or gradient_allreduce() first in the optax chain, or use "
+                    "jax_bytegrad.qadam()"
                 )
-            extra["sharded"] = Sharded(axes[1], dims, summed=summed)
-            update = functools.partial(optimizer.update, **extra)
-            closed, (updates, opt_state) = traced(update, grads, opt_state, own)
-            shards.check_elementwise(closed.jaxpr, self.algorithm)
-        unsynced = _unsynced(updates, self._update_specs, opt_state, self._specs[1], axes)
-        if unsynced:
-            raise ValueError(
-                f"{self.algorithm}: the optimizer leaves updates or state that differ "
-                f"between devices ({', '.join(unsynced[:3])}); put jax_bytegrad.bytegrad() "
-                "or gradient_allreduce() first in the optax chain, or use jax_bytegrad.qadam()"
-            )
-        params = optax.apply_updates(own, updates)
-        if shard == "optimizer":
-            params = jax.tree.map(
-                lambda x, d: shards.gather_block(x, d, axes[1], invariant=True),
-                params,
-                jax.tree.unflatten(jax.tree.structure(params), dims),
-            )
-        return params, opt_state
+            return placement.finish(optax.apply_updates(own, updates), dims), opt_state
+
+        return placement.in_update_frame(
+            update,
+            (grads, opt_state, params),
+            (layout.params, layout.opt_state, layout.params),
+            (layout.params, layout.opt_state),
+        )
 
     def _metrics(self, loss, aux, model_state) -> tuple:
-        axes = self._axes
+        axes = self.placement.manual_axes
         out = (jax.lax.pmean(loss, axes),)
         out += (jax.lax.pmean(aux, axes),) if self.has_aux else ()
         return out + ((model_state,) if self.model.has_state else ())
 
-    def per_device(self, phase: str | None = None) -> Callable:
+    def per_device(self, phase: str | None = None, params=None) -> Callable:
         """The un-jitted, un-mapped step of one device, for a ``shard_map`` of your own:
         ``(params, opt_state, batch) -> (params, opt_state, loss[, aux])``.
 
         ``loss`` (and ``aux``) are means over every device. ``phase`` picks the optimizer of
-        a step with several; None for the only one. A step built with ``model_state=``
+        a step with several; None for the only one. ``params`` (arrays or shapes) gives the
+        layout of a step with ``shard=`` or accumulation. A step built with ``model_state=``
         or ``rng_seed=`` takes ``(params, opt_state, *model_inputs, batch)``, the model
         inputs being ``state.model_state``, then ``state.rng`` and the step count as uint32,
         and returns the synced model state last. A step that accumulates takes the
         accumulator (its row) and the micro-step's index (uint32) after ``opt_state`` and
         returns the new accumulator after the new ``opt_state``; its ``"accumulate"`` phase
         takes and returns no ``opt_state``, and leaves the params as they are. With
-        ``shard=``, ``init`` or ``state_shapes`` must have been called first (they fix the
-        layout).
+        ``shard="params"`` the function is per node (``shard_map`` manual over the node
+        axis only): use ``sharded``.
         """
-        phase = phase if phase is not None else next(iter(self._optimizers))
-        gradient, accumulation = self._gradient(), self.accumulation
-        summed = self.shard == "params" or (self.shard is not None and accumulation is not None)
+        return self._per_device(self._phase_name(phase), self._layout_of(params, None))
+
+    def _phase_name(self, phase):
+        return phase if phase is not None else next(iter(self._optimizers))
+
+    def _layout_of(self, params, opt_state) -> Layout:
+        """``params``' layout; without them (a replicated step), the one ``opt_state`` gives."""
+        if params is not None:
+            return self._layout(params)
+        if self.shard is not None or self.accumulation is not None:
+            raise ValueError(
+                f"{self.algorithm}: with shard= or accumulation, pass params=... (the params, "
+                "or their shapes): they fix the layout"
+            )
+        specs = None if opt_state is None else self.placement.state_specs(opt_state, None)
+        return Layout(None, None, P(), specs, None, None)
+
+    def _per_device(self, phase: str, layout: Layout) -> Callable:
+        gradient, placement = self._gradient(layout), self.placement
+        accumulation = self.accumulation
+        accumulating = accumulation is not None
         if phase == ACCUMULATE:
 
             def accumulate(params, acc, micro, *rest):
                 *model_inputs, batch = rest
                 (loss, aux, model_state), grads, _ = gradient(params, batch, *model_inputs)
-                if self.shard == "optimizer":
-                    grads = self._node_sums(grads)
+                grads = placement.accumuland(grads, layout.dims)
                 acc = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
                 acc = jax.tree.map(lambda a: a[None], acc)
                 return (acc, *self._metrics(loss, aux, model_state))
@@ -318,66 +312,52 @@ class DataParallelStep(TrainStep):
 
         def step(params, opt_state, *rest):
             *inputs, batch = rest
-            acc, micro, *model_inputs = inputs if accumulation else (None, None, *inputs)
+            acc, micro, *model_inputs = inputs if accumulating else (None, None, *inputs)
             (loss, aux, model_state), grads, order = gradient(params, batch, *model_inputs)
-            if accumulation is not None:
-                if self.shard == "optimizer":
-                    grads = self._node_sums(grads)
-                total = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
+            if accumulating:
+                grads_in = placement.accumuland(grads, layout.dims)
+                total = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads_in, micro)
                 grads = optax.tree.cast_like(total, grads)
                 acc = (jax.tree.map(jnp.zeros_like, acc),)
-            params, opt_state = self._update(optimizer, grads, opt_state, params, order, summed)
+            params, opt_state = self._update(
+                optimizer, grads, opt_state, params, order, layout, accumulating
+            )
             return (params, opt_state, *(acc or ()), *self._metrics(loss, aux, model_state))
 
         return step
 
-    def _specs_of(self, phase) -> tuple[tuple, tuple]:
-        """The ``shard_map`` in and out specs of a phase's program, the batch's last."""
-        param_specs, specs = self._specs
-        params = param_specs if self.shard == "params" else P()
+    def _specs_of(self, phase, layout: Layout) -> tuple[tuple, tuple]:
+        """The global in and out specs of a phase's program, the batch's last."""
+        params, specs = layout.params, layout.opt_state
         metrics = (P(),) * (1 + self.has_aux + self.model.has_state)
         model = (P(),) * self.model.num_inputs()
         if self.accumulation is None:
             return (params, specs, *model, P(self._axes)), (params, specs, *metrics)
-        acc = self._acc_specs
+        acc = layout.accumulated
         if phase == ACCUMULATE:
             return (params, acc, P(), *model, P(self._axes)), (acc, *metrics)
         return (params, specs, acc, P(), *model, P(self._axes)), (params, specs, acc, *metrics)
 
-    def sharded(self, opt_state, phase: str | None = None) -> Callable:
+    def sharded(self, opt_state, phase: str | None = None, params=None) -> Callable:
         """The step as one ``jax.shard_map`` over the mesh, not jitted: call it inside a
-        ``jax.jit`` of your own. ``opt_state`` (or its ``jax.eval_shape``) gives the specs
-        (with ``shard=`` or accumulation, call ``init`` or ``state_shapes`` first)."""
-        if self._specs is None:
-            if self.shard is not None or self.accumulation is not None:
-                raise ValueError(
-                    f"{self.algorithm}: with shard= or accumulation, call step.init(params) or "
-                    "step.state_shapes(params) before sharded(...): they fix the layout"
-                )
-            self._specs = ((), self._state_specs(opt_state, None))
-            self._dims = self._update_specs = None
-        in_specs, out_specs = self._specs_of(
-            phase if phase is not None else next(iter(self._optimizers))
-        )
-        return jax.shard_map(
-            self.per_device(phase), mesh=self.mesh, in_specs=in_specs, out_specs=out_specs
-        )
+        ``jax.jit`` of your own. ``opt_state`` (or its ``jax.eval_shape``) gives the specs;
+        with ``shard=`` or accumulation, pass ``params`` (or their shapes) too."""
+        return self._mapped(self._phase_name(phase), self._layout_of(params, opt_state))
+
+    def _mapped(self, phase: str, layout: Layout) -> Callable:
+        in_specs, out_specs = self._specs_of(phase, layout)
+        return self.placement.shard_map(self._per_device(phase, layout), in_specs, out_specs)
 
     def program(self, state: StepState) -> Program:
-        self._learn_specs(state.params, state.opt_state)
-        if self.accumulation is not None:
-            self._acc_specs = accumulation_lib.specs(state.extra[accumulation_lib.ACCUMULATED])
-        return super().program(state)
+        _, phase = self._phase(int(state.step))
+        key = (phase, self._layout(state.params).key)
+        if key not in self._programs:
+            self._programs[key] = self._build(key)
+        return self._programs[key]
 
-    def _build(self, phase) -> Program:
-        in_specs, out_specs = self._specs_of(phase)
-        options = None
-        if self.shard == "params" and platform_of(self.mesh) == "gpu":
-            # jax.grad of the in-loss gathers reduce-scatters each leaf within the node, and
-            # XLA:GPU's combiner (30 MiB) would merge them all after the last gradient,
-            # holding every exchange between nodes back (benchmarks/RESULTS.md, "Sharded
-            # state within a node": benchmarks/sharded_overlap.py).
-            options = {"xla_gpu_reduce_scatter_combine_threshold_bytes": RS_COMBINE_BYTES}
+    def _build(self, key) -> Program:
+        phase, layout = key[0], self._layouts[key[1]]
+        in_specs, out_specs = self._specs_of(phase, layout)
         # The params (unless the phase leaves them as they are), the optimizer state, the
         # accumulator and the model state: the step returns their new values in their
         # buffers.
@@ -388,8 +368,8 @@ class DataParallelStep(TrainStep):
         model_state = len(in_specs) - 1 - self.model.num_inputs()
         donated += (model_state,) * self.model.has_state
         fn = jax.jit(
-            self.sharded(None, phase),
-            compiler_options=options,
+            self._mapped(phase, layout),
+            compiler_options=self.placement.compiler_options(),
             in_shardings=self._shardings(in_specs),
             out_shardings=self._shardings(out_specs),
             donate_argnums=donated if self._donate else (),
@@ -398,16 +378,10 @@ class DataParallelStep(TrainStep):
         outputs = functools.partial(self._outputs, phase=phase)
         return Program(fn, inputs, outputs)
 
-    def _check_placement(self, state) -> None:
-        param_specs, specs = self._specs
-        if self.shard != "params":
-            param_specs = jax.tree.map(lambda _: P(), state.params)
-        shards.check_placed((state.params, state.opt_state), (param_specs, specs), self.mesh,
-                            f"{self.algorithm} (shard={self.shard!r})")  # fmt: skip
-
     def _inputs(self, state, batch, *, phase):
-        self._learn_specs(state.params, state.opt_state)
-        self._check_placement(state)
+        layout = self._layout(state.params)
+        shards.check_placed((state.params, state.opt_state), (layout.params, layout.opt_state),
+                            self.mesh, f"{self.algorithm} (shard={self.shard!r})")  # fmt: skip
         batch = global_batch(batch, self.mesh, self._axes)
         model = self.model.inputs(state)
         if self.accumulation is None:

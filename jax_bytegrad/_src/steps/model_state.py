@@ -93,6 +93,13 @@ def _sync_leaf(x, axes, how: str):
     return total.astype(x.dtype)
 
 
+def _sync_rows(x, node_axis: str, how: str):
+    """``_sync_leaf`` of a leaf with one row per device of this node (``value_and_grad_rows``):
+    the rows' mean (float leaves, ``"mean"``) or the first row, then synced over the nodes."""
+    mean = how == "mean" and jnp.issubdtype(x.dtype, jnp.inexact)
+    return _sync_leaf(jnp.mean(x, axis=0) if mean else x[0], (node_axis,), how)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ModelState:
     """What a step's loss function takes beyond ``(params, batch)``, and how it is carried.
@@ -180,10 +187,9 @@ class ModelState:
     def num_inputs(self) -> int:
         return int(self.has_state) + 2 * int(self.has_rng)
 
-    def value_and_grad(self, loss_fn, has_aux: bool, axes: tuple[str, str]):
-        """``(params, batch, *inputs) -> ((loss, aux, model_state), grads)`` for one device;
-        ``inputs`` as ``inputs`` gives them, ``model_state`` synced over ``axes`` (None
-        without state)."""
+    def _loss(self, loss_fn, has_aux: bool):
+        """``loss(params, batch, model_state, key) -> (value, (aux, new_model_state))``: the
+        user's loss function called as this step calls it, its result checked."""
         has_state, has_rng, where = self.has_state, self.has_rng, "train step"
         expected = jax.tree.structure(self.initial) if has_state else None
 
@@ -210,18 +216,57 @@ class ModelState:
             value, aux = out if has_aux else (out, None)
             return value, (aux, model_state)
 
-        grad_fn = jax.value_and_grad(loss, has_aux=True)
+        return loss
+
+    def _split_inputs(self, inputs):
+        """``(model_state, (rng, step))`` from the step program's extra inputs."""
+        inputs = list(inputs)
+        model_state = inputs.pop(0) if self.has_state else None
+        return model_state, (tuple(inputs) if self.has_rng else None)
+
+    def value_and_grad(self, loss_fn, has_aux: bool, axes: tuple[str, str]):
+        """``(params, batch, *inputs) -> ((loss, aux, model_state), grads)`` for one device;
+        ``inputs`` as ``inputs`` gives them, ``model_state`` synced over ``axes`` (None
+        without state)."""
+        grad_fn = jax.value_and_grad(self._loss(loss_fn, has_aux), has_aux=True)
 
         def run(params, batch, *inputs):
-            inputs = list(inputs)
-            model_state = inputs.pop(0) if has_state else None
-            key = None
-            if has_rng:
-                rng, step = inputs
-                key = step_key(rng, step, jax.lax.axis_index(axes))
+            model_state, rng = self._split_inputs(inputs)
+            key = None if rng is None else step_key(*rng, jax.lax.axis_index(axes))
             (value, (aux, model_state)), grads = grad_fn(params, batch, model_state, key)
-            if has_state:
+            if self.has_state:
                 model_state = jax.tree.map(lambda x: _sync_leaf(x, axes, self.sync), model_state)
             return (value, aux, model_state), grads
+
+        return run
+
+    def value_and_grad_rows(self, loss_fn, has_aux: bool, axes: tuple[str, str], local: int):
+        """``value_and_grad`` for a step manual over the node axis only: ``batch`` is the
+        node's rows, and the loss runs once per device's rows under ``jax.vmap``, with the
+        key that device would get, so each device's loss, dropout and batch statistics are
+        what they are in the step manual over both axes. ``grads`` is the sum over the node's
+        devices; the loss and aux are their means, the model state synced over ``axes``."""
+        loss = self._loss(loss_fn, has_aux)
+
+        def total(params, rows, model_state, keys):
+            per_row = jax.vmap(loss, in_axes=(None, 0, None, None if keys is None else 0))
+            values, (aux, model_state) = per_row(params, rows, model_state, keys)
+            return jnp.sum(values), (values, aux, model_state)
+
+        grad_fn = jax.value_and_grad(total, has_aux=True)
+
+        def run(params, batch, *inputs):
+            model_state, rng = self._split_inputs(inputs)
+            rows = jax.tree.map(lambda x: x.reshape(local, -1, *x.shape[1:]), batch)
+            keys = None
+            if rng is not None:
+                first = jax.lax.axis_index(axes[0]) * local
+                keys = jax.vmap(lambda j: step_key(*rng, first + j))(jnp.arange(local))
+            (_, (values, aux, model_state)), grads = grad_fn(params, rows, model_state, keys)
+            mean = lambda x: jnp.mean(x, axis=0)  # noqa: E731
+            aux = None if aux is None else jax.tree.map(mean, aux)
+            if self.has_state:
+                model_state = jax.tree.map(lambda x: _sync_rows(x, axes[0], self.sync), model_state)
+            return (mean(values), aux, model_state), grads
 
         return run

@@ -18,9 +18,9 @@ def traced(fn, *args):
 
 
 def traced_gradient(grad_fn, params, *args):
-    """``grad_fn(params, *args)`` (whose result ends with the gradient), traced once, and the
+    """``grad_fn(params, *args)`` (whose result ends with the gradient), traced once; the
     params' leaf indices in the order its backward pass produces their gradients (ties: last
-    leaf first), read from that trace.
+    leaf first), read from that trace; and the trace itself.
 
     The sync of each bucket of the gradient runs in this order (``buckets.ready_order``), so
     that the first bucket to cross between nodes is the first one complete.
@@ -33,4 +33,4 @@ def traced_gradient(grad_fn, params, *args):
     leaves = len(jax.tree.leaves(params))
     ranks = [produced.get(id(var), -1) for var in closed.jaxpr.outvars[-leaves:]]
     order = tuple(sorted(range(leaves), key=lambda i: (ranks[i], -i)))
-    return out, order
+    return out, order, closed

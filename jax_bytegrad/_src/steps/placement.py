@@ -1,0 +1,320 @@
+"""Where a data-parallel step keeps its state within a node: one object per ``shard=`` setting.
+
+Follows ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020) within a node, as PyTorch FSDP's hybrid sharding (HSDP) does, and
+GSPMD's way of gathering a sharded weight where it is used (Xu et al., "GSPMD: General and
+Scalable Parallelization for ML Computation Graphs", 2021), as MaxText and Levanter rely on.
+
+Three placements, each the whole answer for its setting (``placement_of``):
+
+    Replicated (shard=None)      every device holds the whole state; the step is manual over
+                                 both mesh axes; the sync sums within the node itself
+    OptimizerSharded ("optimizer")
+                                 params whole, optimizer state in blocks: each device updates
+                                 its blocks and the new params are gathered within the node
+    ParamsSharded ("params")     params and state rest in blocks; the step is manual over
+                                 "node" only, and XLA's partitioner gathers each layer within
+                                 the node where the model uses it: inside the model's
+                                 ``jax.checkpoint`` and inside a ``lax.scan`` body, never all
+                                 at once. Its gradient arrives as the node's sum in blocks
+                                 (a reduce-scatter within the node), and the update runs in a
+                                 ``shard_map`` over "local" on those blocks.
+
+Each gives the step its specs (computed from the params' shapes alone, so no call order
+matters), the loss's gradient, the update's frame, and its compiler options; the sync side
+gets the matching layout as ``shards.Sharded``. The step (``data_parallel.py``) asks them and
+never branches on the setting.
+"""
+
+import warnings
+
+import jax
+import jax.extend
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src import shards
+from jax_bytegrad._src.config import platform_of
+from jax_bytegrad._src.sharding import replicate, state_specs
+from jax_bytegrad._src.shards import Shard, Sharded
+from jax_bytegrad._src.steps import accumulation as accumulation_lib
+
+# With shard="params" on GPUs: the largest combined reduce-scatter within the node. XLA:GPU's
+# combiner (30 MiB) would merge the gradient's reduce-scatters after the last one, holding every
+# exchange between nodes back (benchmarks/RESULTS.md, "Sharded state within a node").
+RS_COMBINE_BYTES = 4 * 2**20
+
+
+def _project(spec: P, keep: frozenset) -> P:
+    """``spec`` with the mesh axes outside ``keep`` dropped (a ``shard_map`` manual over
+    ``keep`` only names those; the partitioner carries the rest)."""
+
+    def one(entry):
+        names = entry if isinstance(entry, tuple) else (entry,) if entry is not None else ()
+        kept = tuple(n for n in names if n in keep)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    entries = [one(e) for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def _project_all(tree, keep: frozenset):
+    return jax.tree.map(lambda s: _project(s, keep), tree, is_leaf=lambda x: isinstance(x, P))
+
+
+class Placement:
+    """Replicated state (``shard=None``): the base every placement refines.
+
+    Attributes:
+      mesh: the step's mesh.
+      axes: ``(node_axis, local_axis)``.
+      local: devices per node.
+    """
+
+    shard: Shard | None = None
+
+    def __init__(self, mesh: Mesh, axes: tuple[str, str]):
+        self.mesh, self.axes = mesh, axes
+        self.local = int(mesh.shape[axes[1]])
+
+    # The layout, from the params' shapes alone. -----------------------------------------
+
+    def dims(self, params) -> tuple[int | None, ...] | None:
+        """Per leaf, the dimension split within the node (None: whole); None when nothing is."""
+        return None
+
+    def param_specs(self, params):
+        """Where each parameter rests, as global specs over the mesh."""
+        return jax.tree.map(lambda _: P(), params)
+
+    def update_specs(self, params):
+        """What each device's update of each parameter is (its block, or all of it)."""
+        return jax.tree.map(lambda _: P(), params)
+
+    def state_specs(self, opt_state, params):
+        """The optimizer state's global specs."""
+        del params
+        return state_specs(opt_state, node_axis=self.axes[0], local_axis=self.axes[1])
+
+    def accumulated(self, params, accumulation) -> dict:
+        """``extra``'s accumulator as placed ``ShapeDtypeStruct``s; empty without one."""
+        if accumulation is None:
+            return {}
+        acc = accumulation_lib.shapes(params, self.mesh, self.axes, accumulation, self.dims(params))
+        return {accumulation_lib.ACCUMULATED: acc}
+
+    def place(self, params):
+        """``params`` (host arrays) placed where they rest."""
+        return replicate(params, self.mesh)
+
+    # The program. --------------------------------------------------------------------------
+
+    @property
+    def manual_axes(self) -> tuple[str, ...]:
+        """The mesh axes the step's ``shard_map`` is manual over."""
+        return self.axes
+
+    def shard_map(self, fn, in_specs, out_specs):
+        """``fn`` mapped over the mesh, given global specs."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs)
+
+    def value_and_grad(self, model, loss_fn, has_aux: bool):
+        """``(params, batch, *model_inputs) -> ((loss, aux, model_state), grads)``: the loss
+        of this device's rows, and its own gradient (the sync sums it)."""
+        return model.value_and_grad(loss_fn, has_aux, self.axes)
+
+    def check_gradient(self, closed, params, dims, where: str) -> None:
+        """Looks at the traced gradient ``closed`` for what the placement cannot do well."""
+
+    def accumuland(self, grads, dims):
+        """What the accumulator adds each micro-step: here each device's own gradient."""
+        return grads
+
+    def sharded(self, dims, accumulating: bool) -> Sharded | None:
+        """The layout the optimizer's sync is told (``sharded=``); None: replicated."""
+        return None
+
+    def own(self, params, dims):
+        """The params the optimizer updates on this device."""
+        return params
+
+    def finish(self, params, dims):
+        """The updated params as they rest."""
+        return params
+
+    def in_update_frame(self, update, trees, in_specs, out_specs):
+        """``update(*trees)`` where the optimizer runs (here: in the step's own frame)."""
+        del in_specs, out_specs
+        return update(*trees)
+
+    def compiler_options(self) -> dict | None:
+        return None
+
+
+class OptimizerSharded(Placement):
+    """``shard="optimizer"``: params whole, optimizer state in blocks (ZeRO-1/2 within the
+    node). The sync reduce-scatters each bucket within the node in this device's rows, crosses
+    between nodes, and the new blocks are gathered within the node."""
+
+    shard = "optimizer"
+
+    def dims(self, params):
+        return shards.split_dims(params, self.local)
+
+    def update_specs(self, params):
+        return shards.leaf_specs(params, self.axes[1], self.local)
+
+    def state_specs(self, opt_state, params):
+        return shards.state_specs(opt_state, params, axes=self.axes, local=self.local)
+
+    def accumuland(self, grads, dims):
+        # The accumulator is split within the node too (ZeRO-2): the node's sum, in blocks.
+        leaves, treedef = jax.tree.flatten(grads)
+        sums = [shards.node_sum(x, d, self.axes[1]) for x, d in zip(leaves, dims, strict=True)]
+        return jax.tree.unflatten(treedef, sums)
+
+    def sharded(self, dims, accumulating):
+        return Sharded(self.axes[1], dims, summed=accumulating)
+
+    def own(self, params, dims):
+        return self._per_leaf(lambda x, d: shards.own_block(x, d, self.axes[1]), params, dims)
+
+    def finish(self, params, dims):
+        axis = self.axes[1]
+        return self._per_leaf(
+            lambda x, d: shards.gather_block(x, d, axis, invariant=True), params, dims
+        )
+
+    @staticmethod
+    def _per_leaf(fn, tree, dims):
+        leaves, treedef = jax.tree.flatten(tree)
+        return jax.tree.unflatten(treedef, [fn(x, d) for x, d in zip(leaves, dims, strict=True)])
+
+
+class ParamsSharded(OptimizerSharded):
+    """``shard="params"``: params and state in blocks (ZeRO-3 within the node, HSDP).
+
+    The step is manual over "node" only. Within it each parameter is one array over the node,
+    split over "local" by its sharding, and the loss runs once per device's rows under
+    ``jax.vmap``: XLA's partitioner inserts each layer's gather where the model uses it (inside
+    its remat region, inside a scan body), and the transpose of that gather, the node's sum
+    in blocks, is the gradient. The optimizer's update then runs in a ``shard_map`` over
+    "local" on each device's blocks, where the sync crosses between nodes.
+    """
+
+    shard = "params"
+
+    def param_specs(self, params):
+        return shards.leaf_specs(params, self.axes[1], self.local)
+
+    def place(self, params):
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(
+                x.shape, NamedSharding(self.mesh, s), lambda i, x=x: x[i]
+            ),
+            params,
+            self.param_specs(params),
+        )
+
+    @property
+    def manual_axes(self):
+        return self.axes[:1]
+
+    def shard_map(self, fn, in_specs, out_specs):
+        keep = frozenset(self.manual_axes)
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=_project_all(in_specs, keep),
+            out_specs=_project_all(out_specs, keep),
+            axis_names=keep,
+        )
+
+    def value_and_grad(self, model, loss_fn, has_aux):
+        return model.value_and_grad_rows(loss_fn, has_aux, self.axes, self.local)
+
+    def check_gradient(self, closed, params, dims, where):
+        warn_scanned_whole(closed, params, dims, where)
+
+    def accumuland(self, grads, dims):
+        return grads  # the node's sums already, in blocks
+
+    def sharded(self, dims, accumulating):
+        return Sharded(self.axes[1], dims, summed=True)
+
+    def own(self, params, dims):
+        return params  # the update's frame holds this device's blocks
+
+    def finish(self, params, dims):
+        return params
+
+    def in_update_frame(self, update, trees, in_specs, out_specs):
+        """``update(*trees)`` in a ``shard_map`` manual over "local" too: each device's
+        blocks, as the sync and the optimizer expect them."""
+        keep = frozenset(self.axes[1:])
+        project = lambda tree: _project_all(tree, keep)  # noqa: E731
+        mesh = jax.sharding.get_abstract_mesh()
+        return jax.shard_map(update, mesh=mesh, in_specs=project(in_specs),
+                             out_specs=project(out_specs), axis_names=keep)(*trees)  # fmt: skip
+
+    def compiler_options(self):
+        if platform_of(self.mesh) == "gpu":
+            return {"xla_gpu_reduce_scatter_combine_threshold_bytes": RS_COMBINE_BYTES}
+        return None
+
+
+PLACEMENTS = {None: Placement, "optimizer": OptimizerSharded, "params": ParamsSharded}
+
+
+def placement_of(shard: Shard | None, mesh: Mesh, axes: tuple[str, str]) -> Placement:
+    """The placement object of a ``shard=`` setting."""
+    return PLACEMENTS[shard](mesh, axes)
+
+
+# A stacked leaf split along the dimension a scan runs over -----------------------------------
+
+# Primitives that pass a value through unchanged in shape (a dtype cast, a copy).
+_PASS = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "pcast"})
+
+
+def _scanned_whole(jaxpr, leaf_of: dict, dims) -> set[int]:
+    """Indices of the split leaves that a ``scan`` in ``jaxpr`` runs over along their split
+    dimension (0): XLA's partitioner then gathers the whole stack before the loop."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [leaf_of.get(id(v)) for v in eqn.invars]
+        if name in _PASS and ins[0] is not None:
+            leaf_of[id(eqn.outvars[0])] = ins[0]
+            continue
+        if name == "scan":
+            start = eqn.params["num_consts"] + eqn.params["num_carry"]
+            found |= {i for i in ins[start:] if i is not None and dims[i] == 0}
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the operands
+                inner = {id(v): i for v, i in zip(sub.invars, ins, strict=True) if i is not None}
+                if name == "scan":  # the scanned operands are slices inside
+                    inner = {k: i for k, i in inner.items() if dims[i] != 0}
+                found |= _scanned_whole(sub, inner, dims)
+    return found
+
+
+def warn_scanned_whole(closed, params, dims, where: str) -> None:
+    """Warns, naming the leaves, when the traced gradient ``closed`` (whose first inputs are
+    ``params``' leaves) scans over a leaf along the dimension ``shard="params"`` splits it on:
+    that leaf is gathered whole within the node before the loop."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.leaves_with_path(params)]
+    leaf_of = {id(v): i for i, v in enumerate(closed.jaxpr.invars[: len(paths)])}
+    whole = sorted(_scanned_whole(closed.jaxpr, leaf_of, dims))
+    if whole:
+        names = ", ".join(f"params{paths[i]}" for i in whole[:4])
+        warnings.warn(
+            f"{where}: shard='params' splits {names} along its first dimension, which "
+            "jax.lax.scan runs over, so each is gathered whole within the node before the loop "
+            "(no memory saved for it): its other dimensions are not divisible by the devices "
+            "per node, or smaller than the number of layers. Make a dimension other than the "
+            "first the largest one divisible by the devices per node",
+            stacklevel=4,
+        )
