@@ -53,7 +53,8 @@ class NNXTrainStep:
         ``step.state`` and a batch; ``communication_stats``, ``memory_stats`` and
         ``device_key`` are also this step's own, on its state).
       state: the ``StepState``: checkpoint it as it is, and assign a restored one back
-        (``step.state = restored``), which also writes the model.
+        (``step.state = restored``), which also writes the model. Restore onto
+        ``state_shapes()``, which carries the shardings the step keeps its state in.
     """
 
     def __init__(self, model, train_step: TrainStep, graphdef, templates, has_state: bool):
@@ -85,6 +86,12 @@ class NNXTrainStep:
         self._state, metrics = self.train_step(self._state, batch)
         self._write_back()
         return metrics
+
+    def state_shapes(self) -> StepState:
+        """The ``StepState`` this step starts from, as ``jax.ShapeDtypeStruct`` leaves with the
+        shardings the step keeps it in (``TrainStep.state_shapes``): the target to restore a
+        checkpoint onto, with any ``shard=``."""
+        return self.train_step.state_shapes(nnx.to_pure_dict(self._templates[0]))
 
     def communication_stats(self, batch):
         """Bytes each device sends per step, by phase (see ``TrainStep``)."""
@@ -176,7 +183,10 @@ def train_step(
         states += [_filled(rest, model_state)] if has_state else [_copy(rest)]
         local = nnx.merge(graphdef, *states)
         if tags:
-            nnx.reseed(local, **{t: jax.random.fold_in(key, i) for i, t in enumerate(tags)})
+            # A stream of blocks built under nnx.vmap (nnx.split_rngs) holds a key per block:
+            # "match_shape" splits the device's key into as many.
+            keys = {t: jax.random.fold_in(key, i) for i, t in enumerate(tags)}
+            nnx.reseed(local, policy="match_shape", **keys)
         out = loss_fn(local, batch)
         if not has_state:
             return out

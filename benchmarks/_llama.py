@@ -1,0 +1,133 @@
+"""A Llama-style decoder written as users write one, for the memory and schedule benchmarks.
+
+RMSNorm, rotary position embeddings, multi-head causal attention, a SwiGLU feed-forward block
+and an untied output head, with ``jax.checkpoint`` around each layer as transformers do. The
+layers are either a list of per-layer dicts (``scan=False``) or one stacked dict run by
+``jax.lax.scan`` (``scan=True``, as MaxText's and Levanter's ``scan_layers``).
+
+``SHAPES`` holds the 7B, 13B and 30B shapes (Llama's widths, depths and feed-forward sizes).
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Shape(NamedTuple):
+    """A decoder's size."""
+
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    vocab: int = 32000
+
+    def parameters(self) -> int:
+        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn + 2 * self.dim
+        return self.layers * per_layer + 2 * self.vocab * self.dim + self.dim
+
+
+SHAPES = {
+    "tiny": Shape(layers=2, dim=32, ffn=64, heads=4, vocab=64),
+    "7b": Shape(layers=32, dim=4096, ffn=11008, heads=32),
+    "13b": Shape(layers=40, dim=5120, ffn=13824, heads=40),
+    "30b": Shape(layers=60, dim=6656, ffn=17920, heads=52),
+}
+
+
+def _layer_shapes(shape: Shape, dtype) -> dict:
+    d, f = shape.dim, shape.ffn
+    s = jax.ShapeDtypeStruct
+    return {
+        "attn_norm": s((d,), dtype),
+        "wq": s((d, d), dtype),
+        "wk": s((d, d), dtype),
+        "wv": s((d, d), dtype),
+        "wo": s((d, d), dtype),
+        "mlp_norm": s((d,), dtype),
+        "w_gate": s((d, f), dtype),
+        "w_up": s((d, f), dtype),
+        "w_down": s((f, d), dtype),
+    }
+
+
+def param_shapes(shape: Shape, *, scan: bool, dtype=jnp.float32) -> dict:
+    """The params as ``jax.ShapeDtypeStruct`` leaves: a list of layers, or one stacked dict."""
+    layer = _layer_shapes(shape, dtype)
+    if scan:
+        stack = lambda v: jax.ShapeDtypeStruct((shape.layers, *v.shape), dtype)  # noqa: E731
+        layers = {k: stack(v) for k, v in layer.items()}
+    else:
+        layers = [dict(layer) for _ in range(shape.layers)]
+    return {
+        "embed": jax.ShapeDtypeStruct((shape.vocab, shape.dim), dtype),
+        "layers": layers,
+        "final_norm": jax.ShapeDtypeStruct((shape.dim,), dtype),
+        "head": jax.ShapeDtypeStruct((shape.dim, shape.vocab), dtype),
+    }
+
+
+def init(shape: Shape, key, *, scan: bool, dtype=jnp.float32) -> dict:
+    """Random params of ``param_shapes``: norms at one, matrices scaled by fan-in."""
+    shapes = param_shapes(shape, scan=scan, dtype=dtype)
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(key, len(leaves))
+
+    def one(k, s):
+        if s.shape[-1:] == (shape.dim,) and len(s.shape) <= 2 and s.shape[0] != shape.vocab:
+            return jnp.ones(s.shape, s.dtype)  # a norm's scale (stacked or not)
+        return jax.random.normal(k, s.shape, s.dtype) / jnp.sqrt(s.shape[-2]).astype(s.dtype)
+
+    return jax.tree.unflatten(treedef, [one(k, s) for k, s in zip(keys, leaves, strict=True)])
+
+
+def _rms_norm(x, scale):
+    scale = scale.reshape((1,) * (x.ndim - 1) + scale.shape)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _rope(x):
+    """Rotary position embeddings over the sequence axis of ``x`` (batch, seq, heads, hd)."""
+    seq, half = x.shape[1], x.shape[-1] // 2
+    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * freqs[None, :]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def block(x, p, heads: int):
+    """One decoder layer: attention then SwiGLU, each after an RMSNorm, with residuals."""
+    b, t, d = x.shape
+    hd = d // heads
+    h = _rms_norm(x, p["attn_norm"])
+    q = _rope((h @ p["wq"]).reshape(b, t, heads, hd))
+    k = _rope((h @ p["wk"]).reshape(b, t, heads, hd))
+    v = (h @ p["wv"]).reshape(b, t, heads, hd)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(x.dtype)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
+    attn = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v).reshape(b, t, d)
+    x = x + attn @ p["wo"]
+    h = _rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+
+
+def loss_fn(shape: Shape, *, scan: bool):
+    """``loss(params, tokens) -> mean next-token cross-entropy``; tokens (batch, seq + 1)."""
+    layer = jax.checkpoint(lambda x, p: block(x, p, shape.heads))
+
+    def loss(params, tokens):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        x = params["embed"][inputs]
+        if scan:
+            x, _ = jax.lax.scan(lambda x, p: (layer(x, p), None), x, params["layers"])
+        else:
+            for p in params["layers"]:
+                x = layer(x, p)
+        logits = _rms_norm(x, params["final_norm"]) @ params["head"]
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    return loss
