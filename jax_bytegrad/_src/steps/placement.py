@@ -279,6 +279,15 @@ def placement_of(shard: Shard | None, mesh: Mesh, axes: tuple[str, str]) -> Plac
 _PASS = frozenset({"convert_element_type", "copy", "copy_p", "pvary", "pcast"})
 
 
+def _scanned(eqn) -> list[bool]:
+    """Per operand of a ``scan`` equation, whether the loop runs over it (its body sees one
+    slice, of one dimension less) rather than taking it whole (a const, the carry)."""
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    pairs = zip(eqn.invars, body.invars, strict=True)
+    return [len(b.aval.shape) == len(v.aval.shape) - 1 for v, b in pairs]
+
+
 def _scanned_whole(jaxpr, leaf_of: dict, dims) -> set[int]:
     """Indices of the split leaves that a ``scan`` in ``jaxpr`` runs over along their split
     dimension (0): XLA's partitioner then gathers the whole stack before the loop."""
@@ -289,14 +298,14 @@ def _scanned_whole(jaxpr, leaf_of: dict, dims) -> set[int]:
         if name in _PASS and ins[0] is not None:
             leaf_of[id(eqn.outvars[0])] = ins[0]
             continue
-        if name == "scan":
-            start = eqn.params["num_consts"] + eqn.params["num_carry"]
-            found |= {i for i in ins[start:] if i is not None and dims[i] == 0}
+        scanned = _scanned(eqn) if name == "scan" else [False] * len(ins)
+        pairs = zip(ins, scanned, strict=True)
+        found |= {i for i, s in pairs if s and i is not None and dims[i] == 0}
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             if len(sub.invars) == len(eqn.invars):  # a call: its inputs are the operands
-                inner = {id(v): i for v, i in zip(sub.invars, ins, strict=True) if i is not None}
-                if name == "scan":  # the scanned operands are slices inside
-                    inner = {k: i for k, i in inner.items() if dims[i] != 0}
+                # The scanned operands are slices inside: not the leaves any more.
+                pairs = zip(sub.invars, ins, scanned, strict=True)
+                inner = {id(v): i for v, i, s in pairs if i is not None and not s}
                 found |= _scanned_whole(sub, inner, dims)
     return found
 

@@ -1,0 +1,155 @@
+"""Memory per device of Llama-style decoders trained with ``shard="params"``, as a list of
+remat'd layers and as one scanned stack, read from the programs XLA:GPU compiles on a machine
+without a GPU.
+
+The model is ``_llama.py``'s (RMSNorm, rotary attention, SwiGLU, an untied head, each layer
+under ``jax.checkpoint``), float32, trained by float32 AdamW after the sync, sequence 2048 and
+one row per device, on ``--nodes`` x ``--per-node`` deviceless GPUs (``gpu_mesh``: needs JAX's
+CUDA plugin, ``pip install -e '.[cuda12]'``). Each row is one compile, in a process of its own,
+and prints:
+
+- peak GiB per device (``MemoryStats.peak_bytes``), its arguments and temporaries;
+- MiB each device sends between nodes per step (``communication_stats``), and against the
+  replicated step's where that row was compiled too;
+- the compile's seconds on this machine.
+
+The floor beside it: the state's share (16 bytes per parameter for float32 AdamW, over the
+devices of a node), one gathered layer and the activations a remat'd layer keeps.
+
+Usage:
+  python benchmarks/transformer_memory.py                          # 7b, 13b, 30b; list and scan
+  python benchmarks/transformer_memory.py --models 7b --forms scan --shards none,params
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _llama  # noqa: E402
+
+import jax_bytegrad as jbg  # noqa: E402
+from jax_bytegrad.profiling import communication_stats, memory_stats  # noqa: E402
+from jax_bytegrad.sharding import GPUS, gpu_mesh  # noqa: E402
+
+SEQ = 2048
+GIB, MIB = 2**30, 2**20
+SHARDS = {"none": None, "optimizer": "optimizer", "params": "params"}
+ALGORITHMS = {
+    "bytegrad": ("bytegrad", {}),
+    "gradient_allreduce": ("gradient_allreduce", {"hierarchical": True}),
+}
+
+
+def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
+    """Compiles one train step and reads its figures."""
+    shape = _llama.SHAPES[model]
+    scan = form == "scan"
+    mesh = gpu_mesh(args.nodes, args.per_node, args.gpu)
+    name, settings = ALGORITHMS[algorithm]
+    strategy = jbg.Strategy(name, mesh=mesh, shard=SHARDS[shard], **settings)
+    batch = jax.ShapeDtypeStruct((mesh.devices.size, SEQ + 1), jnp.int32)
+    with strategy.train_step(_llama.loss_fn(shape, scan=scan), optax.adamw(1e-4)) as step:
+        state = step.state_shapes(_llama.param_shapes(shape, scan=scan))
+        start = time.perf_counter()
+        lowered = step.lower(state, batch)
+        memory = memory_stats(lowered)  # compiles; communication_stats reuses the executable
+        seconds = time.perf_counter() - start
+        node = communication_stats(lowered).overlap_on("node")
+    return {
+        "peak": memory.peak_bytes,
+        "args": memory.argument_bytes,
+        "temp": memory.temp_bytes,
+        "node_bytes": node.bytes_sent,
+        "seconds": seconds,
+    }
+
+
+def floor_bytes(shape: _llama.Shape, per_node: int) -> float:
+    """16 B per parameter over the node's devices, one gathered layer, and what the remat'd
+    layers keep (each layer's input, float32) plus one layer's activations."""
+    layer = 4 * shape.dim * shape.dim + 3 * shape.dim * shape.ffn + 2 * shape.dim
+    inputs = shape.layers * SEQ * shape.dim * 4
+    activations = SEQ * (4 * shape.dim + 3 * shape.ffn) * 4 + shape.heads * SEQ * SEQ * 4 * 2
+    return 16 * shape.parameters() / per_node + 4 * layer + inputs + activations
+
+
+def run_worker(spec: str, args) -> dict | None:
+    command = [sys.executable, __file__, "--worker", spec, "--gpu", args.gpu]
+    command += ["--nodes", str(args.nodes), "--per-node", str(args.per_node)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"  {spec}: no compile in {args.timeout} s", flush=True)
+        return None
+    if done.returncode:
+        raise RuntimeError(f"{spec} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def report(rows: dict, args) -> None:
+    print(
+        f"\n{'model':6s} {'form':5s} {'algorithm':19s} {'shard':7s} {'params':>7s} "
+        f"{'peak GiB':>9s} {'args':>6s} {'temp':>6s} {'floor':>6s} {'MiB/node':>9s} "
+        f"{'vs none':>8s} {'compile s':>9s}"
+    )
+    for (model, form, algorithm, shard), row in rows.items():
+        shape = _llama.SHAPES[model]
+        head = f"{model:6s} {form:5s} {algorithm:19s} {shard:7s} {shape.parameters() / 1e9:6.2f}B"
+        if row is None:
+            print(f"{head} no compile in time")
+            continue
+        base = rows.get((model, form, algorithm, "none"))
+        ratio = f"{row['node_bytes'] / base['node_bytes']:8.4f}" if base else f"{'':8s}"
+        floor = floor_bytes(shape, args.per_node) / GIB
+        print(
+            f"{head} {row['peak'] / GIB:9.2f} {row['args'] / GIB:6.2f} {row['temp'] / GIB:6.2f} "
+            f"{floor:6.2f} {row['node_bytes'] / MIB:9.2f} {ratio} {row['seconds']:9.0f}",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--per-node", type=int, default=8)
+    parser.add_argument("--models", default="7b,13b,30b")
+    parser.add_argument("--forms", default="scan,list")
+    parser.add_argument("--algorithms", default="bytegrad")
+    parser.add_argument("--shards", default="params")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per compile")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        model, form, algorithm, shard = args.worker.split(",")
+        print(json.dumps(measure(model, form, shard, algorithm, args)), flush=True)
+        return
+    print(
+        f"JAX {jax.__version__}; {args.nodes} x {args.per_node} {args.gpu} "
+        f"({GPUS[args.gpu].memory_bytes / GIB:.2f} GiB each), deviceless; sequence {SEQ}, one "
+        f"row per device; float32 AdamW; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}",
+        flush=True,
+    )
+    rows = {}
+    for model in args.models.split(","):
+        for form in args.forms.split(","):
+            for algorithm in args.algorithms.split(","):
+                for shard in args.shards.split(","):
+                    spec = f"{model},{form},{algorithm},{shard}"
+                    rows[(model, form, algorithm, shard)] = run_worker(spec, args)
+                    report({k: rows[k] for k in list(rows)[-1:]}, args)
+    report(rows, args)
+
+
+if __name__ == "__main__":
+    main()
