@@ -157,18 +157,12 @@ def place_block(block: jax.Array, dim: int | None, axis: str) -> jax.Array:
     return jax.lax.dynamic_update_slice_in_dim(jnp.zeros(shape, block.dtype), block, start, dim)
 
 
-def gather_block(x: jax.Array, dim: int | None, axis: str, *, invariant: bool) -> jax.Array:
-    """The whole leaf of the blocks ``x`` over ``axis``: a tiled all_gather along ``dim``.
-
-    ``invariant`` types the result as one value over ``axis`` (the params after an update);
-    otherwise it stays varying, as inside a loss that ``jax.grad`` differentiates: the
-    gradient of the block is then the reduce-scatter of the whole leaf's gradient.
-    """
+def gather_block(x: jax.Array, dim: int | None, axis: str) -> jax.Array:
+    """The whole leaf of the blocks ``x`` over ``axis`` (a tiled all_gather along ``dim``),
+    typed as one value over ``axis``: the params after an update."""
     if dim is None:
         return x
-    if invariant:
-        return jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
-    return jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+    return jax.lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
 
 
 def node_sum(g: jax.Array, dim: int | None, axis: str) -> jax.Array:

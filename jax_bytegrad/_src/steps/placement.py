@@ -182,10 +182,7 @@ class OptimizerSharded(Placement):
         return self._per_leaf(lambda x, d: shards.own_block(x, d, self.axes[1]), params, dims)
 
     def finish(self, params, dims):
-        axis = self.axes[1]
-        return self._per_leaf(
-            lambda x, d: shards.gather_block(x, d, axis, invariant=True), params, dims
-        )
+        return self._per_leaf(lambda x, d: shards.gather_block(x, d, self.axes[1]), params, dims)
 
     @staticmethod
     def _per_leaf(fn, tree, dims):
