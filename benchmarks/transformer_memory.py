@@ -22,6 +22,7 @@ Usage:
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -54,7 +55,10 @@ def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
     """Compiles one train step and reads its figures."""
     shape = _llama.SHAPES[model]
     scan = form == "scan"
-    mesh = gpu_mesh(args.nodes, args.per_node, args.gpu)
+    spec = GPUS[args.gpu]
+    if args.device_gib:  # the same GPU with less memory: where XLA's rematerialization gives up
+        spec = dataclasses.replace(spec, memory_bytes=int(args.device_gib * GIB))
+    mesh = gpu_mesh(args.nodes, args.per_node, target_config=spec.target_config())
     name, settings = ALGORITHMS[algorithm]
     strategy = jbg.Strategy(name, mesh=mesh, shard=SHARDS[shard], **settings)
     batch = jax.ShapeDtypeStruct((mesh.devices.size, SEQ + 1), jnp.int32)
@@ -86,6 +90,7 @@ def floor_bytes(shape: _llama.Shape, per_node: int) -> float:
 def run_worker(spec: str, args) -> dict | None:
     command = [sys.executable, __file__, "--worker", spec, "--gpu", args.gpu]
     command += ["--nodes", str(args.nodes), "--per-node", str(args.per_node)]
+    command += ["--device-gib", str(args.device_gib)] if args.device_gib else []
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -128,6 +133,7 @@ def main() -> None:
     parser.add_argument("--algorithms", default="bytegrad")
     parser.add_argument("--shards", default="params")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per compile")
+    parser.add_argument("--device-gib", type=float, default=None, help="the GPU's memory instead")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -272,7 +272,8 @@ WITHIN = [
     pytest.param(F16, False, None, "f32", id="f16"),
     pytest.param(F32, False, None, "f32", id="f32"),
     pytest.param(BF16, False, "optimizer", "bf16", id="bf16_shard_optimizer"),
-    pytest.param(BF16, False, "params", "bf16", id="bf16_shard_params"),
+    # shard="params": XLA's partitioner makes the collectives within the node, at compile
+    # time (test_on_gpus_params_sharded_bfloat16_moves_bfloat16_within_the_node).
 ]
 
 
@@ -382,4 +383,21 @@ def test_on_gpus_bytegrad_moves_bfloat16_within_the_node_and_the_same_codes_betw
     assert {r.dtype for r in f32.rows if r.axes == "local"} == {"f32"}
     assert bf16.bytes_on("local") == pytest.approx(f32.bytes_on("local") / 2, rel=0.01)
     assert bf16.bytes_on("node") == f32.bytes_on("node")
+    assert any(r.dtype == "u8" and r.axes == "node" for r in bf16.rows)
+
+
+@needs_plugin
+def test_on_gpus_params_sharded_bfloat16_moves_bfloat16_within_the_node():
+    """With shard="params" the partitioner gathers each layer and reduce-scatters its
+    gradient within the node, in the params' dtype; between nodes the same codes cross."""
+    mesh = gpu_mesh(2, 4)
+    bf16 = compiled_rows(_step(mesh, "bytegrad", shard="params"), abstract(params_of(BF16)),
+                         batch_of())  # fmt: skip
+    replicated = compiled_rows(_step(mesh, "bytegrad"), abstract(params_of(BF16)), batch_of())
+    local = [r for r in bf16.rows if r.axes == "local"]
+    # All but the loss's mean and the float32 sum of b2's gradient (the loss casts b2).
+    share = sum(r.bytes_sent for r in local if r.dtype == "bf16") / bf16.bytes_on("local")
+    assert share > 0.99, local
+    assert any(r.kind == "all-gather" and r.axes == "local" for r in bf16.rows)
+    assert bf16.bytes_on("node") == pytest.approx(replicated.bytes_on("node"), rel=0.01)
     assert any(r.dtype == "u8" and r.axes == "node" for r in bf16.rows)
