@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks, guard, qadam, sharding, transforms
 from jax_bytegrad._src.config import SyncConfig
-from jax_bytegrad._src.steps import asynchronous, decentralized, pipelined
+from jax_bytegrad._src.steps import asynchronous, decentralized, diloco, pipelined
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import TrainStep
 from jax_bytegrad._src.steps.data_parallel import (
@@ -166,6 +166,12 @@ def _build_async(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainSt
     )
 
 
+def _build_diloco(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
+    return diloco.diloco_step(
+        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs, **model
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
     """An entry of the registry.
@@ -262,6 +268,14 @@ REGISTRY: dict[str, Algorithm] = {
         settings=_defaults(asynchronous.async_model_average, without=_GIVEN),
         tunable=(),
         build=_build_async,
+    ),
+    # Not Bagua's: DiLoCo's outer steps on ByteGrad's wire (steps/diloco.py). H changes
+    # what the nodes average, so nothing is tuned.
+    "diloco": Algorithm(
+        settings=_defaults(diloco.diloco_step, without=_GIVEN),
+        tunable=(),
+        build=_build_diloco,
+        check=lambda s: diloco.check_settings(s.mesh, s.kwargs),
     ),
 }
 ALGORITHMS = tuple(REGISTRY)
