@@ -10,13 +10,13 @@ Variants (``VARIANTS``): ``bytegrad`` every step (8-bit, Adam), and ``Strategy("
 the same Adam as inner optimizer, DiLoCo's outer Nesterov SGD (0.7, momentum 0.9), ``delay=0``,
 at H = 1, 10, 50, 100 with 8-bit outer exchanges, and at H = 10, 50 with float32 and 4-bit +
 error feedback outer exchanges. Every ``--eval-every`` steps the model (DiLoCo's global params)
-is evaluated on the held-out set; the curves go to a PNG per task and mesh. Prints markdown
+is evaluated on the held-out set; the curves go to one PNG, a panel per task and mesh. Prints markdown
 tables: the final test loss of each variant and its ratio to ByteGrad's (and, for the 8- and
 4-bit outer exchanges, to the float32 one's at the same H). ``--json`` keeps the raw results,
 and ``--report`` re-prints and re-plots from it without training.
 
     python benchmarks/diloco_convergence.py --tasks tabular transformer --meshes 2x4 4x2 \
-        --steps 300 --json /tmp/diloco.json --plot-dir benchmarks
+        --steps 300 --json /tmp/diloco.json --plot benchmarks/diloco_convergence.png
 """
 
 import argparse
@@ -168,27 +168,26 @@ def report(results: dict) -> str:
     return "\n".join(out)
 
 
-def plot(results: dict, directory: Path) -> list[Path]:
-    """One PNG per task and mesh: test loss against inner steps, ByteGrad and H = 1..100."""
+def plot(results: dict, path: Path) -> Path:
+    """One panel per task and mesh: test loss against inner steps, ByteGrad and H = 1..100."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    paths = []
-    for key, runs in results.items():
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for variant, run in runs.items():
+    keys = sorted(results)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        for variant, run in results[key].items():
             if variant == BASE or variant.endswith("8-bit"):
-                ax.plot(run["steps"], run["test_loss"], label=variant)
+                style = {"color": "black", "linewidth": 2} if variant == BASE else {}
+                ax.plot(run["steps"], run["test_loss"], label=variant, **style)
         task, mesh = key.split("@")
         ax.set(xlabel="inner steps", ylabel="test loss", title=f"{task}, {mesh} mesh")
-        ax.legend()
-        path = directory / f"diloco_{task}_{mesh}.png"
-        fig.savefig(path, dpi=100, bbox_inches="tight")
-        plt.close(fig)
-        paths.append(path)
-    return paths
+        ax.legend(fontsize=8)
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def main(argv=None) -> int:
@@ -201,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="where to keep (and add to) the raw results")
     p.add_argument("--report", action="store_true", help="report --json's results; no training")
-    p.add_argument("--plot-dir", type=Path, help="write one PNG per task and mesh here")
+    p.add_argument("--plot", type=Path, help="write the curves to this PNG")
     args = p.parse_args(argv)
     results = json.loads(args.json.read_text()) if args.json and args.json.exists() else {}
     if not args.report:
@@ -218,9 +217,8 @@ def main(argv=None) -> int:
                     if args.json:
                         args.json.write_text(json.dumps(results, indent=1))
     print(report(results))
-    if args.plot_dir:
-        for path in plot(results, args.plot_dir):
-            print(f"wrote {path}")
+    if args.plot:
+        print(f"wrote {plot(results, args.plot)}")
     return 0
 
 
