@@ -10,9 +10,9 @@ Variants (``VARIANTS``): ``bytegrad`` every step (8-bit, Adam), and ``Strategy("
 the same Adam as inner optimizer, DiLoCo's outer Nesterov SGD (0.7, momentum 0.9), ``delay=0``,
 at H = 1, 10, 50, 100 with 8-bit outer exchanges, and at H = 10, 50 with float32 and 4-bit +
 error feedback outer exchanges. Every ``--eval-every`` steps the model (DiLoCo's global params)
-is evaluated on the held-out set; the curves go to one PNG, a panel per task and mesh. Prints markdown
-tables: the final test loss of each variant and its ratio to ByteGrad's (and, for the 8- and
-4-bit outer exchanges, to the float32 one's at the same H). ``--json`` keeps the raw results,
+is evaluated on the held-out set; the curves go to one PNG, a panel per task and mesh. Prints
+markdown tables: the final test loss of each variant and its ratio to ByteGrad's (and, for the
+8- and 4-bit outer exchanges, to the float32 one's at the same H). ``--json`` keeps the raw results,
 and ``--report`` re-prints and re-plots from it without training.
 
     python benchmarks/diloco_convergence.py --tasks tabular transformer --meshes 2x4 4x2 \
