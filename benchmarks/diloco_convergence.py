@@ -53,6 +53,13 @@ for _h in (10, 50):
         "diloco",
         {"inner_steps": _h, "delay": 0, "bits": 4, "error_feedback": True},
     )
+# Plain averaging of the nodes' params every H steps (outer SGD, rate 1, no momentum: local
+# SGD), to tell the outer optimizer's share of a gap from the exchange interval's.
+for _h in (10, 50):
+    VARIANTS[f"diloco H={_h} 8-bit, averaging"] = (
+        "diloco",
+        {"inner_steps": _h, "delay": 0, "bits": 8, "outer_optimizer": optax.sgd(1.0)},
+    )
 TASKS = ("tabular", "transformer")
 
 
@@ -159,7 +166,7 @@ def report(results: dict) -> str:
             loss = run["test_loss"][-1]
             vs_base = f"{loss / base:.3f}" if base else "-"
             vs_f32 = "-"
-            if variant.startswith("diloco") and not variant.endswith("float32"):
+            if variant.startswith("diloco") and variant.endswith(("8-bit", "4-bit + EF")):
                 h = variant.split()[1]
                 ref = runs.get(f"diloco {h} float32")
                 if ref:
