@@ -237,5 +237,21 @@ def test_one_node_more_fragments_than_leaves_and_model_state_are_refused():
     step = strategy(inner_steps=4, fragments=4).train_step(loss_fn, optax.sgd(0.1))
     with pytest.raises(ValueError, match="fragments=4 is more than the 3 leaves"):
         step.init(params0())
-    with pytest.raises(ValueError, match="does not take model_state"):
-        strategy(inner_steps=4).train_step(loss_fn, optax.sgd(0.1), rng_seed=0)
+    with pytest.raises(ValueError, match="model_state= is not supported"):
+        strategy(inner_steps=4).train_step(loss_fn, optax.sgd(0.1), model_state={"n": 0})
+
+
+def test_each_device_gets_its_own_key_in_an_inner_step():
+    # The gradient of each device's loss is its key's noise: a node moves by its devices' mean.
+    def noise_loss(params, batch, *, key):
+        return jnp.sum(params["w"] * jax.random.normal(key, params["w"].shape)) + 0 * batch.sum()
+
+    s = strategy(inner_steps=2, delay=0, bits=8)
+    with s.train_step(noise_loss, optax.sgd(1.0), rng_seed=5) as step:
+        state = step.init({"w": np.zeros(3, np.float32)})
+        keys = [step.device_key(state, d) for d in range(NODES * LOCAL)]
+        state, _ = step(state, np.zeros((ROWS, 1), np.float32))
+    for n in range(NODES):
+        noise = [jax.random.normal(keys[n * LOCAL + i], (3,)) for i in range(LOCAL)]
+        want = -sum(noise) / LOCAL
+        np.testing.assert_allclose(node_params(state, n)["w"], want, rtol=1e-6, atol=1e-7)

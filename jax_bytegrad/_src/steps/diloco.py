@@ -148,9 +148,9 @@ class _DiLoCo(TrainStep):
     steps that exchange it."""
 
     def __init__(self, loss_fn, optimizer, outer, mesh, *, axes, inner_steps, fragments,
-                 delay, sync, has_aux, donate, flatten):  # fmt: skip
+                 delay, sync, has_aux, donate, flatten, model):  # fmt: skip
         super().__init__("diloco", mesh, loss_fn, axes=axes, has_aux=has_aux,
-                         flatten=flatten, donate=donate)  # fmt: skip
+                         flatten=flatten, donate=donate, model=model)  # fmt: skip
         self.optimizer, self.outer = optimizer, outer
         self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
         self.sync = sync  # None: a float32 exchange
@@ -265,15 +265,15 @@ class _DiLoCo(TrainStep):
 
     # The programs. ------------------------------------------------------------------------
 
-    def _inner_update(self, params, opt_state, batch):
-        """One inner step on one device: the gradient averaged over the node's devices only."""
+    def _inner_update(self, params, opt_state, batch, inputs):
+        """One inner step on one device: the gradient averaged over the node's devices only.
+        ``inputs``: the key and step count of a step built with ``rng_seed=``."""
         local = self._axes[1]
-        grad_fn = jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)
+        grad_fn = self.model.value_and_grad(self.loss_fn, self.has_aux, self._axes)
         # Varying over "local" first: else jax.grad would sum the gradient over the node itself.
-        out, grads = grad_fn(make_varying(params, (local,)), batch)
+        (loss, aux, _), grads = grad_fn(make_varying(params, (local,)), batch, *inputs)
         grads = jax.lax.pmean(grads, local)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        loss, aux = out if self.has_aux else (out, None)
         return optax.apply_updates(params, updates), opt_state, loss, aux
 
     def _exchange(self, f, node_params, global_params, outer_state, residuals):
@@ -292,13 +292,13 @@ class _DiLoCo(TrainStep):
         updates, outer_state = self.outer.update(mean, outer_state, theirs)
         return optax.apply_updates(theirs, updates), outer_state, residuals
 
-    def _outer_update(self, f, params, opt_state, extra, batch):
+    def _outer_update(self, f, params, opt_state, extra, batch, inputs):
         """An inner step that also exchanges fragment ``f``, on one device."""
         global_params = extra[GLOBAL]
         outer_states = list(extra[OUTER])
         residuals = list(extra[RESIDUALS]) if self._feedback else [None] * self.fragments
         if self.delay == 0:
-            params, opt_state, loss, aux = self._inner_update(params, opt_state, batch)
+            params, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
             fresh, outer_states[f], residuals[f] = self._exchange(
                 f, params, global_params, outer_states[f], residuals[f]
             )
@@ -308,7 +308,7 @@ class _DiLoCo(TrainStep):
             fresh, outer_states[f], residuals[f] = self._exchange(
                 f, params, global_params, outer_states[f], residuals[f]
             )
-            new, opt_state, loss, aux = self._inner_update(params, opt_state, batch)
+            new, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
             own = jax.tree.map(jnp.subtract, self._fragment(new, f), self._fragment(params, f))
             params = self._merged(new, jax.tree.map(jnp.add, fresh, own), f)
         extra = {GLOBAL: self._merged(global_params, fresh, f), OUTER: tuple(outer_states)}
@@ -324,13 +324,14 @@ class _DiLoCo(TrainStep):
             extra_specs[RESIDUALS] = axes
 
         def per_device(params, opt_state, *rest):
-            *extra, batch = rest
+            held = 0 if inner else 1  # the outer state, which an inner step leaves alone
+            extra, inputs, batch = rest[:held], rest[held:-1], rest[-1]
             params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
             if inner:
-                params, opt_state, loss, aux = self._inner_update(params, opt_state, batch)
+                params, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
             else:
                 params, opt_state, new_extra, loss, aux = self._outer_update(
-                    key, params, opt_state, extra[0], batch
+                    key, params, opt_state, extra[0], batch, inputs
                 )
                 extra = [new_extra]
             metrics = (loss, aux) if self.has_aux else (loss,)
@@ -342,7 +343,7 @@ class _DiLoCo(TrainStep):
             jax.shard_map(
                 per_device,
                 mesh=self.mesh,
-                in_specs=(*state_specs, axes),
+                in_specs=(*state_specs, *(P(),) * self.model.num_inputs(), axes),
                 out_specs=(*state_specs, axes) + ((axes,) if self.has_aux else ()),
             ),
             donate_argnums=tuple(range(len(state_specs))) if self._donate else (),
@@ -352,15 +353,15 @@ class _DiLoCo(TrainStep):
     def _inputs(self, inner: bool):
         def inputs(state, batch):
             batch = global_batch(batch, self.mesh, self._axes)
-            extra = () if inner else (state.extra,)
-            return (state.params, state.opt_state, *extra, batch)
+            extra = () if inner else ({k: state.extra[k] for k in self._extra_keys},)
+            return (state.params, state.opt_state, *extra, *self.model.inputs(state), batch)
 
         return inputs
 
     def _outputs(self, inner: bool):
         def outputs(state, out):
             params, opt_state, *out = out
-            extra = state.extra if inner else out.pop(0)
+            extra = state.extra if inner else {**state.extra, **out.pop(0)}
             metrics = {"loss": _mean_over_devices(out[0])}
             if self.has_aux:
                 metrics["aux"] = _mean_over_devices(out[1])
@@ -453,8 +454,10 @@ def diloco_step(
       node_axis: the mesh axis between nodes.
       local_axis: the mesh axis within a node.
       flatten: keep the params as one vector (then one fragment).
-      model_state, rng_seed, state_sync: not supported (the nodes train apart); must stay
-        at their defaults.
+      model_state: not supported (refused): its sync would cross between nodes every step.
+      rng_seed: the loss function also gets ``key=``, different per device and step, as
+        for ``data_parallel_step``.
+      state_sync: unused without ``model_state``.
 
     Returns:
       A ``TrainStep``. ``step.params(state)`` is the global params (replicated);
@@ -466,7 +469,7 @@ def diloco_step(
       ValueError: at build time for ``inner_steps < 1``, ``fragments`` that does not divide
         ``inner_steps``, ``delay`` not 0 or 1 or not below ``inner_steps``, an
         ``outer_optimizer`` that is not an optax transformation, a mesh of one node, a bad
-        wire setting, or ``model_state``/``rng_seed``; at ``init``, for more fragments than
+        wire setting, or ``model_state``; at ``init``, for more fragments than
         leaves.
 
     Examples:
@@ -490,9 +493,13 @@ def diloco_step(
     outer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
     axes = (node_axis, local_axis)
     _check(mesh, axes, inner_steps, fragments, delay, outer, bits, where)
-    ModelState.of(model_state, rng_seed, state_sync, where).refuse(
-        where, "each node trains its own model between outer steps"
-    )
+    model = ModelState.of(model_state, rng_seed, state_sync, where)
+    if model.has_state:
+        raise ValueError(
+            f"{where}: model_state= is not supported (its sync would cross between nodes every "
+            "step, and the nodes train apart); keep BatchNorm statistics out of the model or "
+            "use bytegrad. rng_seed= (per-device keys) is supported"
+        )
     sync = None
     if bits != FLOAT32:
         sync = SyncConfig(
@@ -506,7 +513,7 @@ def diloco_step(
     return _DiLoCo(
         loss_fn, optimizer, outer, mesh, axes=axes, inner_steps=inner_steps,
         fragments=fragments, delay=delay, sync=sync, has_aux=has_aux, donate=donate,
-        flatten=flatten,
+        flatten=flatten, model=model,
     )  # fmt: skip
 
 
