@@ -201,7 +201,10 @@ class _DiLoCo(TrainStep):
         sizes = [int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves]
         members = split_fragments(sizes, self.fragments)
         if self._members is not None and members != self._members:
-            raise ValueError("diloco: this step was built for params of another layout")
+            raise ValueError(
+                "diloco: this step split the params of its first init into fragments, and "
+                "these params have other leaves; build a new step for them"
+            )
         self._members = members
 
     def _fragment(self, tree, f: int):
