@@ -176,7 +176,8 @@ def report(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> Path:
-    """One panel per task and mesh: test loss against inner steps, ByteGrad and H = 1..100."""
+    """One panel per task and mesh: test loss against inner steps, ByteGrad and H = 1..100
+    (8-bit outer exchanges), and plain averaging dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,8 +187,10 @@ def plot(results: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         for variant, run in results[key].items():
-            if variant == BASE or variant.endswith("8-bit"):
+            if variant == BASE or variant.endswith(("8-bit", "averaging")):
                 style = {"color": "black", "linewidth": 2} if variant == BASE else {}
+                if variant.endswith("averaging"):
+                    style = {"linestyle": "--"}
                 ax.plot(run["steps"], run["test_loss"], label=variant, **style)
         task, mesh = key.split("@")
         ax.set(xlabel="inner steps", ylabel="test loss", title=f"{task}, {mesh} mesh")
