@@ -443,6 +443,19 @@ def _train_decentralized(mesh, num_params, *, low_precision: bool):
 # `op@MB` sets the bucket size, which is also the size of the pieces the pipeline sends.
 
 
+def _train_diloco(mesh, num_params, **settings):
+    """``Strategy("diloco")`` on the MLP, one inner step per call, the state carried from call
+    to call: the timed steps cross an outer exchange once every ``inner_steps`` calls, so the
+    mean step (``steps_s`` in --json), not the median, is the cost per inner step. One period
+    and a step run first, so that both programs are compiled before any timed step."""
+    strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **settings)
+    step = strategy.train_step(mlp_loss, optax.adam(1e-4))
+    state, batch = step.init(mlp_init(num_params)), _host_batch(mesh)
+    for _ in range(settings["inner_steps"] + 1):
+        state, _ = step(state, batch)
+    return _train_step(mesh, num_params, step, carry=True, state=state)
+
+
 def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
                     feedback: bool = False):  # fmt: skip
     """The sync of `_wire_sync`, pipelined: each bucket piece's exchange on the wire while the
@@ -522,6 +535,9 @@ _TABLE: dict[str, tuple[Builder, dict, float | None]] = {
     "train_qadam": (_train, dict(algorithm="qadam"), _CODES_8),
     "train_decentralized": (_train_decentralized, dict(low_precision=False), None),
     "train_lowprec_decentralized": (_train_decentralized, dict(low_precision=True), None),
+    # DiLoCo: one inner step per call, the outer exchange every 50 (delay 1: inside a step).
+    "train_diloco50": (_train_diloco, dict(inner_steps=50), None),
+    "train_diloco50_4ef": (_train_diloco, dict(inner_steps=50, bits=4, error_feedback=True), None),
     "pipelined_sync_ar8": (_pipelined_sync, dict(wire="allreduce"), _CODES_8),
     "pipelined_sync_ar8_sr": (
         _pipelined_sync,

@@ -46,6 +46,7 @@ from jax_bytegrad._src.steps.decentralized import decentralized_step as decentra
 from jax_bytegrad._src.steps.decentralized import (
     low_precision_decentralized_step as low_precision_decentralized_step,
 )
+from jax_bytegrad._src.steps.diloco import diloco_step as diloco_step
 from jax_bytegrad._src.steps.pipelined import pipelined_step as pipelined_step
 from jax_bytegrad._src.strategy import ALGORITHMS as ALGORITHMS
 from jax_bytegrad._src.strategy import Strategy as Strategy
@@ -79,6 +80,7 @@ __all__ = [
     "data_parallel_step",
     "decentralized_step",
     "dequantize",
+    "diloco_step",
     "distributed",
     "experimental",
     "full_precision_mean",

@@ -116,6 +116,28 @@ def test_a_killed_worker_is_restarted_and_ends_bit_identical(reference, tmp_path
 
 @pytest.mark.slow
 @requires_gloo
+def test_a_killed_diloco_worker_resumes_its_outer_state_bit_identical(reference, tmp_path):
+    # Killed after step 2: the restart resumes the saved period, crosses the delayed 4-bit
+    # exchange (global params, outer momentum, residuals) and ends as the uninterrupted run.
+    code, out = _launch(
+        tmp_path,
+        "--max-restarts",
+        "1",
+        worker_args=["--algorithms", "diloco", "--kill-step", "2"],
+    )
+    assert code == 0, out
+    assert "[rank 1] killing myself after step 2" in out
+    resumed = [line for line in out.splitlines() if "diloco: starts at step" in line]
+    assert len(resumed) == 4, out  # two ranks, two attempts
+    assert resumed[-1].endswith(("step 0", "step 2")), out  # the last finalized checkpoint
+    want = _final_params(reference, "diloco")
+    assert not np.array_equal(want[0]["w1"], worker.train_worker.init_params()["w1"])
+    for got in _final_params(tmp_path, "diloco"):
+        assert_trees_all_equal(got, want[0])
+
+
+@pytest.mark.slow
+@requires_gloo
 def test_a_stopped_worker_is_detected_by_the_progress_timeout(reference, tmp_path):
     # SIGSTOP after step 3: nothing exits, rank 0 waits in a collective; only the progress
     # timeout can tell. Step 3 is lost, step 2 (the last checkpoint) is not. The workers' one-

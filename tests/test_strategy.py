@@ -55,6 +55,7 @@ CASES = {
     "decentralized": ({"peer_selection_mode": "shift_one"}, (2, 4)),
     "low_precision_decentralized": ({}, (2, 4)),
     "async": ({"sync_interval_ms": 5}, (1, 8)),
+    "diloco": ({"inner_steps": 4}, (2, 4)),
 }
 
 
@@ -67,8 +68,9 @@ def _optimizer(name):
     return None if name == "qadam" else optax.adam(3e-2)
 
 
-def test_the_six_bagua_names():
-    assert set(jax_bytegrad.ALGORITHMS) == set(CASES)
+def test_the_six_bagua_names_and_diloco():
+    assert set(jax_bytegrad.ALGORITHMS) == set(CASES) - {"diloco"}  # Bagua's, as the examples
+    assert set(strategy_lib.REGISTRY) == set(CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES), ids=list(CASES))
@@ -151,6 +153,7 @@ BUILDERS = {
     "decentralized": (jax_bytegrad.decentralized_step,),
     "low_precision_decentralized": (jax_bytegrad.low_precision_decentralized_step,),
     "async": (async_model_average,),
+    "diloco": (jax_bytegrad.diloco_step,),
 }
 
 

@@ -45,7 +45,10 @@ _spec.loader.exec_module(train_worker)
 STEPS = 6
 EVERY = 2
 QADAM_WARMUP = 3  # the switch to compressed momenta comes after the checkpoint of step 2
-ALGORITHMS = ("gradient_allreduce", "bytegrad", "bytegrad_flat", "qadam")
+ALGORITHMS = ("gradient_allreduce", "bytegrad", "bytegrad_flat", "qadam", "diloco")
+# DiLoCo's exchange is due after step 3 and runs inside step 4 (delay 1): the checkpoint of
+# step 2 holds an open period, and a restart from it crosses the exchange with its residuals.
+DILOCO = {"inner_steps": 3, "bits": 4, "error_feedback": True}
 
 
 def optimizer(name: str, mesh):
@@ -75,6 +78,8 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
     import jax_bytegrad
     from jax_bytegrad.checkpoint import Checkpointer
 
+    if name == "diloco":
+        return _train_diloco(mesh, ckpt_dir, rank=rank, nproc=nproc, on_step=on_step, keep=keep)
     tx = optimizer(name, mesh)
     step_fn = jax_bytegrad.data_parallel_step(train_worker.loss_fn, tx, mesh, donate=False)
     rows = train_worker.GLOBAL_BATCH // nproc
@@ -96,6 +101,42 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
                 on_step(step, ckpt)
     params = {k: np.asarray(v.addressable_shards[0].data) for k, v in state["params"].items()}
     jax.block_until_ready(state)
+    return start, params
+
+
+def _train_diloco(mesh, ckpt_dir, *, rank, nproc, on_step, keep):
+    """``train`` for ``Strategy("diloco")``: its whole ``StepState`` is the checkpoint."""
+    import jax
+    import optax
+
+    import jax_bytegrad
+    from jax_bytegrad.checkpoint import Checkpointer
+
+    strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **DILOCO)
+    params = train_worker.init_params()
+    rows = train_worker.GLOBAL_BATCH // nproc
+    with (
+        strategy.train_step(train_worker.loss_fn, optax.adam(1e-2)) as step_fn,
+        Checkpointer(ckpt_dir, every=EVERY, keep=keep) as ckpt,
+    ):
+        start, state = ckpt.restore_or_init(
+            lambda: step_fn.init(params), step_fn.state_shapes(params)
+        )
+        print(f"diloco: starts at step {start}", flush=True)
+        step = start
+        while step < STEPS:
+            x, y = train_worker.global_batch(step)
+            mine = (x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
+            state, metrics = step_fn(state, mine)
+            step += 1
+            jax_bytegrad.distributed.report_progress(step)
+            print(f"diloco: step {step} loss {float(metrics['loss']):.6f}", flush=True)
+            ckpt.save(step, state)
+            if on_step is not None:
+                on_step(step, ckpt)
+        model = step_fn.params(state)
+        params = {k: np.asarray(v.addressable_shards[0].data) for k, v in model.items()}
+        jax.block_until_ready(state)
     return start, params
 
 

@@ -1,0 +1,526 @@
+"""DiLoCo and streaming DiLoCo: nodes train alone for H steps, then average compressed
+pseudo-gradients.
+
+Follows Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
+(2023), and its streaming form (Douillard et al., "Streaming DiLoCo with overlapping
+communication", 2025). Per device, inside ``jax.shard_map`` on a ("node", "local") mesh:
+
+    inner step (every step):  g = mean over "local" of grad f(x)     (float32, within the node)
+                              x = x + inner_optimizer(g)
+    outer step (fragment p, every H steps, staggered by H / F):
+                              delta = global_p - x_p                  (the pseudo-gradient)
+                              mean = mean over nodes of delta         (8- or 4-bit codes)
+                              global_p = global_p + outer_optimizer(mean)
+                              x_p = global_p                          (every node restarts)
+
+Nothing crosses between nodes in an inner step. The outer exchange is ``sync_mean``, the
+compressed wire of ``bytegrad`` with its error feedback (the residuals are carried from one
+outer step to the next), or a float32 ``full_precision_mean`` with ``bits=32``. Every device
+decodes the same codes and runs the same outer update, so the global params are bit-identical
+everywhere.
+
+The params are split into F fragments of whole leaves, as even in bytes as possible; fragment
+p is exchanged after inner steps (p + 1) H / F, then every H steps. With ``delay=0`` the
+exchange runs in the program of that step, after its inner update (exact, no overlap). With
+``delay=1`` it runs in the next step's program, from that step's inputs: nothing in the inner
+update waits for it, so XLA can schedule it beside the compute (on GPU; XLA:CPU runs a
+program's collectives one after another), and it is applied one step late: the fragment
+restarts from the new global params plus that one inner step's own update.
+
+The state: ``state.params`` holds each node's params (stacked on a leading axis of the node
+count, sharded over "node"), ``state.opt_state`` each node's inner optimizer state laid out
+the same way, and ``state.extra`` the global params, the outer optimizer state of each
+fragment and, with error feedback, each fragment's residuals. The fragment schedule follows
+from ``state.step``, so a checkpoint of the state resumes bit-exact.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.collective_ops import make_varying
+from jax_bytegrad._src.collectives import full_precision_mean, mesh_residuals, sync_mean
+from jax_bytegrad._src.config import (
+    DEFAULT_MESSAGE_BYTES,
+    BucketBytes,
+    SyncConfig,
+    Wire,
+    platform_of,
+)
+from jax_bytegrad._src.sharding import replicate
+from jax_bytegrad._src.steps.base import (
+    Program,
+    StepState,
+    TrainStep,
+    count,
+    global_batch,
+    host_copy,
+)
+from jax_bytegrad._src.steps.model_state import ModelState
+
+# The names ``state.extra`` holds.
+GLOBAL, OUTER, RESIDUALS = "global_params", "outer_opt_state", "residuals"
+# ``bits`` of a float32 exchange between nodes.
+FLOAT32 = 32
+INNER = "inner"
+
+
+# Private helpers -------------------------------------------------------------------------
+
+
+def split_fragments(sizes, fragments: int) -> tuple[tuple[int, ...], ...]:
+    """Leaf indices of each fragment, as even in bytes as whole leaves allow.
+
+    The largest leaf goes first to the lightest fragment (ties: the lower index); each
+    fragment lists its leaves in tree order.
+
+    Args:
+      sizes: the bytes of each leaf, in tree order.
+      fragments: how many fragments; at most ``len(sizes)``.
+
+    Returns:
+      One tuple of leaf indices per fragment, none empty.
+
+    Examples:
+      >>> from jax_bytegrad._src.steps.diloco import split_fragments
+      >>> split_fragments([400, 100, 300, 200], 2)
+      ((0, 1), (2, 3))
+    """
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    load, members = [0] * fragments, [[] for _ in range(fragments)]
+    for i in order:
+        f = min(range(fragments), key=lambda k: (load[k], k))
+        load[f] += sizes[i]
+        members[f].append(i)
+    return tuple(tuple(sorted(m)) for m in members)
+
+
+def default_outer_optimizer() -> optax.GradientTransformation:
+    """DiLoCo's outer optimizer: Nesterov SGD, learning rate 0.7, momentum 0.9."""
+    return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+@jax.jit
+def _mean_over_devices(tree):
+    """The per-device losses (stacked on a leading axis) as one number each."""
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
+
+
+def _check(mesh, axes, inner_steps, fragments, delay, outer_optimizer, bits, where) -> None:
+    """Raises a ``ValueError`` naming the bad setting and what to do."""
+    nodes, _ = checks.mesh_axes(mesh, *axes, where)
+    if nodes < 2:
+        raise ValueError(
+            f"{where}: the mesh has one node along {axes[0]!r}, and DiLoCo averages between "
+            "nodes; use a mesh of several nodes (make_mesh(num_nodes, devices_per_node)), or "
+            "Strategy('gradient_allreduce') within one node"
+        )
+    h = checks.integer(inner_steps, "inner_steps", where, why=" (H: inner steps per outer step)")
+    f = checks.integer(fragments, "fragments", where, why=" (F: params fragments)")
+    if h % f:
+        raise ValueError(
+            f"{where}: fragments={f} does not divide inner_steps={h}; the fragments are "
+            f"staggered by inner_steps / fragments steps: pick F among the divisors of {h}"
+        )
+    checks.integer(delay, "delay", where, minimum=0, maximum=1, why=" (tau: 0 or 1)")
+    if delay >= h:
+        raise ValueError(
+            f"{where}: delay={delay} must be less than inner_steps={h} (an exchange must land "
+            "before its fragment's next one); use delay=0 or inner_steps >= 2"
+        )
+    if not isinstance(outer_optimizer, optax.GradientTransformation):
+        raise ValueError(
+            f"{where}: outer_optimizer must be an optax.GradientTransformation such as "
+            f"optax.sgd(0.7, momentum=0.9, nesterov=True), got {outer_optimizer!r}"
+        )
+    checks.one_of(bits, (8, 4, FLOAT32), "bits", where)
+
+
+class _DiLoCo(TrainStep):
+    """``diloco_step``'s ``TrainStep``: one program for inner steps, one per fragment for the
+    steps that exchange it."""
+
+    def __init__(self, loss_fn, optimizer, outer, mesh, *, axes, inner_steps, fragments,
+                 delay, sync, has_aux, donate, flatten, model):  # fmt: skip
+        super().__init__("diloco", mesh, loss_fn, axes=axes, has_aux=has_aux,
+                         flatten=flatten, donate=donate, model=model)  # fmt: skip
+        self.optimizer, self.outer = optimizer, outer
+        self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
+        self.sync = sync  # None: a float32 exchange
+        self._nodes = int(mesh.shape[axes[0]])
+        self._extra_keys = (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
+        self._stride = inner_steps // fragments
+        outer_names = self._outer_names()
+        inner = self._stride > 1 or delay > 0  # with delay, step 0 exchanges nothing
+        self.phases = ((INNER,) if inner else ()) + outer_names
+        self._members = None  # each fragment's leaf indices, from the first params seen
+
+    @property
+    def _feedback(self) -> bool:
+        return self.sync is not None and self.sync.error_feedback
+
+    def _outer_names(self) -> tuple[str, ...]:
+        if self.fragments == 1:
+            return ("outer",)
+        return tuple(f"outer_{f}" for f in range(self.fragments))
+
+    # The schedule. ------------------------------------------------------------------------
+
+    def synced_after(self, steps_taken: int) -> int | None:
+        """The fragment whose exchange is due after ``steps_taken + 1`` inner steps, if any."""
+        done = steps_taken + 1
+        if done % self._stride:
+            return None
+        return (done // self._stride - 1) % self.fragments
+
+    def _phase(self, steps_taken: int) -> tuple[str, Any]:
+        due = steps_taken - self.delay
+        fragment = self.synced_after(due) if due >= 0 else None
+        if fragment is None:
+            return INNER, INNER
+        return self._outer_names()[fragment], fragment
+
+    # Where the state lives. ---------------------------------------------------------------
+
+    def _plan(self, params) -> None:
+        """Splits ``params`` into fragments, once; raises for more fragments than leaves."""
+        leaves = jax.tree.leaves(params)
+        if self.fragments > len(leaves):
+            raise ValueError(
+                f"diloco: fragments={self.fragments} is more than the {len(leaves)} leaves of "
+                "the params (a fragment is a set of whole leaves); pass fragments <= "
+                f"{len(leaves)}"
+            )
+        sizes = [int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves]
+        members = split_fragments(sizes, self.fragments)
+        if self._members is not None and members != self._members:
+            raise ValueError(
+                "diloco: this step split the params of its first init into fragments, and "
+                "these params have other leaves; build a new step for them"
+            )
+        self._members = members
+
+    def _fragment(self, tree, f: int):
+        """``tree`` with the leaves outside fragment ``f`` as None (optax skips them)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        keep = set(self._members[f])
+        return jax.tree.unflatten(treedef, [x if i in keep else None for i, x in enumerate(leaves)])
+
+    def _merged(self, tree, fragment_tree, f: int):
+        """``tree`` with fragment ``f``'s leaves taken from ``fragment_tree``."""
+        leaves, treedef = jax.tree.flatten(tree)
+        for i, x in zip(self._members[f], jax.tree.leaves(fragment_tree), strict=True):
+            leaves[i] = x
+        return jax.tree.unflatten(treedef, leaves)
+
+    def _shardings(self):
+        node = NamedSharding(self.mesh, P(self._axes[0]))
+        extra = {GLOBAL: NamedSharding(self.mesh, P()), OUTER: NamedSharding(self.mesh, P())}
+        if self._feedback:
+            extra[RESIDUALS] = NamedSharding(self.mesh, P(self._axes))
+        return node, node, extra
+
+    def _place(self):
+        """The jitted ``global params -> (node params, inner state, extra)``."""
+        nodes, platform = self._nodes, platform_of(self.mesh)
+        shape = (nodes, int(self.mesh.shape[self._axes[1]]))
+
+        def place(params):
+            stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (nodes, *x.shape)), params)
+            frags = [self._fragment(params, f) for f in range(self.fragments)]
+            extra = {
+                GLOBAL: jax.tree.map(jnp.copy, params),  # a buffer of its own, to donate
+                OUTER: tuple(self.outer.init(p) for p in frags),
+            }
+            if self._feedback:
+                extra[RESIDUALS] = tuple(
+                    mesh_residuals(p, self.sync, shape, platform) for p in frags
+                )
+            return stacked, jax.vmap(self.optimizer.init)(stacked), extra
+
+        return jax.jit(place, out_shardings=self._shardings())
+
+    def _init(self, params) -> StepState:
+        self._plan(params)
+        params = replicate(host_copy(params), self.mesh)
+        return StepState(count(0), *self._place()(params))
+
+    def _state_shapes(self, params) -> StepState:
+        self._plan(params)
+        replicated = NamedSharding(self.mesh, P())
+        params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params
+        )
+        return StepState(count(0), *self._place().eval_shape(params))
+
+    def _expected_opt_state(self, params):
+        return jax.eval_shape(jax.vmap(self.optimizer.init), params)
+
+    def _params(self, state: StepState):
+        return state.extra[GLOBAL]
+
+    # The programs. ------------------------------------------------------------------------
+
+    def _inner_update(self, params, opt_state, batch, inputs):
+        """One inner step on one device: the gradient averaged over the node's devices only.
+        ``inputs``: the key and step count of a step built with ``rng_seed=``."""
+        local = self._axes[1]
+        grad_fn = self.model.value_and_grad(self.loss_fn, self.has_aux, self._axes)
+        # Varying over "local" first: else jax.grad would sum the gradient over the node itself.
+        (loss, aux, _), grads = grad_fn(make_varying(params, (local,)), batch, *inputs)
+        grads = jax.lax.pmean(grads, local)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, aux
+
+    def _exchange(self, f, node_params, global_params, outer_state, residuals):
+        """Fragment ``f``'s outer step: ``(new global fragment, outer state, residuals)``."""
+        theirs = self._fragment(global_params, f)
+        delta = jax.tree.map(jnp.subtract, theirs, self._fragment(node_params, f))
+        delta = make_varying(delta, self._axes)
+        if self.sync is None:
+            node_axis, local_axis = self._axes
+            mean = full_precision_mean(delta, node_axis=node_axis, local_axis=local_axis,
+                                       hierarchical=True)  # fmt: skip
+        elif self._feedback:
+            mean, residuals = sync_mean(delta, self.sync, residuals=residuals, where="diloco")
+        else:
+            mean = sync_mean(delta, self.sync, where="diloco")
+        updates, outer_state = self.outer.update(mean, outer_state, theirs)
+        return optax.apply_updates(theirs, updates), outer_state, residuals
+
+    def _outer_update(self, f, params, opt_state, extra, batch, inputs):
+        """An inner step that also exchanges fragment ``f``, on one device."""
+        global_params = extra[GLOBAL]
+        outer_states = list(extra[OUTER])
+        residuals = list(extra[RESIDUALS]) if self._feedback else [None] * self.fragments
+        if self.delay == 0:
+            params, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
+            fresh, outer_states[f], residuals[f] = self._exchange(
+                f, params, global_params, outer_states[f], residuals[f]
+            )
+            params = self._merged(params, fresh, f)
+        else:
+            # The exchange reads only this step's inputs: XLA may run it beside the update.
+            fresh, outer_states[f], residuals[f] = self._exchange(
+                f, params, global_params, outer_states[f], residuals[f]
+            )
+            new, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
+            own = jax.tree.map(jnp.subtract, self._fragment(new, f), self._fragment(params, f))
+            params = self._merged(new, jax.tree.map(jnp.add, fresh, own), f)
+        extra = {GLOBAL: self._merged(global_params, fresh, f), OUTER: tuple(outer_states)}
+        if self._feedback:
+            extra[RESIDUALS] = tuple(residuals)
+        return params, opt_state, extra, loss, aux
+
+    def _build(self, key) -> Program:
+        node, axes = P(self._axes[0]), P(self._axes)
+        inner = key == INNER
+        extra_specs = {GLOBAL: P(), OUTER: P()}
+        if self._feedback:
+            extra_specs[RESIDUALS] = axes
+
+        def per_device(params, opt_state, *rest):
+            held = 0 if inner else 1  # the outer state, which an inner step leaves alone
+            extra, inputs, batch = rest[:held], rest[held:-1], rest[-1]
+            params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
+            if inner:
+                params, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
+            else:
+                params, opt_state, new_extra, loss, aux = self._outer_update(
+                    key, params, opt_state, extra[0], batch, inputs
+                )
+                extra = [new_extra]
+            metrics = (loss, aux) if self.has_aux else (loss,)
+            stacked = jax.tree.map(lambda x: x[None], (params, opt_state, *metrics))
+            return (*stacked[:2], *extra, *stacked[2:])
+
+        state_specs = (node, node) + (() if inner else (extra_specs,))
+        fn = jax.jit(
+            jax.shard_map(
+                per_device,
+                mesh=self.mesh,
+                in_specs=(*state_specs, *(P(),) * self.model.num_inputs(), axes),
+                out_specs=(*state_specs, axes) + ((axes,) if self.has_aux else ()),
+            ),
+            donate_argnums=tuple(range(len(state_specs))) if self._donate else (),
+        )
+        return Program(fn, self._inputs(inner), self._outputs(inner))
+
+    def _inputs(self, inner: bool):
+        def inputs(state, batch):
+            batch = global_batch(batch, self.mesh, self._axes)
+            extra = () if inner else ({k: state.extra[k] for k in self._extra_keys},)
+            return (state.params, state.opt_state, *extra, *self.model.inputs(state), batch)
+
+        return inputs
+
+    def _outputs(self, inner: bool):
+        def outputs(state, out):
+            params, opt_state, *out = out
+            extra = state.extra if inner else {**state.extra, **out.pop(0)}
+            metrics = {"loss": _mean_over_devices(out[0])}
+            if self.has_aux:
+                metrics["aux"] = _mean_over_devices(out[1])
+            return StepState(state.step, params, opt_state, extra), metrics
+
+        return outputs
+
+    # Bytes between nodes. -----------------------------------------------------------------
+
+    def bytes_between_nodes(self, state: StepState, batch) -> dict[str, float]:
+        """Bytes each device sends over the links between nodes, per phase and per inner step
+        on average; compiles, runs nothing.
+
+        Read from each phase's compiled program (``communication_stats``, ``bytes_on`` the
+        node axis). Over one period of ``inner_steps`` steps each fragment is exchanged once
+        and the other steps are inner steps, so the average is ``(sum of the outer phases +
+        (H - F) * inner) / H``. Multiply by the devices per node for what a node sends.
+
+        Returns:
+          ``{phase: bytes}`` for the phases of ``communication_stats`` (``"inner"``,
+          ``"outer"`` or ``"outer_0"``...), and ``"per_inner_step"``: the average.
+        """
+        per_phase = {
+            name: one.bytes_on(self._axes[0])
+            for name, one in self.communication_stats(state, batch).items()
+        }
+        inner = per_phase.get(INNER, 0.0)
+        outer = sum(per_phase[name] for name in self._outer_names())
+        steps = self.inner_steps
+        return {**per_phase, "per_inner_step": (outer + (steps - self.fragments) * inner) / steps}
+
+
+# The public factory ----------------------------------------------------------------------
+
+
+def diloco_step(
+    loss_fn: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    *,
+    inner_steps: int,
+    fragments: int = 1,
+    delay: int = 1,
+    outer_optimizer: optax.GradientTransformation | None = None,
+    bits: int = 8,
+    error_feedback: bool = False,
+    block_size: int | None = None,
+    wire: Wire = "auto",
+    bucket_bytes: BucketBytes = "auto",
+    message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
+    has_aux: bool = False,
+    donate: bool = True,
+    node_axis: str = "node",
+    local_axis: str = "local",
+    flatten: bool = False,
+    model_state: Any = None,
+    rng_seed: int | None = None,
+    state_sync: str = "mean",
+) -> TrainStep:
+    """Builds a DiLoCo train step: H inner steps within each node, then a compressed outer step.
+
+    Each node trains with ``optimizer`` on its devices' slices of the batch, averaging the
+    gradient over its own devices only (float32). Every ``inner_steps`` steps the nodes
+    average the pseudo-gradient (global params minus the node's) on the compressed wire of
+    ``bytegrad`` (``bits`` 8 or 4, with ``error_feedback`` residuals carried from one outer
+    step to the next; ``bits=32`` for float32), ``outer_optimizer`` updates the global params,
+    and every node restarts from them. With ``fragments`` F > 1 (streaming DiLoCo) the params
+    are split into F sets of whole leaves, each exchanged every ``inner_steps`` steps,
+    staggered by ``inner_steps / F``. See docs/diloco.md.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)``), on one device's slice.
+      optimizer: the inner optimizer (DiLoCo's: AdamW), one per node.
+      mesh: from ``make_mesh``, with at least two nodes.
+      inner_steps: H, the inner steps per outer step of each fragment.
+      fragments: F, how many fragments of the params are exchanged at staggered steps; it
+        divides ``inner_steps``.
+      delay: tau, 0 or 1. 0: a fragment's exchange runs in the program of the step that ends
+        its H inner steps, after that step's update (exact). 1 (default): it runs inside the
+        next step's program, beside that step's compute, and lands one step late (the
+        fragment restarts from the new global params plus that step's own update).
+      outer_optimizer: any optax transformation of the pseudo-gradient; None for DiLoCo's
+        Nesterov SGD (learning rate 0.7, momentum 0.9). Each fragment keeps its own state.
+      bits: 8 or 4 (codes between nodes, as ``bytegrad``), or 32 (a float32 exchange).
+      error_feedback: keep what each device's compressions left unsent and add it to the
+        next outer step's pseudo-gradient (recommended at 4 bits).
+      block_size, wire, bucket_bytes, message_bytes: the wire's settings, as ``bytegrad``'s.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+      donate: donate the state's buffers to the step.
+      node_axis: the mesh axis between nodes.
+      local_axis: the mesh axis within a node.
+      flatten: keep the params as one vector (then one fragment).
+      model_state: not supported (refused): its sync would cross between nodes every step.
+      rng_seed: the loss function also gets ``key=``, different per device and step, as
+        for ``data_parallel_step``.
+      state_sync: unused without ``model_state``.
+
+    Returns:
+      A ``TrainStep``. ``step.params(state)`` is the global params (replicated);
+      ``state.params`` holds each node's (stacked over nodes). ``metrics["loss"]`` is the
+      mean over devices of each device's loss before its update. ``bytes_between_nodes``
+      gives the traffic per phase and per inner step.
+
+    Raises:
+      ValueError: at build time for ``inner_steps < 1``, ``fragments`` that does not divide
+        ``inner_steps``, ``delay`` not 0 or 1 or not below ``inner_steps``, an
+        ``outer_optimizer`` that is not an optax transformation, a mesh of one node, a bad
+        wire setting, or ``model_state``; at ``init``, for more fragments than
+        leaves.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jax_bytegrad
+      >>> from jax_bytegrad._src.steps.diloco import diloco_step
+      >>> mesh = jax_bytegrad.make_mesh(2, 1)
+      >>> step = diloco_step(lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1), mesh,
+      ...                    inner_steps=2, delay=0)
+      >>> state = step.init(jnp.ones(4))
+      >>> for _ in range(2):
+      ...     state, metrics = step(state, jnp.ones((8, 4)))
+      >>> [step.phase_counts(state)[p] for p in step.phases]
+      [1, 1]
+
+    References:
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models",
+      2023. Douillard et al., "Streaming DiLoCo with overlapping communication: Towards a
+      Distributed Free Lunch", 2025.
+    """
+    where = "diloco_step"
+    outer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
+    axes = (node_axis, local_axis)
+    _check(mesh, axes, inner_steps, fragments, delay, outer, bits, where)
+    model = ModelState.of(model_state, rng_seed, state_sync, where)
+    if model.has_state:
+        raise ValueError(
+            f"{where}: model_state= is not supported (its sync would cross between nodes every "
+            "step, and the nodes train apart); keep BatchNorm statistics out of the model or "
+            "use bytegrad. rng_seed= (per-device keys) is supported"
+        )
+    sync = None
+    if bits != FLOAT32:
+        sync = SyncConfig(
+            node_axis=node_axis, local_axis=local_axis, bits=bits, block_size=block_size,
+            bucket_bytes=bucket_bytes, message_bytes=message_bytes,
+            error_feedback=error_feedback, wire=wire, where=where,
+        )  # fmt: skip
+        sync.mesh_shape(mesh, where)
+    elif error_feedback:
+        raise ValueError(f"{where}: error_feedback=True needs bits=8 or 4; bits=32 loses nothing")
+    return _DiLoCo(
+        loss_fn, optimizer, outer, mesh, axes=axes, inner_steps=inner_steps,
+        fragments=fragments, delay=delay, sync=sync, has_aux=has_aux, donate=donate,
+        flatten=flatten, model=model,
+    )  # fmt: skip
+
+
+def check_settings(mesh: Mesh, settings: dict[str, Any]) -> None:
+    """Validates ``Strategy("diloco", ...)``'s settings when it is built, as ``diloco_step``
+    does; raises its ``ValueError``."""
+    diloco_step(lambda params, batch: 0.0, optax.identity(), mesh, **settings)

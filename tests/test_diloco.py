@@ -1,0 +1,257 @@
+"""DiLoCo (jax_bytegrad/_src/steps/diloco.py): equivalence at H = 1, bit-identical global
+params, streaming fragments, resume from a checkpoint, bytes between nodes, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_replicas_bit_identical, assert_trees_all_close, assert_trees_all_equal
+
+import jax_bytegrad
+from jax_bytegrad.checkpoint import Checkpointer
+
+NODES, LOCAL = 2, 4
+ROWS = 32
+
+
+def params0():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.normal(size=(16, 32)) * 0.3).astype(np.float32),
+        "b1": np.zeros(32, np.float32),
+        "w2": (rng.normal(size=(32, 4)) * 0.3).astype(np.float32),
+    }
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    logits = jnp.tanh(x @ params["w1"] + params["b1"][None]) @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    teacher = rng.normal(size=(16, 4)).astype(np.float32)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=(ROWS, 16)).astype(np.float32)
+        out.append((x, np.argmax(x @ teacher, -1).astype(np.int32)))
+    return out
+
+
+def mesh():
+    return jax_bytegrad.make_mesh(NODES, LOCAL)
+
+
+def strategy(**kwargs):
+    return jax_bytegrad.Strategy("diloco", mesh=mesh(), **kwargs)
+
+
+def run(step, data, state=None):
+    state = step.init(params0()) if state is None else state
+    for batch in data:
+        state, _ = step(state, batch)
+    return state
+
+
+def node_params(state, node):
+    """Node ``node``'s params, read from a device of that node."""
+    return jax.tree.map(lambda x: np.asarray(x)[node], jax.device_get(state.params))
+
+
+def test_h1_with_outer_sgd_lr1_averages_the_nodes_updated_params():
+    # DiLoCo's reduction: one inner step, then global - 1 * mean(global - node) = mean(node).
+    inner = optax.adam(1e-2)
+    s = strategy(inner_steps=1, delay=0, bits=32, outer_optimizer=optax.sgd(1.0))
+    data = batches(3)
+    with s.train_step(loss_fn, inner) as step:
+        state = run(step, data)
+        got = jax.device_get(step.params(state))
+    # By hand: each node takes an Adam step on its half of the batch (its devices' mean
+    # gradient), keeping its own Adam state; the global params are the mean of the nodes'.
+    params = jax.tree.map(jnp.asarray, params0())
+    states = [inner.init(params) for _ in range(NODES)]
+    half = ROWS // NODES
+    grad_fn = jax.jit(jax.grad(loss_fn))
+    for x, y in data:
+        updated = []
+        for n in range(NODES):
+            rows = slice(n * half, (n + 1) * half)
+            grads = [
+                grad_fn(params, (x[r : r + half // LOCAL], y[r : r + half // LOCAL]))
+                for r in range(rows.start, rows.stop, half // LOCAL)
+            ]
+            grad = jax.tree.map(lambda *g: sum(g) / LOCAL, *grads)
+            update, states[n] = inner.update(grad, states[n], params)
+            updated.append(optax.apply_updates(params, update))
+        params = jax.tree.map(lambda *p: sum(p) / NODES, *updated)
+    assert_trees_all_close(got, jax.device_get(params), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "wire", [dict(bits=8), dict(bits=4, error_feedback=True)], ids=["8bit", "4bit_ef"]
+)
+def test_every_device_ends_an_outer_step_with_bit_identical_global_params(wire):
+    s = strategy(inner_steps=2, delay=0, **wire)
+    with s.train_step(loss_fn, optax.adam(1e-2)) as step:
+        state = run(step, batches(2))
+        assert step.phase_counts(state) == {"inner": 1, "outer": 1}
+        assert_replicas_bit_identical(state.extra["global_params"], NODES * LOCAL)
+        # Every node restarts from the global params, bit for bit.
+        for n in range(NODES):
+            assert_trees_all_equal(node_params(state, n), jax.device_get(step.params(state)))
+        before = jax.device_get(step.params(state))
+        state = run(step, batches(1, seed=1), state)  # an inner step: the nodes move apart
+        assert not np.array_equal(node_params(state, 0)["w1"], node_params(state, 1)["w1"])
+        assert_trees_all_equal(jax.device_get(step.params(state)), before)
+    if wire.get("error_feedback"):
+        # What the 4-bit codes left unsent is carried to the next outer step.
+        assert any(np.any(np.asarray(r) != 0) for r in jax.tree.leaves(state.extra["residuals"]))
+
+
+def test_the_compressed_outer_step_is_close_to_the_float32_one():
+    got = {}
+    for bits in (32, 8):
+        s = strategy(inner_steps=2, delay=0, bits=bits)
+        with s.train_step(loss_fn, optax.adam(1e-2)) as step:
+            got[bits] = jax.device_get(step.params(run(step, batches(4))))
+    assert_trees_all_close(got[8], got[32], atol=2e-3)
+    assert not np.array_equal(got[8]["w1"], got[32]["w1"])  # the codes did cross
+
+
+def test_fragments_sync_at_staggered_steps_without_delay():
+    # H = 4, F = 2: each fragment is exchanged every 4 steps, fragment 0 after 2 steps.
+    s = strategy(inner_steps=4, fragments=2, delay=0, bits=8)
+    with s.train_step(loss_fn, optax.adam(1e-2)) as step:
+        phases = [step._phase(i)[0] for i in range(8)]
+        assert phases == ["inner", "outer_0", "inner", "outer_1"] * 2
+        state = run(step, batches(2))
+        members = step._members
+        assert sorted(i for m in members for i in m) == [0, 1, 2] and all(members)
+        leaves = [jax.tree.leaves(node_params(state, n)) for n in range(NODES)]
+        glob = jax.tree.leaves(jax.device_get(step.params(state)))
+        start = jax.tree.leaves(params0())
+        for i in range(3):
+            if i in members[0]:  # exchanged: every node holds the new global leaf
+                assert not np.array_equal(glob[i], start[i])
+                for n in range(NODES):
+                    np.testing.assert_array_equal(leaves[n][i], glob[i])
+            else:  # not yet: the global leaf is the initial one, the nodes differ
+                np.testing.assert_array_equal(glob[i], start[i])
+                assert not np.array_equal(leaves[0][i], leaves[1][i])
+
+
+def test_a_delayed_exchange_lands_one_step_late_with_that_steps_update():
+    data = batches(3)
+    kwargs = dict(fragments=2, bits=8)
+    runs = {}
+    for name, h, delay in (("now", 4, 0), ("late", 4, 1), ("none", 8, 0)):
+        with strategy(inner_steps=h, delay=delay, **kwargs).train_step(
+            loss_fn, optax.adam(1e-2)
+        ) as step:
+            state = step.init(params0())
+            trail = []
+            for batch in data:
+                state, _ = step(state, batch)
+                trail.append((node_params(state, 0), jax.device_get(step.params(state))))
+            runs[name] = trail
+            members = step._members[0]
+    # The late run's exchange after step 3 gives the global params the exact run had after 2.
+    late_glob = jax.tree.leaves(runs["late"][2][1])
+    now_glob = jax.tree.leaves(runs["now"][1][1])
+    for i in members:
+        np.testing.assert_allclose(late_glob[i], now_glob[i], rtol=1e-6, atol=1e-7)
+    assert_trees_all_equal(runs["late"][1][1], jax.device_get(params0()))  # nothing yet
+    # ... and node 0 restarts from them plus its own third step (an undisturbed run's).
+    before, after = (jax.tree.leaves(runs["none"][k][0]) for k in (1, 2))
+    node = jax.tree.leaves(runs["late"][2][0])
+    for i in members:
+        np.testing.assert_allclose(node[i], late_glob[i] + after[i] - before[i], atol=1e-6)
+
+
+@pytest.mark.slow  # two steps of three programs each to compile
+def test_resume_from_a_checkpoint_is_bit_exact(tmp_path):
+    # Saved right after a sync point, with the delayed exchange and the residuals pending.
+    s = strategy(inner_steps=4, fragments=2, delay=1, bits=4, error_feedback=True)
+    data = batches(8)
+    with s.train_step(loss_fn, optax.adam(1e-2)) as step, Checkpointer(tmp_path, every=1) as ckpt:
+        state = run(step, data[:2])
+        ckpt.save(2, state, force=True)
+        ckpt.wait()
+        straight = run(step, data[2:], state)
+    with s.train_step(loss_fn, optax.adam(1e-2)) as step, Checkpointer(tmp_path, every=1) as ckpt:
+        target = step.state_shapes(params0())
+        restored = ckpt.restore(2, lambda: target, target)
+        assert int(restored.step) == 2
+        resumed = run(step, data[2:], restored)
+    assert_trees_all_equal(jax.device_get(resumed.extra), jax.device_get(straight.extra))
+    assert_trees_all_equal(jax.device_get(resumed.params), jax.device_get(straight.params))
+    assert_trees_all_equal(jax.device_get(resumed.opt_state), jax.device_get(straight.opt_state))
+
+
+def test_h100_at_4_bits_sends_over_700x_fewer_bytes_than_float32_every_step():
+    # Compiled, not run: a 262k-parameter layer, so block headers and padding weigh as in
+    # a real model (benchmarks/diloco_bytes.py gives the same ratio at 4M parameters).
+    params = {"w": jax.ShapeDtypeStruct((256, 1024), jnp.float32)}
+    batch = jax.ShapeDtypeStruct((NODES * LOCAL, 256), jnp.float32)
+
+    def loss(p, x):
+        return jnp.mean((x @ p["w"]) ** 2)
+
+    s = strategy(inner_steps=100, bits=4, error_feedback=True)
+    with s.train_step(loss, optax.adam(1e-2)) as step:
+        state = step.state_shapes(params)
+        traffic = step.bytes_between_nodes(state, batch)
+        inner = step.communication_stats(state, batch)["inner"]
+    allreduce = jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh(), hierarchical=True)
+    with allreduce.train_step(loss, optax.adam(1e-2)) as step:
+        (every_step,) = step.communication_stats(step.state_shapes(params), batch).values()
+    assert traffic["inner"] == 0 and inner.bytes_on("local") > 0  # within the node only
+    assert traffic["per_inner_step"] == pytest.approx(traffic["outer"] / 100)
+    assert every_step.bytes_on("node") >= 700 * traffic["per_inner_step"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(inner_steps=0), "inner_steps must be an int >= 1"),
+        (dict(inner_steps=10, fragments=3), "fragments=3 does not divide inner_steps=10"),
+        (dict(inner_steps=1), "delay=1 must be less than inner_steps=1"),
+        (dict(inner_steps=4, delay=2), r"delay must be an int in \[0, 1\]"),
+        (dict(inner_steps=4, outer_optimizer=optax.sgd), "outer_optimizer must be an optax"),
+        (dict(inner_steps=4, bits=2), "bits must be one of 8, 4, 32"),
+        (dict(inner_steps=4, bits=32, error_feedback=True), "error_feedback=True needs bits"),
+        (dict(), "missing keyword argument.*inner_steps"),
+    ],
+    ids=["h0", "f_divides", "tau_ge_h", "tau2", "outer", "bits", "ef32", "no_h"],
+)
+def test_bad_settings_are_refused_when_the_strategy_is_built(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        strategy(**kwargs)
+
+
+def test_one_node_more_fragments_than_leaves_and_model_state_are_refused():
+    with pytest.raises(ValueError, match="one node along 'node'"):
+        jax_bytegrad.Strategy("diloco", mesh=jax_bytegrad.make_mesh(1, 8), inner_steps=4)
+    step = strategy(inner_steps=4, fragments=4).train_step(loss_fn, optax.sgd(0.1))
+    with pytest.raises(ValueError, match="fragments=4 is more than the 3 leaves"):
+        step.init(params0())
+    with pytest.raises(ValueError, match="model_state= is not supported"):
+        strategy(inner_steps=4).train_step(loss_fn, optax.sgd(0.1), model_state={"n": 0})
+
+
+def test_each_device_gets_its_own_key_in_an_inner_step():
+    # The gradient of each device's loss is its key's noise: a node moves by its devices' mean.
+    def noise_loss(params, batch, *, key):
+        return jnp.sum(params["w"] * jax.random.normal(key, params["w"].shape)) + 0 * batch.sum()
+
+    s = strategy(inner_steps=2, delay=0, bits=8)
+    with s.train_step(noise_loss, optax.sgd(1.0), rng_seed=5) as step:
+        state = step.init({"w": np.zeros(3, np.float32)})
+        keys = [step.device_key(state, d) for d in range(NODES * LOCAL)]
+        state, _ = step(state, np.zeros((ROWS, 1), np.float32))
+    for n in range(NODES):
+        noise = [jax.random.normal(keys[n * LOCAL + i], (3,)) for i in range(LOCAL)]
+        want = -sum(noise) / LOCAL
+        np.testing.assert_allclose(node_params(state, n)["w"], want, rtol=1e-6, atol=1e-7)
