@@ -411,28 +411,50 @@ def _device_kinds() -> dict[str, jax.Device]:
     return {d.device_kind: d for d in reversed(jax.local_devices())}
 
 
-_verdicts: dict[tuple[str, Kernel], bool] = {}
-_verdicts_lock = threading.Lock()
+class KernelChecks:
+    """The verdicts of the compiled kernels' checks (``check``): one per device kind and
+    kernel, each found once and kept, since a check compiles and runs the kernel.
+
+    They are facts about this process's devices, so the process holds one set: ``CHECKS``,
+    which ``select`` reads. Thread-safe: a check runs under the lock, so two threads that
+    trace at once check a kernel once.
+    """
+
+    def __init__(self) -> None:
+        self._verdicts: dict[tuple[str, Kernel], bool] = {}
+        self._lock = threading.Lock()
+
+    def works(self, kernel: Kernel) -> bool:
+        """Whether ``kernel``'s compiled version passed its check on every kind of local
+        device; checks it (once per kind) where it has not been, with one warning where it
+        fails."""
+        with self._lock:
+            works = True
+            for kind, device in _device_kinds().items():
+                if (kind, kernel) not in self._verdicts:
+                    why = check(kernel, device)
+                    if why is not None:
+                        warnings.warn(
+                            f"jax_bytegrad: the compiled Mosaic GPU kernel {kernel} is not used "
+                            f"on {kind}: {why}. The XLA implementation runs this kernel "
+                            "instead; the other kernels are unaffected. Pass "
+                            "implementation='xla' to skip this check, or "
+                            "implementation='pallas' to see the kernel's own error.",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                    self._verdicts[kind, kernel] = why is None
+                works = works and self._verdicts[kind, kernel]
+            return works
+
+    def clear(self) -> None:
+        """Forgets every verdict, so the next ``works`` checks again."""
+        with self._lock:
+            self._verdicts.clear()
 
 
-def _compiled_kernel_works(kernel: Kernel) -> bool:
-    with _verdicts_lock:
-        works = True
-        for kind, device in _device_kinds().items():
-            if (kind, kernel) not in _verdicts:
-                why = check(kernel, device)
-                if why is not None:
-                    warnings.warn(
-                        f"jax_bytegrad: the compiled Mosaic GPU kernel {kernel} is not used on "
-                        f"{kind}: {why}. The XLA implementation runs this kernel instead; the "
-                        "other kernels are unaffected. Pass implementation='xla' to skip this "
-                        "check, or implementation='pallas' to see the kernel's own error.",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                _verdicts[kind, kernel] = why is None
-            works = works and _verdicts[kind, kernel]
-        return works
+# This process's verdicts (``KernelChecks``).
+CHECKS = KernelChecks()
 
 
 def select(kernel: Kernel) -> str:
@@ -441,12 +463,11 @@ def select(kernel: Kernel) -> str:
     The XLA reference unless the default backend is a GPU that Mosaic GPU supports and the
     compiled kernel passed its check on every kind of local device (see ``check``).
     """
-    if pallas.is_supported() and _compiled_kernel_works(kernel):
+    if pallas.is_supported() and CHECKS.works(kernel):
         return "pallas"
     return "xla"
 
 
 def clear_checks() -> None:
     """Forgets every kernel's check, so the next ``select`` checks again."""
-    with _verdicts_lock:
-        _verdicts.clear()
+    CHECKS.clear()
