@@ -66,7 +66,8 @@ def _step(name, mesh, loss_fn):
 def test_gpu_mesh_without_the_plugin_names_the_extra():
     if gpu_plugin_error() is None:
         pytest.skip("JAX's CUDA plugin is installed here; its absence is tested without it")
-    assert "pip install 'jax_bytegrad[cuda12]'" in gpu_plugin_error()
+    # The package is on no index: the extra installs from the checkout.
+    assert "pip install -e '.[cuda12]'" in gpu_plugin_error()
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "gpu"), [(0, 4, "h100"), (2, 4, "b200")])
