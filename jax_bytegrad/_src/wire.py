@@ -133,7 +133,7 @@ def sg_encode(x, send, *, key, codec: Codec):
     ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
     block_size): row j goes to peer j. Returns the message, each block's codes with its
     header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
-    ``codec`` is the config's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
+    ``codec`` is the plan's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
     rounding).
     """
     peers, blocks, block_size = x.shape
