@@ -438,7 +438,7 @@ print("saved")  # and exits with the save under way in orbax's threads, never cl
 """
 
 
-def test_a_checkpointer_never_closed_finishes_its_save_at_exit(tmp_path):
+def test_a_checkpointer_never_closed_finishes_its_save_at_exit_or_says_why_not(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run(
@@ -449,9 +449,16 @@ def test_a_checkpointer_never_closed_finishes_its_save_at_exit(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "saved", proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
     with Checkpointer(tmp_path, every=1) as ckpt:
-        assert ckpt.steps == [1]
+        if sys.version_info < (3, 12):
+            assert "Traceback" not in proc.stderr, proc.stderr
+            assert ckpt.steps == [1]
+        else:
+            # Python 3.12 creates no thread at exit, which orbax's save needs: the step stays
+            # unfinished, so never restored, and one line says to close the Checkpointer.
+            assert "close the Checkpointer (or use it in a with block)" in proc.stderr
+            assert "Exception ignored" not in proc.stderr, proc.stderr
+            assert ckpt.steps == []
 
 
 def _layers(count: int) -> dict:

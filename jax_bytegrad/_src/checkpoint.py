@@ -162,10 +162,26 @@ def _differing_leaves(saved, target) -> str:
 
 
 def _close_at_exit(checkpointer: weakref.ref) -> None:
-    """Closes a `Checkpointer` its script never closed, if it still exists, at exit."""
+    """Closes a `Checkpointer` its script never closed, if it still exists, at exit.
+
+    Python 3.12 creates no thread once the interpreter exits, and orbax's save needs some:
+    there the save under way cannot finish (a step never finished is never restored), and
+    this says so in one line, with what to do.
+    """
     alive = checkpointer()
-    if alive is not None:
+    if alive is None:
+        return
+    try:
         alive.close()
+    except Exception as error:  # noqa: BLE001 - at exit, a line to act on, not a traceback
+        warnings.warn(
+            f"Checkpointer: the save under way in {alive.directory} could not finish as the "
+            f"interpreter exited ({type(error).__name__}: {error}); close the Checkpointer (or "
+            "use it in a with block) before the script ends. An unfinished step is never "
+            "restored",
+            RuntimeWarning,
+            stacklevel=1,
+        )
 
 
 def _place(state, shardings):
@@ -241,8 +257,8 @@ class Checkpointer:
         # threads, which then fail ("cannot schedule new futures after interpreter
         # shutdown") and leave the step unfinished. Python's atexit runs too late: the
         # executors are shut by then. threading's own exit hooks run just before that, in
-        # reverse order of registration, so this one finishes the save first. A weak
-        # reference, so the hook keeps no Checkpointer alive.
+        # reverse order of registration, so this one finishes the save first (Python 3.11;
+        # on 3.12 see _close_at_exit). A weak reference: it keeps no Checkpointer alive.
         threading._register_atexit(functools.partial(_close_at_exit, weakref.ref(self)))
 
     @property
