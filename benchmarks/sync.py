@@ -62,6 +62,7 @@ else:
     )
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import math  # noqa: E402
 import statistics  # noqa: E402
@@ -156,6 +157,7 @@ def _codec_pieces(size: int) -> dict:
     """Name -> (jitted fn, args) for each timed piece, on one device's `size` values."""
     from jax_bytegrad._src import wire as wire_lib
     from jax_bytegrad._src.codecs import Codec, dequantize_blocks, integer, quantize_blocks
+    from jax_bytegrad._src.config import plan_sync
 
     nearest, stochastic = Codec(implementation="xla"), Codec(stochastic=True, implementation="xla")
     quantize = functools.partial(quantize_blocks, nearest)
@@ -251,12 +253,15 @@ def _codec_pieces(size: int) -> dict:
     # as a train step reuses its buffers.
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("node",))
     for bits in (8, 4):
+        # The plan of a bucket of two nodes, its group the one "node" axis of this mesh.
+        plan = plan_sync(
+            jax_bytegrad.SyncConfig(bits=bits, wire="allreduce"),
+            [x.reshape(-1)], (2, 1), "cpu", weight=0.5,
+        ).buckets[0]  # fmt: skip
+        plan = dataclasses.replace(plan, group=dataclasses.replace(plan.group, axis="node"))
 
-        def sync(g, bits=bits):
-            mean, _ = wire_lib.integer_sum(
-                g, None, group="node", group_size=2, weight=0.5, key=None,
-                block_size=jax_bytegrad.SyncConfig(bits=bits).block_size, codec=Codec(bits=bits),
-            )  # fmt: skip
+        def sync(g, plan=plan):
+            mean, _ = wire_lib.integer_sum(g, None, plan, key=None)
             return mean
 
         sync = jax.jit(

@@ -100,8 +100,27 @@ __all__ = [
 ]
 
 
+# Names the top level once exported, and where each lives now, for a script written before.
+_MOVED = {
+    "Checkpointer": "jax_bytegrad.checkpoint.Checkpointer",
+    "CommunicationStats": "jax_bytegrad.profiling.CommunicationStats",
+    "communication_stats": "jax_bytegrad.profiling.communication_stats",
+    "DistributedInfo": "jax_bytegrad.distributed.DistributedInfo",
+    "replicate": "jax_bytegrad.sharding.replicate",
+    "shard_batch": "jax_bytegrad.sharding.shard_batch",
+    "valid_kwargs": "jax_bytegrad.Strategy.valid_kwargs",
+    "step_key": "step.device_key(state, device), a method of every train step",
+    "DEFAULT_BLOCK_SIZES": "nowhere public: pass block_size=None for the default of bits",
+    "shift_one_schedule": "nowhere public: docs/decentralized.md describes the schedule",
+}
+
+
 def __getattr__(name: str):
     # jax_bytegrad.nnx imports Flax, which the core does not need: load it when first used.
     if name == "nnx":
         return importlib.import_module("jax_bytegrad.nnx")
+    if name in _MOVED:
+        raise AttributeError(
+            f"module 'jax_bytegrad' has no attribute {name!r} any more; it is now {_MOVED[name]}"
+        )
     raise AttributeError(f"module 'jax_bytegrad' has no attribute {name!r}")

@@ -58,18 +58,32 @@ def test_block_runs(source, tmp_path):
     if NOT_RUN.fullmatch(first.strip()):
         compile(source, "<block>", "exec")  # at least valid Python
         return
-    script = tmp_path / "block.py"
+    proc = _run_block(source, tmp_path)
+    if proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def _run_block(source: str, where: Path) -> subprocess.CompletedProcess:
+    script = where / "block.py"
     script.write_text(source)
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script)],
-        cwd=tmp_path,  # blocks that write files (caches, checkpoints) write them here
+        cwd=where,  # blocks that write files (caches, checkpoints) write them here
         env=_clean_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
-    if proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def test_the_checkpoint_block_runs_again(tmp_path):
+    # A user runs a block twice: the checkpoint the first run left must not stop the second.
+    (source,) = [s for _, s in python_blocks(ROOT / "docs" / "strategy.md") if "ocp." in s]
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "left_by_a_last_run").write_text("")
+    proc = _run_block(source, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert not (tmp_path / "checkpoint" / "left_by_a_last_run").exists()
 
 
 def test_blocks_are_found():

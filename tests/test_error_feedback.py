@@ -9,8 +9,7 @@ from jax.sharding import PartitionSpec as P
 from test_quantize import BITS, IMPLEMENTATIONS
 
 import jax_bytegrad
-from jax_bytegrad._src.codecs import Codec, dequantize_blocks
-from jax_bytegrad._src.quantization import quantize_with_feedback
+from jax_bytegrad._src.codecs import Codec, dequantize_blocks, quantize_with_feedback
 from jax_bytegrad.profiling import communication_stats
 from jax_bytegrad.sharding import replicate, shard_batch, shard_state, state_specs
 

@@ -66,7 +66,8 @@ def _step(name, mesh, loss_fn):
 def test_gpu_mesh_without_the_plugin_names_the_extra():
     if gpu_plugin_error() is None:
         pytest.skip("JAX's CUDA plugin is installed here; its absence is tested without it")
-    assert "pip install 'jax_bytegrad[cuda12]'" in gpu_plugin_error()
+    # The package is on no index: the extra installs from the checkout.
+    assert "pip install -e '.[cuda12]'" in gpu_plugin_error()
 
 
 @pytest.mark.parametrize(("nodes", "per_node", "gpu"), [(0, 4, "h100"), (2, 4, "b200")])
@@ -140,8 +141,7 @@ def test_implementation_none_runs_no_check_on_a_deviceless_mesh(monkeypatch):
 
 
 @needs_plugin
-def test_the_16_bit_integer_wire_warns_and_reports_its_promoted_bytes(monkeypatch):
-    monkeypatch.setattr(wire, "_WARNED_PROMOTION", set())  # warned once per process
+def test_the_16_bit_integer_wire_warns_and_reports_its_promoted_bytes():
     mesh = gpu_mesh(4, 4)
     params, loss_fn = _mlp(128, 2)
     batch = (jax.ShapeDtypeStruct((64, 128), jnp.float32),) * 2
@@ -227,7 +227,7 @@ STAGE_KINDS = {"psum": "all-reduce", "all_to_all": "all-to-all", "all_gather": "
 @pytest.mark.parametrize("wire_name", ["allreduce", "scatter_gather"])
 def test_each_bucket_crosses_between_nodes_as_its_own_plan(platform, wire_name):
     """The step holds, for each bucket, the collectives of its wire's plan between nodes
-    (``wire.integer_plan``, ``wire.scatter_gather_plan``): in the program as the library
+    (``wire.integer_stages``, ``wire.scatter_gather_stages``): in the program as the library
     emits it, on any platform, and, compiled for H100s, as XLA:GPU runs it: none merged with
     another bucket's, which would make every bucket wait for the whole gradient. (XLA:CPU in
     JAX 0.10 drops the ties and merges them; a CPU program runs its collectives one at a
@@ -237,17 +237,15 @@ def test_each_bucket_crosses_between_nodes_as_its_own_plan(platform, wire_name):
     mesh = gpu_mesh(2, 4) if platform == "gpu" else jbg.make_mesh(2, 4)
     params, loss_fn = _mlp(512, 4)  # four 1 MiB leaves
     sync = SyncConfig(wire=wire_name, bucket_bytes=2**20, message_bytes=None)
-    layout = collectives.bucket_layout(params, sync, (2, 4))
-    group = wire.group_of(sync, 2, 4)
-    plan = (
-        wire.integer_plan(group, codec=sync.codec, block_size=sync.block_size, start=0,
-                          stop=1, feedback=False)
-        if group.wire == "allreduce"
-        else wire.scatter_gather_plan(sync, group, weight=1 / 8, held=((0, slice(0, 1)),),
-                                      feedback=False)
-    )  # fmt: skip
+    plan = config.plan_sync(sync, jax.tree.leaves(params), (2, 4), platform, weight=1 / 8)
+    layout, bucket = plan.layout, plan.buckets[0]
+    stages = (
+        wire.integer_stages(bucket, start=0, stop=1, feedback=False)
+        if bucket.group.wire == "allreduce"
+        else wire.scatter_gather_stages(bucket, held=((0, slice(0, 1)),), feedback=False)
+    )
     want = {}
-    for stage in plan:
+    for stage in stages:
         if stage.kind == "wire":
             kind = STAGE_KINDS[stage.name]
             want[kind] = want.get(kind, 0) + len(layout.buckets)

@@ -61,6 +61,34 @@ def test_each_name_has_one_home():
     assert homes["make_mesh"] == homes["initialize"] == ["jax_bytegrad"]
 
 
+@pytest.mark.parametrize(
+    ("name", "now"),
+    [
+        ("shard_batch", "jax_bytegrad.sharding.shard_batch"),
+        ("replicate", "jax_bytegrad.sharding.replicate"),
+        ("Checkpointer", "jax_bytegrad.checkpoint.Checkpointer"),
+        ("communication_stats", "jax_bytegrad.profiling.communication_stats"),
+        ("valid_kwargs", "jax_bytegrad.Strategy.valid_kwargs"),
+        ("step_key", "step.device_key"),
+    ],
+)
+def test_a_name_moved_off_the_top_level_says_where_it_lives_now(name, now):
+    with pytest.raises(AttributeError, match=rf"{name}'.*it is now {re.escape(now)}"):
+        getattr(jax_bytegrad, name)
+    # Every home it names exists.
+    if now.startswith("jax_bytegrad."):
+        module, _, attr = now.rpartition(".")
+        if module == "jax_bytegrad.Strategy":
+            assert hasattr(jax_bytegrad.Strategy, attr)
+        else:
+            assert hasattr(importlib.import_module(module), attr)
+
+
+def test_an_unknown_name_is_still_a_plain_attribute_error():
+    with pytest.raises(AttributeError, match=r"has no attribute 'no_such_name'$"):
+        jax_bytegrad.no_such_name  # noqa: B018
+
+
 def _documented() -> dict[str, set[str]]:
     """docs/index.md's "What lives where" table: {namespace: the names in its last column}."""
     section = INDEX.read_text().split("## What lives where", 1)[1]

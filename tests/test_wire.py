@@ -23,6 +23,7 @@ from jax_bytegrad import SyncConfig, compressed_mean, full_precision_mean
 from jax_bytegrad._src import wire as wire_lib
 from jax_bytegrad._src.codecs import Codec, integer
 from jax_bytegrad._src.collective_ops import ring_all_gather
+from jax_bytegrad._src.config import plan_sync
 from jax_bytegrad.experimental import residual_sizes, ring_all_to_all
 from jax_bytegrad.profiling import communication_stats
 
@@ -562,6 +563,10 @@ def test_a_bucket_in_parts_gives_the_whole_buckets_bits(feedback):
     x = _put(mesh, rng.standard_normal((2, 8 * BLOCK), np.float32))
     res = _put(mesh, rng.standard_normal((2, 8 * BLOCK), np.float32) * 0.01)
     key = jax.random.key(5)
+    sync = SyncConfig(wire="allreduce", block_size=BLOCK, rounding="stochastic")
+    leaves = [jax.ShapeDtypeStruct((8 * BLOCK,), jnp.float32)]
+    (plan,) = plan_sync(sync, leaves, (2, 1), "cpu", weight=0.5).buckets
+    assert (plan.group.axis, plan.group.size, plan.codec) == (AXES, 2, Codec(stochastic=True))
 
     def run(cut):
         def body(g, r, key_data):
@@ -569,10 +574,7 @@ def test_a_bucket_in_parts_gives_the_whole_buckets_bits(feedback):
             key = jax.random.wrap_key_data(key_data)
             device = jax.random.fold_in(key, jax.lax.axis_index(AXES))
             parts = g if cut is None else (g[:cut], g[cut:])
-            mean, kept = wire_lib.integer_sum(
-                parts, r, group=AXES, group_size=2, weight=0.5, block_size=BLOCK, key=device,
-                codec=Codec(bits=8, stochastic=True),
-            )  # fmt: skip
+            mean, kept = wire_lib.integer_sum(parts, r, plan, key=device)
             return mean[None], (mean * 0 if kept is None else kept)[None]
 
         fn = jax.jit(

@@ -36,7 +36,10 @@ References:
 
 from __future__ import annotations
 
+import functools
+import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -121,6 +124,66 @@ def _order(path) -> tuple:
     return tuple(out)
 
 
+def _differing_leaves(saved, target) -> str:
+    """How the saved leaves (orbax's metadata tree) and the state's differ, for a structure
+    error: the leaves one has and the other lacks, by name; ``relayout=True`` is advised only
+    where it can help, every leaf's shape and dtype agreeing in order."""
+    have = dict(sorted(jax.tree.flatten_with_path(saved)[0], key=lambda kv: _order(kv[0])))
+    want = dict(sorted(jax.tree.flatten_with_path(target)[0], key=lambda kv: _order(kv[0])))
+
+    def described(leaves) -> list[str]:
+        return [f"{jax.tree_util.keystr(p)} ({x.dtype}{list(x.shape)})" for p, x in leaves.items()]
+
+    def kinds(leaves) -> list[tuple]:
+        return [(str(x.dtype), tuple(x.shape)) for x in leaves.values()]
+
+    if kinds(have) == kinds(want):
+        return (
+            "the same leaves, in order, at other places. If only where the leaves sit changed "
+            "(a state saved by an earlier release), pass relayout=True"
+        )
+    names = {_order(p): p for p in have} | {_order(p): p for p in want}
+    only_saved = [names[k] for k in sorted({_order(p) for p in have} - {_order(p) for p in want})]
+    only_state = [names[k] for k in sorted({_order(p) for p in want} - {_order(p) for p in have})]
+    parts = []
+    if only_saved:
+        leaves = described({p: have[p] for p in only_saved[:3]})
+        parts.append(f"the checkpoint holds {', '.join(leaves)}, which the state lacks")
+    if only_state:
+        leaves = described({p: want[p] for p in only_state[:3]})
+        parts.append(f"the state has {', '.join(leaves)}, which the checkpoint lacks")
+    if not parts:
+        parts.append("the same leaf names with other shapes or dtypes")
+    return (
+        f"{'; '.join(parts)} ({len(have)} saved arrays, {len(want)} in the state). "
+        "relayout=True cannot help: restore with init_fn of the model and optimizer that saved "
+        "it"
+    )
+
+
+def _close_at_exit(checkpointer: weakref.ref) -> None:
+    """Closes a `Checkpointer` its script never closed, if it still exists, at exit.
+
+    Python 3.12 creates no thread once the interpreter exits, and orbax's save needs some:
+    there the save under way cannot finish (a step never finished is never restored), and
+    this says so in one line, with what to do.
+    """
+    alive = checkpointer()
+    if alive is None:
+        return
+    try:
+        alive.close()
+    except Exception as error:  # noqa: BLE001 - at exit, a line to act on, not a traceback
+        warnings.warn(
+            f"Checkpointer: the save under way in {alive.directory} could not finish as the "
+            f"interpreter exited ({type(error).__name__}: {error}); close the Checkpointer (or "
+            "use it in a with block) before the script ends. An unfinished step is never "
+            "restored",
+            RuntimeWarning,
+            stacklevel=1,
+        )
+
+
 def _place(state, shardings):
     """Puts each leaf (this process's value of it) onto its target sharding."""
 
@@ -189,6 +252,14 @@ class Checkpointer:
                 cleanup_tmp_directories=True,  # what a killed process left half-written
             ),
         )
+        self._closed = False
+        # A script that never closes its Checkpointer ends while the save runs in orbax's
+        # threads, which then fail ("cannot schedule new futures after interpreter
+        # shutdown") and leave the step unfinished. Python's atexit runs too late: the
+        # executors are shut by then. threading's own exit hooks run just before that, in
+        # reverse order of registration, so this one finishes the save first (Python 3.11;
+        # on 3.12 see _close_at_exit). A weak reference: it keeps no Checkpointer alive.
+        threading._register_atexit(functools.partial(_close_at_exit, weakref.ref(self)))
 
     @property
     def steps(self) -> list[int]:
@@ -233,9 +304,9 @@ class Checkpointer:
           The restored state.
 
         Raises:
-          ValueError: The checkpoint's structure differs (naming the path; pass
-            ``relayout=True`` where only the positions changed), or with ``relayout``, its
-            leaves differ.
+          ValueError: The checkpoint's structure differs (naming the leaves one has and the
+            other lacks; advising ``relayout=True`` only where the same leaves sit at other
+            places), or with ``relayout``, its leaves differ.
         """
         ocp = _ocp()
         abstract = jax.eval_shape(init_fn)
@@ -251,11 +322,11 @@ class Checkpointer:
         except ValueError as e:
             if "structure" not in str(e).lower():
                 raise
+            saved = self._manager.item_metadata(step)
+            differs = _differing_leaves(getattr(saved, "tree", saved), target)
             raise ValueError(
                 f"Checkpointer: the checkpoint of step {step} has another structure than the "
-                f"state to restore ({str(e).splitlines()[0][:300]}). If only where the leaves "
-                f"sit changed (a state saved by an earlier release), pass relayout=True"
-                f"{_residuals_hint(abstract)}"
+                f"state to restore: {differs}{_residuals_hint(abstract)}"
             ) from None
 
     def _relayout(self, step: int, target):
@@ -351,7 +422,11 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Waits for the save in progress and releases orbax's resources."""
+        """Waits for the save in progress and releases orbax's resources. Calling it again does
+        nothing; one never called runs when the interpreter exits."""
+        if self._closed:
+            return
+        self._closed = True
         self._manager.wait_until_finished()
         self._manager.close()
 

@@ -30,14 +30,16 @@ import numpy as np
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import checks, collective_ops, shards
 from jax_bytegrad._src import wire as wires
+from jax_bytegrad._src.codecs import check_key, resolve_implementation
 from jax_bytegrad._src.config import (
     DEFAULT_BUCKET_BYTES,
     Residuals,
     SyncConfig,
-    platform_of,
+    SyncPlan,
+    plan_sync,
     sync_config,
+    traced_platform,
 )
-from jax_bytegrad._src.quantization import check_key, resolve_implementation
 from jax_bytegrad._src.shards import Sharded
 
 
@@ -83,7 +85,7 @@ def residual_sizes(
       config: the sync's settings.
       mesh_shape: (nodes, devices per node).
       platform: the mesh's JAX platform (``"gpu"``, ``"cpu"``), which sizes the buckets of
-        ``bucket_bytes="auto"``; None for the mesh being traced (``config.platform_of``).
+        ``bucket_bytes="auto"``; None for the mesh being traced (``config.traced_platform``).
 
     Returns:
       One (send, mean) pair of per-device lengths per bucket.
@@ -94,24 +96,18 @@ def residual_sizes(
       >>> residual_sizes({"w": jnp.ones(1000)}, SyncConfig(bits=4), (2, 4))
       ((1024, 512),)
     """
-    layout = bucket_layout(jax.tree.leaves(tree), config, mesh_shape, platform)
-    return wires.residual_sizes(layout.padded_sizes, config, mesh_shape)
+    platform = traced_platform() if platform is None else platform
+    return plan_sync(config, jax.tree.leaves(tree), mesh_shape, platform).residual_sizes
 
 
 def bucket_layout(
     leaves, config: SyncConfig, mesh_shape: tuple[int, int], platform: str | None = None
 ) -> bucketing.Layout:
     """The buckets of ``leaves`` for ``config`` on a (nodes, devices per node) mesh of
-    ``platform`` (None: the mesh being traced): ``config.bucket_grain`` there, each padded
-    to a whole number of blocks on every device, as every wire needs."""
-    nodes, per_node = mesh_shape
-    bucket_bytes, min_leaves = config.bucket_grain(platform or platform_of())
-    return bucketing.make_layout(
-        leaves,
-        bucket_bytes=bucket_bytes,
-        granularity=nodes * per_node * config.block_size,
-        min_leaves=min_leaves,
-    )
+    ``platform`` (None: the mesh being traced, ``config.traced_platform``): the layout of
+    ``config.plan_sync``."""
+    platform = traced_platform() if platform is None else platform
+    return plan_sync(config, leaves, mesh_shape, platform).layout
 
 
 def mesh_residuals(
@@ -130,10 +126,12 @@ def mesh_residuals(
     )
 
 
-def _check_leaves(leaves, paths, where: str) -> None:
-    """Raises for an integer or bool leaf: it cannot be averaged, and passing it on would
-    hand every device its own value back as if it were the mean."""
-    for leaf, path in zip(leaves, paths, strict=True):
+def _flat_leaves(tree, where: str):
+    """``tree``'s leaves and treedef; raises for an integer or bool leaf: it cannot be
+    averaged, and passing it on would hand every device its own value back as if it were
+    the mean."""
+    paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
+    for path, leaf in paths_and_leaves:
         dtype = jnp.dtype(leaf.dtype)
         if dtype not in checks.FLOAT_DTYPES and dtype != jax.dtypes.float0:
             raise ValueError(
@@ -141,10 +139,11 @@ def _check_leaves(leaves, paths, where: str) -> None:
                 "bfloat16 and float16 leaves can be averaged. Keep integer state out of the "
                 "gradients (jax.grad of an integer parameter gives float0, which passes)"
             )
+    return [leaf for _, leaf in paths_and_leaves], treedef
 
 
-def _check_residuals(residuals, layout, config: SyncConfig, mesh_shape, where: str) -> None:
-    want = wires.residual_sizes(layout.padded_sizes, config, mesh_shape)
+def _check_residuals(residuals, plan: SyncPlan, mesh_shape, where: str) -> None:
+    want = plan.residual_sizes
     try:
         got = tuple((int(send.size), int(mean.size)) for send, mean in residuals)
     except (TypeError, ValueError, AttributeError):
@@ -174,6 +173,23 @@ def _tie(x, previous, *, through: bool):
         lambda a, b: checks.varying_axes(a) == checks.varying_axes(b), previous, tied
     )
     return x, tied if all(jax.tree.leaves(same)) else previous
+
+
+def _in_ready_order(parts: list, cross, layout, order, *, through: bool):
+    """``cross(b, parts[b])`` of every bucket b, in the order the backward pass completes
+    them (``buckets.ready_order``), each bucket's part tied to the previous bucket's crossed
+    value (``_tie``) so that the exchanges between nodes run one after another (module
+    docstring). ``cross`` returns (the value the next bucket waits for, anything else);
+    returns both lists, in bucket order."""
+    crossed, other = [None] * len(parts), [None] * len(parts)
+    last = None
+    for b in bucketing.ready_order(layout, order):
+        part = parts[b]
+        if last is not None:
+            part, crossed[last] = _tie(part, crossed[last], through=through)
+        crossed[b], other[b] = cross(b, part)
+        last = b
+    return crossed, other
 
 
 def _check_sharded(config: SyncConfig, sharded, leaves, where: str) -> None:
@@ -224,8 +240,11 @@ def sync_mean(
     order: tuple[int, ...] | None = None,
     sharded: Sharded | None = None,
     where: str = "compressed_mean",
-):
+) -> tuple:
     """``compressed_mean`` over a validated ``SyncConfig``: what the transforms call.
+
+    Here the sync starts: the config is resolved once into a ``SyncPlan`` for this tree on
+    this mesh (``config.plan_sync``), and each bucket's wire reads its ``BucketPlan``.
 
     ``order`` is the leaves' indices in the order the backward pass produces their gradients
     (``buckets.ready_order``); None for last bucket first. It orders the buckets' exchanges,
@@ -237,7 +256,8 @@ def sync_mean(
     shard would, with the same sizes, wire and residuals, and the result is the mean in the
     same blocks (whole leaves whole).
 
-    Returns the mean (or sum) pytree; with ``residuals``, the pair (mean, new residuals).
+    Returns the pair (the mean, or sum, pytree; the new ``Residuals``, empty without
+    ``residuals``).
     """
     if sharded is not None:
         # A jit of its own, which the sharded step's check of the optimizer leaves out.
@@ -253,53 +273,39 @@ def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
     # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
     resolve_implementation(config.implementation)
     n, local = axis_sizes(config.node_axis, config.local_axis, where)
-    paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
-    paths = [path for path, _ in paths_and_leaves]
-    leaves = [leaf for _, leaf in paths_and_leaves]
-    _check_leaves(leaves, paths, where)
+    leaves, treedef = _flat_leaves(tree, where)
     if sharded is not None:
         _check_sharded(config, sharded, leaves, where)
-    whole = leaves if sharded is None else sharded.full_shapes(leaves, local)
-    layout = bucket_layout(whole, config, (n, local))
+    plan = plan_sync(
+        config,
+        leaves if sharded is None else sharded.full_shapes(leaves, local),
+        (n, local),
+        traced_platform(),
+        weight=1.0 / (n * local) if average else 1.0,
+        scattered=sharded is not None and sharded.summed,
+    )
     if residuals is not None:
-        _check_residuals(residuals, layout, config, (n, local), where)
-    weight = 1.0 / (n * local) if average else 1.0
-    key = device_key(key, config.axes)
+        _check_residuals(residuals, plan, (n, local), where)
+    layout, key = plan.layout, device_key(key, config.axes)
     if sharded is None:
         parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
     else:
         parts = bucketing.to_rows(
             leaves, layout, sharded.dims, config.local_axis, summed=sharded.summed
         )
-    shards, kept = [None] * len(parts), [None] * len(parts)
-    last = None
-    for i in bucketing.ready_order(layout, order):
-        if last is not None:
-            # The buckets cross between nodes one after another, in the order the backward
-            # pass completes them (module docstring); in the sharded layout the tied shard
-            # goes on from the barrier too (``_tie``).
-            parts[i], shards[last] = _tie(parts[i], shards[last], through=sharded is not None)
-        shards[i], kept[i] = wires.sum_shard(
-            parts[i],
-            config,
-            n=n,
-            local=local,
-            weight=weight,
-            key=bucket_key(key, i),
-            residual=None if residuals is None else residuals[i],
-            scattered=sharded is not None and sharded.summed,
-        )
-        last = i
+
+    def cross(b, part):
+        residual = None if residuals is None else residuals[b]
+        return wires.sum_shard(part, plan.buckets[b], key=bucket_key(key, b), residual=residual)
+
+    # In the sharded layout the tied shard goes on from the barrier too (``_tie``).
+    shards, kept = _in_ready_order(parts, cross, layout, order, through=sharded is not None)
     if sharded is None:
-        reduced = [
-            wires.gather_shard(shard, config, local, layout.bucket_dtype(i))
-            for i, shard in enumerate(shards)
-        ]
+        reduced = [wires.gather_shard(s, p) for s, p in zip(shards, plan.buckets, strict=True)]
         out = bucketing.from_buckets(reduced, leaves, layout)
     else:
         out = bucketing.from_rows(shards, leaves, layout, sharded.dims, config.local_axis)
-    mean = jax.tree.unflatten(treedef, out)
-    return mean if residuals is None else (mean, Residuals(kept))
+    return jax.tree.unflatten(treedef, out), Residuals(() if residuals is None else kept)
 
 
 def compressed_mean(
@@ -359,7 +365,8 @@ def compressed_mean(
         config = config.replace(error_feedback=residuals is not None)
     if residuals is not None:
         residuals = Residuals(residuals)
-    return sync_mean(tree, config, average=average, key=key, residuals=residuals, where=where)
+    mean, kept = sync_mean(tree, config, average=average, key=key, residuals=residuals, where=where)
+    return mean if residuals is None else (mean, kept)
 
 
 def reduce_dtype_of(reduce_dtype, where: str) -> np.dtype | None:
@@ -411,21 +418,41 @@ def full_precision_mean(
         or bool leaf (float0 leaves, from ``jax.grad`` of integer parameters, pass
         through), or for a ``reduce_dtype`` that is not a float dtype.
     """
-    dtype = reduce_dtype_of(reduce_dtype, "full_precision_mean")
-    args = (node_axis, local_axis, hierarchical, average, dtype, order, sharded)
+    where = "full_precision_mean"
+    config = SyncConfig(
+        node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical, where=where
+    )
+    dtype = reduce_dtype_of(reduce_dtype, where)
+    return sync_full_precision(
+        tree, config, average=average, reduce_dtype=dtype, order=order, sharded=sharded
+    )
+
+
+def sync_full_precision(
+    tree,
+    config: SyncConfig,
+    *,
+    average: bool = True,
+    reduce_dtype: np.dtype | None = None,
+    order: tuple[int, ...] | None = None,
+    sharded: Sharded | None = None,
+):
+    """``full_precision_mean`` over a ``SyncConfig`` (its axes and ``hierarchical``), as
+    ``sync_mean`` is ``compressed_mean``'s: what ``gradient_allreduce`` and ``qadam`` call.
+    ``reduce_dtype`` is a checked dtype (``reduce_dtype_of``) or None."""
     if sharded is not None:
         # A jit of its own, which the sharded step's check of the optimizer leaves out.
-        return shards.block_aware(lambda tree: _full_precision_mean(tree, *args), tree)
-    return _full_precision_mean(tree, *args)
+        def between(tree):
+            return _full_precision_mean(tree, config, average, reduce_dtype, order, sharded)
+
+        return shards.block_aware(between, tree)
+    return _full_precision_mean(tree, config, average, reduce_dtype, order, sharded)
 
 
-def _full_precision_mean(tree, node_axis, local_axis, hierarchical, average, dtype, order, sharded):
-    where = "full_precision_mean"
-    paths_and_leaves, treedef = jax.tree.flatten_with_path(tree)
-    leaves = [leaf for _, leaf in paths_and_leaves]
-    _check_leaves(leaves, [path for path, _ in paths_and_leaves], where)
+def _full_precision_mean(tree, config, average, dtype, order, sharded):
+    leaves, treedef = _flat_leaves(tree, "full_precision_mean")
     wide = [_cast(x, dtype) for x in leaves]
-    means = _summed_means(wide, node_axis, local_axis, hierarchical, average, order, sharded)
+    means = _summed_means(wide, config, average, order, sharded)
     out = [_cast(mean, x.dtype) for mean, x in zip(means, leaves, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
@@ -437,8 +464,9 @@ def _cast(x, dtype):
     return x.astype(dtype)
 
 
-def _summed_means(leaves, node_axis, local_axis, hierarchical, average, order, sharded) -> list:
+def _summed_means(leaves, config: SyncConfig, average, order, sharded) -> list:
     """``full_precision_mean`` of the flat leaves, each in its own dtype."""
+    node_axis, local_axis = config.axes
     n, local = axis_sizes(node_axis, local_axis, "full_precision_mean")
     devices = n * local
     dims = (None,) * len(leaves) if sharded is None else sharded.dims
@@ -449,7 +477,7 @@ def _summed_means(leaves, node_axis, local_axis, hierarchical, average, order, s
     def reduce(x):
         if jnp.dtype(x.dtype) == jax.dtypes.float0:
             return x
-        return mean(jax.lax.psum(x, (node_axis, local_axis)))
+        return mean(jax.lax.psum(x, config.axes))
 
     summed = sharded is not None and sharded.summed
 
@@ -469,7 +497,7 @@ def _summed_means(leaves, node_axis, local_axis, hierarchical, average, order, s
             return part
         return collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
 
-    if sharded is None and not (hierarchical and local > 1):
+    if sharded is None and not (config.hierarchical and local > 1):
         return [reduce(x) for x in leaves]
     # Each leaf is reduce-scattered within the node, summed between nodes and gathered. The
     # leaves go in buckets of whole leaves, in the order the backward pass completes them,
@@ -479,17 +507,17 @@ def _summed_means(leaves, node_axis, local_axis, hierarchical, average, order, s
     held = {i for members in layout.buckets for i in members}
     # What no bucket holds (float0 and empty leaves) as the flat path does.
     reduced = [x if i in held else reduce(x) for i, x in enumerate(leaves)]
-    parts, last = {}, None
-    for b in bucketing.ready_order(layout, order):
-        members = [leaves[i] for i in layout.buckets[b]]
-        if last is not None:  # the tied parts go on from the barrier, as in sync_mean
-            members, parts[last] = _tie(members, parts[last], through=sharded is not None)
-        parts[b] = [
+
+    def cross(b, members):
+        sums = [
             jax.lax.psum(node_part(x, dims[i]), node_axis)
             for i, x in zip(layout.buckets[b], members, strict=True)
         ]
-        last = b
-    for b, members in enumerate(layout.buckets):
-        for i, part in zip(members, parts[b], strict=True):
+        return sums, None
+
+    members = [[leaves[i] for i in bucket] for bucket in layout.buckets]
+    parts, _ = _in_ready_order(members, cross, layout, order, through=sharded is not None)
+    for b, bucket in enumerate(layout.buckets):
+        for i, part in zip(bucket, parts[b], strict=True):
             reduced[i] = mean(whole(leaves[i], dims[i], part))
     return reduced

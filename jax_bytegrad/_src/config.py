@@ -1,11 +1,17 @@
-"""How gradients cross the mesh: one frozen ``SyncConfig``, and error feedback's residual state.
+"""How gradients cross the mesh: one frozen ``SyncConfig``, the plan it resolves to, and error
+feedback's residual state.
 
 Every compressed sync (``bytegrad``, ``qadam``'s momentum exchange, ``compressed_mean``) is
 described by the same eleven settings, documented once, in ``SyncConfig``, and validated
 there, once, when the config is built. The user-facing factories (``bytegrad``, ``qadam``,
-``Strategy``) keep flat keyword arguments (the optax convention) and build one; everything
-below them (``compressed_mean``, ``scale_by_qadam``, the wires, the steps) takes that one
-config, and its ``codec`` (a ``codecs.Codec``) is the part that travels on to the codecs' ops.
+``Strategy``) keep flat keyword arguments (the optax convention) and build one; ``sync_mean``,
+``scale_by_qadam`` and the steps take that one config.
+
+Where a sync starts, with the mesh's shape, its platform and the gradient's leaves known,
+``plan_sync`` resolves the config once into a ``SyncPlan``: the buckets' layout and one
+frozen ``BucketPlan`` per bucket (who compresses with whom, over which wire, at which
+integer width, with which residual sizes). The wire functions take that plan and never ask
+the config again, so each derived value has one place where it is decided.
 
 References:
   Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
@@ -13,13 +19,16 @@ References:
 
 import dataclasses
 import types
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 import jax
+import numpy as np
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.buckets import Layout, make_layout
 from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation
-from jax_bytegrad._src.codecs.integer import check_fits
+from jax_bytegrad._src.codecs.integer import Width, allreduce_width, check_fits
 
 # The bucket size off GPU meshes: big enough that each collective runs at link speed, small
 # enough that a 25M-parameter model gets a few buckets whose communication can overlap the next
@@ -210,19 +219,202 @@ class SyncConfig:
         allreduce = self.bits == 8 and group_size <= AUTO_ALLREDUCE_GROUP
         return "allreduce" if allreduce else "scatter_gather"
 
+    def group(self, nodes: int, per_node: int) -> "Group":
+        """The ``Group`` that compresses on a mesh of ``nodes`` x ``per_node``."""
+        size = self.group_size(nodes, per_node)
+        wire = self.wire_for(size)
+        if not self.hierarchical:
+            return Group(self.axes, self.axes, size, False, wire)
+        # With one device per node, the integer sum over both axes types its result replicated
+        # over both; the scatter-gather wire gathers over both for the same reason: a size-1
+        # gather would copy the whole bucket.
+        summed = self.node_axis if per_node > 1 or wire != "allreduce" else self.axes
+        gather = self.node_axis if per_node > 1 else self.axes
+        return Group(summed, gather, size, per_node > 1, wire)
+
     def replace(self, **changes) -> "SyncConfig":
         """A copy with some settings changed, validated again."""
         return dataclasses.replace(self, **changes)
 
 
-def platform_of(mesh=None) -> str:
-    """The JAX platform (``"cpu"``, ``"gpu"``, ...) of ``mesh``'s devices; without one, of the
-    mesh being traced (inside ``shard_map`` the abstract mesh knows it, deviceless meshes
-    included, on JAX 0.10.2 and 0.12), else the default backend's."""
-    if mesh is not None:
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """The devices that compress together: one device per node (hierarchical, after a
+    reduce-scatter within the node), or every device (``SyncConfig.group``).
+
+    Attributes:
+      axis: the axes the codes are exchanged or summed over.
+      gather: the scatter-gather wire's all_gather axes (the same devices).
+      size: devices in the group.
+      scatter: whether a reduce-scatter within the node comes first (and an all_gather
+        there last).
+      wire: the wire that runs between them (``"auto"`` resolved).
+    """
+
+    axis: Any
+    gather: Any
+    size: int
+    scatter: bool
+    wire: Wire
+
+    @property
+    def plain(self) -> bool:
+        """One device in the group: nothing is compressed."""
+        return self.size == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketPlan:
+    """One bucket's way between nodes, resolved once where the sync starts (``plan_sync``).
+
+    Everything a wire function reads: it never asks the ``SyncConfig`` again.
+
+    Attributes:
+      index: the bucket's index in the layout (its rounding key folds it in).
+      padded: its values per device, a whole number of devices x blocks.
+      dtype: its dtype within the node (``buckets.Layout.bucket_dtype``).
+      residual: error feedback's per-device (send, mean) lengths (``residual_sizes``).
+      group: who compresses with whom, over which wire.
+      codec: the codecs' settings (bits, rounding, implementation).
+      block_size: values per quantization block.
+      width: the integer wire's code width for the group (``allreduce_width``); None on the
+        other wires, and where nothing is compressed.
+      message_bytes: bytes per message of the pairwise exchanges (None: one per peer).
+      node_axis, local_axis: the mesh axes.
+      local: devices per node.
+      hierarchical: a reduce-scatter within the node before the compressed hop.
+      weight: what the sum is scaled by (1 / devices for a mean).
+      scattered: the bucket comes as this device's share of its node's sum already (a row
+        of a sharded step's state, ``buckets.to_rows``): no reduce-scatter within the node.
+      platform: the mesh's JAX platform.
+    """
+
+    index: int
+    padded: int
+    dtype: np.dtype
+    residual: tuple[int, int]
+    group: Group
+    codec: Codec
+    block_size: int
+    width: Width | None
+    message_bytes: int | None
+    node_axis: str
+    local_axis: str
+    local: int
+    hierarchical: bool
+    weight: float
+    scattered: bool
+    platform: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPlan:
+    """A sync resolved for one gradient tree on one mesh: its buckets and their plans.
+
+    Attributes:
+      layout: which leaves go into which bucket (``buckets.Layout``).
+      buckets: one ``BucketPlan`` per bucket, in layout order.
+    """
+
+    layout: Layout
+    buckets: tuple[BucketPlan, ...]
+
+    @property
+    def residual_sizes(self) -> tuple[tuple[int, int], ...]:
+        """Error feedback's per-device (send, mean) lengths, one pair per bucket."""
+        return tuple(bucket.residual for bucket in self.buckets)
+
+
+def plan_sync(
+    config: SyncConfig,
+    leaves,
+    mesh_shape: tuple[int, int],
+    platform: str,
+    *,
+    weight: float = 1.0,
+    scattered: bool = False,
+) -> SyncPlan:
+    """Resolves ``config`` once for ``leaves`` on a (nodes, devices per node) mesh of
+    ``platform``: the buckets (``bucket_grain`` there, each padded to a whole number of
+    blocks on every device, as every wire needs) and each bucket's ``BucketPlan``.
+
+    Residual sizes: the scatter-gather wires keep two, ``send``, what the first compression
+    left unsent (the device's share of its node's sum, hierarchical, or of its own bucket,
+    flat), and ``mean``, what the requantize of its averaged chunk left unsent, 1/g of that.
+    The integer wire keeps one, what this device's codes missed, and an empty ``mean``.
+    Both are 0 where nothing is compressed (one node, hierarchical).
+    """
+    nodes, local = mesh_shape
+    bucket_bytes, min_leaves = config.bucket_grain(platform)
+    layout = make_layout(
+        leaves,
+        bucket_bytes=bucket_bytes,
+        granularity=nodes * local * config.block_size,
+        min_leaves=min_leaves,
+    )
+    group = config.group(nodes, local)
+    integer = group.wire == "allreduce" and not group.plain
+    width = allreduce_width(config.bits, group.size) if integer else None
+    if width is not None and width.bits == 16 and platform == "gpu":
+        _warn_promoted(group.size)
+    codec = config.codec
+    plans = []
+    for b, padded in enumerate(layout.padded_sizes):
+        send = padded // local if config.hierarchical else padded
+        mean = 0 if group.wire == "allreduce" else send // group.size
+        plans.append(
+            BucketPlan(
+                index=b,
+                padded=padded,
+                dtype=layout.bucket_dtype(b),
+                residual=(0, 0) if group.plain else (send, mean),
+                group=group,
+                codec=codec,
+                block_size=config.block_size,
+                width=width,
+                message_bytes=config.message_bytes,
+                node_axis=config.node_axis,
+                local_axis=config.local_axis,
+                local=local,
+                hierarchical=config.hierarchical,
+                weight=weight,
+                scattered=scattered,
+                platform=platform,
+            )
+        )
+    return SyncPlan(layout, tuple(plans))
+
+
+def _warn_promoted(group_size: int) -> None:
+    """Warns that the integer wire's codes go as uint16 on a GPU: XLA:GPU promotes 16-bit
+    integer all-reduces to 32 bits, float32's bytes. Python's warning registry shows it
+    once per group size (the message names it) under the default filters."""
+    warnings.warn(
+        f"jax_bytegrad: wire='allreduce' sums the codes of {group_size} devices as uint16 "
+        "(more than 8 summing devices), and XLA:GPU promotes 16-bit integer all-reduces to "
+        "32 bits: this sync costs as many bytes as a float32 all-reduce here. Pass "
+        "wire='scatter_gather' (8-bit codes at any group size), or hierarchical=True with at "
+        "most 8 nodes",
+        RuntimeWarning,
+        stacklevel=1,
+    )
+
+
+def platform_of(mesh) -> str:
+    """The JAX platform (``"cpu"``, ``"gpu"``, ...) of ``mesh``'s devices: a ``Mesh``, or an
+    abstract mesh (``jax.sharding.get_abstract_mesh()`` inside ``shard_map`` knows it,
+    deviceless meshes included, on JAX 0.10.2 and 0.12); the default backend's where an
+    abstract mesh names no device (outside any ``shard_map``)."""
+    if isinstance(mesh, jax.sharding.Mesh):
         return mesh.devices.flat[0].platform
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    device = getattr(mesh, "abstract_device", None)
     return getattr(device, "platform", None) or jax.default_backend()
+
+
+def traced_platform() -> str:
+    """The platform of the mesh being traced (``platform_of`` of the abstract mesh): what a
+    sync reads once, where it starts, and carries in its plan."""
+    return platform_of(jax.sharding.get_abstract_mesh())
 
 
 def sync_config(sync: SyncConfig | None, where: str) -> SyncConfig:

@@ -150,8 +150,9 @@ def gpu_mesh(
     except Exception as error:  # noqa: BLE001 - reworded with what to do
         if "not implemented" in str(error) or "Unknown backend" in str(error):
             raise RuntimeError(
-                f"{where}: compiling for GPUs needs JAX's CUDA plugin; install it with "
-                f"pip install 'jax_bytegrad[cuda12]' (or '[cuda13]'). JAX said: {error}"
+                f"{where}: compiling for GPUs needs JAX's CUDA plugin; install it from the "
+                "repository's root with pip install -e '.[cuda12]' (or '.[cuda13]'; about "
+                f"3.4 GB, docs/gpu.md). JAX said: {error}"
             ) from None
         raise
     devices = sorted(topology.devices, key=lambda d: (d.process_index, d.id))

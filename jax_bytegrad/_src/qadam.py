@@ -231,6 +231,44 @@ class ScaleByQAdamState(NamedTuple):
     residuals: Residuals = Residuals()
 
 
+def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where: str):
+    """QAdam's two steps, ``(full_precision, compressed)``, each ``(updates, mu, nu,
+    residuals, count, order, sharded) -> (mu, nu, residuals)``: Adam's moments of the
+    float32 mean gradient, or the momentum updated with each device's own gradient and
+    averaged compressed (``second_moment`` says what ``nu`` follows then)."""
+    follows = second_moment in _FOLLOWING
+
+    def full_precision(updates, mu, nu, residuals, count, order, sharded):
+        del count
+        grads = collectives.sync_full_precision(updates, config, order=order, sharded=sharded)
+        mu = optax.tree.update_moment(grads, mu, b1, 1)
+        nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
+        return mu, nu, residuals
+
+    def compressed(updates, mu, nu, residuals, count, order, sharded):
+        within = mu
+        if sharded is not None:
+            within = shards.block_aware(lambda m: _momentum_within(m, sharded), mu)
+        local_mu = optax.tree.update_moment(updates, within, b1, 1)
+        mu_old = mu
+        # Without error feedback the state's residuals are empty, as sync_mean's are.
+        mu, residuals = collectives.sync_mean(
+            local_mu,
+            config,
+            residuals=residuals if config.error_feedback else None,
+            order=order,
+            sharded=sharded,
+            where=where,
+        )
+        if second_moment == "gradient":
+            nu = _follow_gradient(nu, mu_old, mu, b1, b2)
+        elif follows:
+            nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
+        return mu, nu, residuals
+
+    return full_precision, compressed
+
+
 def scale_by_qadam(
     b1: float = 0.9,
     b2: float = 0.999,
@@ -345,42 +383,7 @@ def scale_by_qadam(
         if nu_refresh_interval is None
         else refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
     )
-
-    def full_precision(updates, mu, nu, residuals, count, order, sharded):
-        del count
-        grads = collectives.full_precision_mean(
-            updates,
-            node_axis=node_axis,
-            local_axis=local_axis,
-            hierarchical=config.hierarchical,
-            order=order,
-            sharded=sharded,
-        )
-        mu = optax.tree.update_moment(grads, mu, b1, 1)
-        nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
-        return mu, nu, residuals
-
-    def compressed(updates, mu, nu, residuals, count, order, sharded):
-        within = mu
-        if sharded is not None:
-            within = shards.block_aware(lambda m: _momentum_within(m, sharded), mu)
-        local_mu = optax.tree.update_moment(updates, within, b1, 1)
-        mu_old = mu
-        mu = collectives.sync_mean(
-            local_mu,
-            config,
-            residuals=residuals if error_feedback else None,
-            order=order,
-            sharded=sharded,
-            where=where,
-        )
-        if error_feedback:
-            mu, residuals = mu
-        if second_moment == "gradient":
-            nu = _follow_gradient(nu, mu_old, mu, b1, b2)
-        elif follows:
-            nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
-        return mu, nu, residuals
+    full_precision, compressed = _phases(config, b1, b2, second_moment, where)
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra

@@ -5,13 +5,11 @@ Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., VLDB 2022), and
 semantics live in ``codecs/reference.py``; this module validates arguments, lays arrays out
 as blocks, and runs the block ops of ``codecs`` with one ``codecs.Codec`` (bits, rounding and
 implementation: the XLA reference, the compiled Mosaic GPU kernels or the interpreted ones,
-chosen per kernel for ``implementation=None``). It also composes those ops into the two that
-the scatter-gather wire runs with error feedback: ``average_blocks`` and
-``quantize_with_feedback``.
+chosen per kernel for ``implementation=None``). The ops the wires compose (``average_blocks``,
+``quantize_with_feedback``) live with the codecs, which the wires speak to alone.
 """
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +17,8 @@ import numpy as np
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src import codecs as _codecs
-from jax_bytegrad._src.codecs import Codec
-from jax_bytegrad._src.codecs import pallas as _pallas
-from jax_bytegrad._src.codecs import reference as _reference
+from jax_bytegrad._src.codecs import HEADER_WIDTH as HEADER_WIDTH
+from jax_bytegrad._src.codecs import Codec, check_key, resolve_implementation
 from jax_bytegrad._src.config import (
     BITS,
     ROUNDINGS,
@@ -30,9 +27,6 @@ from jax_bytegrad._src.config import (
     Rounding,
     check_block_size,
 )
-
-# Floats per block header: [scale, zero point].
-HEADER_WIDTH = 2
 
 
 @jax.tree_util.register_dataclass
@@ -67,73 +61,6 @@ class QuantizedArray:
     def nbytes(self) -> int:
         """Bytes of codes plus headers: what crosses the wire."""
         return self.codes.size * 1 + self.header.size * 4
-
-
-def check_key(stochastic: bool, key, where: str) -> None:
-    if stochastic and key is None:
-        raise ValueError(f"{where}: rounding='stochastic' needs a PRNG key; pass key=...")
-    if not stochastic and key is not None:
-        raise ValueError(
-            f"{where}: a key was given but rounding='nearest' ignores it; "
-            "pass rounding='stochastic' to use it"
-        )
-
-
-def resolve_implementation(implementation: Implementation | None) -> Implementation | None:
-    """Validates ``implementation``; returns what to dispatch on.
-
-    ``"xla"``, ``"pallas"`` and ``"pallas_interpret"`` come back as they are; None stays None:
-    each kernel is then chosen when it is dispatched (``codecs.select``). ``"pallas"`` is
-    refused here only on a GPU that Mosaic GPU does not support; elsewhere (a CPU host
-    lowering or exporting for CUDA, say) it is lowered as asked, and lowering it for a
-    platform other than CUDA raises ``NotImplementedError`` then.
-
-    Raises:
-      ValueError: for an unknown implementation.
-      NotImplementedError: for ``"pallas"`` where the default backend is a GPU older than
-        Hopper, or not an NVIDIA one.
-    """
-    if implementation is not None and implementation not in _codecs.IMPLEMENTATIONS:
-        raise ValueError(
-            "implementation must be 'xla', 'pallas', 'pallas_interpret' or None, "
-            f"got {implementation!r}"
-        )
-    if implementation == "pallas" and jax.default_backend() == "gpu" and not _pallas.is_supported():
-        raise NotImplementedError(
-            "implementation='pallas' needs an NVIDIA GPU of compute capability >= 9.0 (Hopper "
-            f"or newer); this one is {jax.devices()[0].device_kind!r}. Pass "
-            "implementation='xla' (or None for the best available)"
-        )
-    return implementation
-
-
-def average_blocks(codec: Codec, codes: jax.Array, header: jax.Array, *, weight: float):
-    """Decodes n chunks and sums them times ``weight`` in float32: the fused op's first half.
-
-    ``reference.weighted_sum`` with ``codec``'s decoder: the weight is folded into each
-    chunk's scale and the chunks are added in order, as in ``average_requantize``, so a mean
-    of values near finfo.max does not overflow.
-    """
-    decode = functools.partial(_codecs.dequantize_blocks, codec)
-    return _reference.weighted_sum(decode, codes, header, weight)
-
-
-def quantize_with_feedback(
-    codec: Codec, x: jax.Array, residual: jax.Array, key: jax.Array | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Quantizes rows of ``x + residual``; returns codes, header and the new residual.
-
-    Error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD",
-    ICML 2019): what the codes fail to carry this time, ``x + residual - decoded``, is
-    carried into the next call, so compression errors cancel over steps instead of piling
-    up. ``decoded + new_residual == x + residual`` holds exactly in float32 wherever
-    ``x + residual - decoded`` is representable, else to within an ulp. A non-finite block
-    makes its residual NaN, as it makes the decoded values NaN.
-    """
-    target = x + residual
-    codes, header = _codecs.quantize_blocks(codec, target, key)
-    decoded = _codecs.dequantize_blocks(codec, codes, header)
-    return codes, header, target - decoded
 
 
 def quantize(

@@ -160,7 +160,7 @@ def sync_gradients(
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
         key, step_key = collectives.step_keys(state.key)
-        updates = collectives.sync_mean(
+        updates, residuals = collectives.sync_mean(
             updates,
             config,
             average=average,
@@ -170,9 +170,6 @@ def sync_gradients(
             sharded=sharded,
             where=where,
         )
-        residuals = Residuals()
-        if config.error_feedback:
-            updates, residuals = updates
         return updates, ByteGradState(key=key, residuals=residuals)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -224,8 +221,9 @@ def gradient_allreduce(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "gradient_allreduce"
-    checks.axis_names(node_axis, local_axis, where)
-    checks.boolean(hierarchical, "hierarchical", where)
+    config = SyncConfig(
+        node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical, where=where
+    )
     checks.boolean(average, "average", where)
     reduce_dtype = collectives.reduce_dtype_of(reduce_dtype, where)
 
@@ -235,11 +233,9 @@ def gradient_allreduce(
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
-        updates = collectives.full_precision_mean(
+        updates = collectives.sync_full_precision(
             updates,
-            node_axis=node_axis,
-            local_axis=local_axis,
-            hierarchical=hierarchical,
+            config,
             average=average,
             reduce_dtype=reduce_dtype,
             order=gradient_order,

@@ -1,7 +1,10 @@
 """The wires between nodes: how one flat float32 bucket's codes are summed over the mesh.
 
-Each wire is written once, as a plan: the stages of one piece of a bucket between its
-collectives (``integer_plan``, ``scatter_gather_plan``). The one-program step runs the plan
+Every function here takes the bucket's ``config.BucketPlan``, resolved once where the sync
+starts (``config.plan_sync``): its group, wire, width and codec are decided there, not here.
+
+Each wire is written once, as its stages: those of one piece of a bucket between its
+collectives (``integer_stages``, ``scatter_gather_stages``). The one-program step runs them
 inline (``sum_flat``, through ``run``); the pipelined step runs each stage as a program of its
 own (``steps/stages.py``); the GPU schedule tests count its collectives per bucket.
 
@@ -45,19 +48,16 @@ The bytes each wire sends between nodes: benchmarks/RESULTS.md, "Bytes between n
 """
 
 import dataclasses
-import warnings
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src import codecs
-from jax_bytegrad._src.codecs import Codec, integer
+from jax_bytegrad._src.codecs import HEADER_WIDTH, Codec, integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
-from jax_bytegrad._src.config import SyncConfig, Wire, platform_of
-from jax_bytegrad._src.quantization import HEADER_WIDTH, average_blocks, quantize_with_feedback
+from jax_bytegrad._src.config import BucketPlan, Wire
 
 
 def code_exchange(wire: Wire, message_bytes: int | None):
@@ -67,55 +67,15 @@ def code_exchange(wire: Wire, message_bytes: int | None):
     return lambda x, axis: jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
 
 
-# Who compresses with whom, and a wire's stages ---------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """The devices that compress together: one device per node (hierarchical, after a
-    float32 reduce-scatter within the node), or every device.
-
-    Attributes:
-      axis: the axes the codes are exchanged or summed over.
-      gather: the scatter-gather wire's all_gather axes (the same devices).
-      size: devices in the group.
-      scatter: whether a float32 reduce-scatter within the node comes first (and an
-        all_gather there last).
-      wire: the wire that runs between them (``"auto"`` resolved).
-    """
-
-    axis: Any
-    gather: Any
-    size: int
-    scatter: bool
-    wire: Wire
-
-    @property
-    def plain(self) -> bool:
-        """One device in the group: nothing is compressed."""
-        return self.size == 1
-
-
-def group_of(config: SyncConfig, n: int, local: int) -> Group:
-    """The group of a ``n`` x ``local`` mesh under ``config``."""
-    size = config.group_size(n, local)
-    wire = config.wire_for(size)
-    axes = config.axes
-    if not config.hierarchical:
-        return Group(axes, axes, size, False, wire)
-    # With one device per node, the integer sum over both axes types its result replicated
-    # over both; the scatter-gather wire gathers over both for the same reason: a size-1
-    # gather would copy the whole bucket.
-    summed = config.node_axis if local > 1 or wire != "allreduce" else axes
-    return Group(summed, config.node_axis if local > 1 else axes, size, local > 1, wire)
+# A wire's stages ---------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One stage of a piece's way between nodes, as a function of named values.
 
-    A wire's plan is the tuple of its stages for one piece of a bucket. The one-program sync
-    runs it inline (``run``); the pipelined step runs each stage as a program of its own
+    A wire's stages for one piece of a bucket are a tuple of these. The one-program sync
+    runs them inline (``run``); the pipelined step runs each stage as a program of its own
     (``steps/stages.py``); both read the same functions, so the bits are the same.
 
     Attributes:
@@ -137,11 +97,11 @@ class Stage:
     chains: tuple[str, ...] = ()
 
 
-def run(plan: tuple[Stage, ...], values: dict) -> dict:
-    """Runs ``plan`` in the calling program: ``values`` with every stage's output (and
+def run(stages: tuple[Stage, ...], values: dict) -> dict:
+    """Runs ``stages`` in the calling program: ``values`` with every stage's output (and
     updated residuals) added under its name."""
     values = dict(values)
-    for stage in plan:
+    for stage in stages:
         outs = stage.fn(*(values[name] for name in (*stage.chains, *stage.reads)))
         values.update(zip((*stage.chains, stage.name), outs, strict=True))
     return values
@@ -173,7 +133,7 @@ def sg_encode(x, send, *, key, codec: Codec):
     ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
     block_size): row j goes to peer j. Returns the message, each block's codes with its
     header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
-    ``codec`` is the config's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
+    ``codec`` is the plan's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
     rounding).
     """
     peers, blocks, block_size = x.shape
@@ -183,7 +143,7 @@ def sg_encode(x, send, *, key, codec: Codec):
         codes, header = codecs.quantize_blocks(codec, x, key)
     else:
         send = send.reshape(x.shape)
-        codes, header, send = quantize_with_feedback(codec, x, send, key)
+        codes, header, send = codecs.quantize_with_feedback(codec, x, send, key)
         send = send.reshape(peers, blocks, block_size)
     return _pack(codes, header).reshape(peers, blocks, -1), send
 
@@ -200,8 +160,8 @@ def sg_average(received, mean, *, weight, key, codec: Codec, block_size):
     if mean is None:
         codes, header = codecs.average_requantize(codec, codes, header, key, weight=weight)
     else:
-        total = average_blocks(codec, codes, header, weight=weight)
-        codes, header, mean = quantize_with_feedback(codec, total, mean, key)
+        total = codecs.average_blocks(codec, codes, header, weight=weight)
+        codes, header, mean = codecs.quantize_with_feedback(codec, total, mean, key)
     return _pack(codes, header), mean
 
 
@@ -216,7 +176,7 @@ def sg_decode(gathered, *, codec: Codec, block_size):
     return decoded.reshape(peers, blocks, block_size)
 
 
-def scatter_gather_plan(config: SyncConfig, group: Group, *, weight, held, feedback: bool):
+def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[Stage, ...]:
     """The scatter-gather wire's stages for some message pieces of a bucket.
 
     quantize -> all_to_all -> average -> all_gather -> decode. ``held`` is a tuple of
@@ -232,8 +192,8 @@ def scatter_gather_plan(config: SyncConfig, group: Group, *, weight, held, feedb
     ``x``) and ``mean`` (what the requantize left unsent, 1/peers of that). Its ``decode``
     is the held blocks of the mean, shaped (peers, held blocks, block).
     """
-    codec, block = config.codec, config.block_size
-    exchange = code_exchange(group.wire, config.message_bytes)
+    codec, block, group, weight = plan.codec, plan.block_size, plan.group, plan.weight
+    exchange = code_exchange(group.wire, plan.message_bytes)
     span = slice(held[0][1].start, held[-1][1].stop)
 
     def key_of(key, j):
@@ -288,39 +248,27 @@ def scatter_gather_plan(config: SyncConfig, group: Group, *, weight, held, feedb
     )
 
 
-def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual, scattered):
-    """All-reduce of one flat float32 bucket; its length is a multiple of devices x block.
+def _scatter_gather_sum(x, plan: BucketPlan, *, key, residual):
+    """The scatter-gather wire's sum of this device's float32 vector ``x`` over the group.
 
-    Returns ``sum_shard``'s shard and the new residuals (None without error feedback; see
-    ``residual_sizes`` for their shapes).
-
-    ``n`` and ``local`` are the sizes of the node and local axes. Between nodes the
-    bucket goes as independent pieces of ``message_bytes`` of codes per peer. XLA runs the
-    collectives one at a time, in program order, but a piece's quantize, average and decode
-    only wait for their own data, so they can run while other pieces are on the wire, as far
-    as free cores allow (docs/performance.md). Blocks are coded independently, so with
-    nearest rounding the result does not depend on the split. ``wire="ring"`` sends the
-    all_to_all as ppermute shifts (``ring_all_to_all``), with the same result.
+    Between nodes the bucket goes as independent pieces of ``message_bytes`` of codes per
+    peer. XLA runs the collectives one at a time, in program order, but a piece's quantize,
+    average and decode only wait for their own data, so they can run while other pieces
+    are on the wire, as far as free cores allow (docs/performance.md). Blocks are coded
+    independently, so with nearest rounding the result does not depend on the split.
+    ``wire="ring"`` sends the all_to_all as ppermute shifts (``ring_all_to_all``), with the
+    same result.
     """
-    node_axis, local_axis = config.axes
-    group = group_of(config, n, local)
-    x = _owned(x, config, group, scattered)
-    if group.plain:
-        # No slow hop to compress: the honest result is the plain float32 one.
-        x = x * jnp.float32(weight)
-        if config.hierarchical:
-            x = _plain_shard(x, node_axis, local_axis, local)
-        return x, residual
-    block_size = config.block_size
-    per_peer = x.shape[0] // (group.size * block_size)
-    pieces = message_slices(per_peer, block_size * config.bits // 8, config.message_bytes)
-    plan = scatter_gather_plan(
-        config, group, weight=weight, held=tuple(enumerate(pieces)), feedback=residual is not None
+    block_size, bits = plan.block_size, plan.codec.bits
+    per_peer = x.shape[0] // (plan.group.size * block_size)
+    pieces = message_slices(per_peer, block_size * bits // 8, plan.message_bytes)
+    stages = scatter_gather_stages(
+        plan, held=tuple(enumerate(pieces)), feedback=residual is not None
     )
     values = {"x": x, "key": key}
     if residual is not None:
         values.update(send=residual[0], mean=residual[1])
-    values = run(plan, values)
+    values = run(stages, values)
     x = values["decode"].reshape(-1)
     return x, None if residual is None else (values["send"], values["mean"])
 
@@ -328,19 +276,19 @@ def scatter_gather_sum_flat(x, config: SyncConfig, *, n, local, weight, key, res
 # The integer wire ---------------------------------------------------------------------------
 
 
-def integer_plan(group: Group, *, codec: Codec, block_size: int, start: int, stop: int,
-                 feedback: bool):  # fmt: skip
+def integer_stages(plan: BucketPlan, *, start: int, stop: int, feedback: bool):
     """The integer wire's stages for blocks ``[start, stop)`` of a bucket: encode -> psum ->
     decode.
 
-    The plan reads ``x``, the group's vector of the bucket, whole or as a tuple of its
+    They read ``x``, the group's vector of the bucket, whole or as a tuple of its
     consecutive parts (``buckets.to_bucket_parts``: each part is read where it lies), ``key``,
     and the bucket's ``agreed`` bounds and decode ``factors`` (the group's pmax of each
-    device's, ``integer_sum``); with ``feedback`` it updates ``send`` (what this device's
-    codes missed, as long as ``x``). Its ``decode`` is those blocks of the weighted sum, flat.
-    ``codec`` is the config's ``codecs.Codec``: its bits, rounding and implementation.
+    device's, ``integer_sum``); with ``feedback`` they update ``send`` (what this device's
+    codes missed, as long as ``x``). Their ``decode`` is those blocks of the weighted sum,
+    flat. The plan's ``codec`` gives the bits, rounding and implementation, its ``width``
+    the codes' width on the wire.
     """
-    width = integer.allreduce_width(codec.bits, group.size)
+    codec, block_size, width, axis = plan.codec, plan.block_size, plan.width, plan.group.axis
     lo, hi = start * block_size, stop * block_size
 
     def encode(*args):
@@ -367,7 +315,7 @@ def integer_plan(group: Group, *, codec: Codec, block_size: int, start: int, sto
         return send[0].at[lo:hi].set(kept[0] if len(kept) == 1 else jnp.concatenate(kept)), codes
 
     def psum(codes):
-        return (jax.lax.psum(codes, group.axis),)
+        return (jax.lax.psum(codes, axis),)
 
     def decode(total, factors):
         return (codecs.integer_decode(codec, total, factors[:, start:stop], width=width),)
@@ -380,20 +328,13 @@ def integer_plan(group: Group, *, codec: Codec, block_size: int, start: int, sto
 
 
 def integer_sum(
-    x: jax.Array,
-    residual: jax.Array | None,
-    *,
-    group,
-    group_size: int,
-    weight: float,
-    block_size: int,
-    key: jax.Array | None,
-    codec: Codec,
+    x, residual: jax.Array | None, plan: BucketPlan, *, key: jax.Array | None
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``weight`` times the sum over ``group`` of the flat vectors ``x``, as integer codes.
+    """The plan's weight times the sum over its group of the flat vectors ``x``, as integer
+    codes.
 
     The bounds of each block are agreed by one pmax, the codes summed by one psum
-    (``integer_plan``), and the decode factors agreed by one more pmax. One psum per call:
+    (``integer_stages``), and the decode factors agreed by one more pmax. One psum per call:
     an all-reduce cut into messages only runs slower through Gloo (benchmarks/RESULTS.md,
     "Integer wire and rings"), so the bucket is the message.
 
@@ -401,100 +342,45 @@ def integer_sum(
       x: this device's flat float32 vector, or a tuple of consecutive parts of it
         (``buckets.to_bucket_parts``); each a whole number of blocks.
       residual: None, or this device's error-feedback residual, as long as ``x``.
-      group: the axis name (or names) that sums.
-      group_size: its size.
-      weight: scales the decoded sum (1 / devices for a mean).
-      block_size: values per grid.
+      plan: the bucket's plan: its group (the axes that sum, and their size), ``width``,
+        ``codec``, ``block_size`` and ``weight``.
       key: this device's PRNG key for stochastic rounding (None for nearest).
-      codec: the ``codecs.Codec``: bits (8 or 4, see ``allreduce_width``), rounding and
-        implementation.
 
     Returns:
-      The decoded weighted sum, typed as replicated over ``group``, and the new residual
+      The decoded weighted sum, typed as replicated over the group, and the new residual
       (None without one).
     """
+    codec, block_size, group = plan.codec, plan.block_size, plan.group
     parts = x if isinstance(x, tuple) else (x,)
     starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
     if residual is not None:
         parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
     bounds = jnp.concatenate([codecs.integer_bounds(codec, part, block_size) for part in parts])
-    agreed = jax.lax.pmax(bounds, group)
-    width = integer.allreduce_width(codec.bits, group_size)
+    agreed = jax.lax.pmax(bounds, group.axis)
     factors = codecs.decode_factors(
-        codec, agreed, width=width, group_size=group_size, weight=weight
+        codec, agreed, width=plan.width, group_size=group.size, weight=plan.weight
     )
     # The same on every device: the pmax changes no bit (module docstring).
-    factors = jax.lax.pmax(factors, group)
-    plan = integer_plan(
-        Group(group, group, group_size, False, "allreduce"), codec=codec, block_size=block_size,
-        start=0, stop=starts[-1] // block_size, feedback=residual is not None,
-    )  # fmt: skip
+    factors = jax.lax.pmax(factors, group.axis)
+    stages = integer_stages(
+        plan, start=0, stop=starts[-1] // block_size, feedback=residual is not None
+    )
     values = {"x": x, "agreed": agreed, "key": key, "factors": factors}
     if residual is not None:
         values["send"] = residual
-    values = run(plan, values)
+    values = run(stages, values)
     return values["decode"], None if residual is None else values["send"]
 
 
-def allreduce_sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual, scattered):
-    """The integer wire's all-reduce of one flat float32 bucket (``sum_shard``'s
-    contract): its length a multiple of devices x block; returns ``sum_shard``'s shard and
-    the new residuals, None without error feedback, else
-    (send, mean) with ``mean`` empty (one compression, so one residual; ``residual_sizes``).
-    This codec's ops are XLA fusions on every backend (``codecs/__init__.py``): an explicit
-    ``implementation="pallas"`` raises ``NotImplementedError`` here.
-    """
-    node_axis, local_axis = config.axes
-    group = group_of(config, n, local)
-    x = _owned(x, config, group, scattered)
-    if group.plain:
-        # No slow hop to compress: the honest result is the plain float32 one.
-        x = _joined(x) * jnp.float32(weight)
-        if config.hierarchical:
-            x = _plain_shard(x, node_axis, local_axis, local)
-        return x, residual
-    _warn_if_promoted(config.bits, group.size)
-    send = None if residual is None else residual[0]
-    x, send = integer_sum(
-        x,
-        send,
-        group=group.axis,
-        group_size=group.size,
-        weight=weight,
-        block_size=config.block_size,
-        key=key,
-        codec=config.codec,
-    )
-    return x, None if residual is None else (send, residual[1])
+# The bucket's way: the reduce-scatter within the node, a wire, the gather --------------------
 
 
-_WARNED_PROMOTION: set[int] = set()
-
-
-def _warn_if_promoted(bits: int, group_size: int) -> None:
-    """Warns, once per group size, when the integer wire's codes go as uint16 on a GPU:
-    XLA:GPU promotes 16-bit integer all-reduces to 32 bits, float32's bytes."""
-    width = integer.allreduce_width(bits, group_size)
-    if width.bits != 16 or platform_of() != "gpu" or group_size in _WARNED_PROMOTION:
-        return
-    _WARNED_PROMOTION.add(group_size)
-    warnings.warn(
-        f"jax_bytegrad: wire='allreduce' sums the codes of {group_size} devices as uint16 "
-        "(more than 8 summing devices), and XLA:GPU promotes 16-bit integer all-reduces to "
-        "32 bits: this sync costs as many bytes as a float32 all-reduce here. Pass "
-        "wire='scatter_gather' (8-bit codes at any group size), or hierarchical=True with at "
-        "most 8 nodes",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-
-
-def _plain_shard(x, node_axis, local_axis, local: int) -> jax.Array:
+def _plain_shard(x, plan: BucketPlan) -> jax.Array:
     """A shard summed by nobody else (one node), typed as the wires' shards are: replicated
     over the node axis, and over the local one where no gather within the node follows.
     Size-1 gathers move no bytes; they only mark the value as replicated."""
-    x = gather_invariant(x, node_axis)
-    return gather_invariant(x, local_axis) if local == 1 else x
+    x = gather_invariant(x, plan.node_axis)
+    return gather_invariant(x, plan.local_axis) if plan.local == 1 else x
 
 
 def _joined(x) -> jax.Array:
@@ -502,73 +388,60 @@ def _joined(x) -> jax.Array:
     return jnp.concatenate(x) if isinstance(x, tuple) else x
 
 
-def _owned(x, config: SyncConfig, group: Group, scattered: bool):
+def _owned(x, plan: BucketPlan):
     """What this device compresses, in float32, the codecs' dtype: its share of its node's
     sum, from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets:
     half float32's bytes; ``buckets.Layout.bucket_dtype``) where the group needs one and
     ``x`` is not that share already; else ``x`` itself, whole or as its parts."""
-    if group.scatter and not scattered:
-        x = jax.lax.psum_scatter(_joined(x), config.local_axis, scatter_dimension=0, tiled=True)
+    if plan.group.scatter and not plan.scattered:
+        x = jax.lax.psum_scatter(_joined(x), plan.local_axis, scatter_dimension=0, tiled=True)
     if isinstance(x, tuple):
         return tuple(part.astype(jnp.float32) for part in x)
     return x.astype(jnp.float32)
 
 
-def sum_shard(x, config: SyncConfig, *, n, local, weight, key, residual, scattered=False):
-    """The part of a flat float32 bucket's all-reduce that crosses between nodes, over
-    ``config``'s wire; the bucket's length is a multiple of devices x block. ``x`` may come
-    as a tuple of its parts: the integer wire reads them where they lie, the others join
-    them. With ``scattered``, ``x`` is already this device's shard of its node's sum (a row
-    of ``buckets.to_rows``): the reduce-scatter within the node is skipped.
+def sum_shard(x, plan: BucketPlan, *, key, residual):
+    """The part of a flat bucket's all-reduce that crosses between nodes, over the plan's
+    wire; the bucket's length is a multiple of devices x block. ``x`` may come as a tuple of
+    its parts: the integer wire reads them where they lie, the others join them. With the
+    plan's ``scattered``, ``x`` is already this device's shard of its node's sum (a row of
+    ``buckets.to_rows``): the reduce-scatter within the node is skipped.
 
     Returns this device's shard of the reduced bucket (all of it without a reduce-scatter
     within the node), typed as replicated over the devices that summed it, and the new
-    residuals (None without error feedback; ``residual_sizes``). ``gather_shard`` makes it
-    the whole bucket.
+    residuals: None without error feedback, else (send, mean) (``BucketPlan.residual``; the
+    integer wire compresses once and keeps ``mean`` as it is, empty). The integer wire's
+    ops are XLA fusions on every backend (``codecs/__init__.py``): an explicit
+    ``implementation="pallas"`` raises ``NotImplementedError`` there. ``gather_shard`` makes
+    the shard the whole bucket.
     """
-    kwargs = dict(n=n, local=local, weight=weight, key=key, residual=residual, scattered=scattered)
-    if group_of(config, n, local).wire != "allreduce":
-        return scatter_gather_sum_flat(_joined(x), config, **kwargs)
-    return allreduce_sum_flat(x, config, **kwargs)
+    integer_wire = plan.group.wire == "allreduce"
+    x = _owned(x if integer_wire else _joined(x), plan)
+    if plan.group.plain:
+        # No slow hop to compress: the honest result is the plain float32 one.
+        x = _joined(x) * jnp.float32(plan.weight)
+        return (_plain_shard(x, plan) if plan.hierarchical else x), residual
+    if not integer_wire:
+        return _scatter_gather_sum(x, plan, key=key, residual=residual)
+    x, send = integer_sum(x, None if residual is None else residual[0], plan, key=key)
+    return x, None if residual is None else (send, residual[1])
 
 
-def gather_shard(shard: jax.Array, config: SyncConfig, local: int, dtype=jnp.float32) -> jax.Array:
+def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
     """``sum_shard``'s shard as the whole reduced bucket, typed as replicated over both
-    axes: an all_gather within the node after a reduce-scatter there, in ``dtype``, the
-    bucket's (``buckets.Layout.bucket_dtype``; its leaves are cast to it after the gather,
-    so a bfloat16 gather loses nothing), float32 otherwise."""
-    if config.hierarchical and local > 1:
-        return gather_invariant(shard.astype(dtype), config.local_axis)
+    axes: an all_gather within the node after a reduce-scatter there, in ``dtype`` (None:
+    the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtype``; its leaves are cast to
+    it after the gather, so a bfloat16 gather loses nothing)."""
+    if plan.hierarchical and plan.local > 1:
+        dtype = plan.dtype if dtype is None else dtype
+        return gather_invariant(shard.astype(dtype), plan.local_axis)
     return shard
 
 
-def sum_flat(x, config: SyncConfig, *, n, local, weight, key, residual):
-    """The all-reduce of one flat float32 bucket: ``sum_shard`` then ``gather_shard``.
-    Returns the reduced bucket, typed as replicated over both axes, and the new residuals."""
-    shard, residual = sum_shard(
-        x, config, n=n, local=local, weight=weight, key=key, residual=residual, scattered=False
-    )
+def sum_flat(x, plan: BucketPlan, *, key, residual):
+    """The all-reduce of one flat bucket: ``sum_shard`` then ``gather_shard`` in ``x``'s
+    dtype. Returns the reduced bucket, typed as replicated over both axes, and the new
+    residuals."""
+    shard, residual = sum_shard(x, plan, key=key, residual=residual)
     dtype = (x[0] if isinstance(x, tuple) else x).dtype
-    return gather_shard(shard, config, local, dtype), residual
-
-
-def residual_sizes(padded_sizes, config: SyncConfig, mesh_shape: tuple[int, int]) -> tuple:
-    """Per-device (send, mean) residual lengths, one pair per bucket of the given padded sizes.
-
-    The scatter-gather wires keep two: ``send``, what the first compression left unsent (the
-    device's share of its node's sum, hierarchical, or of its own bucket, flat), and
-    ``mean``, what the requantize of its averaged chunk left unsent, 1/g of that. The
-    integer wire keeps one, what this device's codes missed, and an empty ``mean``. Both are
-    0 where nothing is compressed (one node, hierarchical).
-    """
-    nodes, per_node = mesh_shape
-    group_size = config.group_size(nodes, per_node)
-    one_residual = config.wire_for(group_size) == "allreduce"
-    sizes = []
-    for padded in padded_sizes:
-        send = padded // per_node if config.hierarchical else padded
-        if group_size == 1:
-            sizes.append((0, 0))
-        else:
-            sizes.append((send, 0 if one_residual else send // group_size))
-    return tuple(sizes)
+    return gather_shard(shard, plan, dtype), residual

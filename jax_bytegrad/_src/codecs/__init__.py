@@ -53,6 +53,8 @@ CHECK_TIMEOUT_S = 20.0
 Implementation = Literal["xla", "pallas", "pallas_interpret"]
 # Every implementation name an op may have.
 IMPLEMENTATIONS = get_args(Implementation)
+# Floats per block header: [scale, zero point].
+HEADER_WIDTH = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +185,77 @@ def decode_factors(codec: Codec, bounds, *, width, group_size, weight) -> jax.Ar
 def integer_decode(codec: Codec, total, factors, *, width) -> jax.Array:
     """The integer wire's decoded weighted sum: ``integer.integer_decode``."""
     return resolve("integer_decode", codec)(codec, total, factors, width=width)
+
+
+# --- What the wires compose of the ops, and the checks of their arguments. -----------------
+
+
+def check_key(stochastic: bool, key, where: str) -> None:
+    """Raises unless a key is given exactly for stochastic rounding, naming ``where``."""
+    if stochastic and key is None:
+        raise ValueError(f"{where}: rounding='stochastic' needs a PRNG key; pass key=...")
+    if not stochastic and key is not None:
+        raise ValueError(
+            f"{where}: a key was given but rounding='nearest' ignores it; "
+            "pass rounding='stochastic' to use it"
+        )
+
+
+def resolve_implementation(implementation: Implementation | None) -> Implementation | None:
+    """Validates ``implementation``; returns what to dispatch on.
+
+    ``"xla"``, ``"pallas"`` and ``"pallas_interpret"`` come back as they are; None stays None:
+    each kernel is then chosen when it is dispatched (``codecs.select``). ``"pallas"`` is
+    refused here only on a GPU that Mosaic GPU does not support; elsewhere (a CPU host
+    lowering or exporting for CUDA, say) it is lowered as asked, and lowering it for a
+    platform other than CUDA raises ``NotImplementedError`` then.
+
+    Raises:
+      ValueError: for an unknown implementation.
+      NotImplementedError: for ``"pallas"`` where the default backend is a GPU older than
+        Hopper, or not an NVIDIA one.
+    """
+    if implementation is not None and implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            "implementation must be 'xla', 'pallas', 'pallas_interpret' or None, "
+            f"got {implementation!r}"
+        )
+    if implementation == "pallas" and jax.default_backend() == "gpu" and not pallas.is_supported():
+        raise NotImplementedError(
+            "implementation='pallas' needs an NVIDIA GPU of compute capability >= 9.0 (Hopper "
+            f"or newer); this one is {jax.devices()[0].device_kind!r}. Pass "
+            "implementation='xla' (or None for the best available)"
+        )
+    return implementation
+
+
+def average_blocks(codec: Codec, codes: jax.Array, header: jax.Array, *, weight: float):
+    """Decodes n chunks and sums them times ``weight`` in float32: the fused op's first half.
+
+    ``reference.weighted_sum`` with ``codec``'s decoder: the weight is folded into each
+    chunk's scale and the chunks are added in order, as in ``average_requantize``, so a mean
+    of values near finfo.max does not overflow.
+    """
+    decode = functools.partial(dequantize_blocks, codec)
+    return reference.weighted_sum(decode, codes, header, weight)
+
+
+def quantize_with_feedback(
+    codec: Codec, x: jax.Array, residual: jax.Array, key: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Quantizes rows of ``x + residual``; returns codes, header and the new residual.
+
+    Error feedback (Seide et al. 2014; Karimireddy et al., "Error Feedback Fixes SignSGD",
+    ICML 2019): what the codes fail to carry this time, ``x + residual - decoded``, is
+    carried into the next call, so compression errors cancel over steps instead of piling
+    up. ``decoded + new_residual == x + residual`` holds exactly in float32 wherever
+    ``x + residual - decoded`` is representable, else to within an ulp. A non-finite block
+    makes its residual NaN, as it makes the decoded values NaN.
+    """
+    target = x + residual
+    codes, header = quantize_blocks(codec, target, key)
+    decoded = dequantize_blocks(codec, codes, header)
+    return codes, header, target - decoded
 
 
 # --- The choice for implementation=None: one check per kernel. ------------------------------
@@ -338,28 +411,50 @@ def _device_kinds() -> dict[str, jax.Device]:
     return {d.device_kind: d for d in reversed(jax.local_devices())}
 
 
-_verdicts: dict[tuple[str, Kernel], bool] = {}
-_verdicts_lock = threading.Lock()
+class KernelChecks:
+    """The verdicts of the compiled kernels' checks (``check``): one per device kind and
+    kernel, each found once and kept, since a check compiles and runs the kernel.
+
+    They are facts about this process's devices, so the process holds one set: ``CHECKS``,
+    which ``select`` reads. Thread-safe: a check runs under the lock, so two threads that
+    trace at once check a kernel once.
+    """
+
+    def __init__(self) -> None:
+        self._verdicts: dict[tuple[str, Kernel], bool] = {}
+        self._lock = threading.Lock()
+
+    def works(self, kernel: Kernel) -> bool:
+        """Whether ``kernel``'s compiled version passed its check on every kind of local
+        device; checks it (once per kind) where it has not been, with one warning where it
+        fails."""
+        with self._lock:
+            works = True
+            for kind, device in _device_kinds().items():
+                if (kind, kernel) not in self._verdicts:
+                    why = check(kernel, device)
+                    if why is not None:
+                        warnings.warn(
+                            f"jax_bytegrad: the compiled Mosaic GPU kernel {kernel} is not used "
+                            f"on {kind}: {why}. The XLA implementation runs this kernel "
+                            "instead; the other kernels are unaffected. Pass "
+                            "implementation='xla' to skip this check, or "
+                            "implementation='pallas' to see the kernel's own error.",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+                    self._verdicts[kind, kernel] = why is None
+                works = works and self._verdicts[kind, kernel]
+            return works
+
+    def clear(self) -> None:
+        """Forgets every verdict, so the next ``works`` checks again."""
+        with self._lock:
+            self._verdicts.clear()
 
 
-def _compiled_kernel_works(kernel: Kernel) -> bool:
-    with _verdicts_lock:
-        works = True
-        for kind, device in _device_kinds().items():
-            if (kind, kernel) not in _verdicts:
-                why = check(kernel, device)
-                if why is not None:
-                    warnings.warn(
-                        f"jax_bytegrad: the compiled Mosaic GPU kernel {kernel} is not used on "
-                        f"{kind}: {why}. The XLA implementation runs this kernel instead; the "
-                        "other kernels are unaffected. Pass implementation='xla' to skip this "
-                        "check, or implementation='pallas' to see the kernel's own error.",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-                _verdicts[kind, kernel] = why is None
-            works = works and _verdicts[kind, kernel]
-        return works
+# This process's verdicts (``KernelChecks``).
+CHECKS = KernelChecks()
 
 
 def select(kernel: Kernel) -> str:
@@ -368,12 +463,11 @@ def select(kernel: Kernel) -> str:
     The XLA reference unless the default backend is a GPU that Mosaic GPU supports and the
     compiled kernel passed its check on every kind of local device (see ``check``).
     """
-    if pallas.is_supported() and _compiled_kernel_works(kernel):
+    if pallas.is_supported() and CHECKS.works(kernel):
         return "pallas"
     return "xla"
 
 
 def clear_checks() -> None:
     """Forgets every kernel's check, so the next ``select`` checks again."""
-    with _verdicts_lock:
-        _verdicts.clear()
+    CHECKS.clear()

@@ -4,7 +4,7 @@ Follows the THC and IntSGD family (Li et al., "THC: Accelerating Distributed Dee
 Using Tensor Homomorphic Compression", NSDI 2024; Mishchenko et al., "IntSGD: Adaptive
 Floatless Compression of Stochastic Gradients", ICLR 2022). Every device of a group of g
 quantizes onto the same grid per block, with headroom, so the group's codes sum exactly in one
-integer ``psum``; ``wire.integer_plan`` holds the stages around the collective, which the
+integer ``psum``; ``wire.integer_stages`` holds the stages around the collective, which the
 one-program sync runs inline and the pipelined step as programs of their own.
 
 Its four stages (``integer_bounds``, ``integer_encode``, ``decode_factors``,

@@ -26,7 +26,7 @@ alone) runs inline on the thread that calls it, so the dispatch thread blocks in
 exchange while the caller's thread goes on.
 
 The programs are built in ``steps/stages.py``: each piece's are the stages of its wire's
-plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), the same functions the
+plan (``wire.integer_stages``, ``wire.scatter_gather_stages``), the same functions the
 one-program sync runs inline, with the same keys, so the step computes the same values as
 ``data_parallel_step`` with ``optax.chain(bytegrad(...), optimizer)``, bit for bit
 (tests/test_pipelined.py), and holds the same ``StepState``: a checkpoint of one restores
@@ -48,8 +48,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.collectives import bucket_layout
-from jax_bytegrad._src.config import Residuals, SyncConfig, platform_of, sync_config
+from jax_bytegrad._src.config import (
+    Residuals,
+    SyncConfig,
+    SyncPlan,
+    plan_sync,
+    platform_of,
+    sync_config,
+)
 from jax_bytegrad._src.programs import Dispatcher, Schedule, Value, aval, execute
 from jax_bytegrad._src.sharding import StateSpecs
 from jax_bytegrad._src.steps.base import (
@@ -218,8 +224,8 @@ class PipelinedStep(TrainStep):
             Whole.INNER: _Chain(*self._state_specs(state.opt_state)).inner,
         }  # fmt: skip
         leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
-        layout = bucket_layout(leaves, self.sync, self.sync.mesh_shape(self.mesh, self.algorithm))
-        stages = Stages(self.mesh, self.sync, layout, average=self._average, step=self)
+        plan = _sync_plan(self.sync, self.mesh, leaves, self._average, self.algorithm)
+        stages = Stages(self.mesh, self.sync, plan, average=self._average, step=self)
         return Schedule(
             stages.programs(), _abstract(values, specs, P(self._axes)), self.mesh, self._axes,
             donate_state=self._donate,
@@ -237,6 +243,14 @@ class PipelinedStep(TrainStep):
         nothing."""
         self._closed = True
         self._wire.close()
+
+
+def _sync_plan(sync: SyncConfig, mesh: Mesh, leaves, average: bool, where: str) -> SyncPlan:
+    """The sync's plan for the gradient ``leaves`` on ``mesh``, as ``sync_mean`` resolves it
+    inside the one-program step."""
+    shape = sync.mesh_shape(mesh, where)
+    weight = 1.0 / (shape[0] * shape[1]) if average else 1.0
+    return plan_sync(sync, leaves, shape, platform_of(mesh), weight=weight)
 
 
 class PipelinedMean:
@@ -261,9 +275,8 @@ class PipelinedMean:
         values.update(residual_values(residuals))
         if self._schedule is None:
             leaves = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jax.tree.leaves(grads)]
-            shape = self.sync.mesh_shape(self.mesh, "pipelined_step")
-            layout = bucket_layout(leaves, self.sync, shape, platform_of(self.mesh))
-            stages = Stages(self.mesh, self.sync, layout, average=self.average)
+            plan = _sync_plan(self.sync, self.mesh, leaves, self.average, "pipelined_step")
+            stages = Stages(self.mesh, self.sync, plan, average=self.average)
             inputs = _abstract(values, {Whole.KEY: P()}, P(self.sync.axes))
             self._schedule = Schedule(
                 stages.programs(), inputs, self.mesh, self.sync.axes, donate_state=False

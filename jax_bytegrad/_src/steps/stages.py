@@ -3,11 +3,11 @@ collectives, in the order the caller's thread walks them (``Stages``).
 
 ``steps/pipelined.py`` schedules them, the wire programs on a dispatch thread of their own;
 see its module docstring for why and where that overlaps. Each piece's programs are the
-stages of its wire's plan (``wire.integer_plan``, ``wire.scatter_gather_plan``), which the
-one-program step runs inline, with the same keys (``collectives.device_key``, ``bucket_key``):
-the values are the one-program step's, bit for bit. What is this step's own: the pieces
-(``bucket_bytes`` of each bucket per exchange), their software-pipelined order, and one pmax
-for every bucket's integer-wire bounds.
+stages of its wire (``wire.integer_stages``, ``wire.scatter_gather_stages``) for its
+bucket's ``config.BucketPlan``, which the one-program step runs inline, with the same keys
+(``collectives.device_key``, ``bucket_key``): the values are the one-program step's, bit for
+bit. What is this step's own: the pieces (``bucket_bytes`` of each bucket per exchange), their
+software-pipelined order, and one pmax for every bucket's integer-wire bounds.
 """
 
 import dataclasses
@@ -22,11 +22,10 @@ import optax
 from jax_bytegrad._src import buckets as bucketing
 from jax_bytegrad._src import codecs, collective_ops
 from jax_bytegrad._src import wire as wires
-from jax_bytegrad._src.codecs.integer import allreduce_width
+from jax_bytegrad._src.codecs import resolve_implementation
 from jax_bytegrad._src.collectives import bucket_key, device_key, step_keys
-from jax_bytegrad._src.config import Residuals, SyncConfig, platform_of
+from jax_bytegrad._src.config import Group, Residuals, SyncConfig, SyncPlan
 from jax_bytegrad._src.programs import Program, Schedule
-from jax_bytegrad._src.quantization import resolve_implementation
 
 # The values the programs pass each other, by name. ----------------------------------------
 
@@ -138,7 +137,7 @@ def _split(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _chunks(
-    sync: SyncConfig, group: wires.Group, local: int, padded: int, b: int, limit: int | None
+    sync: SyncConfig, group: Group, local: int, padded: int, b: int, limit: int | None
 ) -> list[_Chunk]:
     """The pieces of bucket ``b`` (``padded`` values per device): at most ``limit`` bytes (the
     bucket size) of float32 each, of whole blocks (integer wire) or whole messages
@@ -203,22 +202,21 @@ class Stages:
         mean out.
     """
 
-    def __init__(self, mesh, sync: SyncConfig, layout, *, average: bool, step=None):
+    def __init__(self, mesh, sync: SyncConfig, plan: SyncPlan, *, average: bool, step=None):
         self.n, self.local = (mesh.shape[a] for a in sync.axes)
         self.sync = sync
         self.axes = sync.axes
-        self.layout = layout
-        self.group = wires.group_of(sync, self.n, self.local)
+        self.plan = plan  # its weight is the mean's: average's
+        self.layout = layout = plan.layout
+        self.group = sync.group(self.n, self.local)
         self.weight = 1.0 / (self.n * self.local) if average else 1.0
         resolve_implementation(sync.implementation)  # refuses "pallas" where it cannot run
         self.integer = self.group.wire == "allreduce"
         self.feedback, self.stochastic = sync.error_feedback, sync.stochastic
         self.block = sync.block_size
-        self.width = None
-        if self.integer and not self.group.plain:
-            self.width = allreduce_width(sync.bits, self.group.size)
+        self.width = next((bucket.width for bucket in plan.buckets), None)
         self.buckets = range(len(layout.buckets))
-        limit, _ = sync.bucket_grain(platform_of(mesh))
+        limit, _ = sync.bucket_grain(next((p.platform for p in plan.buckets), "cpu"))
         self.chunks = [
             _chunks(sync, self.group, self.local, layout.padded_sizes[b], b, limit)
             for b in self.buckets
@@ -254,16 +252,15 @@ class Stages:
     def _plan(self, c: _Chunk) -> tuple:
         """The wire's stages for piece c, as the one-program sync runs them."""
         if c.tag not in self.plans:
+            bucket = self.plan.buckets[c.bucket]
             if self.integer:
-                self.plans[c.tag] = wires.integer_plan(
-                    self.group, codec=self.sync.codec, block_size=self.block, start=c.start,
-                    stop=c.stop, feedback=self.feedback,
-                )  # fmt: skip
+                self.plans[c.tag] = wires.integer_stages(
+                    bucket, start=c.start, stop=c.stop, feedback=self.feedback
+                )
             else:
-                self.plans[c.tag] = wires.scatter_gather_plan(
-                    self.sync, self.group, weight=self.weight, held=c.pieces,
-                    feedback=self.feedback,
-                )  # fmt: skip
+                self.plans[c.tag] = wires.scatter_gather_stages(
+                    bucket, held=c.pieces, feedback=self.feedback
+                )
         return self.plans[c.tag]
 
     def _name(self, c: _Chunk, name: str) -> Bucket | Piece:
@@ -411,13 +408,11 @@ class Stages:
     def _plain(self, b: int) -> Program:
         """One device per group, nothing compressed: the bucket's float32 sum, as is (error
         feedback's residuals are empty then, and stay as they are)."""
-        sync = self.sync
 
         def total(given):
             out, _ = wires.sum_flat(
-                given[Bucket(Of.BUCKET, b)], sync, n=self.n, local=self.local,
-                weight=self.weight, key=None, residual=None,
-            )  # fmt: skip
+                given[Bucket(Of.BUCKET, b)], self.plan.buckets[b], key=None, residual=None
+            )
             return {Bucket(Of.MEAN, b): out}
 
         return Program(f"sum{b}", "wire", total, [Bucket(Of.BUCKET, b)])
