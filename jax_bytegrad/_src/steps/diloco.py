@@ -288,10 +288,8 @@ class _DiLoCo(TrainStep):
             node_axis, local_axis = self._axes
             mean = full_precision_mean(delta, node_axis=node_axis, local_axis=local_axis,
                                        hierarchical=True)  # fmt: skip
-        elif self._feedback:
+        else:  # residuals: empty without error feedback
             mean, residuals = sync_mean(delta, self.sync, residuals=residuals, where="diloco")
-        else:
-            mean = sync_mean(delta, self.sync, where="diloco")
         updates, outer_state = self.outer.update(mean, outer_state, theirs)
         return optax.apply_updates(theirs, updates), outer_state, residuals
 
