@@ -4,8 +4,10 @@ read from the schedule XLA:GPU compiles for it, on a machine without a GPU.
 Compiles each algorithm's train step for ``--nodes`` x ``--per-node`` deviceless GPUs
 (``jax_bytegrad.sharding.gpu_mesh``: needs JAX's CUDA plugin, ``pip install -e '.[cuda12]'``)
 and prints, from ``communication_stats``'s ``overlap_on("node")``: the bytes each device
-sends between nodes, the share of them whose collectives start before the last gemm of the
-step, and how many of the step's gemms run while a collective between nodes is in flight.
+sends between nodes, how many of the step's gemms (and what share of their FLOPs) run while
+a collective between nodes is in flight, a loop's once per iteration, and, as a secondary
+figure, the share of the bytes whose collectives start before the step's last gemm
+(starting early is not running beside compute).
 
 The compressed steps run with the library's default buckets (``bucket_bytes="auto"``: on
 a GPU mesh 24 MiB buckets of at least two leaves), or ``--bucket-mib``'s plain size.
@@ -114,11 +116,14 @@ def measure(mesh, params, loss_fn, batch, bucket_bytes=None):
 
 def report(title: str, rows) -> None:
     print(f"\n{title}")
-    print(f"{'step':24s} {'MiB between nodes':>18s} {'started early':>14s} {'gemms beside':>13s}")
+    print(
+        f"{'step':28s} {'MiB between nodes':>18s} {'gemms beside':>14s} {'FLOPs beside':>13s} "
+        f"{'started early':>14s}"
+    )
     for name, o in rows.items():
         print(
-            f"{name:24s} {o.bytes_sent / 2**20:18.2f} {o.early_share:14.0%} "
-            f"{o.overlapped_ops:>6d} of {o.compute_ops:<4d}"
+            f"{name:28s} {o.bytes_sent / 2**20:18.2f} {o.gemms_beside:>6d} of {o.gemms:<5d} "
+            f"{o.flops_share:13.1%} {o.early_share:14.0%}"
         )
 
 
