@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import needs_gpu_plugin
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
@@ -23,6 +24,7 @@ from jax_bytegrad.profiling import (
     communication_stats,
     hlo_instructions,
 )
+from jax_bytegrad.sharding import gpu_mesh
 
 MESH_SHAPES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 MESH_IDS = [f"{n}x{m}" for n, m in MESH_SHAPES]
@@ -827,3 +829,38 @@ def test_the_default_strategies_compare_at_their_real_ratio():
     assert node["bytegrad flat"] / node["bytegrad"] == pytest.approx(1.75, abs=0.005)
     flat_sg = node["bytegrad scatter_gather flat"] / node["bytegrad scatter_gather"]
     assert flat_sg == pytest.approx(2.87, abs=0.005)
+
+
+@needs_gpu_plugin("test_overlap_reads_the_schedule and test_a_loop_body_* read the same forms")
+def test_gemms_between_a_start_and_done_and_in_a_loop_on_h100s():
+    """XLA:GPU, 2 x 4 deviceless H100s: an all-reduce between nodes that needs nothing computed
+    runs async beside the three gemms that do not need it; inside a scanned loop, the body's
+    gemms count once per iteration (XLA:GPU runs this body's all-reduce synchronously)."""
+    mesh = gpu_mesh(2, 4)
+
+    def flat(x, w):
+        return jax.lax.psum(x, "node"), jnp.tanh(jnp.tanh(w @ w) @ w) @ w
+
+    def scanned(x, ws):
+        def body(x, w):
+            return jnp.tanh(x @ w.T) @ w, jax.lax.psum(jnp.tanh(x @ w), "node")
+
+        return jax.lax.scan(body, x, ws)
+
+    def node(fn, *shapes):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+        sharding = jax.sharding.NamedSharding(mesh, P())
+        args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes]
+        return communication_stats(f.lower(*args).compile()).overlap_on("node")
+
+    beside = node(flat, (1024, 1024), (1024, 1024))
+    (exchange,) = beside.exchanges
+    assert exchange.name.startswith("all-reduce-start") and exchange.runs == 1
+    assert (exchange.gemms_beside, beside.gemms_beside, beside.gemms) == (3, 3, 3)
+    assert exchange.flops_beside == beside.flops == 3 * 2.0 * 1024**3
+    looped = node(scanned, (256, 256), (4, 256, 256))
+    (exchange,) = looped.exchanges
+    assert exchange.runs == 4  # the loop's known_trip_count
+    # Three products of 256^3 an iteration; XLA:GPU merges the two that share x into one gemm.
+    assert looped.gemms == 4 * 2 and looped.flops == 4 * 3 * 2.0 * 256**3
+    assert looped.bytes_sent == 4 * exchange.bytes_sent == 4 * 256 * 256 * 4.0  # 2 (g-1)/g B
