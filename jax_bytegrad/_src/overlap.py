@@ -152,6 +152,7 @@ class _Program:
             self.entry = i.computation if i.entry else self.entry
         self.unknown_loops: set[str] = set()
         self._work: dict[str, _Work] = {}
+        self._trips: dict[str, int | None] = {}
         # Each computation's callers: (calling computation, its position there, times per run).
         self.callers: dict[str, list[tuple[str, int, int | None]]] = {}
         for name, sequence in self.computations.items():
@@ -172,6 +173,11 @@ class _Program:
 
     def trip_count(self, i: hlo.HloInstruction) -> int | None:
         """The trip count of while loop ``i``, or None (noted in ``unknown_loops``)."""
+        if i.name not in self._trips:
+            self._trips[i.name] = self._read_trip_count(i)
+        return self._trips[i.name]
+
+    def _read_trip_count(self, i: hlo.HloInstruction) -> int | None:
         known = _TRIP_COUNT_RE.search(i.args)
         if known is not None:
             return int(known[1])
