@@ -74,9 +74,10 @@ class Overlap:
       exchanges: one ``Exchange`` per collective whose bytes cross ``axis``, in HLO order.
       bytes_sent: bytes per device and call that cross ``axis``'s links, a collective in a
         loop once per iteration (collectives inside conditionals left out).
-      early_bytes: of those, the bytes of collectives that start (or whose loop starts)
-        before the program's last gemm. A secondary figure: starting early is not running
-        beside compute (``gemms_beside`` says that).
+      early_bytes: of those, the bytes of collectives that start before the program's last
+        gemm, read in the ENTRY's order (a collective inside a loop by the loop's place, so
+        the collectives of a loop that runs the last gemm do not count). A secondary figure:
+        starting early is not running beside compute (``gemms_beside`` says that).
       trip_counts_known: False when some loop's trip count is unknown: its body is then
         counted once, and the figures are lower bounds.
     """
