@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -88,30 +87,10 @@ class Row(NamedTuple):
     early_share: float
 
 
-def stacked_mlp(layers: int):
-    """``gpu_schedule.mlp`` with its layers stacked in one leaf and run by ``jax.lax.scan``."""
-
-    def loss_fn(params, batch):
-        x, y = batch
-        x = jax.lax.scan(lambda x, w: (jax.nn.relu(x @ w), None), x, params)[0]
-        return jnp.mean((x - y) ** 2)
-
-    params = jax.ShapeDtypeStruct((layers, DIM, DIM), jnp.float32)
-    batch = (jax.ShapeDtypeStruct((PER_DEVICE, DIM), jnp.float32),) * 2
-    return (
-        params,
-        loss_fn,
-        lambda devices: tuple(
-            jax.ShapeDtypeStruct((devices * PER_DEVICE, DIM), x.dtype) for x in batch
-        ),
-    )
-
-
 def measure(mesh, layers: int, name: str, shard: str | None, stacked: bool) -> dict[str, Row]:
     """Compiles one step of ``layers`` layers, each phase once: ``{phase: Row}``."""
     algorithm, settings, phases = ALGORITHMS[name]
-    model = stacked_mlp(layers) if stacked else gpu_schedule.mlp(layers, DIM, PER_DEVICE)
-    params, loss_fn, batch = model
+    params, loss_fn, batch = gpu_schedule.mlp(layers, DIM, PER_DEVICE, stacked=stacked)
     batch = batch(mesh.devices.size)
     strategy = jbg.Strategy(algorithm, mesh=mesh, shard=shard, **settings)
     optimizer = None if algorithm == "qadam" else optax.adam(1e-3)
