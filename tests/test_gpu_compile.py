@@ -122,7 +122,10 @@ def test_every_step_compiles_for_2x4_h100s(name):
         state = step.state_shapes(params)
         assert step.lower(state, batch).compile().as_text()
         for phase, stats in step.communication_stats(state, batch).items():
-            assert stats.bytes_on("node") >= 0 and stats.overlap_on("node").gemms > 0, phase
+            overlap = stats.overlap_on("node")
+            assert stats.bytes_on("node") >= 0 and overlap.gemms_beside <= overlap.gemms, phase
+            # Every program but async's background averaging holds the MLP's gemms.
+            assert overlap.gemms > 0 or phase == "averaging", (phase, overlap)
 
 
 @needs_plugin
