@@ -475,7 +475,9 @@ def communication_stats(
       **kwargs: keyword arguments to lower ``jitted_fn`` with.
 
     Returns:
-      A ``CommunicationStats`` with one row per (kind, axes, dtype); ``print`` it for a table.
+      A ``CommunicationStats`` with one row per (kind, axes, dtype), and per mesh axis an
+      ``Overlap``: the gemms and FLOPs the schedule runs between each collective's start and
+      done, a loop's once per iteration (``overlap_on("node")``); ``print`` it for both.
 
     Raises:
       TypeError: if ``jitted_fn`` cannot be lowered.
