@@ -4,8 +4,10 @@ read from the schedule XLA:GPU compiles for it, on a machine without a GPU.
 Compiles each algorithm's train step for ``--nodes`` x ``--per-node`` deviceless GPUs
 (``jax_bytegrad.sharding.gpu_mesh``: needs JAX's CUDA plugin, ``pip install -e '.[cuda12]'``)
 and prints, from ``communication_stats``'s ``overlap_on("node")``: the bytes each device
-sends between nodes, the share of them whose collectives start before the last gemm of the
-step, and how many of the step's gemms run while a collective between nodes is in flight.
+sends between nodes, how many of the step's gemms (and what share of their FLOPs) run while
+a collective between nodes is in flight, a loop's once per iteration, and, as a secondary
+figure, the share of the bytes whose collectives start before the step's last gemm
+(starting early is not running beside compute).
 
 The compressed steps run with the library's default buckets (``bucket_bytes="auto"``: on
 a GPU mesh 24 MiB buckets of at least two leaves), or ``--bucket-mib``'s plain size.
@@ -14,11 +16,14 @@ Models:
   mlp          eight 2048 x 2048 layers (32M parameters), batch 64 per device (--mlp-dim,
                --mlp-layers).
   transformer  examples/models.py's CharTransformer, made larger (--dim, --depth).
+  --stacked    the MLP's layers as one leaf run by ``jax.lax.scan``: the backward pass is
+               one loop, whose gemms count once per iteration.
 
 Usage:
   python benchmarks/gpu_schedule.py                       # both models, 2 x 4 H100
   python benchmarks/gpu_schedule.py --model mlp --gpu h200
   python benchmarks/gpu_schedule.py --bucket-mib 32        # bucket_bytes of the compressed
+  python benchmarks/gpu_schedule.py --model mlp --stacked  # the MLP as a scanned stack
 """
 
 import argparse
@@ -47,18 +52,25 @@ ALGORITHMS = {
 }
 
 
-def mlp(layers: int = 8, dim: int = 2048, per_device: int = 64):
-    """The issue's MLP: params, loss_fn and a global batch, all abstract."""
+def mlp(layers: int = 8, dim: int = 2048, per_device: int = 64, stacked: bool = False):
+    """The issue's MLP: params, loss_fn and a global batch, all abstract. ``stacked``: its
+    layers as one ``(layers, dim, dim)`` leaf that ``jax.lax.scan`` runs (ReLU after each),
+    as a scanned stack of layers (``nnx.scan``) holds them."""
 
     def loss_fn(params, batch):
         x, y = batch
-        for i, w in enumerate(params):
-            x = x @ w
-            if i < len(params) - 1:
-                x = jax.nn.relu(x)
+        if stacked:
+            x = jax.lax.scan(lambda x, w: (jax.nn.relu(x @ w), None), x, params)[0]
+        else:
+            for i, w in enumerate(params):
+                x = x @ w
+                if i < len(params) - 1:
+                    x = jax.nn.relu(x)
         return jnp.mean((x - y) ** 2)
 
     params = [jax.ShapeDtypeStruct((dim, dim), jnp.float32) for _ in range(layers)]
+    if stacked:
+        params = jax.ShapeDtypeStruct((layers, dim, dim), jnp.float32)
     return (
         params,
         loss_fn,
@@ -114,11 +126,14 @@ def measure(mesh, params, loss_fn, batch, bucket_bytes=None):
 
 def report(title: str, rows) -> None:
     print(f"\n{title}")
-    print(f"{'step':24s} {'MiB between nodes':>18s} {'started early':>14s} {'gemms beside':>13s}")
+    print(
+        f"{'step':28s} {'MiB between nodes':>18s} {'gemms beside':>14s} {'FLOPs beside':>13s} "
+        f"{'started early':>14s}"
+    )
     for name, o in rows.items():
         print(
-            f"{name:24s} {o.bytes_sent / 2**20:18.2f} {o.early_share:14.0%} "
-            f"{o.overlapped_ops:>6d} of {o.compute_ops:<4d}"
+            f"{name:28s} {o.bytes_sent / 2**20:18.2f} {o.gemms_beside:>6d} of {o.gemms:<5d} "
+            f"{o.flops_share:13.1%} {o.early_share:14.0%}"
         )
 
 
@@ -135,13 +150,14 @@ def main() -> None:
     parser.add_argument(
         "--bucket-mib", type=int, default=None, help="bucket_bytes in MiB (default: 'auto')"
     )
+    parser.add_argument("--stacked", action="store_true", help="the MLP as one scanned leaf")
     args = parser.parse_args()
     bucket_bytes = None if args.bucket_mib is None else args.bucket_mib * 2**20
     mesh = gpu_mesh(args.nodes, args.per_node, args.gpu)
     devices = args.nodes * args.per_node
     print(f"JAX {jax.__version__}; {args.nodes} x {args.per_node} {args.gpu}, compiled deviceless")
     models = {
-        "mlp": lambda: mlp(args.mlp_layers, args.mlp_dim),
+        "mlp": lambda: mlp(args.mlp_layers, args.mlp_dim, stacked=args.stacked),
         "transformer": lambda: transformer(args.dim, args.depth),
     }
     for name in models if args.model == "both" else (args.model,):

@@ -11,8 +11,10 @@ the params split too (``"params"``), and prints per device and per phase:
   state's share and the batch) and the temporaries (gathered layers, activations, gradients,
   the wires' buffers), from XLA's memory analysis of the compiled step;
 - MiB between nodes (``communication_stats``'s ``bytes_on("node")``), against the replicated
-  step's, and the share of them whose collective starts before the step's last gemm
-  (``overlap_on("node").early_share``).
+  step's; how many of the step's gemms run while a collective between nodes is in flight
+  (``overlap_on("node").gemms_beside``, a loop's once per iteration) and their share of the
+  step's FLOPs; and, secondary, the share of the bytes whose collective starts before the
+  step's last gemm (``early_share``: starting early is not running beside compute).
 
 Model: N float32 8192 x 8192 layers, ReLU between them, mean squared error (the MLP of
 ``gpu_schedule.py``; 96 layers are 6.44B parameters), 16 rows per device (a global batch of
@@ -44,7 +46,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -80,33 +81,16 @@ class Row(NamedTuple):
 
     memory: MemoryStats
     node_bytes: float
+    gemms_beside: int
+    gemms: int
+    flops_share: float
     early_share: float
-
-
-def stacked_mlp(layers: int):
-    """``gpu_schedule.mlp`` with its layers stacked in one leaf and run by ``jax.lax.scan``."""
-
-    def loss_fn(params, batch):
-        x, y = batch
-        x = jax.lax.scan(lambda x, w: (jax.nn.relu(x @ w), None), x, params)[0]
-        return jnp.mean((x - y) ** 2)
-
-    params = jax.ShapeDtypeStruct((layers, DIM, DIM), jnp.float32)
-    batch = (jax.ShapeDtypeStruct((PER_DEVICE, DIM), jnp.float32),) * 2
-    return (
-        params,
-        loss_fn,
-        lambda devices: tuple(
-            jax.ShapeDtypeStruct((devices * PER_DEVICE, DIM), x.dtype) for x in batch
-        ),
-    )
 
 
 def measure(mesh, layers: int, name: str, shard: str | None, stacked: bool) -> dict[str, Row]:
     """Compiles one step of ``layers`` layers, each phase once: ``{phase: Row}``."""
     algorithm, settings, phases = ALGORITHMS[name]
-    model = stacked_mlp(layers) if stacked else gpu_schedule.mlp(layers, DIM, PER_DEVICE)
-    params, loss_fn, batch = model
+    params, loss_fn, batch = gpu_schedule.mlp(layers, DIM, PER_DEVICE, stacked=stacked)
     batch = batch(mesh.devices.size)
     strategy = jbg.Strategy(algorithm, mesh=mesh, shard=shard, **settings)
     optimizer = None if algorithm == "qadam" else optax.adam(1e-3)
@@ -117,8 +101,9 @@ def measure(mesh, layers: int, name: str, shard: str | None, stacked: bool) -> d
             at = state._replace(step=np.asarray(taken, np.asarray(state.step).dtype))
             # One compile: Lowered.compile() keeps its executable for the second reader.
             lowered = step.lower(at, batch)
-            overlap = communication_stats(lowered).overlap_on("node")
-            rows[phase] = Row(memory_stats(lowered), overlap.bytes_sent, overlap.early_share)
+            o = communication_stats(lowered).overlap_on("node")
+            rows[phase] = Row(memory_stats(lowered), o.bytes_sent, o.gemms_beside, o.gemms,
+                              o.flops_share, o.early_share)  # fmt: skip
     return rows
 
 
@@ -138,8 +123,7 @@ def run_worker(layers: int, name: str, shard: str, args) -> dict[str, Row] | Non
     rows = {}
     for line in done.stdout.splitlines():
         phase, fields = json.loads(line)
-        memory = MemoryStats(**fields["memory"])
-        rows[phase] = Row(memory, fields["node_bytes"], fields["early_share"])
+        rows[phase] = Row(MemoryStats(**fields.pop("memory")), **fields)
     return rows
 
 
@@ -179,7 +163,8 @@ def report(layers: int, table: dict) -> None:
     print(f"\n{layers} x {DIM}^2 float32 layers ({billions(layers):.2f}B parameters)")
     print(
         f"{'step':26s} {'shard':9s} {'phase':10s} {'peak GiB':>9s} {'args':>7s} {'temp':>7s} "
-        f"{'MiB between nodes':>18s} {'vs none':>8s} {'early':>6s}"
+        f"{'MiB between nodes':>18s} {'vs none':>8s} {'gemms beside':>14s} {'FLOPs':>6s} "
+        f"{'early':>6s}"
     )
     for (name, shard), rows in table.items():
         if rows is None:
@@ -192,7 +177,8 @@ def report(layers: int, table: dict) -> None:
             print(
                 f"{name:26s} {shard:9s} {phase:10s} {m.peak_bytes / GIB:9.2f} "
                 f"{m.argument_bytes / GIB:7.2f} {m.temp_bytes / GIB:7.2f} "
-                f"{row.node_bytes / MIB:18.2f} {ratio} {row.early_share:6.0%}"
+                f"{row.node_bytes / MIB:18.2f} {ratio} {row.gemms_beside:>6d} of {row.gemms:<5d} "
+                f"{row.flops_share:6.1%} {row.early_share:6.0%}"
             )
 
 
@@ -200,8 +186,8 @@ def worker(spec: str, mesh, stacked: bool) -> None:
     """``--worker LAYERS,NAME,SHARD``: one JSON line per phase on stdout."""
     layers, name, shard = spec.split(",")
     for phase, row in measure(mesh, int(layers), name, SHARDS[shard], stacked).items():
-        fields = {"memory": dataclasses.asdict(row.memory), "node_bytes": row.node_bytes}
-        print(json.dumps([phase, {**fields, "early_share": row.early_share}]), flush=True)
+        fields = {**row._asdict(), "memory": dataclasses.asdict(row.memory)}
+        print(json.dumps([phase, fields]), flush=True)
 
 
 def search(args, device_bytes: int) -> None:

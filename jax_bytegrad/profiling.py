@@ -8,6 +8,8 @@ from jax_bytegrad._src.hlo import array_shapes as array_shapes
 from jax_bytegrad._src.hlo import hlo_instructions as hlo_instructions
 from jax_bytegrad._src.memory import MemoryStats as MemoryStats
 from jax_bytegrad._src.memory import memory_stats as memory_stats
+from jax_bytegrad._src.overlap import Exchange as Exchange
+from jax_bytegrad._src.overlap import Overlap as Overlap
 from jax_bytegrad._src.stats import CollectiveTraffic as CollectiveTraffic
 from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
 from jax_bytegrad._src.stats import communication_stats as communication_stats
@@ -16,8 +18,10 @@ __all__ = [
     "HEADER_WIDTH",
     "CollectiveTraffic",
     "CommunicationStats",
+    "Exchange",
     "HloInstruction",
     "MemoryStats",
+    "Overlap",
     "array_shapes",
     "communication_stats",
     "hlo_instructions",

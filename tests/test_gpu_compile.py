@@ -123,7 +123,10 @@ def test_every_step_compiles_for_2x4_h100s(name):
         state = step.state_shapes(params)
         assert step.lower(state, batch).compile().as_text()
         for phase, stats in step.communication_stats(state, batch).items():
-            assert stats.bytes_on("node") >= 0 and stats.overlap_on("node").compute_ops >= 0, phase
+            overlap = stats.overlap_on("node")
+            assert stats.bytes_on("node") >= 0 and overlap.gemms_beside <= overlap.gemms, phase
+            # Every program but async's background averaging holds the MLP's gemms.
+            assert overlap.gemms > 0 or phase == "averaging", (phase, overlap)
 
 
 @needs_plugin
@@ -174,9 +177,9 @@ def test_the_16_bit_integer_wire_warns_and_reports_its_promoted_bytes():
     [("bytegrad", "step"), ("bytegrad_4bit_ef", "step"), ("qadam", "compressed")],
 )
 def test_compressed_traffic_overlaps_the_backward_pass_on_h100s(name, phase):
-    """The issue's MLP, eight 2048 x 2048 layers on 2 x 4 H100s: at least half of the bytes
-    between nodes start before the last gemm, beside at least as many gemms as the
-    float32 all-reduce's collectives."""
+    """The issue's MLP, eight 2048 x 2048 layers on 2 x 4 H100s: the compressed exchange
+    between nodes runs beside at least as many gemms, and FLOPs, as the float32
+    all-reduce's collectives."""
     mesh = gpu_mesh(2, 4)
     params, loss_fn = _mlp(2048, 8)
     batch = (jax.ShapeDtypeStruct((512, 2048), jnp.float32),) * 2
@@ -189,8 +192,8 @@ def test_compressed_traffic_overlaps_the_backward_pass_on_h100s(name, phase):
     baseline = overlap("gradient_allreduce", "step")
     compressed = overlap(name, phase)
     assert compressed.bytes_sent < baseline.bytes_sent / 3
-    assert compressed.early_share >= 0.5, compressed
-    assert compressed.overlapped_ops >= baseline.overlapped_ops, (compressed, baseline)
+    assert compressed.flops_beside >= baseline.flops_beside > 0, (compressed, baseline)
+    assert compressed.gemms_beside >= baseline.gemms_beside, (compressed, baseline)
 
 
 @needs_plugin
@@ -216,7 +219,7 @@ def test_the_float32_hierarchical_mean_overlaps_the_backward_pass_on_h100s(name,
         stats = step.communication_stats(step.state_shapes(params), batch)
     overlap = stats[phase].overlap_on("node")
     assert overlap.early_share >= 0.5, overlap
-    assert overlap.overlapped_ops > 0, overlap
+    assert overlap.gemms_beside > 0, overlap
 
 
 # The collective each wire stage of a plan compiles to.
@@ -298,8 +301,9 @@ def test_gpu_meshes_default_to_buckets_of_two_leaves(platform, shard):
 def test_the_gpu_default_overlaps_the_102m_transformer_as_the_float32_all_reduce_does():
     """The issue's 102M-parameter transformer (benchmarks/gpu_schedule.py's, dim 1024, depth
     8) on 2 x 4 H100s: with the GPU mesh's default buckets ByteGrad's traffic between nodes
-    runs beside at least as many gemms as the float32 all-reduce's (RESULTS, "The bucket
-    grain on GPU meshes": 51 against 40; 29 with the 32 MiB buckets of other platforms)."""
+    runs beside at least as many gemms, and FLOPs, as the float32 all-reduce's (RESULTS, "The
+    bucket grain on GPU meshes": 51 against 40; 29 with the 32 MiB buckets of other
+    platforms)."""
     mesh = gpu_mesh(2, 4)
     params, loss_fn, batch = GPU_SCHEDULE.transformer(1024, 8)
     leaves = jax.tree.leaves(params)
@@ -318,7 +322,9 @@ def test_the_gpu_default_overlaps_the_102m_transformer_as_the_float32_all_reduce
 
     baseline, compressed = overlap("gradient_allreduce"), overlap("bytegrad")
     assert compressed.bytes_sent < baseline.bytes_sent / 3
-    assert compressed.overlapped_ops >= baseline.overlapped_ops, (compressed, baseline)
+    assert compressed.gemms_beside >= baseline.gemms_beside, (compressed, baseline)
+    # And in FLOPs (37.6% against 32.3%): the gemms beside it are not only the small ones.
+    assert compressed.flops_beside >= baseline.flops_beside, (compressed, baseline)
 
 
 def test_state_shapes_carries_the_model_state_and_key():
@@ -347,4 +353,5 @@ def test_the_docs_deviceless_example_runs(capsys):
     source = next(b for b in page.split("```python\n")[1:] if "gpu_mesh(2, 4" in b)
     exec(compile(source.split("```")[0], "docs/gpu.md", "exec"), {})
     printed = capsys.readouterr().out
+    # ByteGrad's exchange runs beside 12 of the 23 gemms, 52% of the FLOPs (RESULTS).
     assert "Overlap node:" in printed and float(printed.strip().splitlines()[-1]) >= 0.5

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import needs_gpu_plugin
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
@@ -23,6 +24,7 @@ from jax_bytegrad.profiling import (
     communication_stats,
     hlo_instructions,
 )
+from jax_bytegrad.sharding import gpu_mesh
 
 MESH_SHAPES = [(2, 4), (4, 2), (1, 8), (8, 1)]
 MESH_IDS = [f"{n}x{m}" for n, m in MESH_SHAPES]
@@ -311,6 +313,10 @@ def test_table():
     text = str(stats)
     lines = text.splitlines()
     assert "node=2, local=4" in lines[0]
+    # The overlap comes first, one line per axis that carries traffic; then the table.
+    assert [line.split(":")[0] for line in lines[1:3]] == ["Overlap node", "Overlap local"]
+    assert "gemms" in lines[1] and "run beside" in lines[1]
+    lines = [lines[0], *lines[3:]]
     assert re.split(r"\s{2,}", lines[1]) == [
         "kind",
         "axes",
@@ -327,7 +333,7 @@ def test_table():
         ["collective-permute", "local", "f32", "1", "64 B", "64 B", "0 B", "64 B"],
     ]
     assert [re.split(r"\s{2,}", line) for line in lines[3:6]] == expected_rows
-    table = [line for line in lines if not line.startswith("Overlap ")]
+    table = lines
     assert re.split(r"\s{2,}", table[-1]) == [
         "total",
         "3",
@@ -338,8 +344,6 @@ def test_table():
     ]
     # Columns line up: every row is as wide as the header.
     assert len({len(line) for line in table[1:]}) <= 2
-    # One overlap line per axis that carries traffic, after the table.
-    assert [line.split(":")[0] for line in lines[len(table) :]] == ["Overlap node", "Overlap local"]
 
 
 @pytest.mark.parametrize(
@@ -618,14 +622,152 @@ def test_overlap_reads_the_schedule():
     # Two node all-reduces of 4 KiB (2 (g-1)/g B = 4096 B each): the async one starts after
     # the first gemm and is in flight over the other two; the second starts after the last.
     assert (node.bytes_sent, node.early_bytes) == (8192.0, 4096.0)
-    assert (node.compute_ops, node.overlapped_ops) == (3, 2)
-    assert node.early_share == 0.5
+    assert (node.gemms, node.gemms_beside) == (3, 2)
+    assert (node.flops, node.flops_beside) == (3 * 128.0, 2 * 128.0)  # 2 * 4 * 4 * 4 each
+    assert [(e.name, e.runs, e.gemms_beside) for e in node.exchanges] == [
+        ("ar-start", 1, 2),
+        ("late", 1, 0),
+    ]
+    assert node.early_share == 0.5 and node.gemm_share == 2 / 3 and node.trip_counts_known
     local = stats.overlap_on("local")
-    assert (local.bytes_sent, local.early_bytes, local.overlapped_ops) == (6144.0, 0.0, 0)
-    assert "node: 50% of 8.00 KiB start before the last gemm; 2 of 3 gemms" in str(stats)
+    assert (local.bytes_sent, local.early_bytes, local.gemms_beside) == (6144.0, 0.0, 0)
+    assert "node: 2 of 3 gemms (66.7% of 384 FLOP) run beside its 2 collectives" in str(stats)
     with pytest.raises(ValueError, match="no schedule for axis 'x'"):
         stats.overlap_on("x")
     assert merge([stats, stats]).overlap == ()
+
+
+# A library gemm (cuBLAS, as XLA:GPU calls it) and a convolution between an all-reduce's start
+# and done: 2 * 4 * 8 * 16 and 2 * (8 * 8 * 16 outputs) * (3 * 3 * 4 inputs each) FLOPs.
+_LIBRARY_CALLS = """HloModule m, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[4,16], b: f32[16,8], img: f32[1,8,8,4], k: f32[3,3,4,16], q: f32[1024]) -> f32[4,8] {
+  %a = f32[4,16]{1,0} parameter(0)
+  %b = f32[16,8]{1,0} parameter(1)
+  %img = f32[1,8,8,4]{3,2,1,0} parameter(2)
+  %k = f32[3,3,4,16]{3,2,1,0} parameter(3)
+  %q = f32[1024]{0} parameter(4)
+  %ar-start = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(%q), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
+  %cc = (f32[4,8]{1,0}, s8[256]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %conv = f32[1,8,8,16]{3,2,1,0} convolution(%img, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  %ar-done = f32[1024]{0} all-reduce-done(%ar-start)
+  ROOT %out = f32[4,8]{1,0} get-tuple-element(%cc), index=0
+}
+"""  # noqa: E501
+
+
+def test_library_gemms_and_convolutions_count_with_their_flops():
+    node = stats_from_hlo(_LIBRARY_CALLS, ALL, (2, 4)).overlap_on("node")
+    flops = 2.0 * 4 * 8 * 16 + 2.0 * (8 * 8 * 16) * (3 * 3 * 4)
+    assert (node.gemms, node.gemms_beside, node.flops, node.flops_beside) == (2, 2, flops, flops)
+    (exchange,) = node.exchanges
+    assert (exchange.gemms_beside, exchange.flops_beside) == (2, flops)
+
+
+# A scanned stack as XLA prints it: a while loop whose body starts an all-reduce between
+# nodes, runs one gemm beside it, and one more after its done; one gemm after the loop.
+_LOOP = (
+    """HloModule m, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[4,4], f32[1024])) -> (s32[], f32[4,4], f32[1024]) {
+  %p = (s32[], f32[4,4]{1,0}, f32[1024]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %w = f32[4,4]{1,0} get-tuple-element(%p), index=1
+  %v = f32[1024]{0} get-tuple-element(%p), index=2
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  %ar-start = (f32[1024]{0}, f32[1024]{0}) all-reduce-start(%v), channel_id=1, @NODE
+  %d1 = f32[4,4]{1,0} dot(%w, %w), @DOT
+  %ar-done = f32[1024]{0} all-reduce-done(%ar-start)
+  %d2 = f32[4,4]{1,0} dot(%d1, %w), @DOT
+  ROOT %t = (s32[], f32[4,4]{1,0}, f32[1024]{0}) tuple(%next, %d2, %ar-done)
+}
+
+%cond (c: (s32[], f32[4,4], f32[1024])) -> pred[] {
+  %c = (s32[], f32[4,4]{1,0}, f32[1024]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+
+ENTRY %main (w: f32[4,4], v: f32[1024]) -> f32[4,4] {
+  %w = f32[4,4]{1,0} parameter(0)
+  %v = f32[1024]{0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,4]{1,0}, f32[1024]{0}) tuple(%zero, %w, %v)
+  %loop = (s32[], f32[4,4]{1,0}, f32[1024]{0}) while(%init), condition=%cond, body=%body@LOOP
+  %out = f32[4,4]{1,0} get-tuple-element(%loop), index=1
+  ROOT %last = f32[4,4]{1,0} dot(%out, %w), @DOT
+}
+""".replace("@NODE", "replica_groups={{0,4},{1,5},{2,6},{3,7}}, @ATTRS")
+    .replace("@ATTRS", "use_global_device_ids=true, to_apply=%add")
+    .replace("@DOT", "lhs_contracting_dims={1}, rhs_contracting_dims={0}")
+)
+_TRIP_COUNTS = {
+    "known_trip_count": ', backend_config={"known_trip_count":{"n":"5"}}',
+    "induction_and_condition": ', backend_config={"known_init_step":{"init":"0","step":"1"}}',
+    "unknown": "",
+}
+
+
+@pytest.mark.parametrize("how", list(_TRIP_COUNTS))
+def test_a_loop_body_counts_once_per_iteration(how):
+    stats = stats_from_hlo(_LOOP.replace("@LOOP", _TRIP_COUNTS[how]), ALL, (2, 4))
+    node = stats.overlap_on("node")
+    (exchange,) = node.exchanges
+    assert (exchange.name, exchange.computation, exchange.bytes_sent) == ("ar-start", "body", 4096)
+    assert (exchange.gemms_beside, exchange.flops_beside) == (1, 128.0)
+    if how == "unknown":  # the body counts once, and the figures say so
+        assert exchange.runs is None and not node.trip_counts_known
+        assert (node.gemms, node.gemms_beside, node.bytes_sent) == (3, 1, 4096.0)
+        assert "unknown trip count" in str(node)
+        return
+    assert exchange.runs == 5 and node.trip_counts_known
+    # Two gemms in each of 5 iterations and one after the loop; one per iteration beside.
+    assert (node.gemms, node.gemms_beside) == (11, 5)
+    assert (node.flops, node.flops_beside) == (11 * 128.0, 5 * 128.0)
+    assert node.bytes_sent == 5 * 4096.0
+    # The loop starts before the last gemm, so every byte is "early": 5 of 11 gemms beside.
+    assert node.early_share == 1.0 and node.gemm_share == 5 / 11
+
+
+def test_a_compiled_scan_counts_its_gemms_per_iteration():
+    """XLA:CPU's own loop (``lax.scan``): the gemms inside count once per iteration, and the
+    collective inside the body once per iteration; XLA:CPU runs it synchronously."""
+    mesh = _mesh(2, 4)
+
+    def fn(x, ws):
+        def body(x, w):
+            y = x @ w
+            return jnp.tanh(y), jax.lax.psum(y, "node")
+
+        x, sums = jax.lax.scan(body, x, ws)
+        return x @ ws[0], sums
+
+    x = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    ws = jax.ShapeDtypeStruct((3, 4, 4), jnp.float32)
+    f = jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
+    )
+    node = communication_stats(f, x, ws).overlap_on("node")
+    assert node.trip_counts_known
+    assert (node.gemms, node.flops) == (3 + 1, 4 * 2.0 * 4 * 4 * 4)
+    (exchange,) = node.exchanges
+    assert exchange.runs == 3 and exchange.computation != "main"
+    assert node.bytes_sent == 3 * exchange.bytes_sent == 3 * 64.0  # 16 floats, 2 (g-1)/g B
+    assert node.gemms_beside == 0  # XLA:CPU runs collectives synchronously
 
 
 def test_overlap_on_cpu_counts_traffic_that_starts_before_the_last_product():
@@ -644,10 +786,10 @@ def test_overlap_on_cpu_counts_traffic_that_starts_before_the_last_product():
         )
     )
     node = communication_stats(f, x, w).overlap_on("node")
-    assert node.compute_ops >= 1
+    assert node.gemms == 2
     assert node.bytes_sent == 2 * 64.0  # two psums of 16 floats over 2 nodes: 2 (g-1)/g B each
     assert node.early_bytes <= 64.0  # the second psum can never start before the last product
-    assert node.overlapped_ops == 0  # XLA:CPU runs collectives synchronously
+    assert node.gemms_beside == 0  # XLA:CPU runs collectives synchronously
 
 
 def test_the_default_strategies_compare_at_their_real_ratio():
@@ -687,3 +829,38 @@ def test_the_default_strategies_compare_at_their_real_ratio():
     assert node["bytegrad flat"] / node["bytegrad"] == pytest.approx(1.75, abs=0.005)
     flat_sg = node["bytegrad scatter_gather flat"] / node["bytegrad scatter_gather"]
     assert flat_sg == pytest.approx(2.87, abs=0.005)
+
+
+@needs_gpu_plugin("test_overlap_reads_the_schedule and test_a_loop_body_* read the same forms")
+def test_gemms_between_a_start_and_done_and_in_a_loop_on_h100s():
+    """XLA:GPU, 2 x 4 deviceless H100s: an all-reduce between nodes that needs nothing computed
+    runs async beside the three gemms that do not need it; inside a scanned loop, the body's
+    gemms count once per iteration (XLA:GPU runs this body's all-reduce synchronously)."""
+    mesh = gpu_mesh(2, 4)
+
+    def flat(x, w):
+        return jax.lax.psum(x, "node"), jnp.tanh(jnp.tanh(w @ w) @ w) @ w
+
+    def scanned(x, ws):
+        def body(x, w):
+            return jnp.tanh(x @ w.T) @ w, jax.lax.psum(jnp.tanh(x @ w), "node")
+
+        return jax.lax.scan(body, x, ws)
+
+    def node(fn, *shapes):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+        sharding = jax.sharding.NamedSharding(mesh, P())
+        args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes]
+        return communication_stats(f.lower(*args).compile()).overlap_on("node")
+
+    beside = node(flat, (1024, 1024), (1024, 1024))
+    (exchange,) = beside.exchanges
+    assert exchange.name.startswith("all-reduce-start") and exchange.runs == 1
+    assert (exchange.gemms_beside, beside.gemms_beside, beside.gemms) == (3, 3, 3)
+    assert exchange.flops_beside == beside.flops == 3 * 2.0 * 1024**3
+    looped = node(scanned, (256, 256), (4, 256, 256))
+    (exchange,) = looped.exchanges
+    assert exchange.runs == 4  # the loop's known_trip_count
+    # Three products of 256^3 an iteration; XLA:GPU merges the two that share x into one gemm.
+    assert looped.gemms == 4 * 2 and looped.flops == 4 * 3 * 2.0 * 256**3
+    assert looped.bytes_sent == 4 * exchange.bytes_sent == 4 * 256 * 256 * 4.0  # 2 (g-1)/g B

@@ -168,32 +168,6 @@ class Collective:
     name: str = ""
 
 
-# Instructions that are matrix products or convolutions: the compute a collective can hide
-# behind (XLA:GPU's gemm fusions and cuBLAS/cuDNN calls, XLA:CPU's dots).
-_COMPUTE_OPCODES = ("dot", "convolution")
-_COMPUTE_TARGET_RE = re.compile(r'custom_call_target="[^"]*(gemm|cublas|cudnn|conv|matmul)', re.I)
-
-
-def compute_instructions(instructions: Sequence[HloInstruction]) -> set[str]:
-    """Names of the instructions that multiply matrices or convolve: ``dot`` and
-    ``convolution``, gemm and convolution library calls, and fusions that hold either."""
-    holders = {
-        i.computation
-        for i in instructions
-        if i.opcode in _COMPUTE_OPCODES or _COMPUTE_TARGET_RE.search(i.args)
-    }
-    names = set()
-    for i in instructions:
-        calls = re.search(r"\bcalls=%?([\w.\-]+)", i.args)
-        if (
-            i.opcode in _COMPUTE_OPCODES
-            or _COMPUTE_TARGET_RE.search(i.args)
-            or (i.opcode == "fusion" and calls is not None and calls.group(1) in holders)
-        ):
-            names.add(i.name)
-    return names
-
-
 def async_done(instructions: Sequence[HloInstruction]) -> dict[str, str]:
     """For each async ``-done`` instruction, the name of the ``-start`` it completes."""
     out = {}
@@ -227,7 +201,7 @@ def _shape_bytes(shape: str) -> tuple[int, list[str]]:
     return total, dtypes
 
 
-def _split_top_level(text: str) -> tuple[list[str], str]:
+def split_top_level(text: str) -> tuple[list[str], str]:
     """Splits `a, b(c, d), e), rest` into the top-level items before the closing paren, and rest."""
     items, depth, start = [], 0, 0
     for i, char in enumerate(text):
@@ -343,7 +317,7 @@ def collectives(instructions: Sequence[HloInstruction]) -> list[Collective]:
         kind = instruction.opcode.removesuffix("-start")
         if kind not in COLLECTIVE_KINDS:
             continue
-        operands, attributes = _split_top_level(instruction.args)
+        operands, attributes = split_top_level(instruction.args)
         if kind == "collective-permute" and len(operands) == 4:
             # The in-place form also passes the output buffer and slice offsets.
             operands = operands[:1]

@@ -36,7 +36,6 @@ References:
 
 import collections
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -44,6 +43,7 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src import hlo
+from jax_bytegrad._src.overlap import Overlap, overlap_by_axis
 
 # Label of a collective whose groups all have one member, or whose pairs are all i -> i.
 NO_AXES = "-"
@@ -80,44 +80,6 @@ class CollectiveTraffic:
 
 
 @dataclasses.dataclass(frozen=True)
-class Overlap:
-    """Where the collectives over one mesh axis sit in the compiled schedule, beside compute.
-
-    Read from the order in which the executable runs its top-level instructions. An async
-    collective (its ``-start`` and ``-done``) is in flight over the instructions between
-    the two; XLA:CPU runs every collective synchronously, so there only ``early_bytes`` says
-    anything.
-
-    Attributes:
-      axis: the mesh axis.
-      bytes_sent: bytes per device and call that cross ``axis``'s links (as ``bytes_on``),
-        over the collectives outside conditionals and loops.
-      early_bytes: of those, the bytes of collectives that start before the last matrix
-        product or convolution: traffic that can run while the backward pass still computes.
-      compute_ops: matrix products and convolutions in the schedule (gemms).
-      overlapped_ops: of those, how many run while such a collective is in flight.
-    """
-
-    axis: str
-    bytes_sent: float
-    early_bytes: float
-    compute_ops: int
-    overlapped_ops: int
-
-    @property
-    def early_share(self) -> float:
-        """``early_bytes / bytes_sent`` (0 when nothing is sent)."""
-        return self.early_bytes / self.bytes_sent if self.bytes_sent else 0.0
-
-    def __str__(self) -> str:
-        return (
-            f"{self.axis}: {self.early_share:.0%} of {_format_bytes(self.bytes_sent)} start before "
-            f"the last gemm; {self.overlapped_ops} of {self.compute_ops} gemms run beside a "
-            "collective in flight"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
 class CommunicationStats:
     """Per-device communication of one compiled function, one row per (kind, axes, dtype).
 
@@ -135,9 +97,10 @@ class CommunicationStats:
         Empty for a program without conditionals, and in the per-branch figures themselves.
       unconditional: the traffic outside every branch, which each call sends; None in the
         per-branch figures themselves.
-      overlap: one ``Overlap`` per mesh axis: how much of the traffic starts while the
-        compute still runs, and how much compute runs beside it. Empty where there is no
-        schedule to read (figures merged over programs, or of one branch).
+      overlap: one ``Overlap`` per mesh axis: for each collective over it, the gemms and
+        FLOPs scheduled between its start and its done (a loop's once per iteration), and
+        how many of the program's gemms run beside one. Empty where there is no schedule
+        to read (figures merged over programs, or of one branch).
     """
 
     rows: tuple[CollectiveTraffic, ...]
@@ -234,12 +197,12 @@ class CommunicationStats:
         return "\n".join(
             [
                 f"Communication per device (mesh {mesh})",
+                *overlap,
                 fmt(header),
                 rule,
                 *body,
                 rule,
                 fmt(total),
-                *overlap,
             ]
         )
 
@@ -363,50 +326,18 @@ def stats_from_hlo(
     in_any = set().union(*(names for conditional in reached for names in conditional))
     return summary(
         collectives,
-        overlap=_overlap(instructions, collectives, coords, axis_names),
+        overlap=overlap_by_axis(
+            instructions,
+            collectives,
+            {c.name: _link_bytes(c, coords) for c in collectives},
+            axis_names,
+        ),
         branches=tuple(
             tuple(summary(c for c in collectives if c.computation in names) for names in branches)
             for branches in reached
         ),
         unconditional=summary(c for c in collectives if c.computation not in in_any),
     )
-
-
-def _overlap(
-    instructions: Sequence[hlo.HloInstruction],
-    collectives: Sequence[hlo.Collective],
-    coords: np.ndarray,
-    axis_names: Sequence[str],
-) -> tuple[Overlap, ...]:
-    """Each axis's ``Overlap``, from the order of the ENTRY computation's instructions."""
-    entry = [i for i in instructions if i.entry]
-    position = {i.name: k for k, i in enumerate(entry)}
-    # A collective wrapped in an async computation runs as the ENTRY async-start that calls it.
-    starts = {c.name: c.name for c in collectives}
-    for i in entry:
-        called = re.search(r"\bcalls=%?([\w.\-]+)", i.args)
-        if i.opcode == "async-start" and called is not None:
-            starts.update({c.name: i.name for c in collectives if c.computation == called[1]})
-    done_at = {start: position[done] for done, start in hlo.async_done(entry).items()}
-    compute = sorted(position[n] for n in hlo.compute_instructions(instructions) if n in position)
-    last = compute[-1] if compute else -1
-    links = {c.name: _link_bytes(c, coords) for c in collectives}
-    out = []
-    for index, axis in enumerate(axis_names):
-        sent = early = 0.0
-        beside: set[int] = set()
-        for c in collectives:
-            name = starts[c.name]
-            nbytes = links[c.name][index]
-            if name not in position or not nbytes:  # inside a conditional or a loop
-                continue
-            start = position[name]
-            end = done_at.get(name, start)
-            sent += nbytes
-            early += nbytes if start < last else 0.0
-            beside.update(k for k in compute if start < k < end)
-        out.append(Overlap(axis, sent, early, len(compute), len(beside)))
-    return tuple(out)
 
 
 def _summary(
@@ -544,7 +475,9 @@ def communication_stats(
       **kwargs: keyword arguments to lower ``jitted_fn`` with.
 
     Returns:
-      A ``CommunicationStats`` with one row per (kind, axes, dtype); ``print`` it for a table.
+      A ``CommunicationStats`` with one row per (kind, axes, dtype), and per mesh axis an
+      ``Overlap``: the gemms and FLOPs the schedule runs between each collective's start and
+      done, a loop's once per iteration (``overlap_on("node")``); ``print`` it for both.
 
     Raises:
       TypeError: if ``jitted_fn`` cannot be lowered.

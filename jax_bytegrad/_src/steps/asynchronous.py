@@ -362,16 +362,19 @@ class AsyncModelAverage(TrainStep):
     def communication_stats(self, state: StepState, batch) -> dict[str, Any]:
         """``{"step": ..., "averaging": ...}``: the next train step's bytes per device, and
         one background round's (see ``TrainStep.communication_stats``)."""
-        mesh = self._inner(self._phase(int(state.step))[1]).mesh
+        key = self._phase(int(state.step))[1]
+        compiled = self._compile(key, lambda: self.lower(state, batch), state, batch)
         return {
-            "step": stats.communication_stats(self.lower(state, batch), mesh=mesh),
+            "step": stats.communication_stats(compiled, mesh=self._inner(key).mesh),
             "averaging": stats.communication_stats(self.lower_averaging(state)),
         }
 
     def memory_stats(self, state: StepState, batch) -> dict[str, Any]:
         """``{"step": ...}``: the next train step's memory per device
-        (``TrainStep.memory_stats``)."""
-        return {"step": memory.memory_stats(self.lower(state, batch))}
+        (``TrainStep.memory_stats``; one compile with ``communication_stats``)."""
+        key = self._phase(int(state.step))[1]
+        compiled = self._compile(key, lambda: self.lower(state, batch), state, batch)
+        return {"step": memory.of_compiled(compiled)}
 
     def phase_counts(self, state: StepState) -> dict[str, int]:
         """Steps taken, and background averaging rounds done."""

@@ -160,12 +160,23 @@ class LoweredPrograms:
         return "\n".join(f"// {name}\n{p.as_text()}" for name, p in self.programs.items())
 
 
-def _communication(lowered, mesh: Mesh | None) -> stats.CommunicationStats:
-    """A step's bytes per device from its ``lower``: summed over the programs of a
-    ``LoweredPrograms``, each read on the mesh it was laid out for."""
-    if isinstance(lowered, LoweredPrograms):
-        return stats.merge([stats.communication_stats(p) for p in lowered.programs.values()])
-    return stats.communication_stats(lowered, mesh=mesh)
+def _communication(compiled, mesh: Mesh | None) -> stats.CommunicationStats:
+    """A step's bytes per device from its compiled program: summed over the programs of a
+    ``CompiledPrograms``, each read on the mesh it was laid out for."""
+    if isinstance(compiled, CompiledPrograms):
+        return stats.merge([stats.communication_stats(p) for p in compiled.programs.values()])
+    return stats.communication_stats(compiled, mesh=mesh)
+
+
+def _layout(state, batch) -> tuple:
+    """What a step's program is compiled for: the inputs' structure, shapes, dtypes and
+    shardings (not their values)."""
+    leaves, tree = jax.tree.flatten((state, batch))
+    return tree, tuple(
+        (getattr(x, "shape", np.shape(x)), getattr(x, "dtype", type(x)),
+         getattr(x, "sharding", None), getattr(x, "weak_type", False))
+        for x in leaves
+    )  # fmt: skip
 
 
 class Program(NamedTuple):
@@ -238,6 +249,8 @@ class TrainStep:
         self._unravel = None
         self.loss_fn = self._flat_loss(loss_fn) if flatten else loss_fn
         self._programs: dict[Any, Program] = {}
+        # The executables memory_stats and communication_stats read: one layout's, by program.
+        self._compiled: tuple[Any, dict[Any, Any]] = (None, {})
         self._checked: set[Any] = set()  # the state layouts _check_state has passed
         self._in_flight = StepsInFlight(mesh)
         self._on_divergence = "warn"
@@ -458,20 +471,36 @@ class TrainStep:
         self._check_state(state)
         return self.program(state).lower(state, batch)
 
-    def _lowered_phases(self, state: StepState, batch) -> dict[str, Any]:
-        """Each phase's lowered program, by phase: the phase of the step ``state`` is at from
+    def _compile(self, key, lower: Callable[[], Any], state: StepState, batch):
+        """``lower().compile()``, once per program ``key`` and inputs' layout: the step keeps
+        the last layout's executables, so ``memory_stats`` and ``communication_stats`` of one
+        state and batch read one compile (up to minutes for a large model)."""
+        layout = _layout(state, batch)
+        if self._compiled[0] != layout:
+            self._compiled = (layout, {})
+        cache = self._compiled[1]
+        if key not in cache:
+            cache[key] = lower().compile()
+        return cache[key]
+
+    def _compiled_phases(self, state: StepState, batch) -> dict[str, Any]:
+        """Each phase's compiled program, by phase: the phase of the step ``state`` is at from
         the program that step runs, every other phase from its first step."""
         self._check_state(state)
         out = {}
         now = self._phase(int(state.step))[0]
         for example in self._phase_examples():
             taken = int(state.step) if self._phase(example)[0] == now else example
-            name = self._phase(taken)[0]
-            out[name] = self.program(state._replace(step=count(taken))).lower(state, batch)
+            name, key = self._phase(taken)
+            at = state._replace(step=count(taken))
+            out[name] = self._compile(key, lambda at=at: self.program(at).lower(state, batch),
+                                      state, batch)  # fmt: skip
         return out
 
     def communication_stats(self, state: StepState, batch) -> dict[str, stats.CommunicationStats]:
-        """Bytes each device sends per step, for each phase; compiles, runs nothing.
+        """Bytes each device sends per step, for each phase, and the compute that runs beside
+        them; compiles (once with ``memory_stats``: the same state and batch reuse the
+        executable), runs nothing.
 
         The phase of the step ``state`` is at is read from the program that step runs; every
         other phase from its first step. A step of several programs (``pipelined_step``)
@@ -484,22 +513,23 @@ class TrainStep:
           ``{"step": ..., "averaging": ...}`` (one background round, on a mesh of its own).
           ``phase_counts`` says how often each has run.
         """
-        lowered = self._lowered_phases(state, batch)
-        return {name: _communication(one, self.mesh) for name, one in lowered.items()}
+        compiled = self._compiled_phases(state, batch)
+        return {name: _communication(one, self.mesh) for name, one in compiled.items()}
 
     def memory_stats(self, state: StepState, batch) -> dict[str, memory.MemoryStats]:
         """Memory each device needs to run a step, per phase, from XLA's memory analysis of
-        the compiled program; compiles, runs nothing.
+        the compiled program; compiles (once with ``communication_stats``), runs nothing.
 
         With ``state = step.state_shapes(params)`` and a batch of ``jax.ShapeDtypeStruct``
         on a deviceless mesh (``sharding.gpu_mesh``), it says before any GPU is rented
-        whether the step fits, and with which ``shard=``.
+        whether the step fits, and with which ``shard=``: ``fits()`` compares with the
+        device's memory, and warns when XLA's rematerialization fell short of its target.
 
         Returns:
           ``{phase: MemoryStats}``, phases as ``communication_stats`` names them.
         """
-        lowered = self._lowered_phases(state, batch)
-        return {name: memory.memory_stats(one) for name, one in lowered.items()}
+        compiled = self._compiled_phases(state, batch)
+        return {name: memory.of_compiled(one) for name, one in compiled.items()}
 
     def _phase_examples(self) -> list[int]:
         """One step count of each phase: the first, searching forward."""
