@@ -11,6 +11,8 @@ and prints:
 - peak GiB per device (``MemoryStats.peak_bytes``), its arguments and temporaries;
 - MiB each device sends between nodes per step (``communication_stats``), and against the
   replicated step's where that row was compiled too;
+- the work beside those exchanges: the gemms scheduled between an exchange's start and done
+  (a loop's counted once per iteration) of all the step's gemms, and their share of its FLOPs;
 - the compile's seconds on this machine.
 
 The floor beside it: the state's share (16 bytes per parameter for float32 AdamW, over the
@@ -74,6 +76,9 @@ def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
         "args": memory.argument_bytes,
         "temp": memory.temp_bytes,
         "node_bytes": node.bytes_sent,
+        "gemms": node.gemms,
+        "gemms_beside": node.gemms_beside,
+        "flops_share": node.flops_share,
         "seconds": seconds,
     }
 
@@ -105,7 +110,7 @@ def report(rows: dict, args) -> None:
     print(
         f"\n{'model':6s} {'form':5s} {'algorithm':19s} {'shard':7s} {'params':>7s} "
         f"{'peak GiB':>9s} {'args':>6s} {'temp':>6s} {'floor':>6s} {'MiB/node':>9s} "
-        f"{'vs none':>8s} {'compile s':>9s}"
+        f"{'vs none':>8s} {'gemms beside':>14s} {'FLOPs':>6s} {'compile s':>9s}"
     )
     for (model, form, algorithm, shard), row in rows.items():
         shape = _llama.SHAPES[model]
@@ -118,7 +123,9 @@ def report(rows: dict, args) -> None:
         floor = floor_bytes(shape, args.per_node) / GIB
         print(
             f"{head} {row['peak'] / GIB:9.2f} {row['args'] / GIB:6.2f} {row['temp'] / GIB:6.2f} "
-            f"{floor:6.2f} {row['node_bytes'] / MIB:9.2f} {ratio} {row['seconds']:9.0f}",
+            f"{floor:6.2f} {row['node_bytes'] / MIB:9.2f} {ratio} "
+            f"{row['gemms_beside']:>6d} of {row['gemms']:<5d} {row['flops_share']:6.1%} "
+            f"{row['seconds']:9.0f}",
             flush=True,
         )
 
