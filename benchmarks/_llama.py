@@ -5,7 +5,8 @@ and an untied output head, with ``jax.checkpoint`` around each layer as transfor
 layers are either a list of per-layer dicts (``scan=False``) or one stacked dict run by
 ``jax.lax.scan`` (``scan=True``, as MaxText's and Levanter's ``scan_layers``).
 
-``SHAPES`` holds the 7B, 13B and 30B shapes (Llama's widths, depths and feed-forward sizes).
+``SHAPES`` holds the 7B, 13B and 30B shapes (Llama's widths, depths and feed-forward sizes), and
+the 30B widths at 67 and 74 layers (36.3B and 40.0B parameters).
 """
 
 from typing import NamedTuple
@@ -33,6 +34,9 @@ SHAPES = {
     "7b": Shape(layers=32, dim=4096, ffn=11008, heads=32),
     "13b": Shape(layers=40, dim=5120, ffn=13824, heads=40),
     "30b": Shape(layers=60, dim=6656, ffn=17920, heads=52),
+    # The 30B widths, deeper: where a device's memory runs out.
+    "36b": Shape(layers=67, dim=6656, ffn=17920, heads=52),
+    "40b": Shape(layers=74, dim=6656, ffn=17920, heads=52),
 }
 
 
