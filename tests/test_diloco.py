@@ -255,3 +255,84 @@ def test_each_device_gets_its_own_key_in_an_inner_step():
         noise = [jax.random.normal(keys[n * LOCAL + i], (3,)) for i in range(LOCAL)]
         want = -sum(noise) / LOCAL
         np.testing.assert_allclose(node_params(state, n)["w"], want, rtol=1e-6, atol=1e-7)
+
+
+def device_bytes(tree):
+    """The bytes of ``tree`` that the first device holds."""
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+
+
+def all_bytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "params"])
+def test_a_node_with_its_state_split_trains_as_a_replicated_one(shard):
+    # bits=32, so that only the order of float32 sums can differ. H = 2: step 0 is an inner
+    # step, step 1 an outer one.
+    runs = {}
+    for setting in (None, shard):
+        s = strategy(inner_steps=2, delay=0, bits=32, **({"shard": setting} if setting else {}))
+        with s.train_step(loss_fn, optax.adam(1e-2)) as step:
+            state, trail = step.init(params0()), []
+            for batch in batches(4):
+                state, _ = step(state, batch)
+                trail.append(jax.device_get((state.params, state.opt_state, step.params(state))))
+            runs[setting] = trail
+    first, want = runs[shard][0], runs[None][0]
+    if shard == "optimizer":
+        # The node's sums in float32 over the same devices, Adam elementwise on blocks: the
+        # inner step is the same bits.
+        assert_trees_all_equal(first, want)
+    else:  # the partitioner sums the rows' gradients in another order
+        assert_trees_all_close(first, want, rtol=1e-6, atol=1e-7)
+    # The outer step: the replicated exchange sums L equal pseudo-gradients within the node,
+    # the split one multiplies a block by L (exact): they part by float rounding.
+    assert_trees_all_close(runs[shard][-1], runs[None][-1], rtol=1e-5, atol=1e-6)
+
+
+def test_the_split_state_is_a_quarter_per_device_and_resumes_bit_exact(tmp_path):
+    s = strategy(inner_steps=4, fragments=2, delay=1, bits=4, error_feedback=True,
+                 shard="optimizer")  # fmt: skip
+    data = batches(5)  # fragment 0 is exchanged in step 2, fragment 1 in step 4
+    with s.train_step(loss_fn, optax.adam(1e-2)) as step, Checkpointer(tmp_path, every=1) as ckpt:
+        state = run(step, data[:2])
+        # Every leaf of params0 is split over the node's 4 devices: the inner moments, the
+        # global params and the outer momentum are a quarter per device; the node's params
+        # (what the model runs on) stay whole within the node.
+        mu, nu = state.opt_state[0].mu, state.opt_state[0].nu
+        for tree, per_node in ((mu, NODES), (nu, NODES), (state.extra["global_params"], 1),
+                               (state.extra["outer_opt_state"], 1)):  # fmt: skip
+            assert device_bytes(tree) * LOCAL * per_node == all_bytes(tree)
+        assert device_bytes(state.params) * NODES == all_bytes(state.params)
+        assert state.opt_state[0].mu["w1"].sharding.spec == jax.sharding.PartitionSpec(
+            "node", None, "local"
+        )
+        ckpt.save(2, state, force=True)
+        ckpt.wait()
+        straight = run(step, data[2:], state)
+        assert step.phase_counts(straight) == {"inner": 3, "outer_0": 1, "outer_1": 1}
+        target = step.state_shapes(params0())
+        restored = ckpt.restore(2, lambda: target, target)
+        assert restored.extra["global_params"]["w1"].sharding.spec == (
+            state.extra["global_params"]["w1"].sharding.spec
+        )
+        resumed = run(step, data[2:], restored)
+    assert_trees_all_equal(jax.device_get(resumed), jax.device_get(straight))
+
+
+def test_split_state_needs_elementwise_optimizers_and_unflattened_params():
+    with pytest.raises(ValueError, match="flatten=True"):
+        jax_bytegrad.Strategy("diloco", mesh=mesh(), inner_steps=2, shard="optimizer",
+                              flatten=True)  # fmt: skip
+    with pytest.raises(ValueError, match="shard must be one of 'optimizer', 'params'"):
+        strategy(inner_steps=2, shard="outer")
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    for inner, outer, which in ((clipped, None, "inner"), (optax.sgd(0.1), clipped, "outer")):
+        s = strategy(inner_steps=2, delay=0, shard="optimizer", outer_optimizer=outer)
+        with s.train_step(loss_fn, inner) as step:
+            state = step.init(params0())
+            with pytest.raises(
+                ValueError, match=f"diloco \\(the {which} optimizer\\).*elementwise"
+            ):
+                run(step, batches(2), state)

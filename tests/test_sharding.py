@@ -164,8 +164,12 @@ def test_memory_stats_say_what_a_device_needs():
 @pytest.mark.parametrize(
     "algorithm, kwargs, match",
     [
-        ("decentralized", {}, "shard= is supported by gradient_allreduce, bytegrad and qadam"),
-        ("async", {}, "shard= is supported by gradient_allreduce, bytegrad and qadam"),
+        (
+            "decentralized",
+            {},
+            "shard= is supported by gradient_allreduce, bytegrad, qadam and diloco",
+        ),
+        ("async", {}, "shard= is supported by gradient_allreduce, bytegrad, qadam and diloco"),
         ("bytegrad", {"pipeline": True}, "not supported with pipeline=True"),
         ("bytegrad", {"hierarchical": False}, "needs hierarchical=True"),
         ("bytegrad", {"shard": "everything"}, "shard must be one of 'optimizer', 'params'"),

@@ -275,7 +275,7 @@ REGISTRY: dict[str, Algorithm] = {
         settings=_defaults(diloco.diloco_step, without=_GIVEN),
         tunable=(),
         build=_build_diloco,
-        check=lambda s: diloco.check_settings(s.mesh, s.kwargs),
+        check=lambda s: diloco.check_settings(s.mesh, s.kwargs, s.flatten),
     ),
 }
 # Bagua's six, each of which the examples train and the README's tables cover; "diloco", the

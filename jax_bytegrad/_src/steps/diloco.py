@@ -31,9 +31,13 @@ The state: ``state.params`` holds each node's params (stacked on a leading axis 
 count, sharded over "node"), ``state.opt_state`` each node's inner optimizer state laid out
 the same way, and ``state.extra`` the global params, the outer optimizer state of each
 fragment and, with error feedback, each fragment's residuals. The fragment schedule follows
-from ``state.step``, so a checkpoint of the state resumes bit-exact.
+from ``state.step``, so a checkpoint of the state resumes bit-exact. With ``shard=`` the
+data-parallel step's placement objects (``placement.py``) split the node's state within the
+node, the global params and outer state with it (``diloco_layout.py``): each device runs the
+inner and outer updates on its blocks.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +59,7 @@ from jax_bytegrad._src.config import (
     platform_of,
 )
 from jax_bytegrad._src.sharding import replicate
+from jax_bytegrad._src.shards import Shard
 from jax_bytegrad._src.steps.base import (
     Program,
     StepState,
@@ -63,10 +68,20 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
     host_copy,
 )
+from jax_bytegrad._src.steps.data_parallel import check_shard
+from jax_bytegrad._src.steps.diloco_layout import (
+    GLOBAL,
+    OUTER,
+    RESIDUALS,
+    Layout,
+    fragment,
+    layout_of,
+    merged,
+)
 from jax_bytegrad._src.steps.model_state import ModelState
+from jax_bytegrad._src.steps.placement import placement_of
+from jax_bytegrad._src.steps.tracing import traced
 
-# The names ``state.extra`` holds.
-GLOBAL, OUTER, RESIDUALS = "global_params", "outer_opt_state", "residuals"
 # ``bits`` of a float32 exchange between nodes.
 FLOAT32 = 32
 INNER = "inner"
@@ -148,7 +163,7 @@ class _DiLoCo(TrainStep):
     steps that exchange it."""
 
     def __init__(self, loss_fn, optimizer, outer, mesh, *, axes, inner_steps, fragments,
-                 delay, sync, has_aux, donate, flatten, model):  # fmt: skip
+                 delay, sync, has_aux, donate, flatten, model, shard):  # fmt: skip
         super().__init__("diloco", mesh, loss_fn, axes=axes, has_aux=has_aux,
                          flatten=flatten, donate=donate, model=model)  # fmt: skip
         self.optimizer, self.outer = optimizer, outer
@@ -161,6 +176,9 @@ class _DiLoCo(TrainStep):
         inner = self._stride > 1 or delay > 0  # with delay, step 0 exchanges nothing
         self.phases = ((INNER,) if inner else ()) + outer_names
         self._members = None  # each fragment's leaf indices, from the first params seen
+        self.shard = shard
+        self.placement = placement_of(shard, mesh, axes)
+        self._layout: Layout | None = None  # the state's specs, with the members
 
     @property
     def _feedback(self) -> bool:
@@ -206,26 +224,21 @@ class _DiLoCo(TrainStep):
                 "these params have other leaves; build a new step for them"
             )
         self._members = members
+        self._layout = layout_of(self.placement, self.optimizer, self.outer, params, members,
+                                 self._feedback)  # fmt: skip
 
     def _fragment(self, tree, f: int):
         """``tree`` with the leaves outside fragment ``f`` as None (optax skips them)."""
-        leaves, treedef = jax.tree.flatten(tree)
-        keep = set(self._members[f])
-        return jax.tree.unflatten(treedef, [x if i in keep else None for i, x in enumerate(leaves)])
+        return fragment(tree, self._members[f])
 
     def _merged(self, tree, fragment_tree, f: int):
         """``tree`` with fragment ``f``'s leaves taken from ``fragment_tree``."""
-        leaves, treedef = jax.tree.flatten(tree)
-        for i, x in zip(self._members[f], jax.tree.leaves(fragment_tree), strict=True):
-            leaves[i] = x
-        return jax.tree.unflatten(treedef, leaves)
+        return merged(tree, fragment_tree, self._members[f])
 
     def _shardings(self):
-        node = NamedSharding(self.mesh, P(self._axes[0]))
-        extra = {GLOBAL: NamedSharding(self.mesh, P()), OUTER: NamedSharding(self.mesh, P())}
-        if self._feedback:
-            extra[RESIDUALS] = NamedSharding(self.mesh, P(self._axes))
-        return node, node, extra
+        named = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
+        specs = (*self._layout.stacked(self._axes), self._layout.extra)
+        return jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
 
     def _place(self):
         """The jitted ``global params -> (node params, inner state, extra)``."""
@@ -268,85 +281,96 @@ class _DiLoCo(TrainStep):
 
     # The programs. ------------------------------------------------------------------------
 
-    def _inner_update(self, params, opt_state, batch, inputs):
-        """One inner step on one device: the gradient averaged over the node's devices only.
-        ``inputs``: the key and step count of a step built with ``rng_seed=``."""
-        local = self._axes[1]
-        grad_fn = self.model.value_and_grad(self.loss_fn, self.has_aux, self._axes)
-        # Varying over "local" first: else jax.grad would sum the gradient over the node itself.
-        (loss, aux, _), grads = grad_fn(make_varying(params, (local,)), batch, *inputs)
-        grads = jax.lax.pmean(grads, local)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, aux
+    def _update(self, f, grads, opt_state, params, *extra):
+        """In the placement's update frame: the inner update of this device's params (its
+        blocks with ``shard=``) from the node's mean gradient, and with fragment ``f`` (None:
+        none) that fragment's exchange. Returns the params as they rest, the inner state
+        and, with ``f``, the new ``extra``."""
+        placement, dims = self.placement, self._layout.dims
+        grads = placement.node_mean(grads, dims)
+        own = placement.own(params, dims)
 
-    def _exchange(self, f, node_params, global_params, outer_state, residuals):
-        """Fragment ``f``'s outer step: ``(new global fragment, outer state, residuals)``."""
-        theirs = self._fragment(global_params, f)
+        def inner(own):
+            closed, (updates, state) = traced(self.optimizer.update, grads, opt_state, own)
+            placement.check_update(closed, "diloco (the inner optimizer)")
+            return optax.apply_updates(own, updates), state
+
+        if f is None:
+            new, opt_state = inner(own)
+            return placement.finish(new, dims), opt_state
+        if self.delay == 0:
+            new, opt_state = inner(own)
+            fresh, extra = self._exchange(f, new, extra[0])
+            new = self._merged(new, fresh, f)
+        else:
+            # The exchange reads only this step's inputs: XLA may run it beside the update.
+            fresh, extra = self._exchange(f, own, extra[0])
+            new, opt_state = inner(own)
+            step = jax.tree.map(jnp.subtract, self._fragment(new, f), self._fragment(own, f))
+            new = self._merged(new, jax.tree.map(jnp.add, fresh, step), f)
+        return placement.finish(new, dims), opt_state, extra
+
+    def _exchange(self, f, node_params, extra):
+        """Fragment ``f``'s outer step on this device's (blocks of the) params: ``(new
+        global fragment, new extra)``."""
+        placement = self.placement
+        theirs = self._fragment(extra[GLOBAL], f)
         delta = jax.tree.map(jnp.subtract, theirs, self._fragment(node_params, f))
-        delta = make_varying(delta, self._axes)
+        delta = placement.node_sum_of_alike(make_varying(delta, self._axes))
+        sharded = placement.sharded(tuple(self._layout.dims[i] for i in self._members[f]), True)
+        outer_states = list(extra[OUTER])
+        residuals = list(extra[RESIDUALS]) if self._feedback else [None] * self.fragments
         if self.sync is None:
             node_axis, local_axis = self._axes
             mean = full_precision_mean(delta, node_axis=node_axis, local_axis=local_axis,
-                                       hierarchical=True)  # fmt: skip
+                                       hierarchical=True, sharded=sharded)  # fmt: skip
         else:  # residuals: empty without error feedback
-            mean, residuals = sync_mean(delta, self.sync, residuals=residuals, where="diloco")
-        updates, outer_state = self.outer.update(mean, outer_state, theirs)
-        return optax.apply_updates(theirs, updates), outer_state, residuals
-
-    def _outer_update(self, f, params, opt_state, extra, batch, inputs):
-        """An inner step that also exchanges fragment ``f``, on one device."""
-        global_params = extra[GLOBAL]
-        outer_states = list(extra[OUTER])
-        residuals = list(extra[RESIDUALS]) if self._feedback else [None] * self.fragments
-        if self.delay == 0:
-            params, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
-            fresh, outer_states[f], residuals[f] = self._exchange(
-                f, params, global_params, outer_states[f], residuals[f]
+            mean, residuals[f] = sync_mean(
+                delta, self.sync, residuals=residuals[f], sharded=sharded, where="diloco"
             )
-            params = self._merged(params, fresh, f)
-        else:
-            # The exchange reads only this step's inputs: XLA may run it beside the update.
-            fresh, outer_states[f], residuals[f] = self._exchange(
-                f, params, global_params, outer_states[f], residuals[f]
-            )
-            new, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
-            own = jax.tree.map(jnp.subtract, self._fragment(new, f), self._fragment(params, f))
-            params = self._merged(new, jax.tree.map(jnp.add, fresh, own), f)
-        extra = {GLOBAL: self._merged(global_params, fresh, f), OUTER: tuple(outer_states)}
+        closed, (updates, outer_states[f]) = traced(
+            self.outer.update, mean, outer_states[f], theirs
+        )
+        placement.check_update(closed, "diloco (the outer optimizer)")
+        fresh = optax.apply_updates(theirs, updates)
+        new = {GLOBAL: self._merged(extra[GLOBAL], fresh, f), OUTER: tuple(outer_states)}
         if self._feedback:
-            extra[RESIDUALS] = tuple(residuals)
-        return params, opt_state, extra, loss, aux
+            new[RESIDUALS] = tuple(residuals)
+        return fresh, new
 
     def _build(self, key) -> Program:
-        node, axes = P(self._axes[0]), P(self._axes)
+        placement, layout = self.placement, self._layout
         inner = key == INNER
-        extra_specs = {GLOBAL: P(), OUTER: P()}
-        if self._feedback:
-            extra_specs[RESIDUALS] = axes
+        extra_specs = () if inner else (layout.extra,)
+        update = functools.partial(self._update, None if inner else key)
+        update_in = (layout.params, layout.opt_state, layout.params, *extra_specs)
+        update_out = (layout.params, layout.opt_state, *extra_specs)
 
         def per_device(params, opt_state, *rest):
             held = 0 if inner else 1  # the outer state, which an inner step leaves alone
             extra, inputs, batch = rest[:held], rest[held:-1], rest[-1]
             params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
-            if inner:
-                params, opt_state, loss, aux = self._inner_update(params, opt_state, batch, inputs)
-            else:
-                params, opt_state, new_extra, loss, aux = self._outer_update(
-                    key, params, opt_state, extra[0], batch, inputs
-                )
-                extra = [new_extra]
+            grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
+            # Varying first: else jax.grad would sum the gradient over the node itself.
+            varying = make_varying(params, placement.manual_axes)
+            (loss, aux, _), grads = grad_fn(varying, batch, *inputs)
+            trees = (grads, opt_state, params, *extra)
+            params, opt_state, *extra = placement.in_update_frame(
+                update, trees, update_in, update_out
+            )
             metrics = (loss, aux) if self.has_aux else (loss,)
             stacked = jax.tree.map(lambda x: x[None], (params, opt_state, *metrics))
             return (*stacked[:2], *extra, *stacked[2:])
 
-        state_specs = (node, node) + (() if inner else (extra_specs,))
+        state_specs = (*layout.stacked(self._axes), *extra_specs)
+        metric = P(tuple(placement.manual_axes))
         fn = jax.jit(
-            jax.shard_map(
+            placement.shard_map(
                 per_device,
-                mesh=self.mesh,
-                in_specs=(*state_specs, *(P(),) * self.model.num_inputs(), axes),
-                out_specs=(*state_specs, axes) + ((axes,) if self.has_aux else ()),
+                in_specs=(*state_specs, *(P(),) * self.model.num_inputs(), P(self._axes)),
+                out_specs=(*state_specs, metric) + ((metric,) if self.has_aux else ()),
             ),
+            compiler_options=placement.compiler_options(),
             donate_argnums=tuple(range(len(state_specs))) if self._donate else (),
         )
         return Program(fn, self._inputs(inner), self._outputs(inner))
@@ -418,6 +442,7 @@ def diloco_step(
     node_axis: str = "node",
     local_axis: str = "local",
     flatten: bool = False,
+    shard: Shard | None = None,
     model_state: Any = None,
     rng_seed: int | None = None,
     state_sync: str = "mean",
@@ -455,6 +480,10 @@ def diloco_step(
       node_axis: the mesh axis between nodes.
       local_axis: the mesh axis within a node.
       flatten: keep the params as one vector (then one fragment).
+      shard: None (every device holds its node's whole state), ``"optimizer"`` (the inner
+        optimizer state, the global params and the outer state split over the node's
+        devices; the node's params whole) or ``"params"`` (the node's params split too),
+        as ``data_parallel_step``'s. The inner and outer optimizers must then be elementwise.
       model_state: not supported (refused): its sync would cross between nodes every step.
       rng_seed: the loss function also gets ``key=``, different per device and step, as
         for ``data_parallel_step``.
@@ -494,6 +523,7 @@ def diloco_step(
     outer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
     axes = (node_axis, local_axis)
     _check(mesh, axes, inner_steps, fragments, delay, outer, bits, where)
+    check_shard(shard, flatten, where)
     model = ModelState.of(model_state, rng_seed, state_sync, where)
     if model.has_state:
         raise ValueError(
@@ -514,11 +544,11 @@ def diloco_step(
     return _DiLoCo(
         loss_fn, optimizer, outer, mesh, axes=axes, inner_steps=inner_steps,
         fragments=fragments, delay=delay, sync=sync, has_aux=has_aux, donate=donate,
-        flatten=flatten, model=model,
+        flatten=flatten, model=model, shard=shard,
     )  # fmt: skip
 
 
-def check_settings(mesh: Mesh, settings: dict[str, Any]) -> None:
+def check_settings(mesh: Mesh, settings: dict[str, Any], flatten: bool = False) -> None:
     """Validates ``Strategy("diloco", ...)``'s settings when it is built, as ``diloco_step``
     does; raises its ``ValueError``."""
-    diloco_step(lambda params, batch: 0.0, optax.identity(), mesh, **settings)
+    diloco_step(lambda params, batch: 0.0, optax.identity(), mesh, flatten=flatten, **settings)

@@ -30,6 +30,7 @@ import warnings
 
 import jax
 import jax.extend
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -136,6 +137,21 @@ class Placement:
         """The layout the optimizer's sync is told (``sharded=``); None: replicated."""
         return None
 
+    def node_mean(self, grads, dims):
+        """In the update's frame, the mean over the node's devices of the gradient
+        ``value_and_grad`` gave: here all of it, on every device (DiLoCo's inner step)."""
+        return jax.lax.pmean(grads, self.axes[1])
+
+    def node_sum_of_alike(self, tree):
+        """What a sync told ``sharded(dims, True)`` takes for a value that every device of
+        the node holds alike (in this device's blocks where split): here the value itself,
+        which the sync sums within the node."""
+        return tree
+
+    def check_update(self, closed, where: str) -> None:
+        """Looks at the traced update ``closed`` of this device's params for what the
+        placement cannot run (on blocks: anything not elementwise)."""
+
     def own(self, params, dims):
         """The params the optimizer updates on this device."""
         return params
@@ -177,6 +193,18 @@ class OptimizerSharded(Placement):
 
     def sharded(self, dims, accumulating):
         return Sharded(self.axes[1], dims, summed=accumulating)
+
+    def node_mean(self, grads, dims):
+        local = self.axes[1]
+        sums = self._per_leaf(lambda x, d: shards.node_sum(x, d, local), grads, dims)
+        return jax.tree.map(lambda x: x / np.asarray(self.local, x.dtype), sums)
+
+    def node_sum_of_alike(self, tree):
+        # The node's sum of L equal blocks: exact where L is a power of two.
+        return jax.tree.map(lambda x: x * np.asarray(self.local, x.dtype), tree)
+
+    def check_update(self, closed, where):
+        shards.check_elementwise(closed.jaxpr, where)
 
     def own(self, params, dims):
         return self._per_leaf(lambda x, d: shards.own_block(x, d, self.axes[1]), params, dims)
@@ -237,6 +265,9 @@ class ParamsSharded(OptimizerSharded):
 
     def accumuland(self, grads, dims):
         return grads  # the node's sums already, in blocks
+
+    def node_mean(self, grads, dims):
+        return jax.tree.map(lambda x: x / np.asarray(self.local, x.dtype), grads)
 
     def sharded(self, dims, accumulating):
         return Sharded(self.axes[1], dims, summed=True)

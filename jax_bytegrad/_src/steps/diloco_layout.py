@@ -1,0 +1,96 @@
+"""Where DiLoCo's state rests on a ("node", "local") mesh, for each ``shard=`` placement.
+
+Follows DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+Models", 2023) with the node's state split as ZeRO splits it within a node (Rajbhandari et
+al., SC 2020), through the data-parallel step's placement objects (``placement.py``):
+
+    state.params      each node's params, stacked over nodes, split within the node as
+                      the placement keeps params (shard="params": in blocks)
+    state.opt_state   each node's inner optimizer state, stacked over nodes, split within the
+                      node as the placement keeps optimizer state
+    global params     replicated over nodes, split within the node as each device's update
+    outer state       (its blocks with shard=, whole without), one outer state per fragment
+    residuals         per device, as the sync's error feedback keeps them
+
+The outer state goes where each device's update goes: with ``shard=`` the global params and
+the outer momentum, two params' worth that a big model cannot keep whole on every device, are
+split like the inner optimizer state, and each device runs the outer step on its blocks. No
+spec here depends on anything but the params' shapes, the fragments and the placement.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jax_bytegrad._src.steps.placement import Placement
+
+# The names ``state.extra`` holds.
+GLOBAL, OUTER, RESIDUALS = "global_params", "outer_opt_state", "residuals"
+
+
+def fragment(tree, keep):
+    """``tree`` with the leaves whose index is not in ``keep`` as None (optax skips them)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keep = set(keep)
+    return jax.tree.unflatten(treedef, [x if i in keep else None for i, x in enumerate(leaves)])
+
+
+def merged(tree, fragment_tree, members):
+    """``tree`` with the leaves of indices ``members`` taken from ``fragment_tree``."""
+    leaves, treedef = jax.tree.flatten(tree)
+    for i, x in zip(members, jax.tree.leaves(fragment_tree), strict=True):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _stacked(spec: P, axes: tuple[str, str]) -> P:
+    """The spec of a node's leaf of spec ``spec`` stacked on a leading axis of the node
+    count: split over nodes first, and within the node as ``spec`` splits it (a per-device
+    entry, such as a ``MultiSteps`` accumulator's, stays whole per node)."""
+    return P(axes[0], *[e if e == axes[1] else None for e in spec])
+
+
+def _stack(specs, axes):
+    return jax.tree.map(lambda s: _stacked(s, axes), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+class Layout(NamedTuple):
+    """DiLoCo's state specs, from the params' shapes alone.
+
+    Attributes:
+      dims: per leaf, the dimension split within the node (None: whole).
+      params: one node's params' specs (unstacked).
+      opt_state: one node's inner optimizer state's specs (unstacked).
+      extra: ``state.extra``'s specs: the global params, the outer states and the residuals.
+    """
+
+    dims: tuple[int | None, ...]
+    params: Any
+    opt_state: Any
+    extra: dict
+
+    def stacked(self, axes: tuple[str, str]) -> tuple[Any, Any]:
+        """The specs of ``state.params`` and ``state.opt_state`` (stacked over nodes)."""
+        return _stack(self.params, axes), _stack(self.opt_state, axes)
+
+
+def layout_of(placement: Placement, optimizer, outer, params, members, feedback: bool) -> Layout:
+    """The ``Layout`` of a DiLoCo state of ``params`` (arrays or shapes) whose fragments
+    hold the leaves ``members``, ``feedback``: with error feedback's residuals."""
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    dims = placement.dims(shapes)
+    dims = (None,) * len(jax.tree.leaves(shapes)) if dims is None else dims
+    frags = [fragment(shapes, m) for m in members]
+    extra = {
+        GLOBAL: placement.update_specs(shapes),
+        OUTER: tuple(placement.state_specs(jax.eval_shape(outer.init, p), p) for p in frags),
+    }
+    if feedback:
+        extra[RESIDUALS] = P(placement.axes)
+    return Layout(
+        dims,
+        placement.param_specs(shapes),
+        placement.state_specs(jax.eval_shape(optimizer.init, shapes), shapes),
+        extra,
+    )
