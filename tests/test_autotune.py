@@ -18,6 +18,7 @@ from helpers import assert_trees_all_equal
 import jax_bytegrad
 from jax_bytegrad import SyncConfig
 from jax_bytegrad._src import autotune as autotune_module
+from jax_bytegrad._src.autotune_diloco import estimate_diloco
 from jax_bytegrad._src.codecs.integer import allreduce_width
 
 REPO = Path(__file__).parent.parent
@@ -531,3 +532,48 @@ def test_processes_agree_on_every_trial_and_the_choice(tmp_path):
     assert ranks[0]["config"] != {"message_bytes": 256 * 2**10}
     # Process 0 wrote the cache.
     assert json.loads((tmp_path / "cache.json").read_text())
+
+
+# Would DiLoCo pay? An estimate from the link and the timed step --------------------------------
+
+
+def _per_param(bits):
+    """Bytes per parameter on the wire: the codes and a float32 scale and zero point a block."""
+    return bits / 8 + 8 / SyncConfig(bits=bits).block_size
+
+
+def test_the_diloco_estimate_is_the_bytes_on_the_link_over_h():
+    params, nodes, link, step = 3_000_000, 4, 1.25e8, 0.08
+    got = estimate_diloco(
+        step, params=params, nodes=nodes, link_bytes_per_s=link, inner_steps=20, bits=4
+    )
+    share = 2 * (nodes - 1) / nodes * params  # each node's share of a ring's exchange
+    exchange = share * _per_param(8) / link
+    outer = share * _per_param(4) / link
+    assert got.exchange_s == pytest.approx(exchange) and got.outer_s == pytest.approx(outer)
+    assert got.compute_s == pytest.approx(step - exchange)
+    assert got.diloco_step_s == pytest.approx(step - exchange + outer / 20)
+    assert got.speedup == pytest.approx(step / (step - exchange + outer / 20))
+    # A measured DiLoCo inner step replaces the serial model's compute; float32 is 4 bytes.
+    given = estimate_diloco(step, params=params, nodes=nodes, link_bytes_per_s=link, bits=32,
+                            compute_s=0.05)  # fmt: skip
+    assert given.diloco_step_s == pytest.approx(0.05 + share * 4 / link / 50)
+    with pytest.raises(ValueError, match="link_bytes_per_s must be a positive number"):
+        estimate_diloco(step, params=params, nodes=nodes, link_bytes_per_s=0)
+
+
+def test_autotune_says_whether_diloco_would_pay_on_the_link(monkeypatch):
+    _timed(monkeypatch, _bytegrad_ms(uncompressed=50.0))  # the chosen step: 20 ms
+    count = sum(np.size(x) for x in jax.tree.leaves(_params()))
+    exchange = count * _per_param(8) / 0.015  # a link on which ByteGrad's exchange is 15 ms
+    slow = _tune(_strategy(), space=SPACE, link_bytes_per_s=exchange, diloco_inner_steps=10)
+    assert slow.diloco.exchange_s == pytest.approx(0.015)
+    assert slow.diloco.diloco_step_s == pytest.approx(0.005 + 0.015 / 10)
+    assert slow.diloco.pays and "it would pay" in slow.diloco.verdict()
+    assert slow.table().splitlines()[-1].startswith("DiLoCo (estimated from the link): ")
+    fast = _tune(_strategy(), space=SPACE, link_bytes_per_s=exchange * 100)
+    assert fast.diloco.speedup == pytest.approx(0.02 / (0.02 - 0.00015 + 0.00015 / 50))
+    assert not fast.diloco.pays and "would not pay" in fast.diloco.verdict()
+    assert _tune(_strategy(), space=SPACE).diloco is None  # no link, no estimate
+    with pytest.raises(ValueError, match="autotune: link_bytes_per_s must be a positive"):
+        _tune(_strategy(), space=SPACE, link_bytes_per_s="1Gbit")

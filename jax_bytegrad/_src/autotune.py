@@ -42,6 +42,7 @@ from jax.experimental import multihost_utils
 
 from jax_bytegrad._src import buckets, checks
 from jax_bytegrad._src import strategy as strategy_lib
+from jax_bytegrad._src.autotune_diloco import check_link, estimate_diloco
 from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult, Trial: its API
     UNCOMPRESSED,
     AutotuneResult,
@@ -209,6 +210,19 @@ def uncompressed_strategy(strat):
 
 
 # The search ---------------------------------------------------------------------------------
+
+
+def _diloco(strat, config, params, link_bytes_per_s, inner_steps, step_s):
+    """The DiLoCo estimate of ``AutotuneResult.diloco``: None without a link, for another
+    algorithm than ByteGrad, or without a timed step."""
+    if link_bytes_per_s is None or strat.algorithm not in COMPARED or math.isnan(step_s):
+        return None
+    tuned = strat.replace(**config)
+    return estimate_diloco(
+        step_s, params=param_count(params), nodes=int(strat.mesh.shape[tuned.setting("node_axis")]),
+        link_bytes_per_s=link_bytes_per_s, inner_steps=inner_steps,
+        bytegrad_bits=tuned.setting("bits"), bytegrad_block_size=tuned.setting("block_size"),
+    )  # fmt: skip
 
 
 def _run_trial(strat, config, loss_fn, optimizer, has_aux, params, batches, warmup, model):
@@ -412,6 +426,8 @@ def autotune(
     state_sync: str = "mean",
     compare_uncompressed: bool = True,
     prefer_uncompressed: bool = False,
+    link_bytes_per_s: float | None = None,
+    diloco_inner_steps: int = 50,
 ) -> AutotuneResult:
     """Times a strategy's train step under several system settings and returns the fastest.
 
@@ -449,6 +465,11 @@ def autotune(
       prefer_uncompressed: return the uncompressed strategy (``result.fell_back``) when its
         step was faster than the best compressed one. Off by default: the bytes saved may
         matter more than this run's speed (a shared link, a larger job later).
+      link_bytes_per_s: for ByteGrad, the measured link between nodes (bytes per second per
+        node): the result's ``diloco`` then estimates a DiLoCo inner step at
+        ``diloco_inner_steps`` (8-bit outer exchange) against the chosen step, and says
+        whether it would pay (``autotune_diloco.estimate_diloco``; docs/diloco.md).
+      diloco_inner_steps: DiLoCo's H for that estimate.
 
     Returns:
       An ``AutotuneResult``: ``config``, ``strategy`` (ready to use), ``trials``, ``start``,
@@ -456,7 +477,8 @@ def autotune(
       ``speedup``, ``verdict()`` and ``table()``.
 
     Raises:
-      ValueError: for async (nothing of it can be tuned without changing its math), a setting
+      ValueError: for async (nothing of it can be tuned without changing its math), a
+        ``link_bytes_per_s`` that is not a positive number, a setting
         the algorithm does not take, an empty candidate list, bad counts, too few batches, or
         ``prefer_uncompressed`` for an algorithm other than ByteGrad or without
         ``compare_uncompressed``.
@@ -485,6 +507,8 @@ def autotune(
     checks.integer(steps_per_trial, "steps_per_trial", "autotune")
     checks.integer(warmup_steps, "warmup_steps", "autotune", minimum=0)
     compare = _compares(strategy, compare_uncompressed, prefer_uncompressed)
+    if link_bytes_per_s is not None:
+        check_link(link_bytes_per_s, diloco_inner_steps, "autotune")
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
     space = _distinct_buckets(strategy, params, space, start)
@@ -510,6 +534,7 @@ def autotune(
             uncompressed=uncompressed,
             best_step_s=best_s,
             fell_back=fell_back,
+            diloco=_diloco(strategy, config, params, link_bytes_per_s, diloco_inner_steps, best_s),
         )
 
     path = None if cache is None else Path(cache)
@@ -552,4 +577,6 @@ def autotune(
     say(f"autotune: chose {label(best)} in {found.tuning_s:.1f} s")
     if uncompressed is not None:
         say(f"autotune: {found.verdict()}")
+    if found.diloco is not None:
+        say(f"autotune: {found.diloco.verdict()}")
     return found

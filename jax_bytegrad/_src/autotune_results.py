@@ -73,6 +73,8 @@ class AutotuneResult(NamedTuple):
       best_step_s: the chosen configuration's step seconds (NaN if not measured).
       fell_back: whether ``strategy`` is the uncompressed one (``prefer_uncompressed=True``
         and the best compressed step was slower); ``config`` stays the best compressed one.
+      diloco: with ``link_bytes_per_s=``, the estimate of a DiLoCo inner step against the
+        chosen ByteGrad step on that link (``autotune_diloco.DiLoCoEstimate``); else None.
     """
 
     config: dict[str, Any]
@@ -84,6 +86,7 @@ class AutotuneResult(NamedTuple):
     uncompressed: Trial | None = None
     best_step_s: float = math.nan
     fell_back: bool = False
+    diloco: Any = None
 
     @property
     def speedup(self) -> float:
@@ -141,6 +144,8 @@ class AutotuneResult(NamedTuple):
             lines.append("| " + " | ".join([*cells, ", ".join(note)]) + " |")
         if self.uncompressed is not None:
             lines += ["", f"Compression: {self.verdict()}."]
+        if self.diloco is not None:
+            lines += ["", f"DiLoCo (estimated from the link): {self.diloco.verdict()}."]
         return "\n".join(lines)
 
 
