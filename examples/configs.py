@@ -47,7 +47,7 @@ class Config:
     """What to train, how, and on which mesh.
 
     Attributes:
-      algorithm: a key of ``ALGORITHMS``.
+      algorithm: a key of ``ALGORITHMS``, or ``"diloco"`` (``EXTRA_ALGORITHMS``).
       model: ``"cnn"`` (digits) or ``"transformer"`` (character LM on Python source).
       steps: training steps; None for the model's default.
       batch_size: global batch, a multiple of the device count; None for the default.
@@ -58,6 +58,7 @@ class Config:
       qadam_warmup_fraction: share of the steps QAdam runs as float32 Adam.
       qadam_eps: QAdam's eps; None for QAdam's own default (Adam's 1e-8).
       async_interval_ms: milliseconds between async's background averaging rounds.
+      diloco_inner_steps: DiLoCo's H, the inner steps between two exchanges between nodes.
       seed: seeds the parameters and the batches.
       progress: draw a progress bar (process 0 only).
       checkpoint_dir: save the training state under ``<dir>/<algorithm>`` every
@@ -71,8 +72,8 @@ class Config:
         step's rows have similar lengths and pad little); otherwise a random shard.
       shard: split the state within each node (``Strategy(..., shard=...)``):
         ``"optimizer"`` (each device keeps 1/L of the optimizer state) or ``"params"`` (of the
-        parameters too); None keeps every device's copy whole. gradient_allreduce, bytegrad
-        and qadam only.
+        parameters too); None keeps every device's copy whole. gradient_allreduce, bytegrad,
+        qadam and diloco only.
       autotune: time the algorithm's step under its system settings first
         (``jax_bytegrad.autotune``) and train with the fastest; cached in ``out_dir``.
       out_dir: where tables, plots and the autotune cache are written.
@@ -89,6 +90,7 @@ class Config:
     qadam_warmup_fraction: float = 0.2
     qadam_eps: float | None = None
     async_interval_ms: int = 200
+    diloco_inner_steps: int = 10
     seed: int = 0
     progress: bool = True
     checkpoint_dir: str | None = None
@@ -160,3 +162,10 @@ ALGORITHMS: dict[str, Algorithm] = {
     ),
 }
 assert tuple(ALGORITHMS) == jax_bytegrad.ALGORITHMS, "one registry entry per library algorithm"
+
+# What --algorithm takes besides Bagua's six: DiLoCo (docs/diloco.md), run by name only. The
+# comparison (--compare) runs ALGORITHMS alone: the README records its table as printed.
+EXTRA_ALGORITHMS: dict[str, Algorithm] = {
+    "diloco": Algorithm(lambda config: {"inner_steps": config.diloco_inner_steps}),
+}
+RUNNABLE = {**ALGORITHMS, **EXTRA_ALGORITHMS}

@@ -44,6 +44,7 @@ from configs import (  # noqa: E402
     CPU_DEVICES_PER_NODE,
     CPU_NODES,
     MODEL_DEFAULTS,
+    RUNNABLE,
     Config,
     qadam_warning,
 )
@@ -149,7 +150,7 @@ def evaluate(graphdef, rest, params, inputs, targets, mesh) -> tuple[float, floa
 
 def make_strategy(config: Config, name: str, mesh) -> tuple[jax_bytegrad.Strategy, Any]:
     """The strategy of algorithm ``name`` with the registry's arguments, and its optimizer."""
-    entry = ALGORITHMS[name]
+    entry = RUNNABLE[name]
     shard = {} if config.shard is None else {"shard": config.shard}
     strategy = jax_bytegrad.Strategy(name, mesh=mesh, **entry.kwargs(config), **shard)
     optimizer = optax.adam(config.get("learning_rate")) if entry.takes_optimizer else None
@@ -265,15 +266,15 @@ def train_and_evaluate(config: Config, *, baseline: float | None = None) -> Resu
       ValueError: for an unknown algorithm or model, too few processes for the algorithm,
         or a batch that does not split over the devices.
     """
-    if config.algorithm not in ALGORITHMS:
+    if config.algorithm not in RUNNABLE:
         raise ValueError(
-            f"train: unknown algorithm {config.algorithm!r}; use one of {list(ALGORITHMS)}"
+            f"train: unknown algorithm {config.algorithm!r}; use one of {list(RUNNABLE)}"
         )
     if config.model not in MODEL_DEFAULTS:
         raise ValueError(
             f"train: unknown model {config.model!r}; use one of {list(MODEL_DEFAULTS)}"
         )
-    needed, why = ALGORITHMS[config.algorithm].min_processes
+    needed, why = RUNNABLE[config.algorithm].min_processes
     if jax.process_count() < needed:
         raise ValueError(
             f"train: {why}; run it with python -m jax_bytegrad.launch --nproc {needed} "
@@ -364,7 +365,7 @@ def shardable(name: str) -> bool:
 
 def skip_reason(config: Config, name: str) -> str | None:
     """Why ``compare`` leaves algorithm ``name`` out of this run, or None."""
-    needed, why = ALGORITHMS[name].min_processes
+    needed, why = RUNNABLE[name].min_processes
     if jax.process_count() < needed:
         return (f"it needs {needed} or more processes ({why}); examples/multihost.py under "
                 "python -m jax_bytegrad.launch runs it")  # fmt: skip
@@ -408,10 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--algorithm",
-        choices=list(ALGORITHMS),
+        choices=list(RUNNABLE),
         default=None,
-        help="train with one algorithm; without it, --compare runs them all (async needs "
-        "several processes: examples/multihost.py under python -m jax_bytegrad.launch)",
+        help="train with one algorithm; without it, --compare runs Bagua's six (async needs "
+        "several processes: examples/multihost.py under python -m jax_bytegrad.launch; "
+        "diloco runs by name only)",
+    )
+    parser.add_argument(
+        "--diloco-inner-steps",
+        type=int,
+        default=10,
+        help="diloco: H, the inner steps between two exchanges between nodes",
     )
     parser.add_argument(
         "--compare",
@@ -480,11 +488,11 @@ def parse_args(argv=None, *, processes: int = 1) -> argparse.Namespace:
     if args.shard is not None and args.algorithm is not None and not shardable(args.algorithm):
         parser.error(
             f"--shard {args.shard} applies to "
-            f"{', '.join(n for n in ALGORITHMS if shardable(n))}; {args.algorithm} keeps its "
+            f"{', '.join(n for n in RUNNABLE if shardable(n))}; {args.algorithm} keeps its "
             "own copy of the model on every device"
         )
     if args.algorithm is not None:
-        needed, why = ALGORITHMS[args.algorithm].min_processes
+        needed, why = RUNNABLE[args.algorithm].min_processes
         if processes < needed:
             parser.error(
                 f"--algorithm {args.algorithm} needs {needed} or more processes ({why}), and "
@@ -514,6 +522,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         shard=args.shard,
         autotune=args.autotune,
         out_dir=args.out_dir,
+        diloco_inner_steps=args.diloco_inner_steps,
     )
 
 

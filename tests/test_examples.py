@@ -274,7 +274,7 @@ def test_shard_with_an_algorithm_that_keeps_a_copy_per_device_is_a_usage_error(c
         train.parse_args(["--algorithm", "decentralized", "--shard", "params"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "--shard params applies to gradient_allreduce, bytegrad, qadam; decentralized" in err
+    assert "--shard params applies to gradient_allreduce, bytegrad, qadam, diloco; decen" in err
     # Without --algorithm, the comparison runs the three and says why it skips the others.
     config = train.Config(shard="optimizer")
     assert [n for n in train.ALGORITHMS if train.skip_reason(config, n) is None] == [
@@ -282,6 +282,18 @@ def test_shard_with_an_algorithm_that_keeps_a_copy_per_device_is_a_usage_error(c
         "bytegrad",
         "qadam",
     ]
+
+
+@pytest.mark.slow  # loads the digits, compiles the baseline's step and DiLoCo's two programs
+def test_diloco_runs_by_name_and_not_in_the_comparison():
+    # --algorithm diloco trains; --compare (the README's table) runs Bagua's six only.
+    args = train.parse_args(["--algorithm", "diloco", "--diloco-inner-steps", "2", "--steps", "4"])
+    config = dataclasses.replace(train.config_from_args(args), progress=False, batch_size=64)
+    assert config.algorithm == "diloco" and config.diloco_inner_steps == 2
+    result = train.train_and_evaluate(config)
+    assert len(result.losses) == 4 and np.isfinite(result.test_loss)
+    assert 0 < result.node_bytes_average < result.baseline_node_bytes  # every 2nd step only
+    assert "diloco" not in train.ALGORITHMS
 
 
 def test_async_needs_several_processes():
