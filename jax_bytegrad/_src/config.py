@@ -284,8 +284,11 @@ class BucketPlan:
       local: devices per node.
       hierarchical: a reduce-scatter within the node before the compressed hop.
       weight: what the sum is scaled by (1 / devices for a mean).
-      scattered: the bucket comes as this device's share of its node's sum already (a row
-        of a sharded step's state, ``buckets.to_rows``): no reduce-scatter within the node.
+      scatter: the wire first reduce-scatters the bucket within the node (hierarchical, and
+        the bucket is not this device's share of its node's sum already, as a row of a
+        ``shard="params"`` step's node sums is: ``shards.Sharded``).
+      gather: the reduced shard is gathered within the node into the whole bucket (after a
+        reduce-scatter, but for a sharded step's rows, which stay this device's).
       platform: the mesh's JAX platform.
     """
 
@@ -303,7 +306,8 @@ class BucketPlan:
     local: int
     hierarchical: bool
     weight: float
-    scattered: bool
+    scatter: bool
+    gather: bool
     platform: str
 
 
@@ -332,11 +336,16 @@ def plan_sync(
     platform: str,
     *,
     weight: float = 1.0,
-    scattered: bool = False,
+    sums_within: bool = True,
+    gathers_within: bool = True,
 ) -> SyncPlan:
     """Resolves ``config`` once for ``leaves`` on a (nodes, devices per node) mesh of
     ``platform``: the buckets (``bucket_grain`` there, each padded to a whole number of
     blocks on every device, as every wire needs) and each bucket's ``BucketPlan``.
+
+    ``sums_within`` and ``gathers_within`` say what the layout of the gradient leaves to the
+    wire within the node (``shards.Whole``, ``shards.Sharded``): its reduce-scatter there, and
+    the gather of the reduced bucket.
 
     Residual sizes: the scatter-gather wires keep two, ``send``, what the first compression
     left unsent (the device's share of its node's sum, hierarchical, or of its own bucket,
@@ -378,7 +387,8 @@ def plan_sync(
                 local=local,
                 hierarchical=config.hierarchical,
                 weight=weight,
-                scattered=scattered,
+                scatter=group.scatter and sums_within,
+                gather=group.scatter and gathers_within,
                 platform=platform,
             )
         )

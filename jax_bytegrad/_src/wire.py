@@ -391,9 +391,9 @@ def _joined(x) -> jax.Array:
 def _owned(x, plan: BucketPlan):
     """What this device compresses, in float32, the codecs' dtype: its share of its node's
     sum, from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets:
-    half float32's bytes; ``buckets.Layout.bucket_dtype``) where the group needs one and
-    ``x`` is not that share already; else ``x`` itself, whole or as its parts."""
-    if plan.group.scatter and not plan.scattered:
+    half float32's bytes; ``buckets.Layout.bucket_dtype``) where the plan says so
+    (``BucketPlan.scatter``); else ``x`` itself, whole or as its parts."""
+    if plan.scatter:
         x = jax.lax.psum_scatter(_joined(x), plan.local_axis, scatter_dimension=0, tiled=True)
     if isinstance(x, tuple):
         return tuple(part.astype(jnp.float32) for part in x)
@@ -403,9 +403,9 @@ def _owned(x, plan: BucketPlan):
 def sum_shard(x, plan: BucketPlan, *, key, residual):
     """The part of a flat bucket's all-reduce that crosses between nodes, over the plan's
     wire; the bucket's length is a multiple of devices x block. ``x`` may come as a tuple of
-    its parts: the integer wire reads them where they lie, the others join them. With the
-    plan's ``scattered``, ``x`` is already this device's shard of its node's sum (a row of
-    ``buckets.to_rows``): the reduce-scatter within the node is skipped.
+    its parts: the integer wire reads them where they lie, the others join them. Without the
+    plan's ``scatter``, ``x`` is already what this device sends (its row of its node's sums,
+    ``buckets.own_rows``, or its whole bucket): no reduce-scatter within the node.
 
     Returns this device's shard of the reduced bucket (all of it without a reduce-scatter
     within the node), typed as replicated over the devices that summed it, and the new
@@ -429,10 +429,11 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
 
 def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
     """``sum_shard``'s shard as the whole reduced bucket, typed as replicated over both
-    axes: an all_gather within the node after a reduce-scatter there, in ``dtype`` (None:
-    the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtype``; its leaves are cast to
-    it after the gather, so a bfloat16 gather loses nothing)."""
-    if plan.hierarchical and plan.local > 1:
+    axes: an all_gather within the node where the plan says so (``BucketPlan.gather``), in
+    ``dtype`` (None: the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtype``; its
+    leaves are cast to it after the gather, so a bfloat16 gather loses nothing); the shard
+    itself otherwise."""
+    if plan.gather:
         dtype = plan.dtype if dtype is None else dtype
         return gather_invariant(shard.astype(dtype), plan.local_axis)
     return shard
