@@ -254,9 +254,6 @@ def sync_mean(
 
 
 def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
-    check_key(config.stochastic, key, where)
-    # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
-    resolve_implementation(config.implementation)
     n, local = axis_sizes(config.node_axis, config.local_axis, where)
     leaves, treedef = _flat_leaves(tree, where)
     within.check(config.hierarchical, leaves, where)
@@ -269,6 +266,9 @@ def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
         sums_within=within.sums_within,
         gathers_within=within.gathers_within,
     )
+    check_key(config.stochastic, key, where)
+    # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
+    resolve_implementation(config.implementation)
     if residuals is not None:
         _check_residuals(residuals, plan, (n, local), where)
     layout, key = plan.layout, device_key(key, config.axes)

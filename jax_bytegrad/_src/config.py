@@ -19,7 +19,6 @@ References:
 
 import dataclasses
 import types
-import warnings
 from typing import Any, Literal
 
 import jax
@@ -354,19 +353,18 @@ def plan_sync(
     Both are 0 where nothing is compressed (one node, hierarchical).
     """
     nodes, local = mesh_shape
+    # The config's own answers first, then the layout's, then the codec's width: each asked once.
     bucket_bytes, min_leaves = config.bucket_grain(platform)
+    group, codec = config.group(nodes, local), config.codec
     layout = make_layout(
         leaves,
         bucket_bytes=bucket_bytes,
         granularity=nodes * local * config.block_size,
         min_leaves=min_leaves,
     )
-    group = config.group(nodes, local)
+    dtypes = [layout.bucket_dtype(b) for b in range(len(layout.buckets))]
     integer = group.wire == "allreduce" and not group.plain
-    width = allreduce_width(config.bits, group.size) if integer else None
-    if width is not None and width.bits == 16 and platform == "gpu":
-        _warn_promoted(group.size)
-    codec = config.codec
+    width = allreduce_width(config.bits, group.size, platform) if integer else None
     plans = []
     for b, padded in enumerate(layout.padded_sizes):
         send = padded // local if config.hierarchical else padded
@@ -375,7 +373,7 @@ def plan_sync(
             BucketPlan(
                 index=b,
                 padded=padded,
-                dtype=layout.bucket_dtype(b),
+                dtype=dtypes[b],
                 residual=(0, 0) if group.plain else (send, mean),
                 group=group,
                 codec=codec,
@@ -393,21 +391,6 @@ def plan_sync(
             )
         )
     return SyncPlan(layout, tuple(plans))
-
-
-def _warn_promoted(group_size: int) -> None:
-    """Warns that the integer wire's codes go as uint16 on a GPU: XLA:GPU promotes 16-bit
-    integer all-reduces to 32 bits, float32's bytes. Python's warning registry shows it
-    once per group size (the message names it) under the default filters."""
-    warnings.warn(
-        f"jax_bytegrad: wire='allreduce' sums the codes of {group_size} devices as uint16 "
-        "(more than 8 summing devices), and XLA:GPU promotes 16-bit integer all-reduces to "
-        "32 bits: this sync costs as many bytes as a float32 all-reduce here. Pass "
-        "wire='scatter_gather' (8-bit codes at any group size), or hierarchical=True with at "
-        "most 8 nodes",
-        RuntimeWarning,
-        stacklevel=1,
-    )
 
 
 def platform_of(mesh) -> str:

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src import codecs
-from jax_bytegrad._src.codecs import HEADER_WIDTH, Codec, integer
+from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
 from jax_bytegrad._src.config import BucketPlan, Wire
 
@@ -110,72 +110,6 @@ def run(stages: tuple[Stage, ...], values: dict) -> dict:
 # The scatter-gather wire ------------------------------------------------------------------------
 
 
-def _pack(codes: jax.Array, header: jax.Array) -> jax.Array:
-    """Each block's codes and header bytes in one uint8 row, so that both go in one message."""
-    header_bytes = jax.lax.bitcast_convert_type(header, jnp.uint8)
-    return jnp.concatenate([codes, header_bytes.reshape(*header.shape[:-1], -1)], axis=-1)
-
-
-def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
-    """Inverse of ``_pack``: the codes and the float32 header of each row."""
-    header_bytes = message[..., code_bytes:].reshape(*message.shape[:-1], HEADER_WIDTH, 4)
-    return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
-
-
-def _piece_keys(key):
-    """The two rounding keys of one message piece (its quantize and its requantize)."""
-    return (None, None) if key is None else jax.random.split(key)
-
-
-def sg_encode(x, send, *, key, codec: Codec):
-    """The scatter-gather wire's first stage: quantize one piece for its owners.
-
-    ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
-    block_size): row j goes to peer j. Returns the message, each block's codes with its
-    header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
-    ``codec`` is the plan's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
-    rounding).
-    """
-    peers, blocks, block_size = x.shape
-    x = x.reshape(peers * blocks, block_size)
-    key = _piece_keys(key)[0]
-    if send is None:
-        codes, header = codecs.quantize_blocks(codec, x, key)
-    else:
-        send = send.reshape(x.shape)
-        codes, header, send = codecs.quantize_with_feedback(codec, x, send, key)
-        send = send.reshape(peers, blocks, block_size)
-    return _pack(codes, header).reshape(peers, blocks, -1), send
-
-
-def sg_average(received, mean, *, weight, key, codec: Codec, block_size):
-    """The second stage: average the received pieces and requantize this device's chunk.
-
-    ``received`` is the all_to_all of ``sg_encode``'s messages, (peers, blocks, bytes);
-    ``mean`` error feedback's residual of the requantize, (blocks, block_size), or None.
-    Returns the message to gather, (blocks, bytes), and the new ``mean`` residual.
-    """
-    codes, header = _unpack(received, block_size * codec.bits // 8)
-    key = _piece_keys(key)[1]
-    if mean is None:
-        codes, header = codecs.average_requantize(codec, codes, header, key, weight=weight)
-    else:
-        total = codecs.average_blocks(codec, codes, header, weight=weight)
-        codes, header, mean = codecs.quantize_with_feedback(codec, total, mean, key)
-    return _pack(codes, header), mean
-
-
-def sg_decode(gathered, *, codec: Codec, block_size):
-    """The last stage: decode the gathered averages, (peers, blocks, bytes), to float32
-    values of shape (peers, blocks, block_size)."""
-    peers, blocks = gathered.shape[:2]
-    codes, header = _unpack(gathered, block_size * codec.bits // 8)
-    decoded = codecs.dequantize_blocks(
-        codec, codes.reshape(peers * blocks, -1), header.reshape(peers * blocks, -1)
-    )
-    return decoded.reshape(peers, blocks, block_size)
-
-
 def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[Stage, ...]:
     """The scatter-gather wire's stages for some message pieces of a bucket.
 
@@ -206,7 +140,7 @@ def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[St
         messages, kept = [], []
         for j, blocks in held:
             part = None if send is None else send[:, blocks]
-            message, new = sg_encode(x[:, blocks], part, key=key_of(key, j), codec=codec)
+            message, new = codecs.sg_encode(x[:, blocks], part, key=key_of(key, j), codec=codec)
             messages.append(message)
             kept.append(new)
         if send is None:
@@ -221,7 +155,7 @@ def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[St
         mean = mean[0].reshape(-1, block) if mean else None
         messages, kept = [], []
         for (j, blocks), got in zip(held, received, strict=True):
-            message, new = sg_average(
+            message, new = codecs.sg_average(
                 got, None if mean is None else mean[blocks], weight=weight, key=key_of(key, j),
                 codec=codec, block_size=block,
             )  # fmt: skip
@@ -236,7 +170,7 @@ def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[St
         return (tuple(gather(m, group.gather, axis=0, to="invarying") for m in messages),)
 
     def decode(gathered):
-        parts = [sg_decode(g, codec=codec, block_size=block) for g in gathered]
+        parts = [codecs.sg_decode(g, codec=codec, block_size=block) for g in gathered]
         return (jnp.concatenate(parts, axis=1),)
 
     return (
