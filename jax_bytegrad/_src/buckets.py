@@ -177,48 +177,71 @@ def _rows_of(leaf, dim, local: int, dtype) -> jax.Array:
     return jnp.pad(flat, (0, per * local - flat.size)).reshape(local, per)
 
 
-def to_rows(leaves, layout: Layout, dims, axis: str, *, summed: bool) -> list[jax.Array]:
+def _rows(parts, padded: int, local: int) -> jax.Array:
+    """A bucket's rows (``parts`` joined along their rows), zero-padded to ``padded // L``
+    values each, flat."""
+    rows = jnp.concatenate(parts, axis=1)
+    return jnp.pad(rows, ((0, 0), (0, padded // local - rows.shape[1]))).reshape(-1)
+
+
+def _tail_rows(leaves, whole, local: int, dtype) -> jax.Array:
+    """The bucket's whole leaves ``whole`` joined, flat, as ``local`` equal rows."""
+    tail = jnp.concatenate([leaves[i].reshape(-1).astype(dtype) for i in whole])
+    return _rows_of(tail, None, local, dtype)
+
+
+def to_rows(leaves, layout: Layout, dims, axis: str) -> list[jax.Array]:
     """Each bucket laid out in rows, where the state is split within the node.
 
     A bucket is laid out as one row per device of ``axis``: row j holds, in the bucket's
-    ``bucket_dtype``, the j-th
-    block of every split leaf (``dims[i]`` the split dimension) and the j-th of the equal
-    parts of the bucket's whole leaves (whole leaves first joined, flat), then zeros up to
-    ``padded // L``, the length of a device's shard in the replicated layout (there is room:
-    the split leaves fill L rows exactly). So the rows cross between nodes as the replicated
-    buckets' shards do, with the same sizes and residuals. ``layout`` is the whole leaves'.
+    ``bucket_dtype``, the j-th block of every split leaf (``dims[i]`` the split dimension) and
+    the j-th of the equal parts of the bucket's whole leaves (whole leaves first joined, flat),
+    then zeros up to ``padded // L``, the length of a device's shard in the replicated layout
+    (there is room: the split leaves fill L rows exactly). So the rows cross between nodes as
+    the replicated buckets' shards do, with the same sizes and residuals. ``layout`` is the
+    whole leaves'.
 
-    Returns, per bucket: without ``summed`` (``leaves`` are each device's whole leaves) all L
-    rows, flat, for a reduce-scatter over ``axis``; with ``summed`` (``leaves`` are the
-    node's sums, this device's blocks of the split leaves) this device's row of the sum.
+    Returns, per bucket, all L rows, flat, of each device's whole ``leaves``: for a
+    reduce-scatter over ``axis``. ``own_rows`` is this device's row of the node's sums.
     """
+    local = int(jax.lax.axis_size(axis))
+    out = []
+    for b, (members, padded) in enumerate(zip(layout.buckets, layout.padded_sizes, strict=True)):
+        dtype = layout.bucket_dtype(b)
+        parts = [_rows_of(leaves[i], dims[i], local, dtype) for i in members if dims[i] is not None]
+        whole = [i for i in members if dims[i] is None]
+        if whole:
+            parts.append(_tail_rows(leaves, whole, local, dtype))
+        out.append(_rows(parts, padded, local))
+    return out
+
+
+def own_rows(leaves, layout: Layout, dims, axis: str) -> list[jax.Array]:
+    """``to_rows``'s row of this device, from the node's sums: ``leaves`` hold this device's
+    blocks of the split leaves (each block flat with its split dimension first, as
+    ``to_rows`` lays it) and the whole leaves whole."""
     local = int(jax.lax.axis_size(axis))
     me = jax.lax.axis_index(axis)
     out = []
     for b, (members, padded) in enumerate(zip(layout.buckets, layout.padded_sizes, strict=True)):
         dtype = layout.bucket_dtype(b)
-        split = [i for i in members if dims[i] is not None]
+        parts = [
+            jnp.moveaxis(leaves[i], dims[i], 0).reshape(1, -1).astype(dtype)
+            for i in members
+            if dims[i] is not None
+        ]
         whole = [i for i in members if dims[i] is None]
-        if summed:  # each block flat with its split dimension first, as _rows_of lays it
-            parts = [
-                jnp.moveaxis(leaves[i], dims[i], 0).reshape(1, -1).astype(dtype) for i in split
-            ]
-        else:
-            parts = [_rows_of(leaves[i], dims[i], local, dtype) for i in split]
         if whole:
-            tail = jnp.concatenate([leaves[i].reshape(-1).astype(dtype) for i in whole])
-            tail = _rows_of(tail, None, local, dtype)
-            parts.append(jax.lax.dynamic_slice_in_dim(tail, me, 1) if summed else tail)
-        rows = jnp.concatenate(parts, axis=1)
-        rows = jnp.pad(rows, ((0, 0), (0, padded // local - rows.shape[1])))
-        out.append(rows.reshape(-1))
+            tail = _tail_rows(leaves, whole, local, dtype)
+            parts.append(jax.lax.dynamic_slice_in_dim(tail, me, 1))
+        out.append(_rows(parts, padded, local))
     return out
 
 
 def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
-    """Inverse of ``to_rows``: this device's block of each split leaf, and each whole leaf
-    gathered over ``axis`` (typed as one value there), from this device's reduced rows;
-    leaves outside the buckets from ``leaves``."""
+    """Inverse of ``to_rows`` and ``own_rows``: this device's block of each split leaf, and
+    each whole leaf gathered over ``axis`` (typed as one value there), from this device's
+    reduced rows; leaves outside the buckets from ``leaves``."""
     local = int(jax.lax.axis_size(axis))
     out = list(leaves)
     for b, (row, members) in enumerate(zip(rows, layout.buckets, strict=True)):

@@ -23,6 +23,8 @@ compressions failed to send and adds it back at the same point next step; ``resi
 sizes that state, per bucket.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,21 +194,6 @@ def _in_ready_order(parts: list, cross, layout, order, *, through: bool):
     return crossed, other
 
 
-def _check_sharded(config: SyncConfig, sharded, leaves, where: str) -> None:
-    """Raises where a sharded step's node sums cannot go on ``config``'s wire."""
-    if not config.hierarchical:
-        raise ValueError(
-            f"{where}: state split within the node (shard=...) needs hierarchical=True: each "
-            "device then sends its share of its node's sum; hierarchical=False would compress "
-            "every device's own gradient between nodes"
-        )
-    if len(sharded.dims) != len(leaves):
-        raise ValueError(
-            f"{where}: the sharded step's layout names {len(sharded.dims)} leaves, but the "
-            f"updates have {len(leaves)}; pass the params' own tree"
-        )
-
-
 def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(the key a sync's state keeps, this step's rounding key)`` from the state's key:
     ``bytegrad``'s update and the pipelined step split it so."""
@@ -259,52 +246,41 @@ def sync_mean(
     Returns the pair (the mean, or sum, pytree; the new ``Residuals``, empty without
     ``residuals``).
     """
-    if sharded is not None:
-        # A jit of its own, which the sharded step's check of the optimizer leaves out.
-        def between(tree, key, residuals):
-            return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
-
-        return shards.block_aware(between, tree, key, residuals)
-    return _sync_mean(tree, config, average, key, residuals, order, sharded, where)
+    within = shards.layout_of(sharded)
+    sync = functools.partial(
+        _sync_mean, config=config, average=average, order=order, within=within, where=where
+    )
+    return within.run(sync, tree, key, residuals)
 
 
-def _sync_mean(tree, config, average, key, residuals, order, sharded, where):
-    check_key(config.stochastic, key, where)
-    # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
-    resolve_implementation(config.implementation)
+def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
     n, local = axis_sizes(config.node_axis, config.local_axis, where)
     leaves, treedef = _flat_leaves(tree, where)
-    if sharded is not None:
-        _check_sharded(config, sharded, leaves, where)
+    within.check(config.hierarchical, leaves, where)
     plan = plan_sync(
         config,
-        leaves if sharded is None else sharded.full_shapes(leaves, local),
+        within.full_shapes(leaves, local),
         (n, local),
         traced_platform(),
         weight=1.0 / (n * local) if average else 1.0,
-        scattered=sharded is not None and sharded.summed,
+        sums_within=within.sums_within,
+        gathers_within=within.gathers_within,
     )
+    check_key(config.stochastic, key, where)
+    # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
+    resolve_implementation(config.implementation)
     if residuals is not None:
         _check_residuals(residuals, plan, (n, local), where)
     layout, key = plan.layout, device_key(key, config.axes)
-    if sharded is None:
-        parts = bucketing.to_bucket_parts(leaves, layout, config.block_size)
-    else:
-        parts = bucketing.to_rows(
-            leaves, layout, sharded.dims, config.local_axis, summed=sharded.summed
-        )
+    parts = within.to_parts(leaves, layout, config.block_size)
 
     def cross(b, part):
         residual = None if residuals is None else residuals[b]
         return wires.sum_shard(part, plan.buckets[b], key=bucket_key(key, b), residual=residual)
 
-    # In the sharded layout the tied shard goes on from the barrier too (``_tie``).
-    shards, kept = _in_ready_order(parts, cross, layout, order, through=sharded is not None)
-    if sharded is None:
-        reduced = [wires.gather_shard(s, p) for s, p in zip(shards, plan.buckets, strict=True)]
-        out = bucketing.from_buckets(reduced, leaves, layout)
-    else:
-        out = bucketing.from_rows(shards, leaves, layout, sharded.dims, config.local_axis)
+    crossed, kept = _in_ready_order(parts, cross, layout, order, through=within.ties_through)
+    reduced = [wires.gather_shard(s, p) for s, p in zip(crossed, plan.buckets, strict=True)]
+    out = within.from_parts(reduced, leaves, layout)
     return jax.tree.unflatten(treedef, out), Residuals(() if residuals is None else kept)
 
 
@@ -440,19 +416,18 @@ def sync_full_precision(
     """``full_precision_mean`` over a ``SyncConfig`` (its axes and ``hierarchical``), as
     ``sync_mean`` is ``compressed_mean``'s: what ``gradient_allreduce`` and ``qadam`` call.
     ``reduce_dtype`` is a checked dtype (``reduce_dtype_of``) or None."""
-    if sharded is not None:
-        # A jit of its own, which the sharded step's check of the optimizer leaves out.
-        def between(tree):
-            return _full_precision_mean(tree, config, average, reduce_dtype, order, sharded)
+    within = shards.layout_of(sharded)
+    mean = functools.partial(
+        _full_precision_mean, config=config, average=average, dtype=reduce_dtype,
+        order=order, within=within,
+    )  # fmt: skip
+    return within.run(mean, tree)
 
-        return shards.block_aware(between, tree)
-    return _full_precision_mean(tree, config, average, reduce_dtype, order, sharded)
 
-
-def _full_precision_mean(tree, config, average, dtype, order, sharded):
+def _full_precision_mean(tree, *, config, average, dtype, order, within):
     leaves, treedef = _flat_leaves(tree, "full_precision_mean")
     wide = [_cast(x, dtype) for x in leaves]
-    means = _summed_means(wide, config, average, order, sharded)
+    means = _summed_means(wide, config, average, order, within)
     out = [_cast(mean, x.dtype) for mean, x in zip(means, leaves, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
@@ -464,12 +439,13 @@ def _cast(x, dtype):
     return x.astype(dtype)
 
 
-def _summed_means(leaves, config: SyncConfig, average, order, sharded) -> list:
-    """``full_precision_mean`` of the flat leaves, each in its own dtype."""
+def _summed_means(leaves, config: SyncConfig, average, order, within) -> list:
+    """``full_precision_mean`` of the flat leaves, each in its own dtype, in the layout
+    ``within`` (``shards.Whole``, ``shards.Sharded``)."""
     node_axis, local_axis = config.axes
     n, local = axis_sizes(node_axis, local_axis, "full_precision_mean")
     devices = n * local
-    dims = (None,) * len(leaves) if sharded is None else sharded.dims
+    dims = within.leaf_dims(len(leaves))
 
     def mean(x):
         return x / np.asarray(devices, x.dtype) if average else x
@@ -479,25 +455,12 @@ def _summed_means(leaves, config: SyncConfig, average, order, sharded) -> list:
             return x
         return mean(jax.lax.psum(x, config.axes))
 
-    summed = sharded is not None and sharded.summed
-
-    def node_part(x, dim):
-        """This device's part of the node's sum: its block of a split leaf, or of the flat
-        values of a whole one."""
-        if dim is not None:
-            if summed:
-                return x
-            return jax.lax.psum_scatter(x, local_axis, scatter_dimension=dim, tiled=True)
-        if summed:
-            return collective_ops.own_flat(x.reshape(-1), local_axis, local)
-        return collective_ops.scatter_flat(x.reshape(-1), local_axis, local)
-
     def whole(x, dim, part):
         if dim is not None:
             return part
         return collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
 
-    if sharded is None and not (config.hierarchical and local > 1):
+    if within.per_leaf(config.hierarchical, local):
         return [reduce(x) for x in leaves]
     # Each leaf is reduce-scattered within the node, summed between nodes and gathered. The
     # leaves go in buckets of whole leaves, in the order the backward pass completes them,
@@ -510,13 +473,13 @@ def _summed_means(leaves, config: SyncConfig, average, order, sharded) -> list:
 
     def cross(b, members):
         sums = [
-            jax.lax.psum(node_part(x, dims[i]), node_axis)
+            jax.lax.psum(within.node_part(x, dims[i], local_axis, local), node_axis)
             for i, x in zip(layout.buckets[b], members, strict=True)
         ]
         return sums, None
 
     members = [[leaves[i] for i in bucket] for bucket in layout.buckets]
-    parts, _ = _in_ready_order(members, cross, layout, order, through=sharded is not None)
+    parts, _ = _in_ready_order(members, cross, layout, order, through=within.ties_through)
     for b, bucket in enumerate(layout.buckets):
         for i, part in zip(bucket, parts[b], strict=True):
             reduced[i] = mean(whole(leaves[i], dims[i], part))

@@ -19,7 +19,6 @@ References:
 
 import dataclasses
 import types
-import warnings
 from typing import Any, Literal
 
 import jax
@@ -284,8 +283,11 @@ class BucketPlan:
       local: devices per node.
       hierarchical: a reduce-scatter within the node before the compressed hop.
       weight: what the sum is scaled by (1 / devices for a mean).
-      scattered: the bucket comes as this device's share of its node's sum already (a row
-        of a sharded step's state, ``buckets.to_rows``): no reduce-scatter within the node.
+      scatter: the wire first reduce-scatters the bucket within the node (hierarchical, and
+        the bucket is not this device's share of its node's sum already, as a row of a
+        ``shard="params"`` step's node sums is: ``shards.Sharded``).
+      gather: the reduced shard is gathered within the node into the whole bucket (after a
+        reduce-scatter, but for a sharded step's rows, which stay this device's).
       platform: the mesh's JAX platform.
     """
 
@@ -303,7 +305,8 @@ class BucketPlan:
     local: int
     hierarchical: bool
     weight: float
-    scattered: bool
+    scatter: bool
+    gather: bool
     platform: str
 
 
@@ -332,11 +335,16 @@ def plan_sync(
     platform: str,
     *,
     weight: float = 1.0,
-    scattered: bool = False,
+    sums_within: bool = True,
+    gathers_within: bool = True,
 ) -> SyncPlan:
     """Resolves ``config`` once for ``leaves`` on a (nodes, devices per node) mesh of
     ``platform``: the buckets (``bucket_grain`` there, each padded to a whole number of
     blocks on every device, as every wire needs) and each bucket's ``BucketPlan``.
+
+    ``sums_within`` and ``gathers_within`` say what the layout of the gradient leaves to the
+    wire within the node (``shards.Whole``, ``shards.Sharded``): its reduce-scatter there, and
+    the gather of the reduced bucket.
 
     Residual sizes: the scatter-gather wires keep two, ``send``, what the first compression
     left unsent (the device's share of its node's sum, hierarchical, or of its own bucket,
@@ -345,19 +353,18 @@ def plan_sync(
     Both are 0 where nothing is compressed (one node, hierarchical).
     """
     nodes, local = mesh_shape
+    # The config's own answers first, then the layout's, then the codec's width: each asked once.
     bucket_bytes, min_leaves = config.bucket_grain(platform)
+    group, codec = config.group(nodes, local), config.codec
     layout = make_layout(
         leaves,
         bucket_bytes=bucket_bytes,
         granularity=nodes * local * config.block_size,
         min_leaves=min_leaves,
     )
-    group = config.group(nodes, local)
+    dtypes = [layout.bucket_dtype(b) for b in range(len(layout.buckets))]
     integer = group.wire == "allreduce" and not group.plain
-    width = allreduce_width(config.bits, group.size) if integer else None
-    if width is not None and width.bits == 16 and platform == "gpu":
-        _warn_promoted(group.size)
-    codec = config.codec
+    width = allreduce_width(config.bits, group.size, platform) if integer else None
     plans = []
     for b, padded in enumerate(layout.padded_sizes):
         send = padded // local if config.hierarchical else padded
@@ -366,7 +373,7 @@ def plan_sync(
             BucketPlan(
                 index=b,
                 padded=padded,
-                dtype=layout.bucket_dtype(b),
+                dtype=dtypes[b],
                 residual=(0, 0) if group.plain else (send, mean),
                 group=group,
                 codec=codec,
@@ -378,26 +385,12 @@ def plan_sync(
                 local=local,
                 hierarchical=config.hierarchical,
                 weight=weight,
-                scattered=scattered,
+                scatter=group.scatter and sums_within,
+                gather=group.scatter and gathers_within,
                 platform=platform,
             )
         )
     return SyncPlan(layout, tuple(plans))
-
-
-def _warn_promoted(group_size: int) -> None:
-    """Warns that the integer wire's codes go as uint16 on a GPU: XLA:GPU promotes 16-bit
-    integer all-reduces to 32 bits, float32's bytes. Python's warning registry shows it
-    once per group size (the message names it) under the default filters."""
-    warnings.warn(
-        f"jax_bytegrad: wire='allreduce' sums the codes of {group_size} devices as uint16 "
-        "(more than 8 summing devices), and XLA:GPU promotes 16-bit integer all-reduces to "
-        "32 bits: this sync costs as many bytes as a float32 all-reduce here. Pass "
-        "wire='scatter_gather' (8-bit codes at any group size), or hierarchical=True with at "
-        "most 8 nodes",
-        RuntimeWarning,
-        stacklevel=1,
-    )
 
 
 def platform_of(mesh) -> str:

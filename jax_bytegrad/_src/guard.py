@@ -382,16 +382,8 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
     def update_fn(updates, state, params=None, **extra):
         new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        sharded = extra.get("sharded")
-        if sharded is None:
-            ok = _all_finite(new_updates)
-        else:
-            # Each device holds its blocks of the update: the node's devices decide together.
-            def node_finite(updates):
-                mine = _all_finite(updates).astype(jnp.int32)
-                return jax.lax.pmin(mine, sharded.local_axis) > 0
-
-            ok = shards.block_aware(node_finite, new_updates)
+        # In a sharded step each device holds its blocks: the node's devices decide together.
+        ok = shards.layout_of(extra.get("sharded")).all_agree(_all_finite, new_updates)
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates)
         new_inner = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_inner, state.inner_state)
         skipped = jnp.where(ok, state.skipped, optax.safe_increment(state.skipped))

@@ -60,7 +60,6 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -160,25 +159,6 @@ def _follow_gradient(nu, mu_old, mu_new, b1: float, b2: float):
     return jax.tree.map(one, nu, mu_old, mu_new)
 
 
-def _momentum_within(mu, sharded):
-    """The momentum each device adds its gradient to, so that the node's sum of the devices'
-    ``b1 m + (1 - b1) g`` is what the sync sums: ``m`` itself on every device, but in a sharded
-    step (``shards.Sharded``), whose devices hold blocks of ``m``, ``L m`` in this device's
-    block (zeros elsewhere), or ``L m`` everywhere where the updates are the node's sums."""
-    if sharded is None:
-        return mu
-    local = jax.lax.axis_size(sharded.local_axis)
-    leaves, treedef = jax.tree.flatten(mu)
-    out = []
-    for m, dim in zip(leaves, sharded.dims, strict=True):
-        if sharded.summed or dim is not None:
-            m = m * np.asarray(local, m.dtype)
-        if not sharded.summed:
-            m = shards.place_block(m, dim, sharded.local_axis)
-        out.append(m)
-    return jax.tree.unflatten(treedef, out)
-
-
 def _where(pred, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
@@ -186,7 +166,7 @@ def _where(pred, on_true, on_false):
 def _check_per_device(updates, node_axis: str, local_axis: str, sharded, where: str) -> None:
     """Raises unless every float gradient is typed as varying over both mesh axes (over the
     node axis, for the node sums a ``shard="params"`` step hands over: ``shards.Sharded``)."""
-    axes = {node_axis} if sharded is not None and sharded.summed else {node_axis, local_axis}
+    axes = shards.layout_of(sharded).varying_axes(node_axis, local_axis)
     averaged = [
         jax.tree_util.keystr(path)
         for path, leaf in jax.tree.leaves_with_path(updates)
@@ -246,9 +226,9 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
         return mu, nu, residuals
 
     def compressed(updates, mu, nu, residuals, count, order, sharded):
-        within = mu
-        if sharded is not None:
-            within = shards.block_aware(lambda m: _momentum_within(m, sharded), mu)
+        # The momentum each device adds its gradient to (``shards.Whole.momentum_within``).
+        layout = shards.layout_of(sharded)
+        within = layout.run(layout.momentum_within, mu)
         local_mu = optax.tree.update_moment(updates, within, b1, 1)
         mu_old = mu
         # Without error feedback the state's residuals are empty, as sync_mean's are.

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad._src import buckets, collective_ops
 from jax_bytegrad._src.config import Residuals
 
 Shard = Literal["optimizer", "params"]
@@ -100,9 +101,71 @@ def check_placed(tree, specs, mesh, where: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sharded:
+class Whole:
+    """The replicated layout: every device holds the whole leaves, and each device's gradient
+    of them comes to the sync. The sync reduce-scatters each bucket within the node, crosses
+    between nodes and gathers the bucket within the node again. ``Sharded`` is the other
+    layout; both answer the same questions, so the sync asks and never branches."""
+
+    # Whether the sync still sums within the node, gathers the reduced buckets within it, and
+    # lets each tied bucket go on from its barrier (``collectives._tie``).
+    sums_within = True
+    gathers_within = True
+    ties_through = False
+
+    def check(self, hierarchical: bool, leaves, where: str) -> None:
+        """Raises where this layout's updates cannot go on the sync (never, here)."""
+
+    def full_shapes(self, leaves, local: int):
+        """The whole leaves, whose buckets the sync lays out: the updates' own."""
+        return leaves
+
+    def run(self, fn, *args):
+        """``fn(*args)``: the library's own code over the updates."""
+        return fn(*args)
+
+    def to_parts(self, leaves, layout: buckets.Layout, block_size: int) -> list:
+        """What each bucket's wire sums: the buckets, as parts (``buckets.to_bucket_parts``)."""
+        return buckets.to_bucket_parts(leaves, layout, block_size)
+
+    def from_parts(self, reduced, leaves, layout: buckets.Layout) -> list:
+        """The leaves of the reduced buckets."""
+        return buckets.from_buckets(reduced, leaves, layout)
+
+    def leaf_dims(self, count: int) -> tuple[int | None, ...]:
+        """Per leaf, the dimension split within the node: none."""
+        return (None,) * count
+
+    def per_leaf(self, hierarchical: bool, local: int) -> bool:
+        """Whether the full-precision mean is one all-reduce per leaf over both axes, with
+        nothing to reduce-scatter within the node first."""
+        return not (hierarchical and local > 1)
+
+    def node_part(self, x, dim, axis: str, local: int) -> jax.Array:
+        """This device's part of the node's sum of ``x``: of its flat values."""
+        del dim
+        return collective_ops.scatter_flat(x.reshape(-1), axis, local)
+
+    def momentum_within(self, mu):
+        """The momentum each device adds its gradient to (``qadam``): ``mu`` itself."""
+        return mu
+
+    def varying_axes(self, node_axis: str, local_axis: str) -> set[str]:
+        """The axes every update varies over: each device's own gradient."""
+        return {node_axis, local_axis}
+
+    def all_agree(self, predicate, tree) -> jax.Array:
+        """``predicate(tree)``, a boolean every device holds alike already."""
+        return predicate(tree)
+
+
+WHOLE = Whole()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded(Whole):
     """What a step whose state is split within the node hands its optimizer, as the
-    ``sharded`` extra argument of ``update``.
+    ``sharded`` extra argument of ``update``: the sync's layout there.
 
     The gradient transformations that sync (``bytegrad``, ``gradient_allreduce``, ``qadam``)
     then return the mean over every device in this device's blocks: for a split leaf
@@ -111,7 +174,9 @@ class Sharded:
     gradient of the whole leaves (``summed`` False, ``shard="optimizer"``: the sync sums
     within the node itself, each bucket's reduce-scatter in its own chain), or already the
     node's sums in those blocks (``summed`` True, ``shard="params"``, where ``jax.grad`` of the
-    gather did the reduce-scatter): then only the hop between nodes is left.
+    gather did the reduce-scatter): then only the hop between nodes is left. Each bucket's
+    rows (``buckets.to_rows``) cross between nodes as the replicated layout's shards would,
+    with the same sizes, wire and residuals.
 
     Attributes:
       local_axis: the mesh axis within a node.
@@ -122,6 +187,27 @@ class Sharded:
     local_axis: str
     dims: tuple[int | None, ...]
     summed: bool
+
+    gathers_within = False
+    # XLA's simplifier would drop a tied row's barrier (``collectives._tie``).
+    ties_through = True
+
+    @property
+    def sums_within(self) -> bool:
+        return not self.summed
+
+    def check(self, hierarchical, leaves, where):
+        if not hierarchical:
+            raise ValueError(
+                f"{where}: state split within the node (shard=...) needs hierarchical=True: "
+                "each device then sends its share of its node's sum; hierarchical=False would "
+                "compress every device's own gradient between nodes"
+            )
+        if len(self.dims) != len(leaves):
+            raise ValueError(
+                f"{where}: the sharded step's layout names {len(self.dims)} leaves, but the "
+                f"updates have {len(leaves)}; pass the params' own tree"
+            )
 
     def full_shapes(self, leaves, local: int) -> list[jax.ShapeDtypeStruct]:
         """The whole leaves' shapes and dtypes, from the updates' leaves."""
@@ -134,6 +220,68 @@ class Sharded:
                 shape[dim] *= local
             out.append(jax.ShapeDtypeStruct(tuple(shape), leaf.dtype))
         return out
+
+    def run(self, fn, *args):
+        """``fn(*args)`` in a jit of its own, which the sharded step's check of the optimizer
+        leaves out (``block_aware``)."""
+        return block_aware(fn, *args)
+
+    def to_parts(self, leaves, layout, block_size):
+        rows = buckets.own_rows if self.summed else buckets.to_rows
+        return rows(leaves, layout, self.dims, self.local_axis)
+
+    def from_parts(self, reduced, leaves, layout):
+        return buckets.from_rows(reduced, leaves, layout, self.dims, self.local_axis)
+
+    def leaf_dims(self, count):
+        return self.dims
+
+    def per_leaf(self, hierarchical, local):
+        return False
+
+    def node_part(self, x, dim, axis, local):
+        """This device's part of the node's sum: its block of a split leaf, or of the flat
+        values of a whole one; where the updates are the node's sums, cut from them."""
+        if dim is not None:
+            if self.summed:
+                return x
+            return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+        if self.summed:
+            return collective_ops.own_flat(x.reshape(-1), axis, local)
+        return collective_ops.scatter_flat(x.reshape(-1), axis, local)
+
+    def momentum_within(self, mu):
+        """So that the node's sum of the devices' ``b1 m + (1 - b1) g`` is what the sync sums,
+        where devices hold blocks of ``m``: ``L m`` in this device's block (zeros elsewhere),
+        or ``L m`` everywhere where the updates are the node's sums."""
+        local = jax.lax.axis_size(self.local_axis)
+        leaves, treedef = jax.tree.flatten(mu)
+        out = []
+        for m, dim in zip(leaves, self.dims, strict=True):
+            if self.summed or dim is not None:
+                m = m * np.asarray(local, m.dtype)
+            if not self.summed:
+                m = place_block(m, dim, self.local_axis)
+            out.append(m)
+        return jax.tree.unflatten(treedef, out)
+
+    def varying_axes(self, node_axis, local_axis):
+        """The node's sums vary over the node axis only."""
+        return {node_axis} if self.summed else {node_axis, local_axis}
+
+    def all_agree(self, predicate, tree):
+        """Each device holds its blocks of ``tree``: the node's devices decide together."""
+
+        def node_agrees(tree):
+            mine = predicate(tree).astype(jnp.int32)
+            return jax.lax.pmin(mine, self.local_axis) > 0
+
+        return block_aware(node_agrees, tree)
+
+
+def layout_of(sharded: Sharded | None) -> Whole:
+    """The sync's layout: the step's ``Sharded``, or ``WHOLE`` where it hands none over."""
+    return WHOLE if sharded is None else sharded
 
 
 def own_block(x: jax.Array, dim: int | None, axis: str) -> jax.Array:

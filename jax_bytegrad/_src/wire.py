@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src import codecs
-from jax_bytegrad._src.codecs import HEADER_WIDTH, Codec, integer
+from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
 from jax_bytegrad._src.config import BucketPlan, Wire
 
@@ -110,72 +110,6 @@ def run(stages: tuple[Stage, ...], values: dict) -> dict:
 # The scatter-gather wire ------------------------------------------------------------------------
 
 
-def _pack(codes: jax.Array, header: jax.Array) -> jax.Array:
-    """Each block's codes and header bytes in one uint8 row, so that both go in one message."""
-    header_bytes = jax.lax.bitcast_convert_type(header, jnp.uint8)
-    return jnp.concatenate([codes, header_bytes.reshape(*header.shape[:-1], -1)], axis=-1)
-
-
-def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
-    """Inverse of ``_pack``: the codes and the float32 header of each row."""
-    header_bytes = message[..., code_bytes:].reshape(*message.shape[:-1], HEADER_WIDTH, 4)
-    return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
-
-
-def _piece_keys(key):
-    """The two rounding keys of one message piece (its quantize and its requantize)."""
-    return (None, None) if key is None else jax.random.split(key)
-
-
-def sg_encode(x, send, *, key, codec: Codec):
-    """The scatter-gather wire's first stage: quantize one piece for its owners.
-
-    ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
-    block_size): row j goes to peer j. Returns the message, each block's codes with its
-    header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
-    ``codec`` is the plan's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
-    rounding).
-    """
-    peers, blocks, block_size = x.shape
-    x = x.reshape(peers * blocks, block_size)
-    key = _piece_keys(key)[0]
-    if send is None:
-        codes, header = codecs.quantize_blocks(codec, x, key)
-    else:
-        send = send.reshape(x.shape)
-        codes, header, send = codecs.quantize_with_feedback(codec, x, send, key)
-        send = send.reshape(peers, blocks, block_size)
-    return _pack(codes, header).reshape(peers, blocks, -1), send
-
-
-def sg_average(received, mean, *, weight, key, codec: Codec, block_size):
-    """The second stage: average the received pieces and requantize this device's chunk.
-
-    ``received`` is the all_to_all of ``sg_encode``'s messages, (peers, blocks, bytes);
-    ``mean`` error feedback's residual of the requantize, (blocks, block_size), or None.
-    Returns the message to gather, (blocks, bytes), and the new ``mean`` residual.
-    """
-    codes, header = _unpack(received, block_size * codec.bits // 8)
-    key = _piece_keys(key)[1]
-    if mean is None:
-        codes, header = codecs.average_requantize(codec, codes, header, key, weight=weight)
-    else:
-        total = codecs.average_blocks(codec, codes, header, weight=weight)
-        codes, header, mean = codecs.quantize_with_feedback(codec, total, mean, key)
-    return _pack(codes, header), mean
-
-
-def sg_decode(gathered, *, codec: Codec, block_size):
-    """The last stage: decode the gathered averages, (peers, blocks, bytes), to float32
-    values of shape (peers, blocks, block_size)."""
-    peers, blocks = gathered.shape[:2]
-    codes, header = _unpack(gathered, block_size * codec.bits // 8)
-    decoded = codecs.dequantize_blocks(
-        codec, codes.reshape(peers * blocks, -1), header.reshape(peers * blocks, -1)
-    )
-    return decoded.reshape(peers, blocks, block_size)
-
-
 def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[Stage, ...]:
     """The scatter-gather wire's stages for some message pieces of a bucket.
 
@@ -206,7 +140,7 @@ def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[St
         messages, kept = [], []
         for j, blocks in held:
             part = None if send is None else send[:, blocks]
-            message, new = sg_encode(x[:, blocks], part, key=key_of(key, j), codec=codec)
+            message, new = codecs.sg_encode(x[:, blocks], part, key=key_of(key, j), codec=codec)
             messages.append(message)
             kept.append(new)
         if send is None:
@@ -221,7 +155,7 @@ def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[St
         mean = mean[0].reshape(-1, block) if mean else None
         messages, kept = [], []
         for (j, blocks), got in zip(held, received, strict=True):
-            message, new = sg_average(
+            message, new = codecs.sg_average(
                 got, None if mean is None else mean[blocks], weight=weight, key=key_of(key, j),
                 codec=codec, block_size=block,
             )  # fmt: skip
@@ -236,7 +170,7 @@ def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[St
         return (tuple(gather(m, group.gather, axis=0, to="invarying") for m in messages),)
 
     def decode(gathered):
-        parts = [sg_decode(g, codec=codec, block_size=block) for g in gathered]
+        parts = [codecs.sg_decode(g, codec=codec, block_size=block) for g in gathered]
         return (jnp.concatenate(parts, axis=1),)
 
     return (
@@ -391,9 +325,9 @@ def _joined(x) -> jax.Array:
 def _owned(x, plan: BucketPlan):
     """What this device compresses, in float32, the codecs' dtype: its share of its node's
     sum, from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets:
-    half float32's bytes; ``buckets.Layout.bucket_dtype``) where the group needs one and
-    ``x`` is not that share already; else ``x`` itself, whole or as its parts."""
-    if plan.group.scatter and not plan.scattered:
+    half float32's bytes; ``buckets.Layout.bucket_dtype``) where the plan says so
+    (``BucketPlan.scatter``); else ``x`` itself, whole or as its parts."""
+    if plan.scatter:
         x = jax.lax.psum_scatter(_joined(x), plan.local_axis, scatter_dimension=0, tiled=True)
     if isinstance(x, tuple):
         return tuple(part.astype(jnp.float32) for part in x)
@@ -403,9 +337,9 @@ def _owned(x, plan: BucketPlan):
 def sum_shard(x, plan: BucketPlan, *, key, residual):
     """The part of a flat bucket's all-reduce that crosses between nodes, over the plan's
     wire; the bucket's length is a multiple of devices x block. ``x`` may come as a tuple of
-    its parts: the integer wire reads them where they lie, the others join them. With the
-    plan's ``scattered``, ``x`` is already this device's shard of its node's sum (a row of
-    ``buckets.to_rows``): the reduce-scatter within the node is skipped.
+    its parts: the integer wire reads them where they lie, the others join them. Without the
+    plan's ``scatter``, ``x`` is already what this device sends (its row of its node's sums,
+    ``buckets.own_rows``, or its whole bucket): no reduce-scatter within the node.
 
     Returns this device's shard of the reduced bucket (all of it without a reduce-scatter
     within the node), typed as replicated over the devices that summed it, and the new
@@ -429,10 +363,11 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
 
 def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
     """``sum_shard``'s shard as the whole reduced bucket, typed as replicated over both
-    axes: an all_gather within the node after a reduce-scatter there, in ``dtype`` (None:
-    the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtype``; its leaves are cast to
-    it after the gather, so a bfloat16 gather loses nothing)."""
-    if plan.hierarchical and plan.local > 1:
+    axes: an all_gather within the node where the plan says so (``BucketPlan.gather``), in
+    ``dtype`` (None: the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtype``; its
+    leaves are cast to it after the gather, so a bfloat16 gather loses nothing); the shard
+    itself otherwise."""
+    if plan.gather:
         dtype = plan.dtype if dtype is None else dtype
         return gather_invariant(shard.astype(dtype), plan.local_axis)
     return shard

@@ -18,6 +18,9 @@ structure as its ``"xla"`` one, and the functions here of the op's name dispatch
     raises ``NotImplementedError``.
   * ``"pallas_interpret"``: the same kernel bodies in the Pallas interpreter, on any backend.
 
+  The scatter-gather wire's three compute stages compose them here (``sg_encode``,
+  ``sg_average``, ``sg_decode``), so that ``wire.py`` speaks to the codecs through one door.
+
 * The integer wire's codec (``integer.py``): ``integer_bounds``, ``integer_encode``,
   ``decode_factors`` and ``integer_decode``, ``"xla"`` only. Each is an elementwise pass or a
   row reduction that XLA fuses into one pass over memory (the decode into the optimizer's
@@ -256,6 +259,75 @@ def quantize_with_feedback(
     codes, header = quantize_blocks(codec, target, key)
     decoded = dequantize_blocks(codec, codes, header)
     return codes, header, target - decoded
+
+
+# --- The scatter-gather wire's stages of the block codec (``wire.scatter_gather_stages``). ---
+
+
+def _pack(codes: jax.Array, header: jax.Array) -> jax.Array:
+    """Each block's codes and header bytes in one uint8 row, so that both go in one message."""
+    header_bytes = jax.lax.bitcast_convert_type(header, jnp.uint8)
+    return jnp.concatenate([codes, header_bytes.reshape(*header.shape[:-1], -1)], axis=-1)
+
+
+def _unpack(message: jax.Array, code_bytes: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``_pack``: the codes and the float32 header of each row."""
+    header_bytes = message[..., code_bytes:].reshape(*message.shape[:-1], HEADER_WIDTH, 4)
+    return message[..., :code_bytes], jax.lax.bitcast_convert_type(header_bytes, jnp.float32)
+
+
+def _piece_keys(key):
+    """The two rounding keys of one message piece (its quantize and its requantize)."""
+    return (None, None) if key is None else jax.random.split(key)
+
+
+def sg_encode(x, send, *, key, codec: Codec):
+    """The scatter-gather wire's first stage: quantize one piece for its owners.
+
+    ``x`` (and error feedback's ``send`` residual, or None) has shape (peers, blocks,
+    block_size): row j goes to peer j. Returns the message, each block's codes with its
+    header in one uint8 row, shape (peers, blocks, bytes), and the new ``send`` residual.
+    ``codec`` is the plan's ``codecs.Codec``; ``key`` is the piece's key (None for nearest
+    rounding).
+    """
+    peers, blocks, block_size = x.shape
+    x = x.reshape(peers * blocks, block_size)
+    key = _piece_keys(key)[0]
+    if send is None:
+        codes, header = quantize_blocks(codec, x, key)
+    else:
+        send = send.reshape(x.shape)
+        codes, header, send = quantize_with_feedback(codec, x, send, key)
+        send = send.reshape(peers, blocks, block_size)
+    return _pack(codes, header).reshape(peers, blocks, -1), send
+
+
+def sg_average(received, mean, *, weight, key, codec: Codec, block_size):
+    """The second stage: average the received pieces and requantize this device's chunk.
+
+    ``received`` is the all_to_all of ``sg_encode``'s messages, (peers, blocks, bytes);
+    ``mean`` error feedback's residual of the requantize, (blocks, block_size), or None.
+    Returns the message to gather, (blocks, bytes), and the new ``mean`` residual.
+    """
+    codes, header = _unpack(received, block_size * codec.bits // 8)
+    key = _piece_keys(key)[1]
+    if mean is None:
+        codes, header = average_requantize(codec, codes, header, key, weight=weight)
+    else:
+        total = average_blocks(codec, codes, header, weight=weight)
+        codes, header, mean = quantize_with_feedback(codec, total, mean, key)
+    return _pack(codes, header), mean
+
+
+def sg_decode(gathered, *, codec: Codec, block_size):
+    """The last stage: decode the gathered averages, (peers, blocks, bytes), to float32
+    values of shape (peers, blocks, block_size)."""
+    peers, blocks = gathered.shape[:2]
+    codes, header = _unpack(gathered, block_size * codec.bits // 8)
+    decoded = dequantize_blocks(
+        codec, codes.reshape(peers * blocks, -1), header.reshape(peers * blocks, -1)
+    )
+    return decoded.reshape(peers, blocks, block_size)
 
 
 # --- The choice for implementation=None: one check per kernel. ------------------------------

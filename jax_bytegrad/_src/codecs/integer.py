@@ -63,6 +63,7 @@ whole block, for every device's contribution, as a float32 psum would.
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -112,13 +113,18 @@ def check_fits(bits: int, group_size: int, where: str = "wire='allreduce'") -> N
         )
 
 
-def allreduce_width(bits: int, group_size: int) -> Width:
+def allreduce_width(bits: int, group_size: int, platform: str | None = None) -> Width:
     """The wire width and levels per device of the integer wire for ``group_size`` devices.
+
+    On a GPU (``platform="gpu"``) a uint16 width warns: XLA:GPU promotes 16-bit integer
+    all-reduces to 32 bits, float32's bytes. Python's warning registry shows it once per
+    group size (the message names it) under the default filters.
 
     Args:
       bits: the code width asked for, 8 or 4.
       group_size: how many devices sum their codes (the node count, or every device with
         ``hierarchical=False``).
+      platform: the mesh's JAX platform, or None where it is not known.
 
     Returns:
       A ``Width``: uint8 for 8 bits up to 8 devices, uint16 beyond; packed nibbles for 4
@@ -138,6 +144,16 @@ def allreduce_width(bits: int, group_size: int) -> Width:
         raise ValueError(
             f"wire='allreduce': {group_size} devices leave fewer than 2 levels each in uint16; "
             "pass wire='scatter_gather'"
+        )
+    if width == 16 and platform == "gpu":
+        warnings.warn(
+            f"jax_bytegrad: wire='allreduce' sums the codes of {group_size} devices as uint16 "
+            "(more than 8 summing devices), and XLA:GPU promotes 16-bit integer all-reduces to "
+            "32 bits: this sync costs as many bytes as a float32 all-reduce here. Pass "
+            "wire='scatter_gather' (8-bit codes at any group size), or hierarchical=True with "
+            "at most 8 nodes",
+            RuntimeWarning,
+            stacklevel=1,
         )
     return Width(width, levels)
 

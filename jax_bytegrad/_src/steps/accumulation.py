@@ -26,9 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from jax_bytegrad._src import shards
 
 ACCUMULATED = "accumulated"
 
@@ -107,26 +104,17 @@ class Accumulation:
         return jax.tree.map(one, acc, grads)
 
 
-def _spec(x, dim: int | None, axes: tuple[str, str], sharded: bool) -> P:
-    """The spec of a leaf's accumulator: a leading axis of one row per device (per node,
-    sharded, with the split dimension split within the node)."""
-    if not sharded:
-        return P(axes)
-    return P(axes[0], *shards.spec(dim, np.ndim(x), axes[1]))
-
-
-def shapes(params, mesh: Mesh, axes, accumulation: Accumulation, dims) -> dict:
-    """``extra["accumulated"]`` as placed ``ShapeDtypeStruct``s: one row per device (per
-    node, with ``dims``, split within the node)."""
-    leaves, treedef = jax.tree.flatten(params)
-    rows = mesh.shape[axes[0]] * (1 if dims is not None else mesh.shape[axes[1]])
-    out = []
-    for i, x in enumerate(leaves):
-        spec = _spec(x, None if dims is None else dims[i], axes, dims is not None)
-        sharding = NamedSharding(mesh, spec)
-        shape = (rows, *np.shape(x))
-        out.append(jax.ShapeDtypeStruct(shape, accumulation.dtype, sharding=sharding))
-    return jax.tree.unflatten(treedef, out)
+def shapes(params, mesh: Mesh, accumulation: Accumulation, specs, rows: int) -> dict:
+    """``extra["accumulated"]`` as placed ``ShapeDtypeStruct``s: ``rows`` rows of each leaf
+    (one per device, or per node where the state is split within it), each leaf placed as
+    ``specs`` says (the placement's ``accumulator_specs``)."""
+    return jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(
+            (rows, *np.shape(x)), accumulation.dtype, sharding=NamedSharding(mesh, spec)
+        ),
+        params,
+        specs,
+    )
 
 
 def zeros(abstract):

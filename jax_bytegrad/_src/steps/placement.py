@@ -103,8 +103,18 @@ class Placement:
         """``extra``'s accumulator as placed ``ShapeDtypeStruct``s; empty without one."""
         if accumulation is None:
             return {}
-        acc = accumulation_lib.shapes(params, self.mesh, self.axes, accumulation, self.dims(params))
+        specs, rows = self.accumulator_specs(params), self.accumulator_rows
+        acc = accumulation_lib.shapes(params, self.mesh, accumulation, specs, rows)
         return {accumulation_lib.ACCUMULATED: acc}
+
+    def accumulator_specs(self, params):
+        """The accumulator's spec per leaf: a leading axis of one row per device."""
+        return jax.tree.map(lambda _: P(self.axes), params)
+
+    @property
+    def accumulator_rows(self) -> int:
+        """The accumulator's rows: one per device."""
+        return int(self.mesh.shape[self.axes[0]]) * self.local
 
     def place(self, params):
         """``params`` (host arrays) placed where they rest."""
@@ -184,6 +194,17 @@ class OptimizerSharded(Placement):
 
     def state_specs(self, opt_state, params):
         return shards.state_specs(opt_state, params, axes=self.axes, local=self.local)
+
+    def accumulator_specs(self, params):
+        """One row per node, each split within the node as its leaf is."""
+        return jax.tree.map(
+            lambda x, s: P(self.axes[0], *s), params, self.update_specs(params),
+            is_leaf=lambda x: isinstance(x, P),
+        )  # fmt: skip
+
+    @property
+    def accumulator_rows(self):
+        return int(self.mesh.shape[self.axes[0]])
 
     def accumuland(self, grads, dims):
         # The accumulator is split within the node too (ZeRO-2): the node's sum, in blocks.
