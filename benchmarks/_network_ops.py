@@ -32,7 +32,7 @@ from jax_bytegrad import (
     compressed_mean,
     scale_by_qadam,
 )
-from jax_bytegrad._src.collective_ops import ring_all_gather
+from jax_bytegrad._src.sync.patterns import ring_all_gather
 from jax_bytegrad.experimental import (
     PipelinedMean,
     message_slices,

@@ -155,9 +155,9 @@ def _timed(fn, *args, repeats: int) -> tuple[float, float]:
 
 def _codec_pieces(size: int) -> dict:
     """Name -> (jitted fn, args) for each timed piece, on one device's `size` values."""
-    from jax_bytegrad._src import wire as wire_lib
     from jax_bytegrad._src.codecs import Codec, dequantize_blocks, integer, quantize_blocks
-    from jax_bytegrad._src.config import plan_sync
+    from jax_bytegrad._src.sync import wire as wire_lib
+    from jax_bytegrad._src.sync.config import plan_sync
 
     nearest, stochastic = Codec(implementation="xla"), Codec(stochastic=True, implementation="xla")
     quantize = functools.partial(quantize_blocks, nearest)

@@ -1,13 +1,13 @@
 """Interfaces that may still change: asynchronous model averaging, the pipelined sync alone,
 and the collective patterns and residual sizes the benchmarks measure."""
 
-from jax_bytegrad._src.collective_ops import message_slices as message_slices
-from jax_bytegrad._src.collective_ops import ring_all_to_all as ring_all_to_all
-from jax_bytegrad._src.collective_ops import split_ppermute as split_ppermute
-from jax_bytegrad._src.collectives import residual_sizes as residual_sizes
 from jax_bytegrad._src.steps.asynchronous import AsyncModelAverage as AsyncModelAverage
 from jax_bytegrad._src.steps.asynchronous import async_model_average as async_model_average
 from jax_bytegrad._src.steps.pipelined import PipelinedMean as PipelinedMean
+from jax_bytegrad._src.sync.collectives import residual_sizes as residual_sizes
+from jax_bytegrad._src.sync.patterns import message_slices as message_slices
+from jax_bytegrad._src.sync.patterns import ring_all_to_all as ring_all_to_all
+from jax_bytegrad._src.sync.patterns import split_ppermute as split_ppermute
 
 __all__ = [
     "AsyncModelAverage",

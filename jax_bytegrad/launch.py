@@ -2,9 +2,9 @@
 
 import sys
 
-from jax_bytegrad._src.hugepages import with_hugepages as with_hugepages
-from jax_bytegrad._src.launch import launch as launch
-from jax_bytegrad._src.launch import main as main
+from jax_bytegrad._src.runtime.hugepages import with_hugepages as with_hugepages
+from jax_bytegrad._src.runtime.launcher import launch as launch
+from jax_bytegrad._src.runtime.launcher import main as main
 
 __all__ = ["launch", "main", "with_hugepages"]
 

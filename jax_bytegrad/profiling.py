@@ -3,16 +3,16 @@ from HLO; the memory each device needs, from XLA's analysis; and ``HEADER_WIDTH`
 values of each block's header on the wire."""
 
 from jax_bytegrad._src.codecs import HEADER_WIDTH as HEADER_WIDTH
-from jax_bytegrad._src.hlo import HloInstruction as HloInstruction
-from jax_bytegrad._src.hlo import array_shapes as array_shapes
-from jax_bytegrad._src.hlo import hlo_instructions as hlo_instructions
-from jax_bytegrad._src.memory import MemoryStats as MemoryStats
-from jax_bytegrad._src.memory import memory_stats as memory_stats
-from jax_bytegrad._src.overlap import Exchange as Exchange
-from jax_bytegrad._src.overlap import Overlap as Overlap
-from jax_bytegrad._src.stats import CollectiveTraffic as CollectiveTraffic
-from jax_bytegrad._src.stats import CommunicationStats as CommunicationStats
-from jax_bytegrad._src.stats import communication_stats as communication_stats
+from jax_bytegrad._src.inspection.hlo import HloInstruction as HloInstruction
+from jax_bytegrad._src.inspection.hlo import array_shapes as array_shapes
+from jax_bytegrad._src.inspection.hlo import hlo_instructions as hlo_instructions
+from jax_bytegrad._src.inspection.memory import MemoryStats as MemoryStats
+from jax_bytegrad._src.inspection.memory import memory_stats as memory_stats
+from jax_bytegrad._src.inspection.overlap import Exchange as Exchange
+from jax_bytegrad._src.inspection.overlap import Overlap as Overlap
+from jax_bytegrad._src.inspection.stats import CollectiveTraffic as CollectiveTraffic
+from jax_bytegrad._src.inspection.stats import CommunicationStats as CommunicationStats
+from jax_bytegrad._src.inspection.stats import communication_stats as communication_stats
 
 __all__ = [
     "HEADER_WIDTH",

@@ -2,14 +2,14 @@
 ``jax_bytegrad.make_mesh`` builds; meshes of deviceless GPUs to compile a cluster's step without
 its GPUs (``gpu_mesh``)."""
 
-from jax_bytegrad._src.gpu import GPUS as GPUS
-from jax_bytegrad._src.gpu import GpuSpec as GpuSpec
-from jax_bytegrad._src.gpu import gpu_mesh as gpu_mesh
-from jax_bytegrad._src.sharding import AXES as AXES
-from jax_bytegrad._src.sharding import replicate as replicate
-from jax_bytegrad._src.sharding import shard_batch as shard_batch
-from jax_bytegrad._src.sharding import shard_state as shard_state
-from jax_bytegrad._src.sharding import state_specs as state_specs
+from jax_bytegrad._src.gpu_mesh import GPUS as GPUS
+from jax_bytegrad._src.gpu_mesh import GpuSpec as GpuSpec
+from jax_bytegrad._src.gpu_mesh import gpu_mesh as gpu_mesh
+from jax_bytegrad._src.mesh import AXES as AXES
+from jax_bytegrad._src.mesh import replicate as replicate
+from jax_bytegrad._src.mesh import shard_batch as shard_batch
+from jax_bytegrad._src.mesh import shard_state as shard_state
+from jax_bytegrad._src.mesh import state_specs as state_specs
 
 __all__ = [
     "AXES",

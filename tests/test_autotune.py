@@ -251,7 +251,7 @@ def test_a_configuration_that_fails_is_skipped_with_a_warning():
 
 
 def test_a_configuration_that_fails_to_compile_is_skipped(monkeypatch):
-    from jax_bytegrad._src import wire
+    from jax_bytegrad._src.sync import wire
 
     slices = wire.message_slices
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import compressed_mean, full_precision_mean
-from jax_bytegrad._src import buckets
+from jax_bytegrad._src.sync import buckets
 from jax_bytegrad.profiling import communication_stats
 from jax_bytegrad.sharding import gpu_mesh
 

@@ -9,7 +9,7 @@ import pytest
 
 import jax_bytegrad as jbg
 from jax_bytegrad import SyncConfig
-from jax_bytegrad._src import buckets, collectives, config
+from jax_bytegrad._src.sync import buckets, collectives, config
 
 
 def leaves_of(shapes, dtypes=None):

@@ -30,7 +30,7 @@ def test_the_public_modules_have_examples():
     attempted = sum(
         doctest.testmod(importlib.import_module(name), verbose=False, report=False).attempted
         for name in (
-            "jax_bytegrad._src.collectives",
+            "jax_bytegrad._src.sync.collectives",
             "jax_bytegrad._src.transforms",
             "jax_bytegrad._src.strategy",
         )

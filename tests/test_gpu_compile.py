@@ -19,7 +19,9 @@ from helpers import gpu_plugin_error, load_script, needs_gpu_plugin
 
 import jax_bytegrad as jbg
 from jax_bytegrad import SyncConfig
-from jax_bytegrad._src import codecs, collectives, config, hlo, wire
+from jax_bytegrad._src import codecs
+from jax_bytegrad._src.inspection import hlo
+from jax_bytegrad._src.sync import collectives, config, wire
 from jax_bytegrad.sharding import GPUS, gpu_mesh
 
 ALGORITHMS = {

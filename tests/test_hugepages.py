@@ -11,7 +11,7 @@ import pytest
 from conftest import requires_gloo
 from helpers import REPO
 
-from jax_bytegrad._src import hugepages
+from jax_bytegrad._src.runtime import hugepages
 from jax_bytegrad.launch import launch
 
 JEMALLOC = Path("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
@@ -103,7 +103,7 @@ def test_the_environment_the_process_started_with_is_what_counts(start_env, expe
     got = _advice_in_subprocess(
         """
         import os
-        from jax_bytegrad._src import hugepages
+        from jax_bytegrad._src.runtime import hugepages
         os.environ["GLIBC_TUNABLES"] = hugepages.TUNABLE
         message = hugepages.process_advice("cpu")
         print("None" if message is None else "advice")

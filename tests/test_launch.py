@@ -20,7 +20,7 @@ import jax_bytegrad
 from jax_bytegrad import distributed
 
 # initialize()'s record of this process's run, which the tests reset and read: no public form.
-from jax_bytegrad._src import distributed as run_record
+from jax_bytegrad._src.runtime import cluster as run_record
 from jax_bytegrad.launch import launch
 
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
@@ -127,7 +127,7 @@ def test_initialize_single_process_sets_cpu_device_count():
     code = textwrap.dedent(
         """
         import jax_bytegrad
-        import jax_bytegrad._src.distributed as d
+        import jax_bytegrad._src.runtime.cluster as d
         import jax
         timeout = jax.config.jax_cpu_get_local_topology_timeout_minutes
         before = d._backend_started()
@@ -270,7 +270,7 @@ def test_launch_leaves_out_gloo_connection_lines_unless_told(tmp_path, quiet):
 
 
 def test_a_sigterm_echo_is_left_out_only_when_the_launcher_sent_it():
-    from jax_bytegrad._src.worker_output import NoiseFilter
+    from jax_bytegrad._src.runtime.worker_output import NoiseFilter
 
     # JAX 0.10.2 logs it from preemption_notifier.cc:90, JAX 0.12 from line 94.
     echo = b"W1125 18:15:47.007277    4272 preemption_notifier.cc:94] SIGTERM caught at 2026\n"

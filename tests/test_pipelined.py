@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import SyncConfig
-from jax_bytegrad._src import programs
+from jax_bytegrad._src.runtime import programs
 from jax_bytegrad._src.steps import pipelined
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
 from jax_bytegrad.experimental import PipelinedMean

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 import jax_bytegrad
 from jax_bytegrad import SyncConfig
 from jax_bytegrad._src.codecs import integer
-from jax_bytegrad._src.collectives import sync_mean
-from jax_bytegrad._src.config import Residuals, plan_sync
+from jax_bytegrad._src.sync.collectives import sync_mean
+from jax_bytegrad._src.sync.config import Residuals, plan_sync
 from jax_bytegrad.experimental import residual_sizes
 
 AXES = ("node", "local")

@@ -106,7 +106,7 @@ def test_the_index_lists_each_namespaces_names():
 
 def test_the_default_block_sizes_are_read_only():
     # Private since every default reads it: SyncConfig(bits=...).block_size is the public form.
-    from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES
+    from jax_bytegrad._src.sync.config import DEFAULT_BLOCK_SIZES
 
     with pytest.raises(TypeError):
         DEFAULT_BLOCK_SIZES[8] = 2048

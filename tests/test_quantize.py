@@ -18,7 +18,7 @@ from jax_bytegrad._src.codecs import (
     quantize_blocks,
 )
 from jax_bytegrad._src.codecs import pallas as _pallas
-from jax_bytegrad._src.quantization import resolve_implementation
+from jax_bytegrad._src.codecs.arrays import resolve_implementation
 
 pytestmark = pytest.mark.usefixtures("strict_dtypes")
 SM90_GPU = _pallas.is_supported()  # where the compiled Mosaic GPU kernels can run

@@ -11,13 +11,13 @@ from helpers import needs_gpu_plugin
 from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
-from jax_bytegrad._src.hlo import (
+from jax_bytegrad._src.inspection.hlo import (
     called_computations,
     conditional_branches,
     parse_collectives,
     parse_replica_groups,
 )
-from jax_bytegrad._src.stats import merge, stats_from_hlo
+from jax_bytegrad._src.inspection.stats import merge, stats_from_hlo
 from jax_bytegrad.profiling import (
     CommunicationStats,
     array_shapes,

@@ -1,4 +1,4 @@
-"""The wires between nodes: the integer all-reduce wire and the ring patterns (``_src/wire.py``).
+"""The wires between nodes: the integer all-reduce wire and the rings (``_src/sync/wire.py``).
 
 Per-device inputs are rows of a (devices, size) array, row d on the device at flat mesh
 position d. ``BLOCK`` is small so that a few thousand values make several blocks per device.
@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import SyncConfig, compressed_mean, full_precision_mean
-from jax_bytegrad._src import wire as wire_lib
 from jax_bytegrad._src.codecs import Codec, integer
-from jax_bytegrad._src.collective_ops import ring_all_gather
-from jax_bytegrad._src.config import plan_sync
+from jax_bytegrad._src.sync import wire as wire_lib
+from jax_bytegrad._src.sync.config import plan_sync
+from jax_bytegrad._src.sync.patterns import ring_all_gather
 from jax_bytegrad.experimental import residual_sizes, ring_all_to_all
 from jax_bytegrad.profiling import communication_stats
 

@@ -40,7 +40,7 @@ import numpy as np
 import optax
 from jax.experimental import multihost_utils
 
-from jax_bytegrad._src import buckets, checks
+from jax_bytegrad._src import checks
 from jax_bytegrad._src import strategy as strategy_lib
 from jax_bytegrad._src.autotune_diloco import check_link, estimate_diloco
 from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult, Trial: its API
@@ -55,7 +55,8 @@ from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult,
     write_cache,
 )
 from jax_bytegrad._src.codecs import integer
-from jax_bytegrad._src.config import SyncConfig, platform_of
+from jax_bytegrad._src.sync import buckets
+from jax_bytegrad._src.sync.config import SyncConfig, platform_of
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
 # None (one message per peer) runs at about half the link rate through Gloo (benchmarks/

@@ -21,7 +21,7 @@ import math
 from typing import NamedTuple
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.config import check_block_size
+from jax_bytegrad._src.sync.config import check_block_size
 
 # DiLoCo changes the optimization (docs/diloco.md: a few to 30% of loss in short runs), so a
 # small speed-up does not pay for it: it pays from this estimated speed-up on.

@@ -50,8 +50,8 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.config import Residuals
 from jax_bytegrad._src.steps.decentralized import consensus_params
+from jax_bytegrad._src.sync.config import Residuals
 
 # Private helpers ----------------------------------------------------------------------------------
 

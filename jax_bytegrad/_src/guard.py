@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_bytegrad._src import shards
+from jax_bytegrad._src.sync import shards
 
 # A loss this many times the early steps' largest is taken for divergence.
 DIVERGENCE_FACTOR = 100.0

@@ -63,8 +63,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, collectives, shards
-from jax_bytegrad._src.config import (
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.qadam_schedule import Phase as Phase
+from jax_bytegrad._src.qadam_schedule import check_refresh, check_warmup_steps, refresh_counter
+from jax_bytegrad._src.qadam_schedule import phase_schedule as phase_schedule
+from jax_bytegrad._src.qadam_schedule import refresh_steps as refresh_steps
+from jax_bytegrad._src.sync import collectives, shards
+from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
     Bits,
     BucketBytes,
@@ -75,10 +80,6 @@ from jax_bytegrad._src.config import (
     platform_of,
     sync_config,
 )
-from jax_bytegrad._src.qadam_schedule import Phase as Phase
-from jax_bytegrad._src.qadam_schedule import check_refresh, check_warmup_steps, refresh_counter
-from jax_bytegrad._src.qadam_schedule import phase_schedule as phase_schedule
-from jax_bytegrad._src.qadam_schedule import refresh_steps as refresh_steps
 
 SecondMoment = Literal["gradient", "momentum", "momentum_max", "floor", "frozen"]
 SECOND_MOMENTS: tuple[str, ...] = ("gradient", "momentum", "momentum_max", "floor", "frozen")

@@ -27,8 +27,8 @@ from typing import Any
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, guard, qadam, sharding, transforms
-from jax_bytegrad._src.config import SyncConfig
+from jax_bytegrad._src import checks, guard, qadam, transforms
+from jax_bytegrad._src import mesh as mesh_lib
 from jax_bytegrad._src.steps import asynchronous, decentralized, diloco, pipelined
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import TrainStep
@@ -38,6 +38,7 @@ from jax_bytegrad._src.steps.data_parallel import (
     data_parallel_step,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+from jax_bytegrad._src.sync.config import SyncConfig
 
 # Private helpers -------------------------------------------------------------------------
 
@@ -376,7 +377,7 @@ class Strategy:
                 f"pass them, e.g. Strategy({algorithm!r}, {missing[0]}=...)"
             )
         self.algorithm = algorithm
-        self.mesh = sharding.make_mesh() if mesh is None else mesh
+        self.mesh = mesh_lib.make_mesh() if mesh is None else mesh
         self.kwargs = dict(algorithm_kwargs)
         self.flatten = flatten
         if entry.check is not None:

@@ -19,8 +19,9 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, collectives
-from jax_bytegrad._src.config import (
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.sync import collectives
+from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
     Bits,
     BucketBytes,

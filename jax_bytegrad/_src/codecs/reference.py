@@ -6,7 +6,7 @@ stored as (scale, zero point) per block so that zero is exact without Bagua's la
 offsets, extreme magnitudes never overflow, and non-finite blocks decode to NaN.
 
 Every function here works on blocks that are already laid out as rows: ``x`` has shape
-``(num_blocks, block_size)``. ``quantization.py`` does the flattening, padding and validation.
+``(num_blocks, block_size)``. ``arrays.py`` does the flattening, padding and validation.
 Each takes a ``codecs.Codec`` first (its ``bits`` and rounding), then its arrays; every other
 implementation of the same op (``pallas.py``) takes the same arguments.
 

@@ -36,11 +36,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks, memory, stats
-from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
-from jax_bytegrad._src.sharding import replicate
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.inspection import memory, stats
+from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.steps.base import Program, StepState, TrainStep, host_copy
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
+from jax_bytegrad._src.sync.buckets import flatten_float32, unflatten_like
 from jax_bytegrad._src.transforms import gradient_allreduce
 
 # Private helpers -------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks, guard, memory, stats
-from jax_bytegrad._src.sharding import shard_batch
+from jax_bytegrad._src import checks, guard
+from jax_bytegrad._src.inspection import memory, stats
+from jax_bytegrad._src.mesh import shard_batch
 from jax_bytegrad._src.steps.model_state import ModelState, step_key
 
 

@@ -39,9 +39,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks, shards
-from jax_bytegrad._src.collective_ops import make_varying
-from jax_bytegrad._src.shards import Shard
+from jax_bytegrad._src import checks
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import (
@@ -55,6 +53,9 @@ from jax_bytegrad._src.steps.base import (
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
 from jax_bytegrad._src.steps.placement import placement_of
 from jax_bytegrad._src.steps.tracing import traced, traced_gradient
+from jax_bytegrad._src.sync import shards
+from jax_bytegrad._src.sync.patterns import make_varying
+from jax_bytegrad._src.sync.shards import Shard
 
 # The phase of the micro-steps that only accumulate (``accumulation.py``).
 ACCUMULATE = "accumulate"

@@ -33,15 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.buckets import flatten_float32, unflatten_like
-from jax_bytegrad._src.collective_ops import (
-    gather_flat,
-    make_varying,
-    scatter_flat,
-    split_ppermute,
-)
-from jax_bytegrad._src.config import DEFAULT_BLOCK_SIZES, DEFAULT_MESSAGE_BYTES, check_block_size
-from jax_bytegrad._src.quantization import (
+from jax_bytegrad._src.codecs.arrays import (
     Implementation,
     dequantize,
     quantize,
@@ -56,6 +48,18 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+from jax_bytegrad._src.sync.buckets import flatten_float32, unflatten_like
+from jax_bytegrad._src.sync.config import (
+    DEFAULT_BLOCK_SIZES,
+    DEFAULT_MESSAGE_BYTES,
+    check_block_size,
+)
+from jax_bytegrad._src.sync.patterns import (
+    gather_flat,
+    make_varying,
+    scatter_flat,
+    split_ppermute,
+)
 
 PeerSelectionMode = Literal["all", "shift_one"]
 _RING_KEYS = ("weight", "left_peer_weight", "right_peer_weight")

@@ -49,17 +49,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.collective_ops import make_varying
-from jax_bytegrad._src.collectives import full_precision_mean, mesh_residuals, sync_mean
-from jax_bytegrad._src.config import (
-    DEFAULT_MESSAGE_BYTES,
-    BucketBytes,
-    SyncConfig,
-    Wire,
-    platform_of,
-)
-from jax_bytegrad._src.sharding import replicate
-from jax_bytegrad._src.shards import Shard
+from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.steps.base import (
     Program,
     StepState,
@@ -81,6 +71,16 @@ from jax_bytegrad._src.steps.diloco_layout import (
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.placement import placement_of
 from jax_bytegrad._src.steps.tracing import traced
+from jax_bytegrad._src.sync.collectives import full_precision_mean, mesh_residuals, sync_mean
+from jax_bytegrad._src.sync.config import (
+    DEFAULT_MESSAGE_BYTES,
+    BucketBytes,
+    SyncConfig,
+    Wire,
+    platform_of,
+)
+from jax_bytegrad._src.sync.patterns import make_varying
+from jax_bytegrad._src.sync.shards import Shard
 
 # ``bits`` of a float32 exchange between nodes.
 FLOAT32 = 32

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.sharding import replicate
+from jax_bytegrad._src.mesh import replicate
 
 StateSync = Literal["mean", "first"]
 # Their names in ``StepState.extra``.

@@ -48,16 +48,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.config import (
-    Residuals,
-    SyncConfig,
-    SyncPlan,
-    plan_sync,
-    platform_of,
-    sync_config,
-)
-from jax_bytegrad._src.programs import Dispatcher, Schedule, Value, aval, execute
-from jax_bytegrad._src.sharding import StateSpecs
+from jax_bytegrad._src.mesh import StateSpecs
+from jax_bytegrad._src.runtime.programs import Dispatcher, Schedule, Value, aval, execute
 from jax_bytegrad._src.steps.base import (
     LoweredPrograms,
     Program,
@@ -72,6 +64,14 @@ from jax_bytegrad._src.steps.stages import (
     new_residuals,
     residual_names,
     residual_values,
+)
+from jax_bytegrad._src.sync.config import (
+    Residuals,
+    SyncConfig,
+    SyncPlan,
+    plan_sync,
+    platform_of,
+    sync_config,
 )
 from jax_bytegrad._src.transforms import ByteGradState, sync_gradients
 

@@ -34,11 +34,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import shards
-from jax_bytegrad._src.config import platform_of
-from jax_bytegrad._src.sharding import replicate, state_specs
-from jax_bytegrad._src.shards import Shard, Sharded
+from jax_bytegrad._src.mesh import replicate, state_specs
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
+from jax_bytegrad._src.sync import shards
+from jax_bytegrad._src.sync.config import platform_of
+from jax_bytegrad._src.sync.shards import Shard, Sharded
 
 # With shard="params" on GPUs: the largest combined reduce-scatter within the node. XLA:GPU's
 # combiner (30 MiB) would merge the gradient's reduce-scatters after the last one, holding every

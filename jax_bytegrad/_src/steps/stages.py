@@ -19,13 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import codecs, collective_ops
-from jax_bytegrad._src import wire as wires
+from jax_bytegrad._src import codecs
 from jax_bytegrad._src.codecs import resolve_implementation
-from jax_bytegrad._src.collectives import bucket_key, device_key, step_keys
-from jax_bytegrad._src.config import Group, Residuals, SyncConfig, SyncPlan
-from jax_bytegrad._src.programs import Program, Schedule
+from jax_bytegrad._src.runtime.programs import Program, Schedule
+from jax_bytegrad._src.sync import buckets as bucketing
+from jax_bytegrad._src.sync import patterns
+from jax_bytegrad._src.sync import wire as wires
+from jax_bytegrad._src.sync.collectives import bucket_key, device_key, step_keys
+from jax_bytegrad._src.sync.config import Group, Residuals, SyncConfig, SyncPlan
 
 # The values the programs pass each other, by name. ----------------------------------------
 
@@ -150,7 +151,7 @@ def _chunks(
         parts = 1 if group.plain else min(wanted, blocks)
         return [_Chunk(b, i, s, e) for i, (s, e) in enumerate(_split(blocks, parts))]
     per_peer = size // (group.size * block)
-    pieces = collective_ops.message_slices(per_peer, block * sync.bits // 8, sync.message_bytes)
+    pieces = patterns.message_slices(per_peer, block * sync.bits // 8, sync.message_bytes)
     chunks = []
     for i, (s, e) in enumerate(_split(len(pieces), min(wanted, len(pieces)))):
         held = tuple((j, pieces[j]) for j in range(s, e))
@@ -447,7 +448,7 @@ class Stages:
 
         def gather(given):
             shard = self._join([given[name] for name in parts])
-            return {Bucket(Of.MEAN, b): collective_ops.gather_invariant(shard, local_axis)}
+            return {Bucket(Of.MEAN, b): patterns.gather_invariant(shard, local_axis)}
 
         return Program(f"gather{b}", "wire", gather, parts)
 

@@ -88,8 +88,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.hugepages import with_hugepages
-from jax_bytegrad._src.worker_output import NoiseFilter, pump
+from jax_bytegrad._src.runtime.hugepages import with_hugepages
+from jax_bytegrad._src.runtime.worker_output import NoiseFilter, pump
 from jax_bytegrad.distributed import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,

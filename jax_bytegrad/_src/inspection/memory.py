@@ -21,7 +21,7 @@ import warnings
 
 import jax
 
-from jax_bytegrad._src.gpu import GPUS
+from jax_bytegrad._src.gpu_mesh import GPUS
 
 _GIB = 2**30
 # XLA:GPU's share of the device it plans for, and its default slop factor, in percent.

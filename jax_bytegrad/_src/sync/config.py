@@ -25,9 +25,9 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.buckets import Layout, make_layout
 from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation
 from jax_bytegrad._src.codecs.integer import Width, allreduce_width, check_fits
+from jax_bytegrad._src.sync.buckets import Layout, make_layout
 
 # The bucket size off GPU meshes: big enough that each collective runs at link speed, small
 # enough that a 25M-parameter model gets a few buckets whose communication can overlap the next

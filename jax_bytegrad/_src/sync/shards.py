@@ -26,8 +26,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import buckets, collective_ops
-from jax_bytegrad._src.config import Residuals
+from jax_bytegrad._src.sync import buckets, patterns
+from jax_bytegrad._src.sync.config import Residuals
 
 Shard = Literal["optimizer", "params"]
 SHARDS = ("optimizer", "params")
@@ -144,7 +144,7 @@ class Whole:
     def node_part(self, x, dim, axis: str, local: int) -> jax.Array:
         """This device's part of the node's sum of ``x``: of its flat values."""
         del dim
-        return collective_ops.scatter_flat(x.reshape(-1), axis, local)
+        return patterns.scatter_flat(x.reshape(-1), axis, local)
 
     def momentum_within(self, mu):
         """The momentum each device adds its gradient to (``qadam``): ``mu`` itself."""
@@ -247,8 +247,8 @@ class Sharded(Whole):
                 return x
             return jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
         if self.summed:
-            return collective_ops.own_flat(x.reshape(-1), axis, local)
-        return collective_ops.scatter_flat(x.reshape(-1), axis, local)
+            return patterns.own_flat(x.reshape(-1), axis, local)
+        return patterns.scatter_flat(x.reshape(-1), axis, local)
 
     def momentum_within(self, mu):
         """So that the node's sum of the devices' ``b1 m + (1 - b1) g`` is what the sync sums,

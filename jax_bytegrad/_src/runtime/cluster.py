@@ -46,7 +46,8 @@ from typing import NamedTuple
 
 import jax
 
-from jax_bytegrad._src import checks, hugepages
+from jax_bytegrad._src import checks
+from jax_bytegrad._src.runtime import hugepages
 
 COORDINATOR_ENV = "JAX_BYTEGRAD_COORDINATOR"
 NUM_PROCESSES_ENV = "JAX_BYTEGRAD_NUM_PROCESSES"

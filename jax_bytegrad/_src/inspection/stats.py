@@ -42,8 +42,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_bytegrad._src import hlo
-from jax_bytegrad._src.overlap import Overlap, overlap_by_axis
+from jax_bytegrad._src.inspection import hlo
+from jax_bytegrad._src.inspection.overlap import Overlap, overlap_by_axis
 
 # Label of a collective whose groups all have one member, or whose pairs are all i -> i.
 NO_AXES = "-"

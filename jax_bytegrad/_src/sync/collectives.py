@@ -29,11 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src import buckets as bucketing
-from jax_bytegrad._src import checks, collective_ops, shards
-from jax_bytegrad._src import wire as wires
+from jax_bytegrad._src import checks
 from jax_bytegrad._src.codecs import check_key, resolve_implementation
-from jax_bytegrad._src.config import (
+from jax_bytegrad._src.sync import buckets as bucketing
+from jax_bytegrad._src.sync import patterns, shards
+from jax_bytegrad._src.sync import wire as wires
+from jax_bytegrad._src.sync.config import (
     DEFAULT_BUCKET_BYTES,
     Residuals,
     SyncConfig,
@@ -42,7 +43,7 @@ from jax_bytegrad._src.config import (
     sync_config,
     traced_platform,
 )
-from jax_bytegrad._src.shards import Sharded
+from jax_bytegrad._src.sync.shards import Sharded
 
 
 def _mesh_axis_names() -> tuple[str, ...]:
@@ -458,7 +459,7 @@ def _summed_means(leaves, config: SyncConfig, average, order, within) -> list:
     def whole(x, dim, part):
         if dim is not None:
             return part
-        return collective_ops.gather_flat(part, local_axis, x.size).reshape(x.shape)
+        return patterns.gather_flat(part, local_axis, x.size).reshape(x.shape)
 
     if within.per_leaf(config.hierarchical, local):
         return [reduce(x) for x in leaves]

@@ -41,7 +41,7 @@ add up in one integer ``psum`` (the codec and its semantics: ``codecs/integer.py
     all_gather over local (bucket dtype)   -> the whole bucket
 
 ``wire="ring"``: the scatter-gather wire with its all_to_all done as g - 1 ppermute shifts
-(``collective_ops.ring_all_to_all``). Same codes, same result, bit for bit.
+(``patterns.ring_all_to_all``). Same codes, same result, bit for bit.
 
 The bytes each wire sends between nodes: benchmarks/RESULTS.md, "Bytes between nodes" and
 "Decode factors: each block's grid once, not once per value".
@@ -56,8 +56,8 @@ import numpy as np
 
 from jax_bytegrad._src import codecs
 from jax_bytegrad._src.codecs import integer
-from jax_bytegrad._src.collective_ops import gather_invariant, message_slices, ring_all_to_all
-from jax_bytegrad._src.config import BucketPlan, Wire
+from jax_bytegrad._src.sync.config import BucketPlan, Wire
+from jax_bytegrad._src.sync.patterns import gather_invariant, message_slices, ring_all_to_all
 
 
 def code_exchange(wire: Wire, message_bytes: int | None):

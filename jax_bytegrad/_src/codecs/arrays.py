@@ -19,7 +19,7 @@ from jax_bytegrad._src import checks
 from jax_bytegrad._src import codecs as _codecs
 from jax_bytegrad._src.codecs import HEADER_WIDTH as HEADER_WIDTH
 from jax_bytegrad._src.codecs import Codec, check_key, resolve_implementation
-from jax_bytegrad._src.config import (
+from jax_bytegrad._src.sync.config import (
     BITS,
     ROUNDINGS,
     Bits,

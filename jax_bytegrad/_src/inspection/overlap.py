@@ -25,7 +25,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from jax_bytegrad._src import hlo
+from jax_bytegrad._src.inspection import hlo
 
 # Custom calls that are gemms or convolutions: cuBLAS/cuBLASLt, cuDNN, oneDNN matmuls.
 _GEMM_TARGET_RE = re.compile(r'custom_call_target="[^"]*(gemm|cublas|matmul)', re.I)

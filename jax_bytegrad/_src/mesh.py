@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.config import Residuals
+from jax_bytegrad._src.sync.config import Residuals
 
 AXES = ("node", "local")
 

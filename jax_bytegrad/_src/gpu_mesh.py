@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.sharding import AXES
+from jax_bytegrad._src.mesh import AXES
 
 
 @dataclasses.dataclass(frozen=True)

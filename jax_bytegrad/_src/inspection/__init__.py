@@ -1,0 +1,1 @@
+"""Reading compiled programs: bytes on the wire, the HLO, memory and overlap."""
