@@ -52,8 +52,12 @@ def train(algorithm: str, shard, *, scan: bool, steps: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "list"])
-@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad"])
+# Each form once, each algorithm once: the sync is the same code for a list and a scan.
+@pytest.mark.parametrize(
+    ("algorithm", "scan"),
+    [("gradient_allreduce", False), ("bytegrad", True)],
+    ids=["list", "scanned"],
+)
 def test_a_llama_decoder_trains_with_params_sharded_as_replicated(algorithm, scan):
     want_params, want, _ = train(algorithm, None, scan=scan, steps=12)
     got_params, got, state = train(algorithm, "params", scan=scan, steps=12)
@@ -173,7 +177,8 @@ def _nnx_run(nnx, shard, steps: int):
     return step, [float(step(b)["loss"]) for b in _regression_batches(steps)]
 
 
-@pytest.mark.parametrize("shard", ["optimizer", "params"])
+# "params", where stacked blocks failed; the reseed that fixed it is the same for every shard=.
+@pytest.mark.parametrize("shard", ["params"])
 def test_nnx_stacked_blocks_with_dropout_train_sharded_as_replicated(shard):
     nnx = pytest.importorskip("flax.nnx")
     base, want = _nnx_run(nnx, None, 6)
