@@ -375,12 +375,12 @@ class DataParallelStep(TrainStep):
             out_shardings=self._shardings(out_specs),
             donate_argnums=donated if self._donate else (),
         )
-        inputs = functools.partial(self._inputs, phase=phase)
+        inputs = functools.partial(self._inputs, phase=phase, layout=layout)
         outputs = functools.partial(self._outputs, phase=phase)
         return Program(fn, inputs, outputs)
 
-    def _inputs(self, state, batch, *, phase):
-        layout = self._layout(state.params)
+    def _inputs(self, state, batch, *, phase, layout: Layout):
+        # ``layout`` is the one ``program`` found for these params' shapes: not looked up again.
         shards.check_placed((state.params, state.opt_state), (layout.params, layout.opt_state),
                             self.mesh, f"{self.algorithm} (shard={self.shard!r})")  # fmt: skip
         batch = global_batch(batch, self.mesh, self._axes)
