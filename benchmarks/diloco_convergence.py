@@ -9,11 +9,15 @@ simulating 2 nodes of 4 devices and 4 nodes of 2 (``--meshes 2x4 4x2``):
 Variants (``VARIANTS``): ``bytegrad`` every step (8-bit, Adam), and ``Strategy("diloco")`` with
 the same Adam as inner optimizer, DiLoCo's outer Nesterov SGD (0.7, momentum 0.9), ``delay=0``,
 at H = 1, 10, 50, 100 with 8-bit outer exchanges, and at H = 10, 50 with float32 and 4-bit +
-error feedback outer exchanges. Every ``--eval-every`` steps the model (DiLoCo's global params)
-is evaluated on the held-out set; the curves go to one PNG, a panel per task and mesh. Prints
-markdown tables: the final test loss of each variant and its ratio to ByteGrad's (and, for the
-8- and 4-bit outer exchanges, to the float32 one's at the same H). ``--json`` keeps the raw results,
-and ``--report`` re-prints and re-plots from it without training.
+error feedback outer exchanges; plain averaging (outer SGD at rate 1) at H = 1, 10, 50; and any
+Nesterov outer step by name, ``"diloco H=<h> 8-bit, outer <lr>/<momentum>"``.
+``--inner-schedule cosine`` gives every variant's Adam (ByteGrad's too) a warm-up and a cosine
+decay to a tenth of its rate; by default the rate is constant. Every ``--eval-every`` steps
+the model (DiLoCo's global params) is evaluated on the held-out set; the curves go to one PNG,
+a panel per task and mesh. Prints markdown tables: the final test loss of each variant and its
+ratio to ByteGrad's (and, for the 8- and 4-bit outer exchanges, to the float32 one's at the
+same H). ``--json`` keeps the raw results (one run length per file: a run overwrites the
+same task, mesh and variant), and ``--report`` re-prints and re-plots from it without training.
 
     python benchmarks/diloco_convergence.py --tasks tabular transformer --meshes 2x4 4x2 \
         --steps 300 --json /tmp/diloco.json --plot benchmarks/diloco_convergence.png
@@ -55,11 +59,36 @@ for _h in (10, 50):
     )
 # Plain averaging of the nodes' params every H steps (outer SGD, rate 1, no momentum: local
 # SGD), to tell the outer optimizer's share of a gap from the exchange interval's.
-for _h in (10, 50):
+for _h in (1, 10, 50):
     VARIANTS[f"diloco H={_h} 8-bit, averaging"] = (
         "diloco",
         {"inner_steps": _h, "delay": 0, "bits": 8, "outer_optimizer": optax.sgd(1.0)},
     )
+# Other outer optimizers, by name: "diloco H=<h> 8-bit, outer <lr>/<momentum>" is Nesterov SGD
+# at that rate and momentum (momentum 0: plain SGD). Its steady-state gain on a pseudo-gradient
+# that keeps its direction is lr / (1 - momentum): 7 for DiLoCo's 0.7/0.9, 1 for averaging.
+OUTER_PREFIX = ", outer "
+
+
+def outer_variant(h: int, lr: float, momentum: float) -> str:
+    """Registers (and names) DiLoCo at H = h, 8 bits, with Nesterov SGD (lr, momentum) outside."""
+    name = f"diloco H={h} 8-bit{OUTER_PREFIX}{lr:g}/{momentum:g}"
+    outer = optax.sgd(lr, momentum=momentum, nesterov=True) if momentum else optax.sgd(lr)
+    VARIANTS[name] = ("diloco", {"inner_steps": h, "delay": 0, "bits": 8, "outer_optimizer": outer})
+    return name
+
+
+def lookup_variant(name: str) -> str:
+    """A registry name, or an ``outer`` name parsed and registered on first use."""
+    if name not in VARIANTS and OUTER_PREFIX in name and name.startswith("diloco H="):
+        head, rates = name.split(OUTER_PREFIX)
+        lr, momentum = (float(v) for v in rates.split("/"))
+        outer_variant(int(head.split()[1][2:]), lr, momentum)
+    if name not in VARIANTS:
+        raise argparse.ArgumentTypeError(f"unknown variant {name!r}; known: {list(VARIANTS)}")
+    return name
+
+
 TASKS = ("tabular", "transformer")
 
 
@@ -128,11 +157,30 @@ def _transformer(seed: int):
 # The worker --------------------------------------------------------------------------------
 
 
-def train(task: str, variant: str, mesh_shape, steps: int, eval_every: int, seed: int) -> dict:
+def inner_rate(lr: float, steps: int, schedule: str):
+    """The inner Adam's learning rate: constant, or a cosine decay to lr / 10 over the run
+    (5% linear warm-up first), the same for every variant."""
+    if schedule == "constant":
+        return lr
+    return optax.warmup_cosine_decay_schedule(
+        lr / 10, lr, warmup_steps=max(1, steps // 20), decay_steps=steps, end_value=lr / 10
+    )
+
+
+def train(
+    task: str,
+    variant: str,
+    mesh_shape,
+    steps: int,
+    eval_every: int,
+    seed: int,
+    schedule: str = "constant",
+) -> dict:
     """One run: ``{"steps": [...], "test_loss": [...], "seconds": s}``."""
     params, loss_fn, next_batch, test, lr = (_tabular if task == "tabular" else _transformer)(seed)
     mesh = jax_bytegrad.make_mesh(*mesh_shape)
     name, kwargs = VARIANTS[variant]
+    lr = inner_rate(lr, steps, schedule)
     evaluate = jax.jit(loss_fn)
     curve, at = [], []
     start = time.perf_counter()
@@ -147,6 +195,7 @@ def train(task: str, variant: str, mesh_shape, steps: int, eval_every: int, seed
                                      step.params(state))  # fmt: skip
                 at.append(t)
                 curve.append(float(evaluate(model, test)))
+                print(f"  {variant} step {t}: {curve[-1]:.4f}", file=sys.stderr, flush=True)
     return {"steps": at, "test_loss": curve, "seconds": time.perf_counter() - start}
 
 
@@ -204,10 +253,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=TASKS)
     p.add_argument("--meshes", nargs="+", default=["2x4", "4x2"])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    names = 'registry names, or "diloco H=<h> 8-bit, outer <lr>/<momentum>"'
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=lookup_variant, help=names)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--seed", type=int, default=0)
+    sched = "the inner Adam's rate, every variant (cosine: warm-up, decay to 1/10)"
+    p.add_argument(
+        "--inner-schedule", choices=("constant", "cosine"), default="constant", help=sched
+    )
     p.add_argument("--json", type=Path, help="where to keep (and add to) the raw results")
     p.add_argument("--report", action="store_true", help="report --json's results; no training")
     p.add_argument("--plot", type=Path, help="write the curves to this PNG")
@@ -221,7 +275,7 @@ def main(argv=None) -> int:
                 runs = results.setdefault(f"{task}@{mesh}", {})
                 for variant in args.variants:
                     runs[variant] = train(task, variant, shape, args.steps, args.eval_every,
-                                          args.seed)  # fmt: skip
+                                          args.seed, args.inner_schedule)  # fmt: skip
                     print(f"{task} {mesh} {variant}: {runs[variant]['test_loss'][-1]:.4f} "
                           f"({runs[variant]['seconds']:.0f} s)", flush=True)  # fmt: skip
                     if args.json:
