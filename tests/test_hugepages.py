@@ -117,7 +117,7 @@ def test_the_environment_the_process_started_with_is_what_counts(start_env, expe
     not JEMALLOC.exists(), reason=f"needs {JEMALLOC} to preload (Debian's libjemalloc2)"
 )
 def test_a_preloaded_malloc_is_told_apart_from_glibcs():
-    code = "from jax_bytegrad._src import hugepages; print(hugepages._malloc_is_glibcs())"
+    code = "from jax_bytegrad._src.runtime import hugepages; print(hugepages._malloc_is_glibcs())"
     assert _advice_in_subprocess(code, {}) == "True"
     assert _advice_in_subprocess(code, {"LD_PRELOAD": str(JEMALLOC)}) == "False"
 
