@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate
+from jax_bytegrad._src.steps import remat_order
 
 StateSync = Literal["mean", "first"]
 # Their names in ``StepState.extra``.
@@ -245,7 +246,11 @@ class ModelState:
         node's rows, and the loss runs once per device's rows under ``jax.vmap``, with the
         key that device would get, so each device's loss, dropout and batch statistics are
         what they are in the step manual over both axes. ``grads`` is the sum over the node's
-        devices; the loss and aux are their means, the model state synced over ``axes``."""
+        devices; the loss and aux are their means, the model state synced over ``axes``.
+
+        Each top-level ``jax.checkpoint`` the loss calls finishes its backward (weight
+        gradients included) before the layer below starts its own (``remat_order``): an
+        unrolled list of layers then peaks as a scanned stack does."""
         loss = self._loss(loss_fn, has_aux)
 
         def total(params, rows, model_state, keys):
@@ -253,7 +258,9 @@ class ModelState:
             values, (aux, model_state) = per_row(params, rows, model_state, keys)
             return jnp.sum(values), (values, aux, model_state)
 
-        grad_fn = jax.value_and_grad(total, has_aux=True)
+        # Over all of the node's rows at once: a layer's weight gradients are then the
+        # node's sums, split as the params are, when the barrier holds them.
+        grad_fn = jax.value_and_grad(remat_order.tie_remat_backward(total), has_aux=True)
 
         def run(params, batch, *inputs):
             model_state, rng = self._split_inputs(inputs)
