@@ -41,7 +41,6 @@ from jax_bytegrad._src.sync.config import (
     SyncPlan,
     plan_sync,
     sync_config,
-    traced_platform,
 )
 from jax_bytegrad._src.sync.shards import Sharded
 
@@ -88,7 +87,7 @@ def residual_sizes(
       config: the sync's settings.
       mesh_shape: (nodes, devices per node).
       platform: the mesh's JAX platform (``"gpu"``, ``"cpu"``), which sizes the buckets of
-        ``bucket_bytes="auto"``; None for the mesh being traced (``config.traced_platform``).
+        ``bucket_bytes="auto"``; None for the mesh being traced (``config.platform_of``).
 
     Returns:
       One (send, mean) pair of per-device lengths per bucket.
@@ -99,7 +98,6 @@ def residual_sizes(
       >>> residual_sizes({"w": jnp.ones(1000)}, SyncConfig(bits=4), (2, 4))
       ((1024, 512),)
     """
-    platform = traced_platform() if platform is None else platform
     return plan_sync(config, jax.tree.leaves(tree), mesh_shape, platform).residual_sizes
 
 
@@ -107,9 +105,8 @@ def bucket_layout(
     leaves, config: SyncConfig, mesh_shape: tuple[int, int], platform: str | None = None
 ) -> bucketing.Layout:
     """The buckets of ``leaves`` for ``config`` on a (nodes, devices per node) mesh of
-    ``platform`` (None: the mesh being traced, ``config.traced_platform``): the layout of
+    ``platform`` (None: the mesh being traced, ``config.platform_of``): the layout of
     ``config.plan_sync``."""
-    platform = traced_platform() if platform is None else platform
     return plan_sync(config, leaves, mesh_shape, platform).layout
 
 
@@ -262,7 +259,6 @@ def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
         config,
         within.full_shapes(leaves, local),
         (n, local),
-        traced_platform(),
         weight=1.0 / (n * local) if average else 1.0,
         sums_within=within.sums_within,
         gathers_within=within.gathers_within,
