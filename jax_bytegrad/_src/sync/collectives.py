@@ -395,13 +395,13 @@ def full_precision_mean(
         is not a float dtype.
 
     Examples:
-      >>> import jax, jax.numpy as jnp, jax_bytegrad
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax_bytegrad.make_mesh(1, 1)
-      >>> f = jax.shard_map(jax_bytegrad.full_precision_mean, mesh=mesh,
-      ...                   in_specs=P(), out_specs=P())
-      >>> f({"w": jnp.ones(3)})["w"]
-      Array([1., 1., 1.], dtype=float32)
+      >>> import functools, jax, jax.numpy as jnp, jax_bytegrad
+      >>> sync = jax_bytegrad.SyncConfig(hierarchical=True)
+      >>> total = functools.partial(jax_bytegrad.full_precision_mean, sync=sync, average=False)
+      >>> specs = jax.sharding.PartitionSpec()
+      >>> jax.shard_map(total, mesh=jax_bytegrad.make_mesh(1, 1), in_specs=specs,
+      ...               out_specs=specs)(jnp.ones(2))
+      Array([1., 1.], dtype=float32)
     """
     where = "full_precision_mean"
     checks.boolean(average, "average", where)

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation
+from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation, IntegerOps
 from jax_bytegrad._src.codecs.integer import Width, allreduce_width, check_fits
 from jax_bytegrad._src.sync.buckets import Layout, make_layout
 
@@ -273,6 +273,8 @@ class BucketPlan:
       residual: error feedback's per-device (send, mean) lengths (``residual_sizes``).
       group: who compresses with whom, over which wire.
       codec: the codecs' settings (bits, rounding, implementation).
+      integer: the integer wire's ops for ``codec`` (``codecs.IntegerOps``), resolved once;
+        None where ``width`` is.
       block_size: values per quantization block.
       width: the integer wire's code width for the group (``allreduce_width``); None on the
         other wires, and where nothing is compressed.
@@ -295,6 +297,7 @@ class BucketPlan:
     residual: tuple[int, int]
     group: Group
     codec: Codec
+    integer: IntegerOps | None
     block_size: int
     width: Width | None
     message_bytes: int | None
@@ -337,8 +340,9 @@ def plan_sync(
     gathers_within: bool = True,
 ) -> SyncPlan:
     """Resolves ``config`` once for ``leaves`` on a (nodes, devices per node) mesh of
-    ``platform`` (None: the mesh being traced, ``platform_of``): the buckets (``bucket_grain`` there, each padded to a whole number of
-    blocks on every device, as every wire needs) and each bucket's ``BucketPlan``.
+    ``platform`` (None: the mesh being traced, ``platform_of``): the buckets
+    (``bucket_grain`` there, each padded to a whole number of blocks on every device, as
+    every wire needs) and each bucket's ``BucketPlan``.
 
     ``sums_within`` and ``gathers_within`` say what the layout of the gradient leaves to the
     wire within the node (``shards.Whole``, ``shards.Sharded``): its reduce-scatter there, and
@@ -364,6 +368,7 @@ def plan_sync(
     dtypes = [layout.bucket_dtype(b) for b in range(len(layout.buckets))]
     integer = group.wire == "allreduce" and not group.plain
     width = allreduce_width(config.bits, group.size, platform) if integer else None
+    ops = IntegerOps.of(codec) if integer else None
     plans = []
     for b, padded in enumerate(layout.padded_sizes):
         send = padded // local if config.hierarchical else padded
@@ -376,6 +381,7 @@ def plan_sync(
                 residual=(0, 0) if group.plain else (send, mean),
                 group=group,
                 codec=codec,
+                integer=ops,
                 block_size=config.block_size,
                 width=width,
                 message_bytes=config.message_bytes,
