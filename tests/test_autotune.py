@@ -487,7 +487,12 @@ def test_every_tunable_setting_keeps_the_average_within_the_quantization_bound(b
             # integer wire: one, on a grid of fewer levels per node (headroom for the sum).
             strategy = _strategy(bits=bits, **{name: value})
             group = 2 if strategy.setting("hierarchical") else 8
-            wire = SyncConfig(bits=bits, wire=strategy.setting("wire")).wire_for(group)
+            sync = SyncConfig(
+                bits=bits,
+                wire=strategy.setting("wire"),
+                hierarchical=strategy.setting("hierarchical"),
+            )
+            wire = sync.group(2, 4).wire
             steps = levels if wire != "allreduce" else allreduce_width(bits, group).levels
             for k in got:
                 bound = 2 * grad_scale[k] / steps + 1e-6

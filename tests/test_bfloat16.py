@@ -186,7 +186,9 @@ def test_the_means_are_right_in_either_dtype(hierarchical):
     means = {}
     for reduce_dtype in (None, jnp.float32):
         mean = functools.partial(
-            full_precision_mean, hierarchical=hierarchical, reduce_dtype=reduce_dtype
+            full_precision_mean,
+            sync=jax_bytegrad.SyncConfig(hierarchical=hierarchical),
+            reduce_dtype=reduce_dtype,
         )
         means[reduce_dtype] = out = _per_device_mean(mean, tree)
         for name, leaf in out.items():

@@ -202,7 +202,9 @@ def test_full_precision_mean_hierarchical_and_flat_agree():
     for hierarchical in (True, False):
 
         def body(t, hierarchical=hierarchical):
-            return jax_bytegrad.full_precision_mean(t[0], hierarchical=hierarchical)
+            return jax_bytegrad.full_precision_mean(
+                t[0], sync=jax_bytegrad.SyncConfig(hierarchical=hierarchical)
+            )
 
         fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXES), out_specs=P()))
         outs.append(np.asarray(fn(x)))

@@ -165,7 +165,7 @@ def test_the_16_bit_integer_wire_warns_and_reports_its_promoted_bytes():
         warnings.simplefilter("always")
         auto = node_bytes()  # "auto" picks the scatter-gather wire for 16 summing devices
     assert not [w for w in caught if "16-bit" in str(w.message)]
-    assert SyncConfig().wire_for(16) == "scatter_gather"
+    assert SyncConfig().group(16, 1).wire == "scatter_gather"
     assert auto.total_bytes < sixteen.total_bytes / 3
     # Between nodes the margin is smaller: the flat all-to-all sends 12 of its 15 pieces to
     # other nodes, the flat ring all-reduce crosses on 4 of its 16 hops (docs/performance.md).

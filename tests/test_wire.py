@@ -315,7 +315,7 @@ def test_bytes_between_nodes_are_at_most_027x_float32(nodes, local, hierarchical
         x,
     )
     fp32 = communication_stats(
-        jitted(lambda g: full_precision_mean(g, hierarchical=hierarchical)), x
+        jitted(lambda g: full_precision_mean(g, sync=SyncConfig(hierarchical=hierarchical))), x
     )
     assert wire.bytes_on("node") <= 0.27 * fp32.bytes_on("node")
     node_rows = [r for r in wire.rows if "node" in r.axes.split("+")]

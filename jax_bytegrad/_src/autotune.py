@@ -56,7 +56,7 @@ from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult,
 )
 from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.sync import buckets
-from jax_bytegrad._src.sync.config import SyncConfig, platform_of
+from jax_bytegrad._src.sync.config import Group, SyncConfig, platform_of
 
 # Candidate values, by setting. Message sizes: below 64 KiB per-message overhead dominates, and
 # None (one message per peer) runs at about half the link rate through Gloo (benchmarks/
@@ -81,17 +81,19 @@ _VALUES = {
 # Private helpers -------------------------------------------------------------------------
 
 
-def _group_size(strat) -> int:
-    """How many devices sum the compressed codes: the nodes, or all devices when flat."""
+def _group(strat, **settings) -> Group:
+    """Who sums the compressed codes on this mesh, over which wire (``SyncConfig.group``):
+    the nodes, or all devices when flat."""
     nodes = strat.mesh.shape[strat.setting("node_axis")]
     local = strat.mesh.shape[strat.setting("local_axis")]
-    return SyncConfig(hierarchical=strat.setting("hierarchical")).group_size(nodes, local)
+    sync = SyncConfig(hierarchical=strat.setting("hierarchical"), **settings)
+    return sync.group(nodes, local)
 
 
 def _wires(strat) -> tuple[str, ...]:
     """The wires worth timing on this mesh: the ring only from 3 nodes (at 2 every shift is
     the all_to_all's swap), the integer wire only where its codes fit (4 bits: 2 nodes)."""
-    group = _group_size(strat)
+    group = _group(strat).size
     keep = {"scatter_gather": True, "ring": group >= 3}
     keep["allreduce"] = integer.fits(strat.setting("bits"), group)
     return tuple(w for w in WIRES if keep[w])
@@ -106,8 +108,7 @@ def _concrete(strat, config: Mapping[str, Any]) -> dict[str, Any]:
         config["bucket_bytes"] = size if fewest == 1 else "auto"
     if config.get("wire") != "auto":
         return config
-    sync = SyncConfig(bits=strat.setting("bits"), wire="auto")
-    return {**config, "wire": sync.wire_for(_group_size(strat))}
+    return {**config, "wire": _group(strat, bits=strat.setting("bits")).wire}
 
 
 def _default_space(strat) -> dict[str, tuple]:

@@ -22,7 +22,8 @@ structure as its ``"xla"`` one, and the functions here of the op's name dispatch
   ``sg_average``, ``sg_decode``), so that ``wire.py`` speaks to the codecs through one door.
 
 * The integer wire's codec (``integer.py``): ``integer_bounds``, ``integer_encode``,
-  ``decode_factors`` and ``integer_decode``, ``"xla"`` only. Each is an elementwise pass or a
+  ``decode_factors`` and ``integer_decode``, ``"xla"`` only, resolved together once per sync
+  plan (``IntegerOps``). Each is an elementwise pass or a
   row reduction that XLA fuses into one pass over memory (the decode into the optimizer's
   own), which no kernel could make move fewer bytes (docs/gpu.md). Asking one of them for
   ``"pallas"`` or ``"pallas_interpret"`` raises ``NotImplementedError``, as asking for a
@@ -165,29 +166,27 @@ def average_requantize(codec: Codec, codes, header, key=None, *, weight: float):
     return fn(codec, codes, header, key, weight=weight)
 
 
-def integer_bounds(codec: Codec, x: jax.Array, block_size: int) -> jax.Array:
-    """The integer wire's block bounds: ``integer.integer_bounds``."""
-    return resolve("integer_bounds", codec)(codec, x, block_size)
+@dataclasses.dataclass(frozen=True)
+class IntegerOps:
+    """The integer wire's four ops for one ``Codec``, each looked up in ``REGISTRY`` once,
+    where the sync is planned (``sync.config.plan_sync``, which keeps them in the bucket's
+    plan): an explicit kernel is refused there. Each takes the ``Codec`` first, as every op
+    does (``integer.py``).
 
+    Attributes:
+      bounds, encode, factors, decode: ``integer_bounds``, ``integer_encode``,
+        ``decode_factors`` and ``integer_decode``.
+    """
 
-def integer_encode(codec: Codec, x, bounds, *, block_size, width, seed, first_block=0,
-                   feedback):  # fmt: skip
-    """The integer wire's codes on the group's grid: ``integer.integer_encode``."""
-    return resolve("integer_encode", codec)(
-        codec, x, bounds, block_size=block_size, width=width, seed=seed,
-        first_block=first_block, feedback=feedback,
-    )  # fmt: skip
+    bounds: Callable
+    encode: Callable
+    factors: Callable
+    decode: Callable
 
-
-def decode_factors(codec: Codec, bounds, *, width, group_size, weight) -> jax.Array:
-    """The integer wire's decode factors per block: ``integer.decode_factors``."""
-    fn = resolve("decode_factors", codec)
-    return fn(codec, bounds, width=width, group_size=group_size, weight=weight)
-
-
-def integer_decode(codec: Codec, total, factors, *, width) -> jax.Array:
-    """The integer wire's decoded weighted sum: ``integer.integer_decode``."""
-    return resolve("integer_decode", codec)(codec, total, factors, width=width)
+    @classmethod
+    def of(cls, codec: Codec) -> "IntegerOps":
+        """The ops that run for ``codec`` (``resolve``)."""
+        return cls(*(resolve(op, codec) for op in _INTEGER_OPS))
 
 
 # --- What the wires compose of the ops, and the checks of their arguments. -----------------

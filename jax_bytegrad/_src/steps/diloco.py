@@ -71,7 +71,7 @@ from jax_bytegrad._src.steps.diloco_layout import (
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.placement import placement_of
 from jax_bytegrad._src.steps.tracing import traced
-from jax_bytegrad._src.sync.collectives import full_precision_mean, mesh_residuals, sync_mean
+from jax_bytegrad._src.sync.collectives import mesh_residuals, sync_full_precision, sync_mean
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
     BucketBytes,
@@ -322,8 +322,8 @@ class _DiLoCo(TrainStep):
         residuals = list(extra[RESIDUALS]) if self._feedback else [None] * self.fragments
         if self.sync is None:
             node_axis, local_axis = self._axes
-            mean = full_precision_mean(delta, node_axis=node_axis, local_axis=local_axis,
-                                       hierarchical=True, sharded=sharded)  # fmt: skip
+            config = SyncConfig(node_axis=node_axis, local_axis=local_axis, where="diloco")
+            mean = sync_full_precision(delta, config, sharded=sharded)
         else:  # residuals: empty without error feedback
             mean, residuals[f] = sync_mean(
                 delta, self.sync, residuals=residuals[f], sharded=sharded, where="diloco"

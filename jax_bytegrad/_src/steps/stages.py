@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_bytegrad._src import codecs
 from jax_bytegrad._src.codecs import resolve_implementation
 from jax_bytegrad._src.runtime.programs import Program, Schedule
 from jax_bytegrad._src.sync import buckets as bucketing
@@ -216,6 +215,7 @@ class Stages:
         self.feedback, self.stochastic = sync.error_feedback, sync.stochastic
         self.block = sync.block_size
         self.width = next((bucket.width for bucket in plan.buckets), None)
+        self.ops = next((bucket.integer for bucket in plan.buckets), None)
         self.buckets = range(len(layout.buckets))
         limit, _ = sync.bucket_grain(next((p.platform for p in plan.buckets), "cpu"))
         self.chunks = [
@@ -295,10 +295,10 @@ class Stages:
         return [self._name(c, n) for n in stage.reads if n != "key" or self.stochastic]
 
     def _decode_sum(self, total, factors):
-        return codecs.integer_decode(self.sync.codec, total, factors, width=self.width)
+        return self.ops.decode(self.sync.codec, total, factors, width=self.width)
 
     def _decode_factors(self, agreed):
-        return codecs.decode_factors(
+        return self.ops.factors(
             self.sync.codec, agreed, width=self.width, group_size=self.group.size,
             weight=self.weight,
         )  # fmt: skip
@@ -346,7 +346,7 @@ class Stages:
             if self.bounds_in_grad:
                 for b, x in enumerate(vectors):
                     x = x + given[Bucket(Of.SEND_RESIDUAL, b)] if feedback else x
-                    out[Bucket(Of.BOUNDS, b)] = codecs.integer_bounds(self.sync.codec, x, block)
+                    out[Bucket(Of.BOUNDS, b)] = self.ops.bounds(self.sync.codec, x, block)
             return out
 
         inputs = [Whole.PARAMS, Whole.KEY, Whole.BATCH] if self.step else [Whole.GRADS]
@@ -370,7 +370,7 @@ class Stages:
         def bounds(given):
             x = given[Bucket(Of.SHARD, b)]
             x = x + given[Bucket(Of.SEND_RESIDUAL, b)] if feedback else x
-            return {Bucket(Of.BOUNDS, b): codecs.integer_bounds(self.sync.codec, x, block)}
+            return {Bucket(Of.BOUNDS, b): self.ops.bounds(self.sync.codec, x, block)}
 
         return Program(
             f"bounds{b}", "compute", bounds, [Bucket(Of.SHARD, b)], reads=self._residuals(b)

@@ -41,7 +41,6 @@ from jax_bytegrad._src.sync.config import (
     SyncPlan,
     plan_sync,
     sync_config,
-    traced_platform,
 )
 from jax_bytegrad._src.sync.shards import Sharded
 
@@ -88,7 +87,7 @@ def residual_sizes(
       config: the sync's settings.
       mesh_shape: (nodes, devices per node).
       platform: the mesh's JAX platform (``"gpu"``, ``"cpu"``), which sizes the buckets of
-        ``bucket_bytes="auto"``; None for the mesh being traced (``config.traced_platform``).
+        ``bucket_bytes="auto"``; None for the mesh being traced (``config.platform_of``).
 
     Returns:
       One (send, mean) pair of per-device lengths per bucket.
@@ -99,7 +98,6 @@ def residual_sizes(
       >>> residual_sizes({"w": jnp.ones(1000)}, SyncConfig(bits=4), (2, 4))
       ((1024, 512),)
     """
-    platform = traced_platform() if platform is None else platform
     return plan_sync(config, jax.tree.leaves(tree), mesh_shape, platform).residual_sizes
 
 
@@ -107,9 +105,8 @@ def bucket_layout(
     leaves, config: SyncConfig, mesh_shape: tuple[int, int], platform: str | None = None
 ) -> bucketing.Layout:
     """The buckets of ``leaves`` for ``config`` on a (nodes, devices per node) mesh of
-    ``platform`` (None: the mesh being traced, ``config.traced_platform``): the layout of
+    ``platform`` (None: the mesh being traced, ``config.platform_of``): the layout of
     ``config.plan_sync``."""
-    platform = traced_platform() if platform is None else platform
     return plan_sync(config, leaves, mesh_shape, platform).layout
 
 
@@ -262,7 +259,6 @@ def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
         config,
         within.full_shapes(leaves, local),
         (n, local),
-        traced_platform(),
         weight=1.0 / (n * local) if average else 1.0,
         sums_within=within.sums_within,
         gathers_within=within.gathers_within,
@@ -367,42 +363,52 @@ def reduce_dtype_of(reduce_dtype, where: str) -> np.dtype | None:
 def full_precision_mean(
     tree,
     *,
-    node_axis: str = "node",
-    local_axis: str = "local",
-    hierarchical: bool = False,
+    sync: SyncConfig | None = None,
     average: bool = True,
     reduce_dtype: jax.typing.DTypeLike | None = None,
-    order: tuple[int, ...] | None = None,
-    sharded: Sharded | None = None,
 ):
     """Averages a pytree over all devices, uncompressed (GradientAllReduce), by default in
-    each leaf's own dtype.
+    each leaf's own dtype: ``compressed_mean``'s twin, over the same ``SyncConfig``.
 
-    With ``hierarchical=True`` each leaf is reduce-scattered within the node, all-reduced
-    between nodes and gathered within the node, so each device sends 1/L of the bytes
-    between nodes; otherwise one all-reduce spans both axes. Call it inside
-    ``jax.shard_map``. ``order`` orders the hierarchical buckets as ``sync_mean``'s. With
-    ``sharded`` (``sync_mean``), ``tree`` holds the node's sums and only the all-reduce
-    between nodes is left, as with ``hierarchical=True``; split leaves stay blocks.
+    Call it inside ``jax.shard_map`` on per-device values. Of ``sync`` it reads the axes and
+    ``hierarchical``: with ``hierarchical=True`` each leaf is reduce-scattered within the
+    node, all-reduced between nodes and gathered within the node, so each device sends 1/L of
+    the bytes between nodes; otherwise one all-reduce spans both axes.
 
-    ``reduce_dtype`` (None: each leaf's own) is the dtype every collective sums in: each
-    leaf is cast to it first and the mean back to the leaf's dtype. ``jnp.float32`` sums
-    bfloat16 gradients in float32, as XLA:CPU does anyway (it runs bfloat16 collectives in
-    float32), at twice bfloat16's bytes on a GPU.
+    Args:
+      tree: a pytree of per-device float arrays (float0 leaves, from ``jax.grad`` of
+        integer parameters, pass through).
+      sync: a ``SyncConfig`` (``SyncConfig(hierarchical=True)``); None for one all-reduce
+        over the default axes (``SyncConfig(hierarchical=False)``).
+      average: divide by the total device count (default); False returns the sum.
+      reduce_dtype: the dtype every collective sums in (None: each leaf's own): each leaf
+        is cast to it first and the mean back to the leaf's dtype. ``jnp.float32`` sums
+        bfloat16 gradients in float32, as XLA:CPU does anyway (it runs bfloat16 collectives
+        in float32), at twice bfloat16's bytes on a GPU.
+
+    Returns:
+      A pytree like ``tree`` holding the mean (or sum), typed as replicated over both axes.
 
     Raises:
-      ValueError: outside ``shard_map``, for an axis name the mesh lacks, for an integer
-        or bool leaf (float0 leaves, from ``jax.grad`` of integer parameters, pass
-        through), or for a ``reduce_dtype`` that is not a float dtype.
+      ValueError: outside ``shard_map``, for an axis name the mesh lacks, for ``sync`` that
+        is not a ``SyncConfig``, for an integer or bool leaf, or for a ``reduce_dtype`` that
+        is not a float dtype.
+
+    Examples:
+      >>> import functools, jax, jax.numpy as jnp, jax_bytegrad
+      >>> sync = jax_bytegrad.SyncConfig(hierarchical=True)
+      >>> total = functools.partial(jax_bytegrad.full_precision_mean, sync=sync, average=False)
+      >>> specs = jax.sharding.PartitionSpec()
+      >>> jax.shard_map(total, mesh=jax_bytegrad.make_mesh(1, 1), in_specs=specs,
+      ...               out_specs=specs)(jnp.ones(2))
+      Array([1., 1.], dtype=float32)
     """
     where = "full_precision_mean"
-    config = SyncConfig(
-        node_axis=node_axis, local_axis=local_axis, hierarchical=hierarchical, where=where
-    )
+    checks.boolean(average, "average", where)
+    config = SyncConfig(hierarchical=False, where=where) if sync is None else sync
+    config = sync_config(config, where)
     dtype = reduce_dtype_of(reduce_dtype, where)
-    return sync_full_precision(
-        tree, config, average=average, reduce_dtype=dtype, order=order, sharded=sharded
-    )
+    return sync_full_precision(tree, config, average=average, reduce_dtype=dtype)
 
 
 def sync_full_precision(
@@ -414,9 +420,12 @@ def sync_full_precision(
     order: tuple[int, ...] | None = None,
     sharded: Sharded | None = None,
 ):
-    """``full_precision_mean`` over a ``SyncConfig`` (its axes and ``hierarchical``), as
-    ``sync_mean`` is ``compressed_mean``'s: what ``gradient_allreduce`` and ``qadam`` call.
-    ``reduce_dtype`` is a checked dtype (``reduce_dtype_of``) or None."""
+    """``full_precision_mean`` over a validated ``SyncConfig`` (its axes and
+    ``hierarchical``), as ``sync_mean`` is ``compressed_mean``'s: what ``gradient_allreduce``,
+    ``qadam`` and DiLoCo call. ``reduce_dtype`` is a checked dtype (``reduce_dtype_of``) or
+    None. ``order`` orders the hierarchical buckets as ``sync_mean``'s. With ``sharded``
+    (``sync_mean``), ``tree`` holds the node's sums and only the all-reduce between nodes is
+    left, as with ``hierarchical=True``; split leaves stay blocks."""
     within = shards.layout_of(sharded)
     mean = functools.partial(
         _full_precision_mean, config=config, average=average, dtype=reduce_dtype,

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation
+from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation, IntegerOps
 from jax_bytegrad._src.codecs.integer import Width, allreduce_width, check_fits
 from jax_bytegrad._src.sync.buckets import Layout, make_layout
 
@@ -202,26 +202,24 @@ class SyncConfig:
             return None
         nodes, per_node = checks.mesh_axes(mesh, *self.axes, where)
         if self.wire == "allreduce":
-            check_fits(self.bits, self.group_size(nodes, per_node), where)
+            check_fits(self.bits, self.group(nodes, per_node).size, where)
         return nodes, per_node
 
-    def group_size(self, nodes: int, per_node: int) -> int:
-        """How many devices sum the compressed codes on a mesh of ``nodes`` x ``per_node``:
-        the nodes (hierarchical: one device per node), or every device (flat)."""
-        return nodes if self.hierarchical else nodes * per_node
-
-    def wire_for(self, group_size: int) -> Wire:
-        """The wire that runs for a group of ``group_size`` summing devices: ``wire``, with
-        ``"auto"`` resolved."""
-        if self.wire != "auto":
-            return self.wire
-        allreduce = self.bits == 8 and group_size <= AUTO_ALLREDUCE_GROUP
-        return "allreduce" if allreduce else "scatter_gather"
-
     def group(self, nodes: int, per_node: int) -> "Group":
-        """The ``Group`` that compresses on a mesh of ``nodes`` x ``per_node``."""
-        size = self.group_size(nodes, per_node)
-        wire = self.wire_for(size)
+        """The ``Group`` that compresses on a mesh of ``nodes`` x ``per_node``: the nodes
+        (hierarchical: one device per node), or every device (flat), over ``wire`` with
+        ``"auto"`` resolved for that many devices.
+
+        Examples:
+          >>> from jax_bytegrad import SyncConfig
+          >>> SyncConfig().group(2, 4).wire, SyncConfig().group(16, 1).wire
+          ('allreduce', 'scatter_gather')
+        """
+        size = nodes if self.hierarchical else nodes * per_node
+        wire = self.wire
+        if wire == "auto":
+            allreduce = self.bits == 8 and size <= AUTO_ALLREDUCE_GROUP
+            wire = "allreduce" if allreduce else "scatter_gather"
         if not self.hierarchical:
             return Group(self.axes, self.axes, size, False, wire)
         # With one device per node, the integer sum over both axes types its result replicated
@@ -275,6 +273,8 @@ class BucketPlan:
       residual: error feedback's per-device (send, mean) lengths (``residual_sizes``).
       group: who compresses with whom, over which wire.
       codec: the codecs' settings (bits, rounding, implementation).
+      integer: the integer wire's ops for ``codec`` (``codecs.IntegerOps``), resolved once;
+        None where ``width`` is.
       block_size: values per quantization block.
       width: the integer wire's code width for the group (``allreduce_width``); None on the
         other wires, and where nothing is compressed.
@@ -297,6 +297,7 @@ class BucketPlan:
     residual: tuple[int, int]
     group: Group
     codec: Codec
+    integer: IntegerOps | None
     block_size: int
     width: Width | None
     message_bytes: int | None
@@ -332,15 +333,16 @@ def plan_sync(
     config: SyncConfig,
     leaves,
     mesh_shape: tuple[int, int],
-    platform: str,
+    platform: str | None = None,
     *,
     weight: float = 1.0,
     sums_within: bool = True,
     gathers_within: bool = True,
 ) -> SyncPlan:
     """Resolves ``config`` once for ``leaves`` on a (nodes, devices per node) mesh of
-    ``platform``: the buckets (``bucket_grain`` there, each padded to a whole number of
-    blocks on every device, as every wire needs) and each bucket's ``BucketPlan``.
+    ``platform`` (None: the mesh being traced, ``platform_of``): the buckets
+    (``bucket_grain`` there, each padded to a whole number of blocks on every device, as
+    every wire needs) and each bucket's ``BucketPlan``.
 
     ``sums_within`` and ``gathers_within`` say what the layout of the gradient leaves to the
     wire within the node (``shards.Whole``, ``shards.Sharded``): its reduce-scatter there, and
@@ -353,6 +355,7 @@ def plan_sync(
     Both are 0 where nothing is compressed (one node, hierarchical).
     """
     nodes, local = mesh_shape
+    platform = platform_of() if platform is None else platform
     # The config's own answers first, then the layout's, then the codec's width: each asked once.
     bucket_bytes, min_leaves = config.bucket_grain(platform)
     group, codec = config.group(nodes, local), config.codec
@@ -365,6 +368,7 @@ def plan_sync(
     dtypes = [layout.bucket_dtype(b) for b in range(len(layout.buckets))]
     integer = group.wire == "allreduce" and not group.plain
     width = allreduce_width(config.bits, group.size, platform) if integer else None
+    ops = IntegerOps.of(codec) if integer else None
     plans = []
     for b, padded in enumerate(layout.padded_sizes):
         send = padded // local if config.hierarchical else padded
@@ -377,6 +381,7 @@ def plan_sync(
                 residual=(0, 0) if group.plain else (send, mean),
                 group=group,
                 codec=codec,
+                integer=ops,
                 block_size=config.block_size,
                 width=width,
                 message_bytes=config.message_bytes,
@@ -393,21 +398,17 @@ def plan_sync(
     return SyncPlan(layout, tuple(plans))
 
 
-def platform_of(mesh) -> str:
+def platform_of(mesh=None) -> str:
     """The JAX platform (``"cpu"``, ``"gpu"``, ...) of ``mesh``'s devices: a ``Mesh``, or an
-    abstract mesh (``jax.sharding.get_abstract_mesh()`` inside ``shard_map`` knows it,
-    deviceless meshes included, on JAX 0.10.2 and 0.12); the default backend's where an
-    abstract mesh names no device (outside any ``shard_map``)."""
+    abstract mesh; None for the mesh being traced (``jax.sharding.get_abstract_mesh()``
+    inside ``shard_map`` knows it, deviceless meshes included, on JAX 0.10.2 and 0.12); the
+    default backend's where an abstract mesh names no device (outside any ``shard_map``)."""
+    if mesh is None:
+        mesh = jax.sharding.get_abstract_mesh()
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh.devices.flat[0].platform
     device = getattr(mesh, "abstract_device", None)
     return getattr(device, "platform", None) or jax.default_backend()
-
-
-def traced_platform() -> str:
-    """The platform of the mesh being traced (``platform_of`` of the abstract mesh): what a
-    sync reads once, where it starts, and carries in its plan."""
-    return platform_of(jax.sharding.get_abstract_mesh())
 
 
 def sync_config(sync: SyncConfig | None, where: str) -> SyncConfig:
@@ -435,9 +436,6 @@ class Residuals(tuple):
     """
 
     __slots__ = ()
-
-    def __new__(cls, pairs=()):
-        return super().__new__(cls, tuple(pairs))
 
     def __repr__(self) -> str:
         return f"Residuals({tuple(self)!r})"

@@ -219,10 +219,11 @@ def integer_stages(plan: BucketPlan, *, start: int, stop: int, feedback: bool):
     and the bucket's ``agreed`` bounds and decode ``factors`` (the group's pmax of each
     device's, ``integer_sum``); with ``feedback`` they update ``send`` (what this device's
     codes missed, as long as ``x``). Their ``decode`` is those blocks of the weighted sum,
-    flat. The plan's ``codec`` gives the bits, rounding and implementation, its ``width``
-    the codes' width on the wire.
+    flat. The plan's ``codec`` gives the bits and rounding, its ``integer`` the codec's ops,
+    its ``width`` the codes' width on the wire.
     """
     codec, block_size, width, axis = plan.codec, plan.block_size, plan.width, plan.group.axis
+    ops = plan.integer
     lo, hi = start * block_size, stop * block_size
 
     def encode(*args):
@@ -235,7 +236,7 @@ def integer_stages(plan: BucketPlan, *, start: int, stop: int, feedback: bool):
             if a < b:
                 values = part[a - offset : b - offset]
                 values = values + send[0][a:b] if send else values
-                coded = codecs.integer_encode(
+                coded = ops.encode(
                     codec, values, agreed[a // block_size : b // block_size],
                     block_size=block_size, width=width, seed=seed, first_block=a // block_size,
                     feedback=bool(send),
@@ -252,7 +253,7 @@ def integer_stages(plan: BucketPlan, *, start: int, stop: int, feedback: bool):
         return (jax.lax.psum(codes, axis),)
 
     def decode(total, factors):
-        return (codecs.integer_decode(codec, total, factors[:, start:stop], width=width),)
+        return (ops.decode(codec, total, factors[:, start:stop], width=width),)
 
     return (
         Stage("encode", "compute", encode, ("x", "agreed", "key"), ("send",) if feedback else ()),
@@ -284,14 +285,14 @@ def integer_sum(
       The decoded weighted sum, typed as replicated over the group, and the new residual
       (None without one).
     """
-    codec, block_size, group = plan.codec, plan.block_size, plan.group
+    codec, block_size, group, ops = plan.codec, plan.block_size, plan.group, plan.integer
     parts = x if isinstance(x, tuple) else (x,)
     starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
     if residual is not None:
         parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
-    bounds = jnp.concatenate([codecs.integer_bounds(codec, part, block_size) for part in parts])
+    bounds = jnp.concatenate([ops.bounds(codec, part, block_size) for part in parts])
     agreed = jax.lax.pmax(bounds, group.axis)
-    factors = codecs.decode_factors(
+    factors = ops.factors(
         codec, agreed, width=plan.width, group_size=group.size, weight=plan.weight
     )
     # The same on every device: the pmax changes no bit (module docstring).
