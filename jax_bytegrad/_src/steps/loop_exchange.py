@@ -195,7 +195,7 @@ class _Rewrite:
 
     def _scan(self, eqn, ins, origins) -> list:
         p = eqn.params
-        nc, nk = p["num_consts"], p["num_carry"]
+        nc, nk = _scan_counts(p)
         consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         body = p["jaxpr"]
         # The loop slices its xs: a marked slice of a leaf is one layer of it.
@@ -281,6 +281,15 @@ def _exchanging(rewrite: _Rewrite, dims: tuple):
 
     mark.defvjp(fwd, bwd)
     return mark
+
+
+def _scan_counts(params) -> tuple[int, int]:
+    """A scan equation's numbers of consts and carries: JAX 0.10 names them, JAX 0.12 gives
+    the flat trees of (consts, carry, xs) as ``ft_in``."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
 
 
 def _get(origin: dict, v):
