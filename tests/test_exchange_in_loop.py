@@ -45,13 +45,13 @@ def node_exchanges(step, state):
     return out
 
 
-def train(algorithm, mark: bool, steps=4, **kwargs):
+def train(algorithm, mark: bool, steps=4, loss_fn=None, params=PARAMS, **kwargs):
     strategy = jax_bytegrad.Strategy(
         algorithm, mesh=jax_bytegrad.make_mesh(2, 4), shard="params", **kwargs
     )
     optimizer = None if algorithm == "qadam" else optax.adam(1e-2)
-    with strategy.train_step(loss_of(mark), optimizer) as step:
-        state = step.init(PARAMS)
+    with strategy.train_step(loss_fn or loss_of(mark), optimizer) as step:
+        state = step.init(params)
         exchanges = node_exchanges(step, state)
         losses = []
         for _ in range(steps):
@@ -108,3 +108,102 @@ def test_the_mark_is_an_identity_outside_a_sharded_step():
     got = jax.grad(loss)(PARAMS, BATCH)
     want = jax.grad(loss_of(False))(PARAMS, BATCH)
     assert_trees_all_close(got, want, atol=0)
+
+
+def linen_loss(mark: bool):
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(64)(h)), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            block = nn.remat(Block)
+            if mark:  # the opt-in line
+                block = nn.map_variables(block, "params", exchange_in_loop, init=True)
+            blocks = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True}, length=LAYERS
+            )
+            # Named: an automatic name would follow the wrapped class's.
+            h, _ = blocks(name="blocks")(h, None)
+            return nn.Dense(8)(h)
+
+    model = Model()
+
+    def loss_fn(params, batch):
+        logits = model.apply(params, batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    return loss_fn, model.init(jax.random.key(0), X[:1])
+
+
+@pytest.mark.slow
+def test_a_marked_linen_scan_trains_as_unmarked_and_exchanges_inside_the_loop():
+    loss_fn, params = linen_loss(False)
+    want, want_bytes, _, want_params = train("gradient_allreduce", False, 3, loss_fn, params)
+    loss_fn, marked_params = linen_loss(True)
+    assert jax.tree.structure(marked_params) == jax.tree.structure(params)
+    got, got_bytes, state, got_params = train("gradient_allreduce", True, 3, loss_fn, params)
+    assert_trees_all_close(got_params, want_params, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_nodes_identical(state)
+    assert want_bytes["step"][1] == 1 and got_bytes["step"] == (want_bytes["step"][0], LAYERS)
+
+
+def nnx_train(mark: bool, steps=3):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(64, 64, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, h):
+            return self.dropout(jnp.tanh(self.linear(h)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=LAYERS)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_blocks(rngs):
+                return Block(rngs)
+
+            self.blocks = make_blocks(rngs)
+            self.head = nnx.Linear(64, 8, rngs=rngs)
+
+        def __call__(self, h):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.remat
+            def run(h, block):
+                if mark:  # the opt-in line
+                    nnx.update(block, exchange_in_loop(nnx.state(block, nnx.Param)))
+                return block(h)
+
+            return self.head(run(h, self.blocks))
+
+    def loss_fn(model, batch):
+        logits = model(batch[0])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[1]).mean()
+
+    strategy = jax_bytegrad.Strategy(
+        "gradient_allreduce", mesh=jax_bytegrad.make_mesh(2, 4), shard="params"
+    )
+    model = Model(nnx.Rngs(0, dropout=1))
+    with jax_bytegrad.nnx.train_step(strategy, model, optax.adam(1e-2), loss_fn) as step:
+        exchanges = node_exchanges(step.train_step, step.state)
+        losses = [float(step(BATCH)["loss"]) for _ in range(steps)]
+        return losses, exchanges, step.state, jax.device_get(step.train_step.params(step.state))
+
+
+@pytest.mark.slow
+def test_marked_nnx_stacked_blocks_train_as_unmarked_and_exchange_inside_the_loop():
+    want, want_bytes, _, want_params = nnx_train(False)
+    got, got_bytes, state, got_params = nnx_train(True)
+    assert_trees_all_close(got_params, want_params, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_nodes_identical(state)
+    # The blocks' kernel and bias, each once per layer inside the loop.
+    assert want_bytes["step"][1] == 1 and got_bytes["step"] == (want_bytes["step"][0], LAYERS)

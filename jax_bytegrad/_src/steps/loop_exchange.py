@@ -38,14 +38,17 @@ def exchange_in_loop(tree):
     """Marks a layer's params so that a ``shard="params"`` step exchanges their gradient between
     nodes inside the backward loop, as soon as the layer's backward has produced it.
 
-    Wrap the params a scan body (``jax.lax.scan``, ``nn.scan`` through
-    ``nn.map_variables``, ``nnx.scan``) gets for one layer. In the forward pass it is an
-    identity. Inside a ``Strategy(..., shard="params")`` step of ``gradient_allreduce``,
-    ``bytegrad`` (without error feedback or stochastic rounding) or ``qadam``'s warm-up, the
-    gradient of the marked params is averaged between nodes there, on the sync's own wire
-    (the same codes and bytes), and the sync after the backward pass skips them. Anywhere
-    else (outside a step, another ``shard=``, another phase or algorithm) it stays an identity
-    and the gradient crosses after the backward pass, as without it.
+    Wrap the params a scan body gets for one layer: in ``jax.lax.scan``, the body's slice of
+    the stack; in Flax linen, ``nn.map_variables(nn.remat(Block), "params", exchange_in_loop,
+    init=True)`` scanned by ``nn.scan``; in NNX, ``nnx.update(block,
+    exchange_in_loop(nnx.state(block, nnx.Param)))`` at the top of the ``nnx.scan`` body. In
+    the forward pass it is an identity. Inside a ``Strategy(..., shard="params")`` step of
+    ``gradient_allreduce``, ``bytegrad`` (without error feedback or stochastic rounding) or
+    ``qadam``'s warm-up, the gradient of the marked params is averaged between nodes there, on
+    the sync's own wire (the same codes and bytes), and the sync after the backward pass
+    skips them. Anywhere else (outside a step, another ``shard=``, another phase or
+    algorithm) it stays an identity and the gradient crosses after the backward pass, as
+    without it.
 
     Args:
       tree: a pytree of arrays: one layer's slices of the stacked params, as the scan body
