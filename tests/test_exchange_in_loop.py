@@ -87,15 +87,26 @@ def test_a_marked_stack_trains_as_unmarked_and_exchanges_inside_the_loop(algorit
 
 
 @pytest.mark.slow
-def test_qadam_warmup_exchanges_inside_the_loop_and_its_compressed_phase_after_it():
+def test_qadam_exchanges_inside_the_loop_in_both_phases():
     kwargs = dict(learning_rate=1e-2, warmup_steps=2)
-    want, want_bytes, _, _ = train("qadam", False, **kwargs)
+    want, want_bytes, want_state, _ = train("qadam", False, **kwargs)
     got, got_bytes, state, _ = train("qadam", True, **kwargs)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # The momentum the loop exchanged is b1 m + (1 - b1) g on the state's m: to 8 bits.
+    want_mu = jax.device_get(optax.tree.get(want_state.opt_state, "mu"))
+    for got_m, want_m in zip(
+        jax.tree.leaves(jax.device_get(optax.tree.get(state.opt_state, "mu"))),
+        jax.tree.leaves(want_mu),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got_m, want_m, atol=0.02 * np.abs(want_m).max())
+    # The losses before the first compressed update, as float32; after it, as 8-bit momenta
+    # quantized in a layer's own blocks rather than the whole gradient's buckets.
+    np.testing.assert_allclose(got[:3], want[:3], rtol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=0.01)
     assert_nodes_identical(state)
     assert got_bytes["warmup"] == (want_bytes["warmup"][0], LAYERS)
-    # The momentum's exchange is not carried by the loop: the mark is an identity there.
-    assert got_bytes["compressed"] == want_bytes["compressed"]
+    # The compressed phase's momentum b1 m + (1 - b1) g, on the optimizer's m, 8-bit.
+    assert got_bytes["compressed"] == (want_bytes["compressed"][0], LAYERS)
 
 
 def test_error_feedback_inside_the_loop_is_refused_with_the_reason():

@@ -239,15 +239,28 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
         within = layout.run(layout.momentum_within, mu)
         local_mu = optax.tree.update_moment(updates, within, b1, 1)
         mu_old = mu
-        # Without error feedback the state's residuals are empty, as sync_mean's are.
-        mu, residuals = collectives.sync_mean(
-            local_mu,
-            config,
-            residuals=residuals if config.error_feedback else None,
-            order=order,
-            sharded=sharded,
-            where=where,
-        )
+        # The layers the step exchanged inside the backward loop (``exchange_in_loop``) come
+        # as the mean momentum already: they pass on as they are.
+        exchanged = () if sharded is None else sharded.exchanged
+        if any(exchanged):
+            leaves, treedef = jax.tree.flatten(local_mu)
+            given = jax.tree.leaves(updates)
+            mixed = [g if done else m for m, g, done in zip(leaves, given, exchanged, strict=True)]
+            local_mu = jax.tree.unflatten(treedef, mixed)
+
+        def sync(leaves, sharded, order):
+            # Without error feedback the state's residuals are empty, as sync_mean's are.
+            return collectives.sync_mean(
+                leaves,
+                config,
+                residuals=residuals if config.error_feedback else None,
+                order=order,
+                sharded=sharded,
+                where=where,
+            )
+
+        mu, residuals = shards.skip_exchanged(sync, local_mu, sharded, order)
+        residuals = Residuals() if residuals is None else residuals  # every layer in the loop
         if second_moment == "gradient":
             nu = _follow_gradient(nu, mu_old, mu, b1, b2)
         elif follows:

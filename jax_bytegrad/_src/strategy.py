@@ -74,15 +74,16 @@ def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def _loop_sync(s: "Strategy", *, compressed: bool, reduce_dtype=None) -> LoopSync | None:
+def _loop_sync(s: "Strategy", *, compressed: bool, reduce_dtype=None, b1=None) -> LoopSync | None:
     """What a ``shard="params"`` step of ``s`` runs on a layer marked ``exchange_in_loop``:
-    the sync of its optimizer, with the same settings; None for another ``shard=``."""
+    the sync of its optimizer, with the same settings (``b1``: of the momentum, as
+    ``LoopSync``); None for another ``shard=``."""
     if s.setting("shard") != "params":
         return None
     names = _SYNC_CONFIG if compressed else ("node_axis", "local_axis")
     config = SyncConfig(**_pick(s.kwargs, names), where=s.algorithm)
     average = s.setting("average") if "average" in _entry(s.algorithm).settings else True
-    return LoopSync(config, compressed, average, reduce_dtype)
+    return LoopSync(config, compressed, average, reduce_dtype, b1)
 
 
 def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model,
@@ -162,9 +163,13 @@ def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainSt
         s.setting("nu_refresh_interval"),
         s.setting("nu_refresh_growth"),
     )
-    # The warm-up's float32 mean runs inside the loop; the compressed phase exchanges the
-    # momentum, which the loop does not carry: its marks stay identities.
-    loop = {"warmup": _loop_sync(s, compressed=False)}
+    # The warm-up's float32 mean runs inside the loop, and so does the compressed phase's
+    # exchange of the momentum, given the optimizer's m; with error feedback (whose residuals
+    # are sized for the whole gradient at init) the compressed phase's marks stay identities.
+    compressed = None
+    if not s.setting("error_feedback"):
+        compressed = _loop_sync(s, compressed=True, b1=s.setting("b1"))
+    loop = {"warmup": _loop_sync(s, compressed=False), "compressed": compressed}
     return _data_parallel(s, loss_fn, phases, phase_of, has_aux, model, loop)
 
 

@@ -218,19 +218,22 @@ class DataParallelStep(TrainStep):
         between nodes already (``exchange_in_loop``; empty: none)."""
         placement = self.placement
         loop = self._loop_syncs.get(phase)
-        if loop is not None and self.shard == "params" and self.accumulation is None:
-            exchange = loop_exchange.rewriter(loop, self.mesh, layout.dims)
-            grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, exchange)
-        else:
-            grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
-            exchange = None
+        if loop is None or self.shard != "params" or self.accumulation is not None:
+            loop = None
+        grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
 
-        def gradient(params, batch, *model_inputs):
+        def gradient(params, batch, *model_inputs, moments=None):
+            """``moments``: the optimizer's ``m`` (a list of leaves like the params), which
+            a momentum exchange in the loop (``LoopSync.b1``) takes."""
+            exchange = grad_fn
+            if loop is not None:
+                rewrite = loop_exchange.rewriter(loop, self.mesh, layout.dims, moments)
+                exchange = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce. (With marks the loss
             # varies them itself, all but the marked layers: ``value_and_grad_rows``.)
-            varying = params if exchange else make_varying(params, placement.manual_axes)
-            out, order, closed = traced_gradient(grad_fn, varying, batch, *model_inputs)
+            varying = params if loop else make_varying(params, placement.manual_axes)
+            out, order, closed = traced_gradient(exchange, varying, batch, *model_inputs)
             outputs, grads, *marked = out
             placement.check_gradient(closed, params, layout.dims, self.algorithm)
             return outputs, grads, order, tuple(marked[0]) if marked else ()
@@ -313,6 +316,9 @@ class DataParallelStep(TrainStep):
 
     def _per_device(self, phase: str, layout: Layout) -> Callable:
         gradient, placement = self._gradient(layout, phase), self.placement
+        loop = self._loop_syncs.get(phase)
+        # A momentum exchange in the loop (qadam's compressed phase) takes the optimizer's m.
+        loop_momentum = loop is not None and loop.b1 is not None
         accumulation = self.accumulation
         accumulating = accumulation is not None
         if phase == ACCUMULATE:
@@ -331,8 +337,11 @@ class DataParallelStep(TrainStep):
         def step(params, opt_state, *rest):
             *inputs, batch = rest
             acc, micro, *model_inputs = inputs if accumulating else (None, None, *inputs)
+            moments = None
+            if loop_momentum:
+                moments = jax.tree.leaves(optax.tree.get(opt_state, "mu"))
             (loss, aux, model_state), grads, order, exchanged = gradient(
-                params, batch, *model_inputs
+                params, batch, *model_inputs, moments=moments
             )
             if accumulating:
                 grads_in = placement.accumuland(grads, layout.dims)

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.extend as jex
 import numpy as np
+import optax
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.sync import collectives, shards
@@ -44,11 +45,12 @@ def exchange_in_loop(tree):
     exchange_in_loop(nnx.state(block, nnx.Param)))`` at the top of the ``nnx.scan`` body. In
     the forward pass it is an identity. Inside a ``Strategy(..., shard="params")`` step of
     ``gradient_allreduce``, ``bytegrad`` (without error feedback or stochastic rounding) or
-    ``qadam``'s warm-up, the gradient of the marked params is averaged between nodes there, on
-    the sync's own wire (the same codes and bytes), and the sync after the backward pass
-    skips them. Anywhere else (outside a step, another ``shard=``, another phase or
-    algorithm) it stays an identity and the gradient crosses after the backward pass, as
-    without it.
+    ``qadam``, the gradient of the marked params is averaged between nodes there, on the
+    sync's own wire (the same settings and bytes), and the sync after the backward pass skips
+    them; in ``qadam``'s compressed phase (without error feedback) what crosses is the layer's
+    momentum ``b1 m + (1 - b1) g``, on the optimizer's ``m``. Anywhere else (outside a step,
+    another ``shard=``, another algorithm) it stays an identity and the gradient crosses after
+    the backward pass, as without it.
 
     Args:
       tree: a pytree of arrays: one layer's slices of the stacked params, as the scan body
@@ -96,16 +98,20 @@ class LoopSync:
 
     Attributes:
       config: the sync's settings (its axes, wire, bits).
-      compressed: ``sync_mean`` (bytegrad) or ``sync_full_precision`` (gradient_allreduce,
-        qadam's warm-up).
+      compressed: ``sync_mean`` (bytegrad, qadam after warm-up) or ``sync_full_precision``
+        (gradient_allreduce, qadam's warm-up).
       average: divide by the device count.
       reduce_dtype: the full-precision sync's dtype (None: each leaf's own).
+      b1: None to exchange the gradient; else the momentum's decay, to exchange each
+        device's momentum ``b1 m + (1 - b1) g`` (``qadam``'s compressed phase), given the
+        layer's ``m`` (``with_exchange``'s ``moments``).
     """
 
     config: SyncConfig
     compressed: bool
     average: bool = True
     reduce_dtype: Any = None
+    b1: float | None = None
 
     def refusal(self) -> str | None:
         """Why this sync cannot run inside the loop, or None."""
@@ -115,10 +121,15 @@ class LoopSync:
             return "stochastic rounding (its key is the optimizer state's)"
         return None
 
-    def exchange(self, blocks: list, dims: tuple) -> list:
+    def exchange(self, blocks: list, dims: tuple, moments: list | None = None) -> list:
         """The mean over every device of a layer's gradient, given as this device's blocks of
-        its node's sums (inside ``shard_map`` over both axes)."""
+        its node's sums (inside ``shard_map`` over both axes); with ``b1``, of the devices'
+        momenta on ``moments`` (this device's blocks of the layer's ``m``), as ``qadam``'s
+        compressed phase computes them."""
         sharded = shards.Sharded(self.config.local_axis, dims, summed=True)
+        if self.b1 is not None:
+            within = sharded.momentum_within(list(moments))
+            blocks = optax.tree.update_moment(list(blocks), within, self.b1, 1)
         if self.compressed:
             mean, _ = collectives.sync_mean(
                 blocks, self.config, average=self.average, sharded=sharded, where=MARK
@@ -146,8 +157,11 @@ def _has_mark(jaxpr) -> bool:
 class _Rewrite:
     """One rewrite of a loss's trace: the marks become the exchange (``LoopSync``)."""
 
-    def __init__(self, sync: LoopSync, mesh, dims):
+    def __init__(self, sync: LoopSync, mesh, dims, moments: dict | None = None):
         self.sync, self.mesh, self.dims = sync, mesh, dims
+        # Per marked leaf, what its exchange also takes (``LoopSync.b1``'s ``m``), as the
+        # current scope sees it: whole outside a loop, a loop's slice inside its body.
+        self.moments = dict(moments or {})
 
     def eval(self, jaxpr, consts, args, origin: dict) -> list:
         """``jaxpr`` on ``consts`` and ``args``, as JAX's own interpreter runs it, but with
@@ -207,13 +221,22 @@ class _Rewrite:
         ]
         whole = [None if o is None else (o[0], "const") for o in origins[:nc]]
         inner_origin = _inner(body.jaxpr, [*whole, *[None] * nk, *sliced])
+        # The moments of the leaves the loop slices are sliced with them, as extra xs.
+        outer = self.moments
+        slid = sorted({o[0] for o in sliced if o is not None and o[0] in outer})
 
         def step(carry, x):
-            outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], dict(inner_origin))
+            x, extra = x
+            self.moments = {**outer, **dict(zip(slid, extra, strict=True))}
+            try:
+                outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], dict(inner_origin))
+            finally:
+                self.moments = outer
             return outs[:nk], outs[nk:]
 
+        extra = [outer[leaf] for leaf in slid]
         carry, ys = jax.lax.scan(
-            step, list(init), list(xs), length=p["length"], reverse=p["reverse"],
+            step, list(init), (list(xs), extra), length=p["length"], reverse=p["reverse"],
             unroll=p["unroll"],
         )  # fmt: skip
         return [*carry, *ys]
@@ -250,37 +273,48 @@ class _Rewrite:
                     )
                 dim -= 1
             dims.append(dim)
-        return list(_exchanging(self, tuple(dims))(*ins))
+        if self.sync.b1 is None:
+            return list(_exchanging(self, tuple(dims))(*ins))
+        moments = [self.moments[leaf] for leaf in leaves]
+        return list(_exchanging(self, tuple(dims), with_moments=True)(*ins, *moments))
 
 
-def _exchanging(rewrite: _Rewrite, dims: tuple):
+def _exchanging(rewrite: _Rewrite, dims: tuple, with_moments: bool = False):
     """The mark of a layer whose split dimensions are ``dims``: an identity whose backward
-    averages the layer's gradient between nodes."""
+    averages the layer's gradient between nodes. ``with_moments``: it also takes the layer's
+    moments, after its leaves, which its backward exchanges with the gradient
+    (``LoopSync.b1``) and whose cotangent is zero."""
     sync, mesh, local_axis = rewrite.sync, rewrite.mesh, rewrite.sync.config.local_axis
     node_axis = sync.config.node_axis
+    count = len(dims)
 
-    def mean(cts):
+    def mean(cts, moments):
         pairs = zip(cts, dims, strict=True)
         specs = tuple(shards.spec(d, np.ndim(x), local_axis) for x, d in pairs)
         abstract = jax.sharding.get_abstract_mesh()
+
+        def run_blocks(*xs):
+            blocks, ms = list(xs[:count]), list(xs[count:]) or None
+            return tuple(sync.exchange(blocks, dims, ms))
+
         run = jax.shard_map(
-            lambda *xs: tuple(sync.exchange(list(xs), dims)),
-            mesh=abstract if abstract.axis_names else mesh,
-            in_specs=specs, out_specs=specs, axis_names={local_axis},
+            run_blocks, mesh=abstract if abstract.axis_names else mesh,
+            in_specs=specs * (2 if moments else 1), out_specs=specs, axis_names={local_axis},
         )  # fmt: skip
-        return tuple(run(*cts))
+        return tuple(run(*cts, *moments))
 
     # The layer comes unvaried over the nodes and leaves varying, as the mark's trace has it:
     # the cotangent that comes back is this node's own sum, and the mean goes on unvaried.
     @jax.custom_vjp
     def mark(*xs):
-        return tuple(_varying(x, (node_axis,)) for x in xs)
+        return tuple(_varying(x, (node_axis,)) for x in xs[:count])
 
     def fwd(*xs):
-        return mark(*xs), None
+        return mark(*xs), xs[count:]
 
-    def bwd(_, cts):
-        return mean(cts)
+    def bwd(moments, cts):
+        zeros = tuple(jax.numpy.zeros_like(m) for m in moments)
+        return (*mean(cts, moments), *zeros)
 
     mark.defvjp(fwd, bwd)
     return mark
@@ -339,11 +373,12 @@ def marked_leaves(fn, params_count: int, *args) -> tuple[bool, ...]:
     return tuple(found)
 
 
-def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int):
+def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=None):
     """``fn`` (whose first ``params_count`` leaves are the params, one array over the node,
     each split along ``dims``) with each ``exchange_in_loop`` mark it calls replaced by the
     exchange of ``sync``. The marked leaves (``marked_leaves``) come unvaried over the nodes,
-    the others varying."""
+    the others varying. ``moments``: with ``sync.b1``, per marked leaf index, its ``m``, shaped
+    and split as the leaf."""
 
     def rewritten(*args):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -358,23 +393,29 @@ def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int):
                 )
             invars = closed.jaxpr.invars[:params_count]
             origin = {v: (i, "whole") for i, v in enumerate(invars)}
-            rewrite = _Rewrite(sync, mesh, dims)
+            rewrite = _Rewrite(sync, mesh, dims, moments)
             outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), origin)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return rewritten
 
 
-def rewriter(sync: LoopSync, mesh, dims):
+def rewriter(sync: LoopSync, mesh, dims, moments=None):
     """``(fn, args) -> (fn rewritten, marked)``, for ``ModelState.value_and_grad_rows``:
     ``fn``'s marks found on ``args`` (the params varying first) and replaced by ``sync``'s
-    exchange; ``fn`` itself where it marks nothing."""
+    exchange; ``fn`` itself where it marks nothing. ``moments``: with ``sync.b1``, the
+    optimizer's ``m``, a list of leaves like the params."""
+    if sync.b1 is not None and moments is None:
+        raise ValueError("exchange_in_loop: a momentum exchange needs the moments")
 
     def rewrite(fn, args):
         count = len(dims)
         marked = marked_leaves(fn, count, *args)
         if not any(marked):
             return fn, marked
-        return with_exchange(fn, sync, mesh, dims, count), marked
+        ms = None
+        if sync.b1 is not None:
+            ms = {i: m for i, (m, done) in enumerate(zip(moments, marked, strict=True)) if done}
+        return with_exchange(fn, sync, mesh, dims, count, ms), marked
 
     return rewrite
