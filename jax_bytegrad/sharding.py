@@ -10,11 +10,13 @@ from jax_bytegrad._src.mesh import replicate as replicate
 from jax_bytegrad._src.mesh import shard_batch as shard_batch
 from jax_bytegrad._src.mesh import shard_state as shard_state
 from jax_bytegrad._src.mesh import state_specs as state_specs
+from jax_bytegrad._src.steps.loop_exchange import exchange_in_loop as exchange_in_loop
 
 __all__ = [
     "AXES",
     "GPUS",
     "GpuSpec",
+    "exchange_in_loop",
     "gpu_mesh",
     "replicate",
     "shard_batch",

@@ -221,7 +221,14 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
 
     def full_precision(updates, mu, nu, residuals, count, order, sharded):
         del count
-        grads = collectives.sync_full_precision(updates, config, order=order, sharded=sharded)
+
+        def sync(leaves, sharded, order):
+            return collectives.sync_full_precision(
+                leaves, config, order=order, sharded=sharded
+            ), None
+
+        # Leaves the step averaged inside the backward loop (``exchange_in_loop``) pass on.
+        grads, _ = shards.skip_exchanged(sync, updates, sharded, order)
         mu = optax.tree.update_moment(grads, mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
         return mu, nu, residuals
@@ -232,15 +239,28 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
         within = layout.run(layout.momentum_within, mu)
         local_mu = optax.tree.update_moment(updates, within, b1, 1)
         mu_old = mu
-        # Without error feedback the state's residuals are empty, as sync_mean's are.
-        mu, residuals = collectives.sync_mean(
-            local_mu,
-            config,
-            residuals=residuals if config.error_feedback else None,
-            order=order,
-            sharded=sharded,
-            where=where,
-        )
+        # The layers the step exchanged inside the backward loop (``exchange_in_loop``) come
+        # as the mean momentum already: they pass on as they are.
+        exchanged = () if sharded is None else sharded.exchanged
+        if any(exchanged):
+            leaves, treedef = jax.tree.flatten(local_mu)
+            given = jax.tree.leaves(updates)
+            mixed = [g if done else m for m, g, done in zip(leaves, given, exchanged, strict=True)]
+            local_mu = jax.tree.unflatten(treedef, mixed)
+
+        def sync(leaves, sharded, order):
+            # Without error feedback the state's residuals are empty, as sync_mean's are.
+            return collectives.sync_mean(
+                leaves,
+                config,
+                residuals=residuals if config.error_feedback else None,
+                order=order,
+                sharded=sharded,
+                where=where,
+            )
+
+        mu, residuals = shards.skip_exchanged(sync, local_mu, sharded, order)
+        residuals = Residuals() if residuals is None else residuals  # every layer in the loop
         if second_moment == "gradient":
             nu = _follow_gradient(nu, mu_old, mu, b1, b2)
         elif follows:
@@ -369,7 +389,10 @@ def scale_by_qadam(
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
         collectives.axis_sizes(node_axis, local_axis, where)
-        _check_per_device(updates, node_axis, local_axis, sharded, where)
+        exchanged = () if sharded is None else sharded.exchanged
+        unexchanged = [x for i, x in enumerate(jax.tree.leaves(updates))
+                       if not (exchanged and exchanged[i])]  # fmt: skip
+        _check_per_device(unexchanged, node_axis, local_axis, sharded, where)
         count_inc = optax.safe_increment(state.count)
         full = count_inc <= warmup_steps
         # A frozen v froze at step warmup_steps, and so does its correction. Bagua keeps

@@ -37,7 +37,9 @@ from jax_bytegrad._src.steps.data_parallel import (
     check_shard,
     data_parallel_step,
 )
+from jax_bytegrad._src.steps.loop_exchange import LoopSync
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+from jax_bytegrad._src.sync import collectives
 from jax_bytegrad._src.sync.config import SyncConfig
 
 # Private helpers -------------------------------------------------------------------------
@@ -72,7 +74,20 @@ def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
-def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model) -> TrainStep:
+def _loop_sync(s: "Strategy", *, compressed: bool, reduce_dtype=None, b1=None) -> LoopSync | None:
+    """What a ``shard="params"`` step of ``s`` runs on a layer marked ``exchange_in_loop``:
+    the sync of its optimizer, with the same settings (``b1``: of the momentum, as
+    ``LoopSync``); None for another ``shard=``."""
+    if s.setting("shard") != "params":
+        return None
+    names = _SYNC_CONFIG if compressed else ("node_axis", "local_axis")
+    config = SyncConfig(**_pick(s.kwargs, names), where=s.algorithm)
+    average = s.setting("average") if "average" in _entry(s.algorithm).settings else True
+    return LoopSync(config, compressed, average, reduce_dtype, b1)
+
+
+def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model,
+                   loop_syncs=None) -> TrainStep:  # fmt: skip
     """The data-parallel step of ``s``, named after its algorithm."""
     model = dict(model)
     accumulation = model.pop("accumulation", None)
@@ -90,6 +105,7 @@ def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model)
         model=ModelState.of(*model.values(), f"Strategy({s.algorithm!r})"),
         shard=step["shard"],
         accumulation=accumulation,
+        loop_syncs=loop_syncs,
     )
 
 
@@ -99,7 +115,9 @@ def _single(optimizer) -> tuple[dict, Callable[[int], str]]:
 
 def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
     sync = transforms.gradient_allreduce(**_pick(s.kwargs, _ALLREDUCE))
-    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model)
+    reduce_dtype = collectives.reduce_dtype_of(s.setting("reduce_dtype"), s.algorithm)
+    loop = {"step": _loop_sync(s, compressed=False, reduce_dtype=reduce_dtype)}
+    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model, loop)
 
 
 def _refuse_model(model, where: str, why: str) -> None:
@@ -127,7 +145,8 @@ def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> Trai
             flatten=s.flatten,
         )
     sync = transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
-    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model)
+    loop = {"step": _loop_sync(s, compressed=True)}
+    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model, loop)
 
 
 def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
@@ -144,7 +163,14 @@ def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainSt
         s.setting("nu_refresh_interval"),
         s.setting("nu_refresh_growth"),
     )
-    return _data_parallel(s, loss_fn, phases, phase_of, has_aux, model)
+    # The warm-up's float32 mean runs inside the loop, and so does the compressed phase's
+    # exchange of the momentum, given the optimizer's m; with error feedback (whose residuals
+    # are sized for the whole gradient at init) the compressed phase's marks stay identities.
+    compressed = None
+    if not s.setting("error_feedback"):
+        compressed = _loop_sync(s, compressed=True, b1=s.setting("b1"))
+    loop = {"warmup": _loop_sync(s, compressed=False), "compressed": compressed}
+    return _data_parallel(s, loss_fn, phases, phase_of, has_aux, model, loop)
 
 
 def _build_decentralized(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:

@@ -20,7 +20,7 @@ import optax
 from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.sync import collectives
+from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
     Bits,
@@ -161,16 +161,22 @@ def sync_gradients(
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
         key, step_key = collectives.step_keys(state.key)
-        updates, residuals = collectives.sync_mean(
-            updates,
-            config,
-            average=average,
-            key=step_key if config.stochastic else None,
-            residuals=state.residuals if config.error_feedback else None,
-            order=gradient_order,
-            sharded=sharded,
-            where=where,
-        )
+
+        def sync(leaves, sharded, order):
+            return collectives.sync_mean(
+                leaves,
+                config,
+                average=average,
+                key=step_key if config.stochastic else None,
+                residuals=state.residuals if config.error_feedback else None,
+                order=order,
+                sharded=sharded,
+                where=where,
+            )
+
+        # Leaves the step averaged inside the backward loop (``exchange_in_loop``) pass on.
+        updates, residuals = shards.skip_exchanged(sync, updates, sharded, gradient_order)
+        residuals = Residuals() if residuals is None else residuals
         return updates, ByteGradState(key=key, residuals=residuals)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -234,14 +240,19 @@ def gradient_allreduce(
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
-        updates = collectives.sync_full_precision(
-            updates,
-            config,
-            average=average,
-            reduce_dtype=reduce_dtype,
-            order=gradient_order,
-            sharded=sharded,
-        )
+
+        def sync(leaves, sharded, order):
+            means = collectives.sync_full_precision(
+                leaves,
+                config,
+                average=average,
+                reduce_dtype=reduce_dtype,
+                order=order,
+                sharded=sharded,
+            )
+            return means, None
+
+        updates, _ = shards.skip_exchanged(sync, updates, sharded, gradient_order)
         return updates, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -28,6 +28,7 @@ Leaves that the node's devices cannot split stay whole. The optimizer's sync (``
 shards.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -41,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
+from jax_bytegrad._src.steps import loop_exchange
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import (
     Program,
@@ -114,7 +116,8 @@ class DataParallelStep(TrainStep):
 
     def __init__(self, algorithm, loss_fn, optimizers, phase_of, mesh, *, has_aux, donate,
                  axes, flatten, model=None, shard: Shard | None = None,
-                 accumulation: Accumulation | None = None):  # fmt: skip
+                 accumulation: Accumulation | None = None,
+                 loop_syncs: Mapping[str, Any] | None = None):  # fmt: skip
         super().__init__(
             algorithm, mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
             donate=donate, model=model,
@@ -131,6 +134,10 @@ class DataParallelStep(TrainStep):
             self.phases = (ACCUMULATE, *self.phases)
             self._extra_keys = (accumulation_lib.ACCUMULATED,)
         self._layouts: dict[Any, Layout] = {}
+        # Per phase, what the sync does to a layer marked ``exchange_in_loop`` inside the
+        # backward loop (``loop_exchange.LoopSync``); a phase without one leaves marks as
+        # identities.
+        self._loop_syncs = dict(loop_syncs or {})
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         taken = steps_taken
@@ -204,31 +211,44 @@ class DataParallelStep(TrainStep):
 
     # The program. -------------------------------------------------------------------------
 
-    def _gradient(self, layout: Layout):
-        """``(params, batch, *model_inputs) -> ((loss, aux, model_state), grads, order)``:
-        what the placement hands the optimizer: each device's gradient, or its node's sums
-        in blocks."""
+    def _gradient(self, layout: Layout, phase: str | None = None):
+        """``(params, batch, *model_inputs) -> ((loss, aux, model_state), grads, order,
+        exchanged)``: what the placement hands the optimizer: each device's gradient, or its
+        node's sums in blocks; ``exchanged`` says, per leaf, which the backward pass averaged
+        between nodes already (``exchange_in_loop``; empty: none)."""
         placement = self.placement
+        loop = self._loop_syncs.get(phase)
+        if loop is None or self.shard != "params" or self.accumulation is not None:
+            loop = None
         grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
 
-        def gradient(params, batch, *model_inputs):
+        def gradient(params, batch, *model_inputs, moments=None):
+            """``moments``: the optimizer's ``m`` (a list of leaves like the params), which
+            a momentum exchange in the loop (``LoopSync.b1``) takes."""
+            exchange = grad_fn
+            if loop is not None:
+                rewrite = loop_exchange.rewriter(loop, self.mesh, layout.dims, moments)
+                exchange = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
             # Varying params: jax.grad of a replicated value would come back already summed
-            # over the devices, through a hidden float32 all-reduce.
-            varying = make_varying(params, placement.manual_axes)
-            (outputs, grads), order, closed = traced_gradient(
-                grad_fn, varying, batch, *model_inputs
-            )
+            # over the devices, through a hidden float32 all-reduce. (With marks the loss
+            # varies them itself, all but the marked layers: ``value_and_grad_rows``.)
+            varying = params if loop else make_varying(params, placement.manual_axes)
+            out, order, closed = traced_gradient(exchange, varying, batch, *model_inputs)
+            outputs, grads, *marked = out
             placement.check_gradient(closed, params, layout.dims, self.algorithm)
-            return outputs, grads, order
+            return outputs, grads, order, tuple(marked[0]) if marked else ()
 
         return gradient
 
-    def _update(self, optimizer, grads, opt_state, params, order, layout, accumulating: bool):
+    def _update(self, optimizer, grads, opt_state, params, order, layout, accumulating: bool,
+                exchanged: tuple[bool, ...] = ()):  # fmt: skip
         """The optimizer's update of this device's (blocks of the) params, checked, in the
-        placement's frame."""
+        placement's frame. ``exchanged``: the leaves the backward pass averaged already."""
         placement, axes, dims = self.placement, self._axes, layout.dims
         extra = {"gradient_order": order}
         sharded = placement.sharded(dims, accumulating)
+        if sharded is not None and any(exchanged):
+            sharded = dataclasses.replace(sharded, exchanged=exchanged)
         if sharded is not None:
             extra["sharded"] = sharded
 
@@ -295,14 +315,17 @@ class DataParallelStep(TrainStep):
         return Layout(None, None, P(), specs, None, None)
 
     def _per_device(self, phase: str, layout: Layout) -> Callable:
-        gradient, placement = self._gradient(layout), self.placement
+        gradient, placement = self._gradient(layout, phase), self.placement
+        loop = self._loop_syncs.get(phase)
+        # A momentum exchange in the loop (qadam's compressed phase) takes the optimizer's m.
+        loop_momentum = loop is not None and loop.b1 is not None
         accumulation = self.accumulation
         accumulating = accumulation is not None
         if phase == ACCUMULATE:
 
             def accumulate(params, acc, micro, *rest):
                 *model_inputs, batch = rest
-                (loss, aux, model_state), grads, _ = gradient(params, batch, *model_inputs)
+                (loss, aux, model_state), grads, _, _ = gradient(params, batch, *model_inputs)
                 grads = placement.accumuland(grads, layout.dims)
                 acc = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
                 acc = jax.tree.map(lambda a: a[None], acc)
@@ -314,14 +337,19 @@ class DataParallelStep(TrainStep):
         def step(params, opt_state, *rest):
             *inputs, batch = rest
             acc, micro, *model_inputs = inputs if accumulating else (None, None, *inputs)
-            (loss, aux, model_state), grads, order = gradient(params, batch, *model_inputs)
+            moments = None
+            if loop_momentum:
+                moments = jax.tree.leaves(optax.tree.get(opt_state, "mu"))
+            (loss, aux, model_state), grads, order, exchanged = gradient(
+                params, batch, *model_inputs, moments=moments
+            )
             if accumulating:
                 grads_in = placement.accumuland(grads, layout.dims)
                 total = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads_in, micro)
                 grads = optax.tree.cast_like(total, grads)
                 acc = (jax.tree.map(jnp.zeros_like, acc),)
             params, opt_state = self._update(
-                optimizer, grads, opt_state, params, order, layout, accumulating
+                optimizer, grads, opt_state, params, order, layout, accumulating, exchanged
             )
             return (params, opt_state, *(acc or ()), *self._metrics(loss, aux, model_state))
 

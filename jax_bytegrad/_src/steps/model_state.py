@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.steps import remat_order
+from jax_bytegrad._src.sync.patterns import make_varying
 
 StateSync = Literal["mean", "first"]
 # Their names in ``StepState.extra``.
@@ -241,7 +242,8 @@ class ModelState:
 
         return run
 
-    def value_and_grad_rows(self, loss_fn, has_aux: bool, axes: tuple[str, str], local: int):
+    def value_and_grad_rows(self, loss_fn, has_aux: bool, axes: tuple[str, str], local: int,
+                            exchange=None):  # fmt: skip
         """``value_and_grad`` for a step manual over the node axis only: ``batch`` is the
         node's rows, and the loss runs once per device's rows under ``jax.vmap``, with the
         key that device would get, so each device's loss, dropout and batch statistics are
@@ -250,17 +252,18 @@ class ModelState:
 
         Each top-level ``jax.checkpoint`` the loss calls finishes its backward (weight
         gradients included) before the layer below starts its own (``remat_order``): an
-        unrolled list of layers then peaks as a scanned stack does."""
+        unrolled list of layers then peaks as a scanned stack does.
+
+        ``params`` come unvaried over the node axis. With ``exchange`` (``(fn, marked) ->
+        fn``, ``loop_exchange``), the leaves the loss marks with ``exchange_in_loop`` stay
+        so and ``exchange`` rewrites the marks; ``grads`` holds their means over every
+        device then, and the run returns ``marked`` too (per leaf; empty without marks)."""
         loss = self._loss(loss_fn, has_aux)
 
         def total(params, rows, model_state, keys):
             per_row = jax.vmap(loss, in_axes=(None, 0, None, None if keys is None else 0))
             values, (aux, model_state) = per_row(params, rows, model_state, keys)
             return jnp.sum(values), (values, aux, model_state)
-
-        # Over all of the node's rows at once: a layer's weight gradients are then the
-        # node's sums, split as the params are, when the barrier holds them.
-        grad_fn = jax.value_and_grad(remat_order.tie_remat_backward(total), has_aux=True)
 
         def run(params, batch, *inputs):
             model_state, rng = self._split_inputs(inputs)
@@ -269,11 +272,23 @@ class ModelState:
             if rng is not None:
                 first = jax.lax.axis_index(axes[0]) * local
                 keys = jax.vmap(lambda j: step_key(*rng, first + j))(jnp.arange(local))
-            (_, (values, aux, model_state)), grads = grad_fn(params, rows, model_state, keys)
+            varying = make_varying(params, axes[:1])
+            loss, marked = total, ()
+            if exchange is not None:
+                loss, marked = exchange(total, (varying, rows, model_state, keys))
+            if any(marked):
+                leaves, treedef = jax.tree.flatten(params)
+                mixed = [x if m else v for x, v, m in
+                         zip(leaves, jax.tree.leaves(varying), marked, strict=True)]  # fmt: skip
+                varying = jax.tree.unflatten(treedef, mixed)
+            # Over all of the node's rows at once: a layer's weight gradients are then the
+            # node's sums, split as the params are, when the barrier holds them.
+            grad_fn = jax.value_and_grad(remat_order.tie_remat_backward(loss), has_aux=True)
+            (_, (values, aux, model_state)), grads = grad_fn(varying, rows, model_state, keys)
             mean = lambda x: jnp.mean(x, axis=0)  # noqa: E731
             aux = None if aux is None else jax.tree.map(mean, aux)
             if self.has_state:
                 model_state = jax.tree.map(lambda x: _sync_rows(x, axes[0], self.sync), model_state)
-            return (mean(values), aux, model_state), grads
+            return (mean(values), aux, model_state), grads, marked
 
         return run

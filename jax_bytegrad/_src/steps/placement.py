@@ -278,8 +278,14 @@ class ParamsSharded(OptimizerSharded):
             axis_names=keep,
         )
 
-    def value_and_grad(self, model, loss_fn, has_aux):
-        return model.value_and_grad_rows(loss_fn, has_aux, self.axes, self.local)
+    def value_and_grad(self, model, loss_fn, has_aux, exchange=None):
+        """With ``exchange`` (``loop_exchange.rewriter``), the layers the loss marks with
+        ``exchange_in_loop`` are averaged between nodes inside the backward pass, and the
+        function returns ``(outputs, grads, marked)``; without it, ``(outputs, grads)``."""
+        run = model.value_and_grad_rows(loss_fn, has_aux, self.axes, self.local, exchange)
+        if exchange is not None:
+            return run
+        return lambda *args: run(*args)[:2]
 
     def check_gradient(self, closed, params, dims, where):
         warn_scanned_whole(closed, params, dims, where)

@@ -182,11 +182,15 @@ class Sharded(Whole):
       local_axis: the mesh axis within a node.
       dims: per leaf of the updates, the dimension split over ``local_axis``, or None.
       summed: whether the updates are the node's sums already.
+      exchanged: per leaf, whether the step averaged it between nodes already, inside the
+        backward loop (``steps/loop_exchange.py``): the sync passes those on as they are
+        (``skip_exchanged``). Empty: none.
     """
 
     local_axis: str
     dims: tuple[int | None, ...]
     summed: bool
+    exchanged: tuple[bool, ...] = ()
 
     gathers_within = False
     # XLA's simplifier would drop a tied row's barrier (``collectives._tie``).
@@ -277,6 +281,32 @@ class Sharded(Whole):
             return jax.lax.pmin(mine, self.local_axis) > 0
 
         return block_aware(node_agrees, tree)
+
+
+def skip_exchanged(sync, updates, sharded: Sharded | None, order):
+    """``sync(rest, sharded, order)`` on the leaves of ``updates`` that the step did not
+    average inside the backward loop (``Sharded.exchanged``), with ``sharded`` and ``order``
+    (leaf indices, or None) cut to them; the others pass on as they are.
+
+    ``sync`` returns ``(means, other)``: the means as a list of leaves like ``rest``, and
+    anything else (residuals), which is returned as it is. Returns ``(the updates' pytree of
+    means, other)``.
+    """
+    leaves, treedef = jax.tree.flatten(updates)
+    if sharded is None or not any(sharded.exchanged):
+        means, other = sync(leaves, sharded, order)
+        return jax.tree.unflatten(treedef, list(means)), other
+    keep = [i for i, done in enumerate(sharded.exchanged) if not done]
+    out = list(leaves)
+    other = None
+    if keep:
+        index = {leaf: j for j, leaf in enumerate(keep)}
+        rest = dataclasses.replace(sharded, dims=tuple(sharded.dims[i] for i in keep), exchanged=())
+        order = None if order is None else tuple(index[i] for i in order if i in index)
+        means, other = sync([leaves[i] for i in keep], rest, order)
+        for i, mean in zip(keep, means, strict=True):
+            out[i] = mean
+    return jax.tree.unflatten(treedef, out), other
 
 
 def layout_of(sharded: Sharded | None) -> Whole:
