@@ -389,10 +389,13 @@ def scale_by_qadam(
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
         collectives.axis_sizes(node_axis, local_axis, where)
+        # Leaves exchanged inside the backward loop come averaged already: not checked (as
+        # None, an empty subtree, the others keep their paths for the error).
         exchanged = () if sharded is None else sharded.exchanged
-        unexchanged = [x for i, x in enumerate(jax.tree.leaves(updates))
-                       if not (exchanged and exchanged[i])]  # fmt: skip
-        _check_per_device(unexchanged, node_axis, local_axis, sharded, where)
+        leaves, treedef = jax.tree.flatten(updates)
+        if any(exchanged):
+            leaves = [None if done else x for x, done in zip(leaves, exchanged, strict=True)]
+        _check_per_device(treedef.unflatten(leaves), node_axis, local_axis, sharded, where)
         count_inc = optax.safe_increment(state.count)
         full = count_inc <= warmup_steps
         # A frozen v froze at step warmup_steps, and so does its correction. Bagua keeps
