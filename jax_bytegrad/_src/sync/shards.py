@@ -288,14 +288,14 @@ def skip_exchanged(sync, updates, sharded: Sharded | None, order):
     average inside the backward loop (``Sharded.exchanged``), with ``sharded`` and ``order``
     (leaf indices, or None) cut to them; the others pass on as they are.
 
-    ``sync`` returns ``(means, other)``: the means as a list of leaves like ``rest``, and
-    anything else (residuals), which is returned as it is. Returns ``(the updates' pytree of
-    means, other)``.
+    ``sync`` returns ``(means, other)``: the means shaped as what it was given (the whole
+    ``updates``, whose paths its errors name, where the loop exchanged none; else a list of
+    the rest's leaves), and anything else (residuals), which is returned as it is. Returns
+    ``(the updates' pytree of means, other)``.
     """
-    leaves, treedef = jax.tree.flatten(updates)
     if sharded is None or not any(sharded.exchanged):
-        means, other = sync(leaves, sharded, order)
-        return jax.tree.unflatten(treedef, list(means)), other
+        return sync(updates, sharded, order)
+    leaves, treedef = jax.tree.flatten(updates)
     keep = [i for i, done in enumerate(sharded.exchanged) if not done]
     out = list(leaves)
     other = None
