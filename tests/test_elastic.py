@@ -142,20 +142,21 @@ def test_a_stopped_worker_is_detected_by_the_progress_timeout(reference, tmp_pat
     # SIGSTOP after step 3: nothing exits, rank 0 waits in a collective; only the progress
     # timeout can tell. Step 3 is lost, step 2 (the last checkpoint) is not. The workers' one-
     # second heartbeat keeps start-up and compilation from ever counting as a hang, so the only
-    # process without progress is the stopped one, however long the rest takes.
+    # process without progress is the stopped one, however long the rest takes, so 15 s
+    # (15 missed heartbeats) tells a stopped worker from a slow one on a loaded host too.
     code, out = _launch(
         tmp_path,
         "--max-restarts",
         "1",
         "--progress-timeout",
-        "30",
+        "15",
         worker_args=["--algorithms", "bytegrad", "--stop-step", "3", "--heartbeat", "1"],
     )
     assert code == 0, out
     assert "[rank 1] stopping myself after step 3" in out
     launcher_lines = [line for line in out.splitlines() if line.startswith("[launch]")]
     assert launcher_lines == [
-        "[launch] no progress for 30 s from rank 1 (after step 3); stopped all 2 processes; "
+        "[launch] no progress for 15 s from rank 1 (after step 3); stopped all 2 processes; "
         "restart 1 of 1",
         "[launch] all 2 processes exited 0; 1 of 1 restart(s) used",
     ], out

@@ -4,6 +4,7 @@ Per-device inputs are rows of a (devices, size) array, row d on the device at fl
 position d. ``BLOCK`` is small so that a few thousand values make several blocks per device.
 """
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -48,15 +49,20 @@ def _put(mesh, x):
 def _mean(mesh, x, *, key=None, **kwargs):
     """compressed_mean of each device's row of ``x``; returns every device's copy, (8, size)."""
     kwargs = {"block_size": BLOCK, "bucket_bytes": None, "message_bytes": None, **kwargs}
+    key_data = None if key is None else jax.random.key_data(key)
+    out = _mean_program(mesh, tuple(sorted(kwargs.items())))(_put(mesh, x), key_data)
+    return np.stack([np.asarray(s.data) for s in out.addressable_shards])
+
+
+@functools.cache
+def _mean_program(mesh, settings):
+    """One jitted program per mesh and settings: a test drawing many keys compiles once."""
 
     def body(g, key_data):
         key = None if key_data is None else jax.random.wrap_key_data(key_data)
-        return compressed_mean(g[0], key=key, sync=SyncConfig(**kwargs))
+        return compressed_mean(g[0], key=key, sync=SyncConfig(**dict(settings)))
 
-    key_data = None if key is None else jax.random.key_data(key)
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P()))
-    out = fn(_put(mesh, x), key_data)
-    return np.stack([np.asarray(s.data) for s in out.addressable_shards])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P()))
 
 
 def _group(nodes, local, hierarchical):
