@@ -761,13 +761,18 @@ def test_a_compiled_scan_counts_its_gemms_per_iteration():
     f = jax.jit(
         jax.shard_map(fn, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
     )
-    node = communication_stats(f, x, ws).overlap_on("node")
+    stats = communication_stats(f, x, ws)
+    node = stats.overlap_on("node")
     assert node.trip_counts_known
     assert (node.gemms, node.flops) == (3 + 1, 4 * 2.0 * 4 * 4 * 4)
     (exchange,) = node.exchanges
     assert exchange.runs == 3 and exchange.computation != "main"
     assert node.bytes_sent == 3 * exchange.bytes_sent == 3 * 64.0  # 16 floats, 2 (g-1)/g B
     assert node.gemms_beside == 0  # XLA:CPU runs collectives synchronously
+    # The traffic table counts the body's all-reduce as often too: 3 runs a step.
+    (row,) = [row for row in stats.rows if row.axes == "node"]
+    assert (row.count, row.payload_bytes, row.bytes_sent) == (3, 3 * 64, 3 * 64.0)
+    assert stats.bytes_on("node") == node.bytes_sent
 
 
 def test_overlap_on_cpu_counts_traffic_that_starts_before_the_last_product():

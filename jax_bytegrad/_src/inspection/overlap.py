@@ -330,6 +330,17 @@ def overlap_by_axis(
     return tuple(out)
 
 
+def runs_per_call(
+    instructions: Sequence[hlo.HloInstruction], collectives: Sequence[hlo.Collective]
+) -> dict[str, int]:
+    """Per collective name, how many times it runs per call of the program: a loop body's as
+    many times as the loop runs; once where that is unknown, or inside a conditional's branch."""
+    program = _Program(instructions)
+    place = _places(program, collectives)
+    runs = {c.name: program.runs(place[c.name][0]) for c in collectives}
+    return {name: 1 if r is None else max(r[0], 1) for name, r in runs.items()}
+
+
 def _places(program: _Program, collectives: Sequence[hlo.Collective]) -> dict[str, tuple]:
     """Where each collective is scheduled, ``(computation, start instruction)``: its own, or,
     wrapped in an async computation, that of the ``async-start`` that runs it."""

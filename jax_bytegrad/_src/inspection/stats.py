@@ -43,7 +43,7 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src.inspection import hlo
-from jax_bytegrad._src.inspection.overlap import Overlap, overlap_by_axis
+from jax_bytegrad._src.inspection.overlap import Overlap, overlap_by_axis, runs_per_call
 
 # Label of a collective whose groups all have one member, or whose pairs are all i -> i.
 NO_AXES = "-"
@@ -60,9 +60,11 @@ class CollectiveTraffic:
         (``"node"``, ``"local"``, ``"node+local"``), or ``"-"`` when nothing leaves a device.
       dtype: HLO element type(s) of the operands, e.g. ``"f32"``, ``"u8"``, or ``"f32,s32"``
         for a variadic collective over mixed types.
-      count: number of collective instructions in the compiled HLO.
-      payload_bytes: per-device operand bytes, summed over the instructions.
-      bytes_sent: bytes each device sends, summed over the instructions (see
+      count: how many collectives of the compiled HLO run per call of the program: an
+        instruction inside a loop's body counts as many times as the loop runs (once where
+        the trip count is unknown; see ``Overlap.trip_counts_known``).
+      payload_bytes: per-device operand bytes, summed over the collectives that run.
+      bytes_sent: bytes each device sends, summed over the collectives that run (see
         ``communication_stats`` for the formulas), over any link.
       link_bytes: per mesh axis, in mesh order, the bytes per device that cross that axis's
         links (``("node", "local")``: between nodes, then between the devices of one node),
@@ -315,9 +317,10 @@ def stats_from_hlo(
     coords = np.stack(np.unravel_index(np.asarray(positions, dtype=np.int64), axis_sizes), -1)
     instructions = hlo.hlo_instructions(hlo_text)
     collectives = hlo.collectives(instructions)
+    runs = runs_per_call(instructions, collectives)
 
     def summary(selected: Iterable[hlo.Collective], **extra) -> CommunicationStats:
-        return _summary(selected, coords, axis_names, axis_sizes, **extra)
+        return _summary(selected, coords, axis_names, axis_sizes, runs, **extra)
 
     reached = [
         [hlo.called_computations(instructions, branch) for branch in branches]
@@ -345,21 +348,24 @@ def _summary(
     coords: np.ndarray,
     axis_names: Sequence[str],
     axis_sizes: Sequence[int],
+    runs: dict[str, int],
     **extra,
 ) -> CommunicationStats:
-    """One row per (kind, axes, dtype) of the given collectives."""
+    """One row per (kind, axes, dtype) of the given collectives, each counted as many times
+    as it runs per call (``runs``)."""
     num_devices = coords.shape[0]
     rows = [
         CollectiveTraffic(
             collective.kind,
             _axes_label(collective, coords, axis_names),
             ",".join(collective.dtypes),
-            1,
-            collective.payload_bytes,
-            _bytes_sent(collective, num_devices),
-            _link_bytes(collective, coords),
+            times,
+            times * collective.payload_bytes,
+            times * _bytes_sent(collective, num_devices),
+            tuple(times * b for b in _link_bytes(collective, coords)),
         )
         for collective in collectives
+        for times in [runs.get(collective.name, 1)]
     ]
     return _totals(rows, axis_names, axis_sizes, **extra)
 
