@@ -218,7 +218,7 @@ class DataParallelStep(TrainStep):
         between nodes already (``exchange_in_loop``; empty: none)."""
         placement = self.placement
         loop = self._loop_syncs.get(phase)
-        if loop is None or self.shard != "params" or self.accumulation is not None:
+        if not placement.exchanges_in_loop or self.accumulation is not None:
             loop = None
         grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
 

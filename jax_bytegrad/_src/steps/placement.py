@@ -75,6 +75,9 @@ class Placement:
     """
 
     shard: Shard | None = None
+    # Whether a layer marked ``exchange_in_loop`` can cross between nodes inside the backward
+    # loop: only where the loss gets each layer's node sums (``ParamsSharded``).
+    exchanges_in_loop = False
 
     def __init__(self, mesh: Mesh, axes: tuple[str, str]):
         self.mesh, self.axes = mesh, axes
@@ -251,6 +254,7 @@ class ParamsSharded(OptimizerSharded):
     """
 
     shard = "params"
+    exchanges_in_loop = True
 
     def param_specs(self, params):
         return shards.leaf_specs(params, self.axes[1], self.local)
