@@ -408,6 +408,21 @@ def _search_trials(search, run, start, max_trials: int, deadline, say) -> list:
     return trials
 
 
+def _check_arguments(strategy, max_trials, steps_per_trial, warmup_steps, link_bytes_per_s,
+                     diloco_inner_steps) -> None:  # fmt: skip
+    """Raises ``ValueError`` on what autotune cannot tune or a bad count, before any trial."""
+    if strategy.algorithm == "async":
+        raise ValueError(
+            "autotune: async has no setting that changes only speed (sync_interval_ms "
+            "changes how stale the models are); tune the others, or pick the interval by hand"
+        )
+    checks.integer(max_trials, "max_trials", "autotune")
+    checks.integer(steps_per_trial, "steps_per_trial", "autotune")
+    checks.integer(warmup_steps, "warmup_steps", "autotune", minimum=0)
+    if link_bytes_per_s is not None:
+        check_link(link_bytes_per_s, diloco_inner_steps, "autotune")
+
+
 def autotune(
     strategy,
     loss_fn: Callable[..., Any],
@@ -500,17 +515,9 @@ def autotune(
       ({}, True)
     """
     t_start = time.perf_counter()
-    if strategy.algorithm == "async":
-        raise ValueError(
-            "autotune: async has no setting that changes only speed (sync_interval_ms "
-            "changes how stale the models are); tune the others, or pick the interval by hand"
-        )
-    checks.integer(max_trials, "max_trials", "autotune")
-    checks.integer(steps_per_trial, "steps_per_trial", "autotune")
-    checks.integer(warmup_steps, "warmup_steps", "autotune", minimum=0)
+    _check_arguments(strategy, max_trials, steps_per_trial, warmup_steps, link_bytes_per_s,
+                     diloco_inner_steps)  # fmt: skip
     compare = _compares(strategy, compare_uncompressed, prefer_uncompressed)
-    if link_bytes_per_s is not None:
-        check_link(link_bytes_per_s, diloco_inner_steps, "autotune")
     space = _default_space(strategy) if space is None else _check_space(strategy, space)
     space, start = _with_start(strategy, space)
     space = _distinct_buckets(strategy, params, space, start)
