@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.steps import interpret
 from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import SyncConfig
 
@@ -168,22 +169,14 @@ class _Rewrite:
         the calls that hold a mark rebuilt. ``origin`` maps a variable to ``(leaf, kind)``:
         the param leaf it is (``"whole"``), a loop's slice of (``"slice"``), or a loop closes
         over (``"const"``)."""
-        env = {}
 
-        def read(v):
-            return v.val if isinstance(v, jex.core.Literal) else env[v]
-
-        env.update(zip(jaxpr.constvars, consts, strict=True))
-        env.update(zip(jaxpr.invars, args, strict=True))
-        for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
+        def run(eqn, ins):
             outs = self._eqn(eqn, ins, [_get(origin, v) for v in eqn.invars])
             if eqn.primitive.name in _PASS and _get(origin, eqn.invars[0]) is not None:
                 origin[eqn.outvars[0]] = origin[eqn.invars[0]]
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                if not isinstance(v, jex.core.DropVar):
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
+            return outs
+
+        return interpret.evaluate(jaxpr, consts, args, run)
 
     def _eqn(self, eqn, ins, origins) -> list:
         name = eqn.primitive.name
@@ -203,12 +196,7 @@ class _Rewrite:
                 f"exchange_in_loop: the mark is inside a {name!r} call, which the step does "
                 "not rebuild; put it in a jax.lax.scan, jax.checkpoint or jax.jit body"
             )
-        bound = eqn.primitive.get_bind_params(eqn.params)
-        # JAX 0.10 returns (subfuns, params); 0.12 the params alone.
-        subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
-        with eqn.ctx.manager:
-            outs = eqn.primitive.bind(*subfuns, *ins, **bound)
-        return outs if eqn.primitive.multiple_results else [outs]
+        return interpret.bind(eqn, ins)
 
     def _scan(self, eqn, ins, origins) -> list:
         p = eqn.params

@@ -26,6 +26,8 @@ import jax
 import jax.extend as jex
 import jax.numpy as jnp
 
+from jax_bytegrad._src.steps import interpret
+
 _REMAT = "remat2"  # the primitive jax.checkpoint binds
 
 
@@ -79,28 +81,11 @@ def _tieable(eqn) -> bool:
 def _eval(jaxpr, consts, args) -> list:
     """``jaxpr`` evaluated on ``consts`` and ``args`` as JAX's own interpreter does, with
     each ``_tieable`` call replaced by its ``_tied`` form."""
-    env = {}
 
-    def read(v):
-        return v.val if isinstance(v, jex.core.Literal) else env[v]
+    def run(eqn, ins):
+        return _tied(eqn.params["jaxpr"])(*ins) if _tieable(eqn) else interpret.bind(eqn, ins)
 
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        if _tieable(eqn):
-            outs = _tied(eqn.params["jaxpr"])(*ins)
-        else:
-            bound = eqn.primitive.get_bind_params(eqn.params)
-            # JAX 0.10 returns (subfuns, params); 0.12 the params alone.
-            subfuns, bound = bound if isinstance(bound, tuple) else ((), bound)
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*subfuns, *ins, **bound)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            if not isinstance(v, jex.core.DropVar):
-                env[v] = x
-    return [read(v) for v in jaxpr.outvars]
+    return interpret.evaluate(jaxpr, consts, args, run)
 
 
 def tie_remat_backward(fn):
