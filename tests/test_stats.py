@@ -311,6 +311,8 @@ def test_table():
         _shard_map(fn, mesh, out_specs=(P(ALL),) * 3), _x(), _x(jnp.uint8, per_device=4096)
     )
     text = str(stats)
+    # A printed dict of them (what steps return) shows the table, not the fields.
+    assert repr({"step": stats}) == "{'step': " + text + "}"
     lines = text.splitlines()
     assert "node=2, local=4" in lines[0]
     # The overlap comes first, one line per axis that carries traffic; then the table.

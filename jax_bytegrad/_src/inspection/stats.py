@@ -81,7 +81,7 @@ class CollectiveTraffic:
     link_bytes: tuple[float, ...]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class CommunicationStats:
     """Per-device communication of one compiled function, one row per (kind, axes, dtype).
 
@@ -171,6 +171,11 @@ class CommunicationStats:
             )
         index = self.axis_names.index(axis_name)
         return float(sum(row.link_bytes[index] for row in self.rows))
+
+    def __repr__(self) -> str:
+        # The table: steps hand these back in a dict, which a user prints, and the fields'
+        # own repr runs to pages (one Exchange per collective, the rows twice over).
+        return str(self)
 
     def __str__(self) -> str:
         mesh = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
