@@ -69,12 +69,18 @@ def assert_nodes_identical(state):
 
 
 @pytest.mark.parametrize(
-    "algorithm",
-    ["gradient_allreduce", pytest.param("bytegrad", marks=pytest.mark.slow)],
+    "algorithm, kwargs",
+    [
+        ("gradient_allreduce", {}),
+        pytest.param("bytegrad", {}, marks=pytest.mark.slow),
+        # Each layer rounds on its own key, drawn from bytegrad's state.
+        pytest.param("bytegrad", {"rounding": "stochastic"}, marks=pytest.mark.slow),
+    ],
+    ids=["gradient_allreduce", "bytegrad", "bytegrad-stochastic"],
 )
-def test_a_marked_stack_trains_as_unmarked_and_exchanges_inside_the_loop(algorithm):
-    want, want_bytes, _, want_params = train(algorithm, False)
-    got, got_bytes, state, got_params = train(algorithm, True)
+def test_a_marked_stack_trains_as_unmarked_and_exchanges_inside_the_loop(algorithm, kwargs):
+    want, want_bytes, _, want_params = train(algorithm, False, **kwargs)
+    got, got_bytes, state, got_params = train(algorithm, True, **kwargs)
     assert want[-1] < 0.9 * want[0], "the model did not learn"
     if algorithm == "gradient_allreduce":
         assert_trees_all_close(got_params, want_params, atol=1e-5)

@@ -222,12 +222,12 @@ class DataParallelStep(TrainStep):
             loop = None
         grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
 
-        def gradient(params, batch, *model_inputs, moments=None):
-            """``moments``: the optimizer's ``m`` (a list of leaves like the params), which
-            a momentum exchange in the loop (``LoopSync.b1``) takes."""
+        def gradient(params, batch, *model_inputs, opt_state=None):
+            """``opt_state``: the optimizer's state, from which an exchange in the loop takes
+            what it needs (``LoopSync.from_state``)."""
             exchange = grad_fn
             if loop is not None:
-                rewrite = loop_exchange.rewriter(loop, self.mesh, layout.dims, moments)
+                rewrite = loop_exchange.rewriter(loop, self.mesh, layout.dims, opt_state)
                 exchange = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce. (With marks the loss
@@ -316,9 +316,6 @@ class DataParallelStep(TrainStep):
 
     def _per_device(self, phase: str, layout: Layout) -> Callable:
         gradient, placement = self._gradient(layout, phase), self.placement
-        loop = self._loop_syncs.get(phase)
-        # A momentum exchange in the loop (qadam's compressed phase) takes the optimizer's m.
-        loop_momentum = loop is not None and loop.b1 is not None
         accumulation = self.accumulation
         accumulating = accumulation is not None
         if phase == ACCUMULATE:
@@ -337,11 +334,8 @@ class DataParallelStep(TrainStep):
         def step(params, opt_state, *rest):
             *inputs, batch = rest
             acc, micro, *model_inputs = inputs if accumulating else (None, None, *inputs)
-            moments = None
-            if loop_momentum:
-                moments = jax.tree.leaves(optax.tree.get(opt_state, "mu"))
             (loss, aux, model_state), grads, order, exchanged = gradient(
-                params, batch, *model_inputs, moments=moments
+                params, batch, *model_inputs, opt_state=opt_state
             )
             if accumulating:
                 grads_in = placement.accumuland(grads, layout.dims)

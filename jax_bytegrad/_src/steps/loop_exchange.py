@@ -25,15 +25,20 @@ import jax
 import jax.extend as jex
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.steps import interpret
 from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import SyncConfig
+from jax_bytegrad._src.transforms import ByteGradState
 
 MARK = "jax_bytegrad_exchange_in_loop"
 # Primitives that pass a value through unchanged in shape (a copy, a type cast over axes).
 _PASS = frozenset({"copy", "copy_p", "pvary", "pcast"})
+# Folded into the step's rounding key for the marked layers' keys ("loop"), so that they
+# draw apart from the keys of the sync after the backward pass (``collectives.step_keys``).
+_LOOP_KEYS = 0x6C6F6F70
 
 
 def exchange_in_loop(tree):
@@ -45,13 +50,13 @@ def exchange_in_loop(tree):
     init=True)`` scanned by ``nn.scan``; in NNX, ``nnx.update(block,
     exchange_in_loop(nnx.state(block, nnx.Param)))`` at the top of the ``nnx.scan`` body. In
     the forward pass it is an identity. Inside a ``Strategy(..., shard="params")`` step of
-    ``gradient_allreduce``, ``bytegrad`` (without error feedback or stochastic rounding) or
-    ``qadam``, the gradient of the marked params is averaged between nodes there, on the
-    sync's own wire (the same settings and bytes), and the sync after the backward pass skips
-    them; in ``qadam``'s compressed phase (without error feedback) what crosses is the layer's
-    momentum ``b1 m + (1 - b1) g``, on the optimizer's ``m``. Anywhere else (outside a step,
-    another ``shard=``, another algorithm) it stays an identity and the gradient crosses after
-    the backward pass, as without it.
+    ``gradient_allreduce``, ``bytegrad`` (without error feedback) or ``qadam``, the gradient
+    of the marked params is averaged between nodes there, on the sync's own wire (the same
+    settings and bytes; with stochastic rounding, each layer on its own key), and the sync
+    after the backward pass skips them; in ``qadam``'s compressed phase (without error
+    feedback) what crosses is the layer's momentum ``b1 m + (1 - b1) g``, on the optimizer's
+    ``m``. Anywhere else (outside a step, another ``shard=``, another algorithm) it stays an
+    identity and the gradient crosses after the backward pass, as without it.
 
     Args:
       tree: a pytree of arrays: one layer's slices of the stacked params, as the scan body
@@ -118,28 +123,56 @@ class LoopSync:
         """Why this sync cannot run inside the loop, or None."""
         if self.compressed and self.config.error_feedback:
             return "error feedback (its residuals are sized for the whole gradient at init)"
-        if self.compressed and self.config.stochastic:
-            return "stochastic rounding (its key is the optimizer state's)"
         return None
 
-    def exchange(self, blocks: list, dims: tuple, moments: list | None = None) -> list:
+    def from_state(self, opt_state) -> tuple[list | None, jax.Array | None]:
+        """What the exchange takes from the optimizer's state: with ``b1``, the leaves of its
+        ``m``; with ``takes_key``, ``bytegrad``'s rounding key, before its update splits it.
+
+        Raises:
+          ValueError: if the state lacks them.
+        """
+        moments = key = None
+        if self.b1 is not None:
+            moments = optax.tree.get(opt_state, "mu")
+            if moments is None:
+                raise ValueError("exchange_in_loop: a momentum exchange needs the state's mu")
+            moments = jax.tree.leaves(moments)
+        if self.takes_key:
+            key = optax.tree.get(opt_state, "key", filtering=_bytegrad_key)
+            if key is None:
+                raise ValueError("exchange_in_loop: stochastic rounding needs bytegrad's key")
+        return moments, key
+
+    @property
+    def takes_key(self) -> bool:
+        """Whether the exchange rounds stochastically, and so takes a key."""
+        return self.compressed and self.config.stochastic
+
+    def exchange(self, blocks: list, dims: tuple, moments: list | None = None, key=None) -> list:
         """The mean over every device of a layer's gradient, given as this device's blocks of
         its node's sums (inside ``shard_map`` over both axes); with ``b1``, of the devices'
         momenta on ``moments`` (this device's blocks of the layer's ``m``), as ``qadam``'s
-        compressed phase computes them."""
+        compressed phase computes them. ``key``: the layer's rounding key (``takes_key``),
+        the same on every device."""
         sharded = shards.Sharded(self.config.local_axis, dims, summed=True)
         if self.b1 is not None:
             within = sharded.momentum_within(list(moments))
             blocks = optax.tree.update_moment(list(blocks), within, self.b1, 1)
         if self.compressed:
             mean, _ = collectives.sync_mean(
-                blocks, self.config, average=self.average, sharded=sharded, where=MARK
+                blocks, self.config, average=self.average, key=key, sharded=sharded, where=MARK
             )
             return mean
         return collectives.sync_full_precision(
             blocks, self.config, average=self.average, reduce_dtype=self.reduce_dtype,
             sharded=sharded,
         )  # fmt: skip
+
+
+def _bytegrad_key(path, value) -> bool:
+    del value
+    return getattr(path[-1], "tuple_name", None) == ByteGradState.__name__
 
 
 def _is_mark(eqn) -> bool:
@@ -158,11 +191,14 @@ def _has_mark(jaxpr) -> bool:
 class _Rewrite:
     """One rewrite of a loss's trace: the marks become the exchange (``LoopSync``)."""
 
-    def __init__(self, sync: LoopSync, mesh, dims, moments: dict | None = None):
+    def __init__(self, sync: LoopSync, mesh, dims, moments: dict | None = None,
+                 keys: dict | None = None):  # fmt: skip
         self.sync, self.mesh, self.dims = sync, mesh, dims
-        # Per marked leaf, what its exchange also takes (``LoopSync.b1``'s ``m``), as the
-        # current scope sees it: whole outside a loop, a loop's slice inside its body.
+        # Per marked leaf, what its exchange also takes (``LoopSync.b1``'s ``m``, a rounding
+        # key), as the current scope sees it: outside a loop whole (one key), inside a loop's
+        # body its slice (this iteration's key).
         self.moments = dict(moments or {})
+        self.keys = dict(keys or {})
 
     def eval(self, jaxpr, consts, args, origin: dict) -> list:
         """``jaxpr`` on ``consts`` and ``args``, as JAX's own interpreter runs it, but with
@@ -209,22 +245,27 @@ class _Rewrite:
         ]
         whole = [None if o is None else (o[0], "const") for o in origins[:nc]]
         inner_origin = _inner(body.jaxpr, [*whole, *[None] * nk, *sliced])
-        # The moments of the leaves the loop slices are sliced with them, as extra xs.
-        outer = self.moments
-        slid = sorted({o[0] for o in sliced if o is not None and o[0] in outer})
+        # The moments of the leaves the loop slices are sliced with them, and their keys split
+        # into one per iteration, as extra xs.
+        outer, outer_keys = self.moments, self.keys
+        leaves = {o[0] for o in sliced if o is not None}
+        slid = sorted(leaves & set(outer))
+        keyed = sorted(leaves & set(outer_keys))
 
         def step(carry, x):
-            x, extra = x
+            x, extra, keys = x
             self.moments = {**outer, **dict(zip(slid, extra, strict=True))}
+            self.keys = {**outer_keys, **dict(zip(keyed, keys, strict=True))}
             try:
                 outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], dict(inner_origin))
             finally:
-                self.moments = outer
+                self.moments, self.keys = outer, outer_keys
             return outs[:nk], outs[nk:]
 
         extra = [outer[leaf] for leaf in slid]
+        keys = [jax.random.split(outer_keys[leaf], p["length"]) for leaf in keyed]
         carry, ys = jax.lax.scan(
-            step, list(init), (list(xs), extra), length=p["length"], reverse=p["reverse"],
+            step, list(init), (list(xs), extra, keys), length=p["length"], reverse=p["reverse"],
             unroll=p["unroll"],
         )  # fmt: skip
         return [*carry, *ys]
@@ -261,35 +302,39 @@ class _Rewrite:
                     )
                 dim -= 1
             dims.append(dim)
-        if self.sync.b1 is None:
-            return list(_exchanging(self, tuple(dims))(*ins))
-        moments = [self.moments[leaf] for leaf in leaves]
-        return list(_exchanging(self, tuple(dims), with_moments=True)(*ins, *moments))
+        moments = [self.moments[leaf] for leaf in leaves] if self.sync.b1 is not None else []
+        # One key per call: the sync draws each bucket's and device's own from it.
+        key = [jax.random.key_data(self.keys[leaves[0]])] if self.sync.takes_key else []
+        exchanging = _exchanging(self, tuple(dims), len(moments), bool(key))
+        return list(exchanging(*ins, *moments, *key))
 
 
-def _exchanging(rewrite: _Rewrite, dims: tuple, with_moments: bool = False):
+def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, keyed: bool = False):
     """The mark of a layer whose split dimensions are ``dims``: an identity whose backward
-    averages the layer's gradient between nodes. ``with_moments``: it also takes the layer's
-    moments, after its leaves, which its backward exchanges with the gradient
-    (``LoopSync.b1``) and whose cotangent is zero."""
+    averages the layer's gradient between nodes. After the layer's leaves it takes
+    ``moments`` of them, which its backward exchanges with the gradient (``LoopSync.b1``),
+    then, if ``keyed``, its rounding key's data; their cotangents are zero."""
     sync, mesh, local_axis = rewrite.sync, rewrite.mesh, rewrite.sync.config.local_axis
     node_axis = sync.config.node_axis
     count = len(dims)
+    impl = jax.random.key_impl(next(iter(rewrite.keys.values()))) if keyed else None
 
-    def mean(cts, moments):
+    def mean(cts, extra):
         pairs = zip(cts, dims, strict=True)
         specs = tuple(shards.spec(d, np.ndim(x), local_axis) for x, d in pairs)
         abstract = jax.sharding.get_abstract_mesh()
 
         def run_blocks(*xs):
-            blocks, ms = list(xs[:count]), list(xs[count:]) or None
-            return tuple(sync.exchange(blocks, dims, ms))
+            blocks, ms = list(xs[:count]), list(xs[count : count + moments]) or None
+            key = jax.random.wrap_key_data(xs[-1], impl=impl) if keyed else None
+            return tuple(sync.exchange(blocks, dims, ms, key))
 
+        in_specs = specs + specs[:moments] + ((P(),) if keyed else ())
         run = jax.shard_map(
             run_blocks, mesh=abstract if abstract.axis_names else mesh,
-            in_specs=specs * (2 if moments else 1), out_specs=specs, axis_names={local_axis},
+            in_specs=in_specs, out_specs=specs, axis_names={local_axis},
         )  # fmt: skip
-        return tuple(run(*cts, *moments))
+        return tuple(run(*cts, *extra))
 
     # The layer comes unvaried over the nodes and leaves varying, as the mark's trace has it:
     # the cotangent that comes back is this node's own sum, and the mean goes on unvaried.
@@ -300,9 +345,11 @@ def _exchanging(rewrite: _Rewrite, dims: tuple, with_moments: bool = False):
     def fwd(*xs):
         return mark(*xs), xs[count:]
 
-    def bwd(moments, cts):
-        zeros = tuple(jax.numpy.zeros_like(m) for m in moments)
-        return (*mean(cts, moments), *zeros)
+    def bwd(extra, cts):
+        zeros = [jax.numpy.zeros_like(m) for m in extra[:moments]]
+        if keyed:  # an integer input's cotangent
+            zeros.append(np.zeros(np.shape(extra[-1]), jax.dtypes.float0))
+        return (*mean(cts, extra), *zeros)
 
     mark.defvjp(fwd, bwd)
     return mark
@@ -361,12 +408,13 @@ def marked_leaves(fn, params_count: int, *args) -> tuple[bool, ...]:
     return tuple(found)
 
 
-def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=None):
+def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=None, keys=None):
     """``fn`` (whose first ``params_count`` leaves are the params, one array over the node,
     each split along ``dims``) with each ``exchange_in_loop`` mark it calls replaced by the
     exchange of ``sync``. The marked leaves (``marked_leaves``) come unvaried over the nodes,
     the others varying. ``moments``: with ``sync.b1``, per marked leaf index, its ``m``, shaped
-    and split as the leaf."""
+    and split as the leaf; ``keys``: with ``sync.takes_key``, per marked leaf index, its
+    rounding key (a scanned stack's is split into one per layer)."""
 
     def rewritten(*args):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
@@ -381,29 +429,31 @@ def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=Non
                 )
             invars = closed.jaxpr.invars[:params_count]
             origin = {v: (i, "whole") for i, v in enumerate(invars)}
-            rewrite = _Rewrite(sync, mesh, dims, moments)
+            rewrite = _Rewrite(sync, mesh, dims, moments, keys)
             outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), origin)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return rewritten
 
 
-def rewriter(sync: LoopSync, mesh, dims, moments=None):
+def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
     """``(fn, args) -> (fn rewritten, marked)``, for ``ModelState.value_and_grad_rows``:
     ``fn``'s marks found on ``args`` (the params varying first) and replaced by ``sync``'s
-    exchange; ``fn`` itself where it marks nothing. ``moments``: with ``sync.b1``, the
-    optimizer's ``m``, a list of leaves like the params."""
-    if sync.b1 is not None and moments is None:
-        raise ValueError("exchange_in_loop: a momentum exchange needs the moments")
+    exchange; ``fn`` itself where it marks nothing. ``opt_state``: the optimizer's state,
+    from which the exchange takes what it needs (``LoopSync.from_state``)."""
+    moments, key = sync.from_state(opt_state)
 
     def rewrite(fn, args):
         count = len(dims)
         marked = marked_leaves(fn, count, *args)
         if not any(marked):
             return fn, marked
-        ms = None
+        ms = keys = None
         if sync.b1 is not None:
             ms = {i: m for i, (m, done) in enumerate(zip(moments, marked, strict=True)) if done}
-        return with_exchange(fn, sync, mesh, dims, count, ms), marked
+        if sync.takes_key:
+            base = jax.random.fold_in(key, _LOOP_KEYS)
+            keys = {i: jax.random.fold_in(base, i) for i, done in enumerate(marked) if done}
+        return with_exchange(fn, sync, mesh, dims, count, ms, keys), marked
 
     return rewrite
