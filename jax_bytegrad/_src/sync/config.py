@@ -269,7 +269,7 @@ class BucketPlan:
     Attributes:
       index: the bucket's index in the layout (its rounding key folds it in).
       padded: its values per device, a whole number of devices x blocks.
-      dtype: its dtype within the node (``buckets.Layout.bucket_dtype``).
+      dtype: its dtype within the node (``buckets.Layout.bucket_dtypes``).
       residual: error feedback's per-device (send, mean) lengths (``residual_sizes``).
       group: who compresses with whom, over which wire.
       codec: the codecs' settings (bits, rounding, implementation).
@@ -365,7 +365,6 @@ def plan_sync(
         granularity=nodes * local * config.block_size,
         min_leaves=min_leaves,
     )
-    dtypes = [layout.bucket_dtype(b) for b in range(len(layout.buckets))]
     integer = group.wire == "allreduce" and not group.plain
     width = allreduce_width(config.bits, group.size, platform) if integer else None
     ops = IntegerOps.of(codec) if integer else None
@@ -377,7 +376,7 @@ def plan_sync(
             BucketPlan(
                 index=b,
                 padded=padded,
-                dtype=dtypes[b],
+                dtype=layout.bucket_dtypes[b],
                 residual=(0, 0) if group.plain else (send, mean),
                 group=group,
                 codec=codec,

@@ -17,7 +17,7 @@ own (``steps/stages.py``); the GPU schedule tests count its collectives per buck
     all_gather over local (bucket dtype)   -> the whole bucket
 
 The bucket's dtype within the node is float32, or bfloat16 for a bucket of bfloat16 leaves
-(``buckets.Layout.bucket_dtype``); the codecs read and write float32.
+(``buckets.Layout.bucket_dtypes``); the codecs read and write float32.
 
 No device gathers all n quantized gradients, and, unlike Bagua, which funnels a node's
 traffic through one leader GPU, all L devices of a node share the inter-node hop: 2 (n-1)/n N/L
@@ -365,7 +365,7 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
 def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
     """``sum_shard``'s shard as the whole reduced bucket, typed as replicated over both
     axes: an all_gather within the node where the plan says so (``BucketPlan.gather``), in
-    ``dtype`` (None: the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtype``; its
+    ``dtype`` (None: the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtypes``; its
     leaves are cast to it after the gather, so a bfloat16 gather loses nothing); the shard
     itself otherwise."""
     if plan.gather:
