@@ -323,18 +323,6 @@ def _joined(x) -> jax.Array:
     return jnp.concatenate(x) if isinstance(x, tuple) else x
 
 
-def _owned(x, plan: BucketPlan):
-    """What this device compresses, in float32, the codecs' dtype: its share of its node's
-    sum, from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets:
-    half float32's bytes; ``buckets.Layout.bucket_dtype``) where the plan says so
-    (``BucketPlan.scatter``); else ``x`` itself, whole or as its parts."""
-    if plan.scatter:
-        x = jax.lax.psum_scatter(_joined(x), plan.local_axis, scatter_dimension=0, tiled=True)
-    if isinstance(x, tuple):
-        return tuple(part.astype(jnp.float32) for part in x)
-    return x.astype(jnp.float32)
-
-
 def sum_shard(x, plan: BucketPlan, *, key, residual):
     """The part of a flat bucket's all-reduce that crosses between nodes, over the plan's
     wire; the bucket's length is a multiple of devices x block. ``x`` may come as a tuple of
@@ -351,7 +339,15 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
     the shard the whole bucket.
     """
     integer_wire = plan.group.wire == "allreduce"
-    x = _owned(x if integer_wire else _joined(x), plan)
+    # What this device compresses, in float32, the codecs' dtype: its share of its node's sum,
+    # from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets: half
+    # float32's bytes) where the plan says so; else ``x`` itself, whole or (integer wire) as
+    # its parts.
+    if plan.scatter or not integer_wire:
+        x = _joined(x)
+    if plan.scatter:
+        x = jax.lax.psum_scatter(x, plan.local_axis, scatter_dimension=0, tiled=True)
+    x = tuple(p.astype(jnp.float32) for p in x) if isinstance(x, tuple) else x.astype(jnp.float32)
     if plan.group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = _joined(x) * jnp.float32(plan.weight)
