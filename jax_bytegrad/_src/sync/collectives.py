@@ -254,10 +254,9 @@ def sync_mean(
 def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
     n, local = axis_sizes(config.node_axis, config.local_axis, where)
     leaves, treedef = _flat_leaves(tree, where)
-    within.check(config.hierarchical, leaves, where)
     plan = plan_sync(
         config,
-        within.full_shapes(leaves, local),
+        within.full_shapes(leaves, local, config.hierarchical, where),
         (n, local),
         weight=1.0 / (n * local) if average else 1.0,
         sums_within=within.sums_within,

@@ -113,11 +113,10 @@ class Whole:
     gathers_within = True
     ties_through = False
 
-    def check(self, hierarchical: bool, leaves, where: str) -> None:
-        """Raises where this layout's updates cannot go on the sync (never, here)."""
-
-    def full_shapes(self, leaves, local: int):
-        """The whole leaves, whose buckets the sync lays out: the updates' own."""
+    def full_shapes(self, leaves, local: int, hierarchical: bool, where: str):
+        """The whole leaves, whose buckets the sync lays out: the updates' own. Raises, naming
+        ``where``, where this layout's updates cannot go on the sync (never, here)."""
+        del local, hierarchical, where
         return leaves
 
     def run(self, fn, *args):
@@ -200,7 +199,8 @@ class Sharded(Whole):
     def sums_within(self) -> bool:
         return not self.summed
 
-    def check(self, hierarchical, leaves, where):
+    def full_shapes(self, leaves, local, hierarchical, where) -> list[jax.ShapeDtypeStruct]:
+        """The whole leaves' shapes and dtypes, from the updates' leaves."""
         if not hierarchical:
             raise ValueError(
                 f"{where}: state split within the node (shard=...) needs hierarchical=True: "
@@ -212,9 +212,6 @@ class Sharded(Whole):
                 f"{where}: the sharded step's layout names {len(self.dims)} leaves, but the "
                 f"updates have {len(leaves)}; pass the params' own tree"
             )
-
-    def full_shapes(self, leaves, local: int) -> list[jax.ShapeDtypeStruct]:
-        """The whole leaves' shapes and dtypes, from the updates' leaves."""
         if not self.summed:
             return [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
         out = []
