@@ -123,13 +123,10 @@ class Whole:
         """``fn(*args)``: the library's own code over the updates."""
         return fn(*args)
 
-    def to_parts(self, leaves, layout: buckets.Layout, block_size: int) -> list:
-        """What each bucket's wire sums: the buckets, as parts (``buckets.to_bucket_parts``)."""
-        return buckets.to_bucket_parts(leaves, layout, block_size)
-
-    def from_parts(self, reduced, leaves, layout: buckets.Layout) -> list:
-        """The leaves of the reduced buckets."""
-        return buckets.from_buckets(reduced, leaves, layout)
+    # What each bucket's wire sums, ``to_parts(leaves, layout, block_size)``: the buckets, as
+    # parts; and ``from_parts(reduced, leaves, layout)``, the leaves of the reduced buckets.
+    to_parts = staticmethod(buckets.to_bucket_parts)
+    from_parts = staticmethod(buckets.from_buckets)
 
     def leaf_dims(self, count: int) -> tuple[int | None, ...]:
         """Per leaf, the dimension split within the node: none."""
