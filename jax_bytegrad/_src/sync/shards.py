@@ -278,7 +278,7 @@ class Sharded(Whole):
 
 
 def skip_exchanged(sync, updates, sharded: Sharded | None, order):
-    """``sync(rest, sharded, order)`` on the leaves of ``updates`` that the step did not
+    """``sync(rest, sharded=..., order=...)`` on the leaves of ``updates`` that the step did not
     average inside the backward loop (``Sharded.exchanged``), with ``sharded`` and ``order``
     (leaf indices, or None) cut to them; the others pass on as they are.
 
@@ -288,7 +288,7 @@ def skip_exchanged(sync, updates, sharded: Sharded | None, order):
     ``(the updates' pytree of means, other)``.
     """
     if sharded is None or not any(sharded.exchanged):
-        return sync(updates, sharded, order)
+        return sync(updates, sharded=sharded, order=order)
     leaves, treedef = jax.tree.flatten(updates)
     keep = [i for i, done in enumerate(sharded.exchanged) if not done]
     out = list(leaves)
@@ -297,7 +297,7 @@ def skip_exchanged(sync, updates, sharded: Sharded | None, order):
         index = {leaf: j for j, leaf in enumerate(keep)}
         rest = dataclasses.replace(sharded, dims=tuple(sharded.dims[i] for i in keep), exchanged=())
         order = None if order is None else tuple(index[i] for i in order if i in index)
-        means, other = sync([leaves[i] for i in keep], rest, order)
+        means, other = sync([leaves[i] for i in keep], sharded=rest, order=order)
         for i, mean in zip(keep, means, strict=True):
             out[i] = mean
     return jax.tree.unflatten(treedef, out), other
