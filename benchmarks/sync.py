@@ -169,7 +169,8 @@ def _codec_pieces(size: int) -> dict:
     codes, header = jax.jit(quantize)(x)
     keys = {impl: jax.random.key(1, impl=impl) for impl in ("threefry2x32", "rbg", "unsafe_rbg")}
     width = integer.allreduce_width(8, 2)
-    bounds = jax.jit(integer.block_bounds)(x)
+    block_bounds = functools.partial(integer.integer_bounds, nearest, block_size=block)
+    bounds = jax.jit(block_bounds)(x)
     grid = jax.jit(functools.partial(integer.grid, levels=width.levels, stochastic=True))(bounds)
     seed = jnp.asarray([1234567, 89101112], jnp.uint32)
 
@@ -208,7 +209,7 @@ def _codec_pieces(size: int) -> dict:
         jax.jit(lambda s: integer.dither(s, index(x.shape))),
         (seed,),
     )
-    pieces["ar block bounds"] = (jax.jit(integer.block_bounds), (x,))
+    pieces["ar block bounds"] = (jax.jit(block_bounds), (x,))
     pieces["ar quantize (nearest)"] = (
         jax.jit(lambda x, g: ar_encode(x, g, None)),
         (x, grid),

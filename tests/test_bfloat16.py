@@ -259,7 +259,7 @@ def test_a_bucket_is_bfloat16_only_when_all_its_leaves_are():
     def dtype_of(*dtypes):
         leaves = [jax.ShapeDtypeStruct((10,), d) for d in dtypes]
         layout = buckets.make_layout(leaves, bucket_bytes=None, granularity=8)
-        return layout.bucket_dtype(0)
+        return layout.bucket_dtypes[0]
 
     assert dtype_of(BF16, BF16) == BF16
     assert dtype_of(BF16, F32) == F32

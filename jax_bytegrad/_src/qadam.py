@@ -248,17 +248,13 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
             mixed = [g if done else m for m, g, done in zip(leaves, given, exchanged, strict=True)]
             local_mu = jax.tree.unflatten(treedef, mixed)
 
-        def sync(leaves, sharded, order):
-            # Without error feedback the state's residuals are empty, as sync_mean's are.
-            return collectives.sync_mean(
-                leaves,
-                config,
-                residuals=residuals if config.error_feedback else None,
-                order=order,
-                sharded=sharded,
-                where=where,
-            )
-
+        # Without error feedback the state's residuals are empty, as sync_mean's are.
+        sync = functools.partial(
+            collectives.sync_mean,
+            config=config,
+            residuals=residuals if config.error_feedback else None,
+            where=where,
+        )
         mu, residuals = shards.skip_exchanged(sync, local_mu, sharded, order)
         residuals = Residuals() if residuals is None else residuals  # every layer in the loop
         if second_moment == "gradient":

@@ -13,6 +13,7 @@ residuals are per device, so they live in the optimizer state sharded over both 
 (``sharding.state_specs``).
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -161,19 +162,14 @@ def sync_gradients(
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
         key, step_key = collectives.step_keys(state.key)
-
-        def sync(leaves, sharded, order):
-            return collectives.sync_mean(
-                leaves,
-                config,
-                average=average,
-                key=step_key if config.stochastic else None,
-                residuals=state.residuals if config.error_feedback else None,
-                order=order,
-                sharded=sharded,
-                where=where,
-            )
-
+        sync = functools.partial(
+            collectives.sync_mean,
+            config=config,
+            average=average,
+            key=step_key if config.stochastic else None,
+            residuals=state.residuals if config.error_feedback else None,
+            where=where,
+        )
         # Leaves the step averaged inside the backward loop (``exchange_in_loop``) pass on.
         updates, residuals = shards.skip_exchanged(sync, updates, sharded, gradient_order)
         residuals = Residuals() if residuals is None else residuals

@@ -87,10 +87,6 @@ class Width:
     bits: int
     levels: int
 
-    @property
-    def dtype(self):
-        return jnp.uint16 if self.bits == 16 else jnp.uint8
-
 
 def fits(bits: int, group_size: int) -> bool:
     """Whether ``bits``-bit codes of ``group_size`` devices can be summed on the integer wire:
@@ -178,23 +174,6 @@ def dither(seed: jax.Array, index: jax.Array) -> jax.Array:
     return (h >> 8).astype(jnp.float32) * np.float32(2.0**-24)
 
 
-def block_bounds(x: jax.Array) -> jax.Array:
-    """Each row's [max, -min], both +inf for a row holding NaN or +-inf, shape (rows, 2).
-
-    Max of (x, -x) in one variadic reduce; NaN propagates through it and is then made +inf,
-    which a pmax spreads to every device (a NaN may not survive a max through Gloo).
-    """
-    hi, neg_lo = jax.lax.reduce(
-        (x, -x),
-        (np.float32(-np.inf), np.float32(-np.inf)),
-        lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])),
-        (1,),
-    )
-    bounds = jnp.stack([hi, neg_lo], axis=1)
-    finite = jnp.isfinite(hi) & jnp.isfinite(neg_lo)
-    return jnp.where(finite[:, None], bounds, np.float32(np.inf))
-
-
 def _unfused_step(lo, hi, steps):
     """``(hi - lo) / steps`` with no product feeding an add (module docstring): the halves
     are exact products, so a contracted hi * 0.5 - lo * 0.5 rounds the same; they keep
@@ -213,7 +192,7 @@ _SPELLING = _grid.Spelling(step=_unfused_step)
 
 def grid(bounds: jax.Array, levels: int, stochastic: bool):
     """Scale, integer zero point and 1 / scale per block, shape (blocks, 1), from the bounds
-    (``block_bounds``): ``grid.grid`` of lo = -bounds[:, 1], hi = bounds[:, 0]."""
+    (``integer_bounds``): ``grid.grid`` of lo = -bounds[:, 1], hi = bounds[:, 0]."""
     hi, lo = bounds[:, 0:1], -bounds[:, 1:2]
     return _grid.grid(lo, hi, levels=levels, stochastic=stochastic, spelling=_SPELLING)
 
@@ -237,7 +216,7 @@ def to_wire(codes: jax.Array, width: Width) -> jax.Array:
     if width.bits == 4:
         pairs = codes.astype(jnp.uint8).reshape(codes.shape[0], -1, 2)
         return pairs[..., 0] | (pairs[..., 1] << 4)
-    return codes.astype(width.dtype)
+    return codes.astype(jnp.uint16 if width.bits == 16 else jnp.uint8)
 
 
 def from_wire(total: jax.Array, width: Width) -> jax.Array:
@@ -255,10 +234,23 @@ def from_wire(total: jax.Array, width: Width) -> jax.Array:
 
 def integer_bounds(codec, x: jax.Array, block_size: int) -> jax.Array:
     """The integer wire's first stage: each block's [max, -min] of the flat vector ``x``
-    (after adding the residual), shape (blocks, 2); the group then agrees on them with one
-    ``pmax``. The same for every ``codec``."""
+    (after adding the residual), shape (blocks, 2), both +inf for a block holding NaN or
+    +-inf; the group then agrees on them with one ``pmax``. The same for every ``codec``.
+
+    Max of (x, -x) in one variadic reduce; NaN propagates through it and is then made +inf,
+    which a pmax spreads to every device (a NaN may not survive a max through Gloo).
+    """
     del codec
-    return block_bounds(x.reshape(-1, block_size))
+    blocks = x.reshape(-1, block_size)
+    hi, neg_lo = jax.lax.reduce(
+        (blocks, -blocks),
+        (np.float32(-np.inf), np.float32(-np.inf)),
+        lambda a, b: (jnp.maximum(a[0], b[0]), jnp.maximum(a[1], b[1])),
+        (1,),
+    )
+    bounds = jnp.stack([hi, neg_lo], axis=1)
+    finite = jnp.isfinite(hi) & jnp.isfinite(neg_lo)
+    return jnp.where(finite[:, None], bounds, np.float32(np.inf))
 
 
 def integer_encode(codec, x, bounds, *, block_size, width, seed, first_block=0,

@@ -5,7 +5,7 @@ collectives, in the order the caller's thread walks them (``Stages``).
 see its module docstring for why and where that overlaps. Each piece's programs are the
 stages of its wire (``wire.integer_stages``, ``wire.scatter_gather_stages``) for its
 bucket's ``config.BucketPlan``, which the one-program step runs inline, with the same keys
-(``collectives.device_key``, ``bucket_key``): the values are the one-program step's, bit for
+(``collectives.bucket_keys``): the values are the one-program step's, bit for
 bit. What is this step's own: the pieces (``bucket_bytes`` of each bucket per exchange), their
 software-pipelined order, and one pmax for every bucket's integer-wire bounds.
 """
@@ -24,7 +24,7 @@ from jax_bytegrad._src.runtime.programs import Program, Schedule
 from jax_bytegrad._src.sync import buckets as bucketing
 from jax_bytegrad._src.sync import patterns
 from jax_bytegrad._src.sync import wire as wires
-from jax_bytegrad._src.sync.collectives import bucket_key, device_key, step_keys
+from jax_bytegrad._src.sync.collectives import bucket_keys, step_keys
 from jax_bytegrad._src.sync.config import Group, Residuals, SyncConfig, SyncPlan
 
 # The values the programs pass each other, by name. ----------------------------------------
@@ -53,7 +53,7 @@ class Of(enum.Enum):
 
     BUCKET = enum.auto()  # the float32 bucket of the gradient
     SHARD = enum.auto()  # its reduce-scatter within the node: this device's 1/L of the sum
-    KEY = enum.auto()  # its rounding key on this device (``collectives.bucket_key``), as data
+    KEY = enum.auto()  # its rounding key on this device (``collectives.bucket_keys``), as data
     BOUNDS = enum.auto()  # integer wire: this device's block bounds of what it compresses
     AGREED = enum.auto()  # the group's pmax of those
     FACTORS = enum.auto()  # the decode factors of the agreed bounds
@@ -340,9 +340,8 @@ class Stages:
             if self.has_aux:
                 out[Whole.DEVICE_AUX] = jax.tree.map(lambda a: a[None], aux)
             if self.stochastic:
-                device = device_key(step_key, axes)
-                for b in self.buckets:
-                    out[Bucket(Of.KEY, b)] = jax.random.key_data(bucket_key(device, b))
+                for b, key in bucket_keys(step_key, axes, self.buckets).items():
+                    out[Bucket(Of.KEY, b)] = jax.random.key_data(key)
             if self.bounds_in_grad:
                 for b, x in enumerate(vectors):
                     x = x + given[Bucket(Of.SEND_RESIDUAL, b)] if feedback else x

@@ -6,7 +6,7 @@ enough to run at link speed, and several buckets let XLA overlap one bucket's co
 with the next bucket's compute.
 
 Float leaves (float32, bfloat16, float16) are concatenated in tree order, whole leaves per
-bucket, in their bucket's dtype (``Layout.bucket_dtype``: bfloat16 where every leaf of the
+bucket, in their bucket's dtype (``Layout.bucket_dtypes``: bfloat16 where every leaf of the
 bucket is bfloat16, float32 otherwise); each bucket is zero-padded to a multiple of
 ``granularity`` (devices x block size), so it splits evenly into per-device shards of whole
 blocks. Integer and bool leaves are not bucketed: ``from_buckets`` hands them back untouched.
@@ -40,6 +40,8 @@ class Layout:
       bucketed: whether each leaf is a float leaf that goes into the buckets.
       buckets: for each bucket, the indices of the whole leaves it holds, in order.
       padded_sizes: elements in each bucket after padding to ``granularity``.
+      bucket_dtypes: the dtype each bucket is summed and gathered in within the node:
+        bfloat16 where all its leaves are bfloat16, float32 otherwise (module docstring).
     """
 
     shapes: tuple[tuple[int, ...], ...]
@@ -47,14 +49,7 @@ class Layout:
     bucketed: tuple[bool, ...]
     buckets: tuple[tuple[int, ...], ...]
     padded_sizes: tuple[int, ...]
-
-    def bucket_dtype(self, bucket: int) -> np.dtype:
-        """The dtype bucket ``bucket`` is summed and gathered in within the node: bfloat16
-        where all its leaves are bfloat16, float32 otherwise (module docstring)."""
-        bf16 = jnp.dtype(jnp.bfloat16)
-        if all(self.dtypes[i] == bf16 for i in self.buckets[bucket]):
-            return bf16
-        return jnp.dtype(jnp.float32)
+    bucket_dtypes: tuple[np.dtype, ...]
 
 
 def make_layout(
@@ -84,7 +79,12 @@ def make_layout(
     if current:
         buckets.append((tuple(current), size))
     padded = tuple(-(-size // granularity) * granularity for _, size in buckets)
-    return Layout(shapes, dtypes, bucketed, tuple(b for b, _ in buckets), padded)
+    bf16 = jnp.dtype(jnp.bfloat16)
+    bucket_dtypes = tuple(
+        bf16 if all(dtypes[i] == bf16 for i in members) else jnp.dtype(jnp.float32)
+        for members, _ in buckets
+    )
+    return Layout(shapes, dtypes, bucketed, tuple(b for b, _ in buckets), padded, bucket_dtypes)
 
 
 def ready_order(layout: Layout, order: tuple[int, ...] | None = None) -> list[int]:
@@ -109,7 +109,7 @@ def _bucket(leaves, members, padded: int, dtype) -> jax.Array:
 def to_buckets(leaves, layout: Layout) -> list[jax.Array]:
     """Concatenates each bucket's leaves as float32, zero-padded to its padded size.
 
-    Float32 whatever ``bucket_dtype`` says: the pipelined step's buckets, which run on CPUs,
+    Float32 whatever ``bucket_dtypes`` says: the pipelined step's buckets, which run on CPUs,
     where XLA:CPU moves bfloat16 collectives as float32 anyway.
     """
     return [
@@ -119,7 +119,7 @@ def to_buckets(leaves, layout: Layout) -> list[jax.Array]:
 
 
 def to_bucket_parts(leaves, layout: Layout, block_size: int) -> list[tuple[jax.Array, ...]]:
-    """The buckets, each in its ``bucket_dtype``, as consecutive parts of whole blocks that
+    """The buckets, each in its ``bucket_dtypes``, as consecutive parts of whole blocks that
     concatenate to it.
 
     A bucket of one leaf comes as two parts: the leaf's whole blocks, read where they lie, and
@@ -129,7 +129,7 @@ def to_bucket_parts(leaves, layout: Layout, block_size: int) -> list[tuple[jax.A
     """
     out = []
     for b, (members, padded) in enumerate(zip(layout.buckets, layout.padded_sizes, strict=True)):
-        dtype = layout.bucket_dtype(b)
+        dtype = layout.bucket_dtypes[b]
         flat = leaves[members[0]].reshape(-1).astype(dtype)
         head = flat.size // block_size * block_size
         if len(members) > 1 or head in (0, padded):
@@ -194,7 +194,7 @@ def to_rows(leaves, layout: Layout, dims, axis: str) -> list[jax.Array]:
     """Each bucket laid out in rows, where the state is split within the node.
 
     A bucket is laid out as one row per device of ``axis``: row j holds, in the bucket's
-    ``bucket_dtype``, the j-th block of every split leaf (``dims[i]`` the split dimension) and
+    ``bucket_dtypes``, the j-th block of every split leaf (``dims[i]`` the split dimension) and
     the j-th of the equal parts of the bucket's whole leaves (whole leaves first joined, flat),
     then zeros up to ``padded // L``, the length of a device's shard in the replicated layout
     (there is room: the split leaves fill L rows exactly). So the rows cross between nodes as
@@ -207,7 +207,7 @@ def to_rows(leaves, layout: Layout, dims, axis: str) -> list[jax.Array]:
     local = int(jax.lax.axis_size(axis))
     out = []
     for b, (members, padded) in enumerate(zip(layout.buckets, layout.padded_sizes, strict=True)):
-        dtype = layout.bucket_dtype(b)
+        dtype = layout.bucket_dtypes[b]
         parts = [_rows_of(leaves[i], dims[i], local, dtype) for i in members if dims[i] is not None]
         whole = [i for i in members if dims[i] is None]
         if whole:
@@ -224,7 +224,7 @@ def own_rows(leaves, layout: Layout, dims, axis: str) -> list[jax.Array]:
     me = jax.lax.axis_index(axis)
     out = []
     for b, (members, padded) in enumerate(zip(layout.buckets, layout.padded_sizes, strict=True)):
-        dtype = layout.bucket_dtype(b)
+        dtype = layout.bucket_dtypes[b]
         parts = [
             jnp.moveaxis(leaves[i], dims[i], 0).reshape(1, -1).astype(dtype)
             for i in members
@@ -258,7 +258,7 @@ def from_rows(rows, leaves, layout: Layout, dims, axis: str) -> list:
             total = sum(math.prod(layout.shapes[i]) for i in whole)
             per = -(-total // local)
             # In the bucket's dtype, which the leaves are then cast to: nothing is lost.
-            tail = row[offset : offset + per].astype(layout.bucket_dtype(b))
+            tail = row[offset : offset + per].astype(layout.bucket_dtypes[b])
             tail = jax.lax.all_gather(tail, axis, axis=0, tiled=True, to="invarying")
             _unpack(tail, whole, layout, out)
     return _with_empty_leaves(out, layout)

@@ -199,20 +199,20 @@ def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return kept, step
 
 
-def device_key(key: jax.Array | None, axes) -> jax.Array | None:
-    """This device's rounding key of a step, from the step's ``key`` (None: nearest
-    rounding). Call it inside ``shard_map``.
+def bucket_keys(key: jax.Array | None, axes, buckets) -> dict:
+    """Each bucket's rounding key on this device, ``{b: key}`` for the indices ``buckets``,
+    from the step's ``key`` (None: nearest rounding, and every bucket's key is None): the key
+    folded with this device's index over ``axes``, then with the bucket's. Call it inside
+    ``shard_map``.
 
     Every device rounds independently; the mean is gathered, so every device still ends
     with the same values. ``sync_mean`` and the pipelined step (``steps/stages.py``) both
-    take their keys from here and from ``bucket_key``.
+    take their keys from here.
     """
-    return None if key is None else jax.random.fold_in(key, jax.lax.axis_index(axes))
-
-
-def bucket_key(key: jax.Array | None, bucket: int) -> jax.Array | None:
-    """Bucket ``bucket``'s rounding key, from this device's (``device_key``)."""
-    return None if key is None else jax.random.fold_in(key, bucket)
+    if key is None:
+        return dict.fromkeys(buckets)
+    device = jax.random.fold_in(key, jax.lax.axis_index(axes))
+    return {b: jax.random.fold_in(device, b) for b in buckets}
 
 
 def sync_mean(
@@ -254,10 +254,9 @@ def sync_mean(
 def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
     n, local = axis_sizes(config.node_axis, config.local_axis, where)
     leaves, treedef = _flat_leaves(tree, where)
-    within.check(config.hierarchical, leaves, where)
     plan = plan_sync(
         config,
-        within.full_shapes(leaves, local),
+        within.full_shapes(leaves, local, config.hierarchical, where),
         (n, local),
         weight=1.0 / (n * local) if average else 1.0,
         sums_within=within.sums_within,
@@ -268,12 +267,13 @@ def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
     resolve_implementation(config.implementation)
     if residuals is not None:
         _check_residuals(residuals, plan, (n, local), where)
-    layout, key = plan.layout, device_key(key, config.axes)
+    layout = plan.layout
+    keys = bucket_keys(key, config.axes, range(len(layout.buckets)))
     parts = within.to_parts(leaves, layout, config.block_size)
 
     def cross(b, part):
         residual = None if residuals is None else residuals[b]
-        return wires.sum_shard(part, plan.buckets[b], key=bucket_key(key, b), residual=residual)
+        return wires.sum_shard(part, plan.buckets[b], key=keys[b], residual=residual)
 
     crossed, kept = _in_ready_order(parts, cross, layout, order, through=within.ties_through)
     reduced = [wires.gather_shard(s, p) for s, p in zip(crossed, plan.buckets, strict=True)]

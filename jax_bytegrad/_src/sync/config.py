@@ -220,14 +220,15 @@ class SyncConfig:
         if wire == "auto":
             allreduce = self.bits == 8 and size <= AUTO_ALLREDUCE_GROUP
             wire = "allreduce" if allreduce else "scatter_gather"
+        plain = size == 1
         if not self.hierarchical:
-            return Group(self.axes, self.axes, size, False, wire)
+            return Group(self.axes, self.axes, size, False, wire, plain)
         # With one device per node, the integer sum over both axes types its result replicated
         # over both; the scatter-gather wire gathers over both for the same reason: a size-1
         # gather would copy the whole bucket.
         summed = self.node_axis if per_node > 1 or wire != "allreduce" else self.axes
         gather = self.node_axis if per_node > 1 else self.axes
-        return Group(summed, gather, size, per_node > 1, wire)
+        return Group(summed, gather, size, per_node > 1, wire, plain)
 
     def replace(self, **changes) -> "SyncConfig":
         """A copy with some settings changed, validated again."""
@@ -246,6 +247,7 @@ class Group:
       scatter: whether a reduce-scatter within the node comes first (and an all_gather
         there last).
       wire: the wire that runs between them (``"auto"`` resolved).
+      plain: one device in the group (``size == 1``): nothing is compressed.
     """
 
     axis: Any
@@ -253,11 +255,7 @@ class Group:
     size: int
     scatter: bool
     wire: Wire
-
-    @property
-    def plain(self) -> bool:
-        """One device in the group: nothing is compressed."""
-        return self.size == 1
+    plain: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,7 +267,7 @@ class BucketPlan:
     Attributes:
       index: the bucket's index in the layout (its rounding key folds it in).
       padded: its values per device, a whole number of devices x blocks.
-      dtype: its dtype within the node (``buckets.Layout.bucket_dtype``).
+      dtype: its dtype within the node (``buckets.Layout.bucket_dtypes``).
       residual: error feedback's per-device (send, mean) lengths (``residual_sizes``).
       group: who compresses with whom, over which wire.
       codec: the codecs' settings (bits, rounding, implementation).
@@ -365,7 +363,6 @@ def plan_sync(
         granularity=nodes * local * config.block_size,
         min_leaves=min_leaves,
     )
-    dtypes = [layout.bucket_dtype(b) for b in range(len(layout.buckets))]
     integer = group.wire == "allreduce" and not group.plain
     width = allreduce_width(config.bits, group.size, platform) if integer else None
     ops = IntegerOps.of(codec) if integer else None
@@ -377,7 +374,7 @@ def plan_sync(
             BucketPlan(
                 index=b,
                 padded=padded,
-                dtype=dtypes[b],
+                dtype=layout.bucket_dtypes[b],
                 residual=(0, 0) if group.plain else (send, mean),
                 group=group,
                 codec=codec,

@@ -113,24 +113,20 @@ class Whole:
     gathers_within = True
     ties_through = False
 
-    def check(self, hierarchical: bool, leaves, where: str) -> None:
-        """Raises where this layout's updates cannot go on the sync (never, here)."""
-
-    def full_shapes(self, leaves, local: int):
-        """The whole leaves, whose buckets the sync lays out: the updates' own."""
+    def full_shapes(self, leaves, local: int, hierarchical: bool, where: str):
+        """The whole leaves, whose buckets the sync lays out: the updates' own. Raises, naming
+        ``where``, where this layout's updates cannot go on the sync (never, here)."""
+        del local, hierarchical, where
         return leaves
 
     def run(self, fn, *args):
         """``fn(*args)``: the library's own code over the updates."""
         return fn(*args)
 
-    def to_parts(self, leaves, layout: buckets.Layout, block_size: int) -> list:
-        """What each bucket's wire sums: the buckets, as parts (``buckets.to_bucket_parts``)."""
-        return buckets.to_bucket_parts(leaves, layout, block_size)
-
-    def from_parts(self, reduced, leaves, layout: buckets.Layout) -> list:
-        """The leaves of the reduced buckets."""
-        return buckets.from_buckets(reduced, leaves, layout)
+    # What each bucket's wire sums, ``to_parts(leaves, layout, block_size)``: the buckets, as
+    # parts; and ``from_parts(reduced, leaves, layout)``, the leaves of the reduced buckets.
+    to_parts = staticmethod(buckets.to_bucket_parts)
+    from_parts = staticmethod(buckets.from_buckets)
 
     def leaf_dims(self, count: int) -> tuple[int | None, ...]:
         """Per leaf, the dimension split within the node: none."""
@@ -200,7 +196,8 @@ class Sharded(Whole):
     def sums_within(self) -> bool:
         return not self.summed
 
-    def check(self, hierarchical, leaves, where):
+    def full_shapes(self, leaves, local, hierarchical, where) -> list[jax.ShapeDtypeStruct]:
+        """The whole leaves' shapes and dtypes, from the updates' leaves."""
         if not hierarchical:
             raise ValueError(
                 f"{where}: state split within the node (shard=...) needs hierarchical=True: "
@@ -212,9 +209,6 @@ class Sharded(Whole):
                 f"{where}: the sharded step's layout names {len(self.dims)} leaves, but the "
                 f"updates have {len(leaves)}; pass the params' own tree"
             )
-
-    def full_shapes(self, leaves, local: int) -> list[jax.ShapeDtypeStruct]:
-        """The whole leaves' shapes and dtypes, from the updates' leaves."""
         if not self.summed:
             return [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
         out = []
@@ -284,7 +278,7 @@ class Sharded(Whole):
 
 
 def skip_exchanged(sync, updates, sharded: Sharded | None, order):
-    """``sync(rest, sharded, order)`` on the leaves of ``updates`` that the step did not
+    """``sync(rest, sharded=..., order=...)`` on the leaves of ``updates`` that the step did not
     average inside the backward loop (``Sharded.exchanged``), with ``sharded`` and ``order``
     (leaf indices, or None) cut to them; the others pass on as they are.
 
@@ -294,7 +288,7 @@ def skip_exchanged(sync, updates, sharded: Sharded | None, order):
     ``(the updates' pytree of means, other)``.
     """
     if sharded is None or not any(sharded.exchanged):
-        return sync(updates, sharded, order)
+        return sync(updates, sharded=sharded, order=order)
     leaves, treedef = jax.tree.flatten(updates)
     keep = [i for i, done in enumerate(sharded.exchanged) if not done]
     out = list(leaves)
@@ -303,7 +297,7 @@ def skip_exchanged(sync, updates, sharded: Sharded | None, order):
         index = {leaf: j for j, leaf in enumerate(keep)}
         rest = dataclasses.replace(sharded, dims=tuple(sharded.dims[i] for i in keep), exchanged=())
         order = None if order is None else tuple(index[i] for i in order if i in index)
-        means, other = sync([leaves[i] for i in keep], rest, order)
+        means, other = sync([leaves[i] for i in keep], sharded=rest, order=order)
         for i, mean in zip(keep, means, strict=True):
             out[i] = mean
     return jax.tree.unflatten(treedef, out), other

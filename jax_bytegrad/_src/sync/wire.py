@@ -17,7 +17,7 @@ own (``steps/stages.py``); the GPU schedule tests count its collectives per buck
     all_gather over local (bucket dtype)   -> the whole bucket
 
 The bucket's dtype within the node is float32, or bfloat16 for a bucket of bfloat16 leaves
-(``buckets.Layout.bucket_dtype``); the codecs read and write float32.
+(``buckets.Layout.bucket_dtypes``); the codecs read and write float32.
 
 No device gathers all n quantized gradients, and, unlike Bagua, which funnels a node's
 traffic through one leader GPU, all L devices of a node share the inter-node hop: 2 (n-1)/n N/L
@@ -323,18 +323,6 @@ def _joined(x) -> jax.Array:
     return jnp.concatenate(x) if isinstance(x, tuple) else x
 
 
-def _owned(x, plan: BucketPlan):
-    """What this device compresses, in float32, the codecs' dtype: its share of its node's
-    sum, from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets:
-    half float32's bytes; ``buckets.Layout.bucket_dtype``) where the plan says so
-    (``BucketPlan.scatter``); else ``x`` itself, whole or as its parts."""
-    if plan.scatter:
-        x = jax.lax.psum_scatter(_joined(x), plan.local_axis, scatter_dimension=0, tiled=True)
-    if isinstance(x, tuple):
-        return tuple(part.astype(jnp.float32) for part in x)
-    return x.astype(jnp.float32)
-
-
 def sum_shard(x, plan: BucketPlan, *, key, residual):
     """The part of a flat bucket's all-reduce that crosses between nodes, over the plan's
     wire; the bucket's length is a multiple of devices x block. ``x`` may come as a tuple of
@@ -351,7 +339,15 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
     the shard the whole bucket.
     """
     integer_wire = plan.group.wire == "allreduce"
-    x = _owned(x if integer_wire else _joined(x), plan)
+    # What this device compresses, in float32, the codecs' dtype: its share of its node's sum,
+    # from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets: half
+    # float32's bytes) where the plan says so; else ``x`` itself, whole or (integer wire) as
+    # its parts.
+    if plan.scatter or not integer_wire:
+        x = _joined(x)
+    if plan.scatter:
+        x = jax.lax.psum_scatter(x, plan.local_axis, scatter_dimension=0, tiled=True)
+    x = tuple(p.astype(jnp.float32) for p in x) if isinstance(x, tuple) else x.astype(jnp.float32)
     if plan.group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
         x = _joined(x) * jnp.float32(plan.weight)
@@ -365,7 +361,7 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
 def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
     """``sum_shard``'s shard as the whole reduced bucket, typed as replicated over both
     axes: an all_gather within the node where the plan says so (``BucketPlan.gather``), in
-    ``dtype`` (None: the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtype``; its
+    ``dtype`` (None: the plan's, the bucket's dtype, ``buckets.Layout.bucket_dtypes``; its
     leaves are cast to it after the gather, so a bfloat16 gather loses nothing); the shard
     itself otherwise."""
     if plan.gather:
