@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_bytegrad.sharding import exchange_in_loop
+
 
 class Shape(NamedTuple):
     """A decoder's size."""
@@ -120,9 +122,17 @@ def block(x, p, heads: int):
     return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
-def loss_fn(shape: Shape, *, scan: bool):
-    """``loss(params, tokens) -> mean next-token cross-entropy``; tokens (batch, seq + 1)."""
+def loss_fn(shape: Shape, *, scan: bool, mark: bool = False):
+    """``loss(params, tokens) -> mean next-token cross-entropy``; tokens (batch, seq + 1).
+
+    ``mark``: the scan body marks its layer with ``exchange_in_loop`` (its exchange between
+    nodes then runs inside the backward loop); scanned stacks only."""
     layer = jax.checkpoint(lambda x, p: block(x, p, shape.heads))
+    if mark:
+        if not scan:
+            raise ValueError("mark=True needs scan=True")
+        unmarked = layer
+        layer = lambda x, p: unmarked(x, exchange_in_loop(p))  # noqa: E731
 
     def loss(params, tokens):
         inputs, targets = tokens[:, :-1], tokens[:, 1:]

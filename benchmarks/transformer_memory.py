@@ -21,6 +21,7 @@ devices of a node), one gathered layer and the activations a remat'd layer keeps
 Usage:
   python benchmarks/transformer_memory.py                          # 7b, 13b, 30b; list and scan
   python benchmarks/transformer_memory.py --models 7b --forms scan --shards none,params
+  python benchmarks/transformer_memory.py --models 7b --forms scan,scan-marked   # exchange_in_loop
 """
 
 import argparse
@@ -56,7 +57,7 @@ ALGORITHMS = {
 def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
     """Compiles one train step and reads its figures."""
     shape = _llama.SHAPES[model]
-    scan = form == "scan"
+    scan = form.startswith("scan")
     spec = GPUS[args.gpu]
     if args.device_gib:  # the same GPU with less memory: where XLA's rematerialization gives up
         spec = dataclasses.replace(spec, memory_bytes=int(args.device_gib * GIB))
@@ -64,7 +65,8 @@ def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
     name, settings = ALGORITHMS[algorithm]
     strategy = jbg.Strategy(name, mesh=mesh, shard=SHARDS[shard], **settings)
     batch = jax.ShapeDtypeStruct((mesh.devices.size, SEQ + 1), jnp.int32)
-    with strategy.train_step(_llama.loss_fn(shape, scan=scan), optax.adamw(1e-4)) as step:
+    loss = _llama.loss_fn(shape, scan=scan, mark=form == "scan-marked")
+    with strategy.train_step(loss, optax.adamw(1e-4)) as step:
         state = step.state_shapes(_llama.param_shapes(shape, scan=scan))
         start = time.perf_counter()
         lowered = step.lower(state, batch)
@@ -108,13 +110,13 @@ def run_worker(spec: str, args) -> dict | None:
 
 def report(rows: dict, args) -> None:
     print(
-        f"\n{'model':6s} {'form':5s} {'algorithm':19s} {'shard':7s} {'params':>7s} "
+        f"\n{'model':6s} {'form':11s} {'algorithm':19s} {'shard':7s} {'params':>7s} "
         f"{'peak GiB':>9s} {'args':>6s} {'temp':>6s} {'floor':>6s} {'MiB/node':>9s} "
         f"{'vs none':>8s} {'gemms beside':>14s} {'FLOPs':>6s} {'compile s':>9s}"
     )
     for (model, form, algorithm, shard), row in rows.items():
         shape = _llama.SHAPES[model]
-        head = f"{model:6s} {form:5s} {algorithm:19s} {shard:7s} {shape.parameters() / 1e9:6.2f}B"
+        head = f"{model:6s} {form:11s} {algorithm:19s} {shard:7s} {shape.parameters() / 1e9:6.2f}B"
         if row is None:
             print(f"{head} no compile in time")
             continue
@@ -136,7 +138,11 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--per-node", type=int, default=8)
     parser.add_argument("--models", default="7b,13b,30b")
-    parser.add_argument("--forms", default="scan,list")
+    parser.add_argument(
+        "--forms",
+        default="scan,list",
+        help="scan, list, or scan-marked: the scan body marks its layer with exchange_in_loop",
+    )
     parser.add_argument("--algorithms", default="bytegrad")
     parser.add_argument("--shards", default="params")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per compile")
