@@ -115,6 +115,22 @@ def test_qadam_exchanges_inside_the_loop_in_both_phases():
     assert got_bytes["compressed"] == (want_bytes["compressed"][0], LAYERS)
 
 
+def test_an_unmarked_loss_gets_the_program_it_had_without_the_loop_machinery():
+    # A step that could exchange in the loop traces the loss through the rewriter; without a
+    # mark, its program must be the plain step's: the same buckets, crossing in the order the
+    # backward produces them (the marks' flags once hid that order, reversing the buckets).
+    strategy = jax_bytegrad.Strategy(
+        "bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), shard="params", bucket_bytes=1
+    )
+    texts = []
+    for loop in (True, False):
+        with strategy.train_step(loss_of(False), optax.adam(1e-2)) as step:
+            if not loop:
+                step._loop_syncs = {}  # the step as it was before exchange_in_loop
+            texts.append(step.lower(step.init(PARAMS), BATCH).as_text())
+    assert texts[0] == texts[1]
+
+
 def test_error_feedback_inside_the_loop_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="error feedback"):
         train("bytegrad", True, steps=1, bits=4, error_feedback=True)

@@ -225,18 +225,27 @@ class DataParallelStep(TrainStep):
         def gradient(params, batch, *model_inputs, opt_state=None):
             """``opt_state``: the optimizer's state, from which an exchange in the loop takes
             what it needs (``LoopSync.from_state``)."""
-            exchange = grad_fn
+            exchange, marked = grad_fn, []
             if loop is not None:
                 rewrite = loop_exchange.rewriter(loop, self.mesh, layout.dims, opt_state)
-                exchange = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
+                run = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
+
+                def exchange(*args):
+                    # Which leaves the loss marks are Python bools, known at trace time: kept
+                    # out of the traced result, whose last leaves must be the gradient's (the
+                    # order the backward produces them is read from there).
+                    outputs, grads, found = run(*args)
+                    marked.append(tuple(found))
+                    return outputs, grads
+
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce. (With marks the loss
             # varies them itself, all but the marked layers: ``value_and_grad_rows``.)
             varying = params if loop else make_varying(params, placement.manual_axes)
-            out, order, closed = traced_gradient(exchange, varying, batch, *model_inputs)
-            outputs, grads, *marked = out
+            traced = traced_gradient(exchange, varying, batch, *model_inputs)
+            (outputs, grads), order, closed = traced
             placement.check_gradient(closed, params, layout.dims, self.algorithm)
-            return outputs, grads, order, tuple(marked[0]) if marked else ()
+            return outputs, grads, order, marked[0] if marked else ()
 
         return gradient
 
