@@ -303,21 +303,26 @@ class _Rewrite:
                 dim -= 1
             dims.append(dim)
         moments = [self.moments[leaf] for leaf in leaves] if self.sync.b1 is not None else []
-        # One key per call: the sync draws each bucket's and device's own from it.
-        key = [jax.random.key_data(self.keys[leaves[0]])] if self.sync.takes_key else []
-        exchanging = _exchanging(self, tuple(dims), len(moments), bool(key))
+        # One key per call: the sync draws each bucket's and device's own from it. It goes in
+        # as its data, with its implementation beside.
+        key, impl = [], None
+        if self.sync.takes_key:
+            layer_key = self.keys[leaves[0]]
+            key, impl = [jax.random.key_data(layer_key)], jax.random.key_impl(layer_key)
+        exchanging = _exchanging(self, tuple(dims), len(moments), impl)
         return list(exchanging(*ins, *moments, *key))
 
 
-def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, keyed: bool = False):
+def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None):
     """The mark of a layer whose split dimensions are ``dims``: an identity whose backward
     averages the layer's gradient between nodes. After the layer's leaves it takes
     ``moments`` of them, which its backward exchanges with the gradient (``LoopSync.b1``),
-    then, if ``keyed``, its rounding key's data; their cotangents are zero."""
+    then, given the key implementation ``impl``, its rounding key's data; their cotangents
+    are zero."""
     sync, mesh, local_axis = rewrite.sync, rewrite.mesh, rewrite.sync.config.local_axis
     node_axis = sync.config.node_axis
     count = len(dims)
-    impl = jax.random.key_impl(next(iter(rewrite.keys.values()))) if keyed else None
+    keyed = impl is not None
 
     def mean(cts, extra):
         pairs = zip(cts, dims, strict=True)
