@@ -248,3 +248,25 @@ def same_state(state, expected, extra_keys, model, *, where: str, devices: int) 
         "step.init(params)); to carry a model over to another algorithm, start from it: "
         "new_step.init(old_step.params(old_state))"
     )
+
+
+def _spec_axes(spec) -> set[str]:
+    """The mesh axes a ``PartitionSpec`` splits over."""
+    names = set()
+    for entry in spec:
+        names.update(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
+    return names
+
+
+def unsynced(updates, update_specs, opt_state, specs, axes) -> list[str]:
+    """Paths of updates, or state, that differ between devices where they should not: a leaf
+    may vary over the axes its spec splits it over, and no other."""
+    leaves = jax.tree.leaves_with_path((updates, opt_state))
+    if update_specs is None:  # replicated: no update may vary
+        update_specs = jax.tree.map(lambda _: jax.sharding.PartitionSpec(), updates)
+    allowed = [_spec_axes(spec) for spec in jax.tree.leaves((update_specs, specs))]
+    return [
+        jax.tree_util.keystr(path)
+        for (path, leaf), ok in zip(leaves, allowed, strict=True)
+        if (varying_axes(leaf) & set(axes)) - ok
+    ]

@@ -63,6 +63,9 @@ class NNXTrainStep:
         self._graphdef, self._templates, self._has_state = graphdef, templates, has_state
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         self._state = train_step.init(params)
+        # The state init made, not yet fitted to the loss on a batch (``TrainStep.init``'s
+        # ``batch``): the first batch the step sees fits it.
+        self._fresh = True
 
     @property
     def state(self) -> StepState:
@@ -70,8 +73,13 @@ class NNXTrainStep:
 
     @state.setter
     def state(self, state: StepState) -> None:
-        self._state = state
+        self._state, self._fresh = state, False
         self._write_back()
+
+    def _fit(self, batch) -> StepState:
+        if self._fresh:
+            self._state, self._fresh = self.train_step._fit_state(self._state, batch, False), False
+        return self._state
 
     def _write_back(self) -> None:
         params = _filled(self._templates[0], self.train_step.params(self._state))
@@ -83,23 +91,25 @@ class NNXTrainStep:
     def __call__(self, batch) -> dict[str, Any]:
         """One step on ``batch`` (this process's rows of the global batch); returns the
         metrics (``{"loss": ...}``, plus ``"aux"`` with ``has_aux``), means over devices."""
-        self._state, metrics = self.train_step(self._state, batch)
+        self._state, metrics = self.train_step(self._fit(batch), batch)
         self._write_back()
         return metrics
 
-    def state_shapes(self) -> StepState:
+    def state_shapes(self, batch=None) -> StepState:
         """The ``StepState`` this step starts from, as ``jax.ShapeDtypeStruct`` leaves with the
         shardings the step keeps it in (``TrainStep.state_shapes``): the target to restore a
-        checkpoint onto, with any ``shard=``."""
-        return self.train_step.state_shapes(nnx.to_pure_dict(self._templates[0]))
+        checkpoint onto, with any ``shard=``. ``batch``: a batch (or its shapes), for a
+        ``shard="params"`` model marked with ``exchange_in_loop`` whose sync keeps error
+        feedback (``TrainStep.init``)."""
+        return self.train_step.state_shapes(nnx.to_pure_dict(self._templates[0]), batch)
 
     def communication_stats(self, batch):
         """Bytes each device sends per step, by phase (see ``TrainStep``)."""
-        return self.train_step.communication_stats(self._state, batch)
+        return self.train_step.communication_stats(self._fit(batch), batch)
 
     def memory_stats(self, batch):
         """Memory one device needs for a step, by phase (``TrainStep.memory_stats``)."""
-        return self.train_step.memory_stats(self._state, batch)
+        return self.train_step.memory_stats(self._fit(batch), batch)
 
     def device_key(self, device: int) -> jax.Array:
         """The PRNG key device ``device`` reseeds the model's Dropout streams with in the next

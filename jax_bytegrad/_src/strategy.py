@@ -164,11 +164,9 @@ def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainSt
         s.setting("nu_refresh_growth"),
     )
     # The warm-up's float32 mean runs inside the loop, and so does the compressed phase's
-    # exchange of the momentum, given the optimizer's m; with error feedback (whose residuals
-    # are sized for the whole gradient at init) the compressed phase's marks stay identities.
-    compressed = None
-    if not s.setting("error_feedback"):
-        compressed = _loop_sync(s, compressed=True, b1=s.setting("b1"))
+    # exchange of the momentum, given the optimizer's m (and, with error feedback, each
+    # marked layer's residuals, which the warm-up carries over untouched).
+    compressed = _loop_sync(s, compressed=True, b1=s.setting("b1"))
     loop = {"warmup": _loop_sync(s, compressed=False), "compressed": compressed}
     return _data_parallel(s, loss_fn, phases, phase_of, has_aux, model, loop)
 

@@ -299,10 +299,15 @@ class TrainStep:
         # vector; the loss function still sees the pytree.
         return lambda flat, batch, **kw: loss_fn(self._unravel(flat), batch, **kw)
 
-    def init(self, params: optax.Params) -> StepState:
+    def init(self, params: optax.Params, batch=None) -> StepState:
         """The state to start from: ``params`` (the same on every process) placed, and the
         optimizer's and algorithm's state initialized on the mesh (with the model state and
         key of a step built with ``model_state=`` or ``rng_seed=``).
+
+        ``batch``: a batch as ``step`` takes them (or its ``jax.ShapeDtypeStruct`` leaves,
+        global shapes), for a ``shard="params"`` step whose loss marks layers with
+        ``exchange_in_loop`` and whose sync keeps error feedback: the step traces the loss on
+        it to lay out each marked layer's residuals. Any other step ignores it.
 
         Raises:
           ValueError: for a parameter that is not floating point, naming it.
@@ -311,9 +316,15 @@ class TrainStep:
         if self.flatten:
             params, self._unravel = ravel_pytree(jax.device_get(params))
         state = self._init(params)
-        if not self.model.enabled:
-            return state
-        return state._replace(extra={**state.extra, **self.model.place(self.mesh)})
+        if self.model.enabled:
+            state = state._replace(extra={**state.extra, **self.model.place(self.mesh)})
+        return state if batch is None else self._fit_state(state, batch, shapes=False)
+
+    def _fit_state(self, state: StepState, batch, shapes: bool) -> StepState:
+        """``state`` fitted to the loss as it runs on ``batch`` (``init``'s ``batch``);
+        ``shapes``: whether ``state`` holds shapes only (``state_shapes``)."""
+        del batch, shapes
+        return state
 
     def _check_state(self, state) -> None:
         """Raises a ``ValueError`` naming both steps for a state another step made."""
@@ -336,15 +347,16 @@ class TrainStep:
         )  # fmt: skip
         self._checked.add(key)
 
-    def state_shapes(self, params: optax.Params) -> StepState:
-        """The ``StepState`` that ``init(params)`` would return, as ``jax.ShapeDtypeStruct``
-        leaves with their shardings; allocates and runs nothing.
+    def state_shapes(self, params: optax.Params, batch=None) -> StepState:
+        """The ``StepState`` that ``init(params, batch)`` would return, as
+        ``jax.ShapeDtypeStruct`` leaves with their shardings; allocates and runs nothing.
 
         With it, ``lower`` and ``communication_stats`` compile the step for a mesh whose
         devices are not here (``sharding.gpu_mesh``), or for a model too large to place.
 
         Args:
           params: the parameters, as arrays or ``jax.ShapeDtypeStruct`` leaves.
+          batch: as ``init``'s (a batch, or its shapes).
 
         Returns:
           A ``StepState`` whose array leaves are ``ShapeDtypeStruct`` (``step`` is 0).
@@ -371,9 +383,9 @@ class TrainStep:
             params = jax.eval_shape(ravel, params)
             self._unravel = captured[0]
         state = self._state_shapes(params)
-        if not self.model.enabled:
-            return state
-        return state._replace(extra={**state.extra, **self.model.place_shapes(self.mesh)})
+        if self.model.enabled:
+            state = state._replace(extra={**state.extra, **self.model.place_shapes(self.mesh)})
+        return state if batch is None else self._fit_state(state, batch, shapes=True)
 
     def program(self, state: StepState) -> Program:
         """The program the next ``step(state, batch)`` runs."""

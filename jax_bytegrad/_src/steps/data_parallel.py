@@ -31,7 +31,7 @@ shards.
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,18 +42,19 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
-from jax_bytegrad._src.steps import loop_exchange
+from jax_bytegrad._src.steps import loop_exchange, loop_marks
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import (
     Program,
     StepState,
     TrainStep,
+    abstract,
     count,
     global_batch,
     host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
-from jax_bytegrad._src.steps.placement import placement_of
+from jax_bytegrad._src.steps.placement import Layout, check_shard, placement_of, shapes_key
 from jax_bytegrad._src.steps.tracing import traced, traced_gradient
 from jax_bytegrad._src.sync import shards
 from jax_bytegrad._src.sync.patterns import make_varying
@@ -61,53 +62,6 @@ from jax_bytegrad._src.sync.shards import Shard
 
 # The phase of the micro-steps that only accumulate (``accumulation.py``).
 ACCUMULATE = "accumulate"
-
-
-def _spec_axes(spec) -> set[str]:
-    """The mesh axes a ``PartitionSpec`` splits over."""
-    names = set()
-    for entry in spec:
-        names.update(entry if isinstance(entry, tuple) else () if entry is None else (entry,))
-    return names
-
-
-def _unsynced(updates, update_specs, opt_state, specs, axes) -> list[str]:
-    """Paths of updates, or state, that differ between devices where they should not: a leaf
-    may vary over the axes its spec splits it over, and no other."""
-    leaves = jax.tree.leaves_with_path((updates, opt_state))
-    if update_specs is None:  # replicated: no update may vary
-        update_specs = jax.tree.map(lambda _: P(), updates)
-    allowed = [_spec_axes(spec) for spec in jax.tree.leaves((update_specs, specs))]
-    return [
-        jax.tree_util.keystr(path)
-        for (path, leaf), ok in zip(leaves, allowed, strict=True)
-        if (checks.varying_axes(leaf) & set(axes)) - ok
-    ]
-
-
-class Layout(NamedTuple):
-    """A state's global specs, from its params' shapes alone (``DataParallelStep._layout``).
-
-    Attributes:
-      key: what it was computed from (the params' structure, shapes and dtypes).
-      dims: per leaf, the dimension split within the node, or None (none split).
-      params: the params' specs.
-      opt_state: the optimizer state's specs.
-      updates: the specs of each device's update (None: the whole of every leaf).
-      accumulated: the accumulator's specs (None without accumulation).
-    """
-
-    key: Any
-    dims: tuple[int | None, ...] | None
-    params: Any
-    opt_state: Any
-    updates: Any
-    accumulated: Any
-
-
-def _shapes_key(params) -> tuple:
-    leaves, treedef = jax.tree.flatten(params)
-    return treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
 
 
 class DataParallelStep(TrainStep):
@@ -138,6 +92,13 @@ class DataParallelStep(TrainStep):
         # backward loop (``loop_exchange.LoopSync``); a phase without one leaves marks as
         # identities.
         self._loop_syncs = dict(loop_syncs or {})
+        # The loop's sync that keeps error feedback (``LoopSync.feeds_back``), if any; and per
+        # params' shapes, the loss's marks the state's residuals are laid out for
+        # (``init(params, batch)``).
+        syncs = self._loop_syncs.values() if self.placement.exchanges_in_loop else ()
+        feeding = [s for s in syncs if s is not None and s.feeds_back and accumulation is None]
+        self._feeding = feeding[0] if feeding else None
+        self._fed: dict[Any, tuple] = {}
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         taken = steps_taken
@@ -156,15 +117,48 @@ class DataParallelStep(TrainStep):
     # Where the state lives. ---------------------------------------------------------------
 
     def _init_fn(self):
-        return next(iter(self._optimizers.values())).init
+        init = next(iter(self._optimizers.values())).init
+
+        def init_fn(params):
+            state, calls = init(params), self._fed.get(shapes_key(params))
+            if calls is None:
+                return state
+            # The sync after the backward pass keeps the unmarked leaves' residuals, the loop
+            # each marked layer's (``loop_marks.fed_residuals``).
+            config = self._feeding.config
+            residuals = loop_marks.initial_residuals(params, calls, config, self.mesh)
+            return optax.tree.set(state, residuals=residuals)
+
+        return init_fn
+
+    def _fit_state(self, state: StepState, batch, shapes: bool) -> StepState:
+        """``state`` (of ``shapes`` only, or arrays) with its residuals laid out for the
+        loss's marks on ``batch``, where the loop's exchange keeps error feedback
+        (``loop_marks.fed_residuals``)."""
+        if self._feeding is None:
+            return state
+        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
+            batch = global_batch(batch, self.mesh, self._axes)
+        calls = self.placement.mark_calls(
+            self.model, self.loss_fn, self.has_aux, self._layout(state.params),
+            abstract(state.params), abstract(batch), self.model.inputs(state),
+        )  # fmt: skip
+        key = shapes_key(state.params)
+        if not calls or self._fed.get(key) == calls:
+            return state
+        self._fed[key] = calls  # a new layout, with programs of its own
+        init = self._init_program(self._layout(state.params))
+        return state._replace(opt_state=(init.eval_shape if shapes else init)(state.params))
 
     def _expected_opt_state(self, params):
         return jax.eval_shape(self._init_fn(), params)
 
     def _layout(self, params) -> Layout:
         """The specs of a state whose params are ``params`` (arrays or shapes), as the
-        placement gives them for their shapes."""
-        key = _shapes_key(params)
+        placement gives them for their shapes (and the marks the state was fitted to,
+        ``_fit_state``)."""
+        given = shapes_key(params)
+        key = (given, self._fed.get(given))
         if key not in self._layouts:
             placement = self.placement
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
@@ -213,9 +207,10 @@ class DataParallelStep(TrainStep):
 
     def _gradient(self, layout: Layout, phase: str | None = None):
         """``(params, batch, *model_inputs) -> ((loss, aux, model_state), grads, order,
-        exchanged)``: what the placement hands the optimizer: each device's gradient, or its
-        node's sums in blocks; ``exchanged`` says, per leaf, which the backward pass averaged
-        between nodes already (``exchange_in_loop``; empty: none)."""
+        exchanged, residuals)``: what the placement hands the optimizer: each device's
+        gradient, or its node's sums in blocks; ``exchanged`` says, per leaf, which the
+        backward pass averaged between nodes already (``exchange_in_loop``; empty: none), and
+        ``residuals`` are those layers' new error-feedback residuals (None without)."""
         placement = self.placement
         loop = self._loop_syncs.get(phase)
         if not placement.exchanges_in_loop or self.accumulation is not None:
@@ -234,9 +229,9 @@ class DataParallelStep(TrainStep):
                     # Which leaves the loss marks are Python bools, known at trace time: kept
                     # out of the traced result, whose last leaves must be the gradient's (the
                     # order the backward produces them is read from there).
-                    outputs, grads, found = run(*args)
+                    outputs, grads, found, residuals = run(*args)
                     marked.append(tuple(found))
-                    return outputs, grads
+                    return (outputs, residuals), grads
 
             # Varying params: jax.grad of a replicated value would come back already summed
             # over the devices, through a hidden float32 all-reduce. (With marks the loss
@@ -244,15 +239,18 @@ class DataParallelStep(TrainStep):
             varying = params if loop else make_varying(params, placement.manual_axes)
             traced = traced_gradient(exchange, varying, batch, *model_inputs)
             (outputs, grads), order, closed = traced
+            outputs, residuals = outputs if loop else (outputs, None)
             placement.check_gradient(closed, params, layout.dims, self.algorithm)
-            return outputs, grads, order, marked[0] if marked else ()
+            return outputs, grads, order, marked[0] if marked else (), residuals
 
         return gradient
 
     def _update(self, optimizer, grads, opt_state, params, order, layout, accumulating: bool,
-                exchanged: tuple[bool, ...] = ()):  # fmt: skip
+                exchanged: tuple[bool, ...] = (), fed=None):  # fmt: skip
         """The optimizer's update of this device's (blocks of the) params, checked, in the
-        placement's frame. ``exchanged``: the leaves the backward pass averaged already."""
+        placement's frame. ``exchanged``: the leaves the backward pass averaged already;
+        ``fed``: their new error-feedback residuals, which take the place of the last of the
+        state's (``loop_marks.fed_residuals``): the optimizer sees the others only."""
         placement, axes, dims = self.placement, self._axes, layout.dims
         extra = {"gradient_order": order}
         sharded = placement.sharded(dims, accumulating)
@@ -261,13 +259,13 @@ class DataParallelStep(TrainStep):
         if sharded is not None:
             extra["sharded"] = sharded
 
-        def update(grads, opt_state, params):
+        def update(grads, opt_state, params, fed):
             own = placement.own(params, dims)
-            fn = functools.partial(optimizer.update, **extra)
+            fn = loop_marks.feeding(functools.partial(optimizer.update, **extra), fed)
             closed, (updates, opt_state) = traced(fn, grads, opt_state, own)
             if sharded is not None:  # each device updates blocks: elementwise only
                 shards.check_elementwise(closed.jaxpr, self.algorithm)
-            unsynced = _unsynced(updates, layout.updates, opt_state, layout.opt_state, axes)
+            unsynced = checks.unsynced(updates, layout.updates, opt_state, layout.opt_state, axes)
             if unsynced:
                 raise ValueError(
                     f"{self.algorithm}: the optimizer leaves updates or state that differ "
@@ -277,10 +275,11 @@ class DataParallelStep(TrainStep):
                 )
             return placement.finish(optax.apply_updates(own, updates), dims), opt_state
 
+        fed_specs = jax.tree.map(lambda _: P(self._axes), fed)
         return placement.in_update_frame(
             update,
-            (grads, opt_state, params),
-            (layout.params, layout.opt_state, layout.params),
+            (grads, opt_state, params, fed),
+            (layout.params, layout.opt_state, layout.params, fed_specs),
             (layout.params, layout.opt_state),
         )
 
@@ -331,7 +330,7 @@ class DataParallelStep(TrainStep):
 
             def accumulate(params, acc, micro, *rest):
                 *model_inputs, batch = rest
-                (loss, aux, model_state), grads, _, _ = gradient(params, batch, *model_inputs)
+                (loss, aux, model_state), grads, *_ = gradient(params, batch, *model_inputs)
                 grads = placement.accumuland(grads, layout.dims)
                 acc = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
                 acc = jax.tree.map(lambda a: a[None], acc)
@@ -343,7 +342,7 @@ class DataParallelStep(TrainStep):
         def step(params, opt_state, *rest):
             *inputs, batch = rest
             acc, micro, *model_inputs = inputs if accumulating else (None, None, *inputs)
-            (loss, aux, model_state), grads, order, exchanged = gradient(
+            (loss, aux, model_state), grads, order, exchanged, fed = gradient(
                 params, batch, *model_inputs, opt_state=opt_state
             )
             if accumulating:
@@ -352,7 +351,7 @@ class DataParallelStep(TrainStep):
                 grads = optax.tree.cast_like(total, grads)
                 acc = (jax.tree.map(jnp.zeros_like, acc),)
             params, opt_state = self._update(
-                optimizer, grads, opt_state, params, order, layout, accumulating, exchanged
+                optimizer, grads, opt_state, params, order, layout, accumulating, exchanged, fed
             )
             return (params, opt_state, *(acc or ()), *self._metrics(loss, aux, model_state))
 
@@ -456,17 +455,6 @@ def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int]
             f"{type(optimizer).__name__}"
         )
     return optimizers, phase_of
-
-
-def check_shard(shard, flatten: bool, where: str) -> None:
-    """Validates ``shard=``."""
-    if shard is not None:
-        checks.one_of(shard, shards.SHARDS, "shard", where)
-        if flatten:
-            raise ValueError(
-                f"{where}: shard={shard!r} splits each parameter within the node and "
-                "flatten=True makes them one vector; use one of them"
-            )
 
 
 def data_parallel_step(

@@ -28,14 +28,19 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.steps import interpret
+from jax_bytegrad._src.steps import interpret, loop_marks
+from jax_bytegrad._src.steps.loop_marks import (
+    MARK,
+    PASS,
+    inner_origins,
+    is_mark,
+    origin_of,
+    scan_counts,
+)
 from jax_bytegrad._src.sync import collectives, shards
-from jax_bytegrad._src.sync.config import SyncConfig
+from jax_bytegrad._src.sync.config import Residuals, SyncConfig
 from jax_bytegrad._src.transforms import ByteGradState
 
-MARK = "jax_bytegrad_exchange_in_loop"
-# Primitives that pass a value through unchanged in shape (a copy, a type cast over axes).
-_PASS = frozenset({"copy", "copy_p", "pvary", "pcast"})
 # Folded into the step's rounding key for the marked layers' keys ("loop"), so that they
 # draw apart from the keys of the sync after the backward pass (``collectives.step_keys``).
 _LOOP_KEYS = 0x6C6F6F70
@@ -50,13 +55,14 @@ def exchange_in_loop(tree):
     init=True)`` scanned by ``nn.scan``; in NNX, ``nnx.update(block,
     exchange_in_loop(nnx.state(block, nnx.Param)))`` at the top of the ``nnx.scan`` body. In
     the forward pass it is an identity. Inside a ``Strategy(..., shard="params")`` step of
-    ``gradient_allreduce``, ``bytegrad`` (without error feedback) or ``qadam``, the gradient
-    of the marked params is averaged between nodes there, on the sync's own wire (the same
-    settings and bytes; with stochastic rounding, each layer on its own key), and the sync
-    after the backward pass skips them; in ``qadam``'s compressed phase (without error
-    feedback) what crosses is the layer's momentum ``b1 m + (1 - b1) g``, on the optimizer's
-    ``m``. Anywhere else (outside a step, another ``shard=``, another algorithm) it stays an
-    identity and the gradient crosses after the backward pass, as without it.
+    ``gradient_allreduce``, ``bytegrad`` or ``qadam``, the gradient of the marked params is
+    averaged between nodes there, on the sync's own wire (the same settings and bytes; with
+    stochastic rounding, each layer on its own key; with error feedback, each layer with its
+    own residuals, for which the step's ``init`` needs a batch), and the sync after the
+    backward pass skips them; in ``qadam``'s compressed phase what crosses is the layer's
+    momentum ``b1 m + (1 - b1) g``, on the optimizer's ``m``. Anywhere else (outside a step,
+    another ``shard=``, another algorithm) it stays an identity and the gradient crosses
+    after the backward pass, as without it.
 
     Args:
       tree: a pytree of arrays: one layer's slices of the stacked params, as the scan body
@@ -119,12 +125,6 @@ class LoopSync:
     reduce_dtype: Any = None
     b1: float | None = None
 
-    def refusal(self) -> str | None:
-        """Why this sync cannot run inside the loop, or None."""
-        if self.compressed and self.config.error_feedback:
-            return "error feedback (its residuals are sized for the whole gradient at init)"
-        return None
-
     def from_state(self, opt_state) -> tuple[list | None, jax.Array | None]:
         """What the exchange takes from the optimizer's state: with ``b1``, the leaves of its
         ``m``; with ``takes_key``, ``bytegrad``'s rounding key, before its update splits it.
@@ -149,25 +149,34 @@ class LoopSync:
         """Whether the exchange rounds stochastically, and so takes a key."""
         return self.compressed and self.config.stochastic
 
-    def exchange(self, blocks: list, dims: tuple, moments: list | None = None, key=None) -> list:
+    @property
+    def feeds_back(self) -> bool:
+        """Whether the exchange keeps error feedback: each marked layer's residuals, carried
+        in the optimizer state's ``residuals`` after the sync's own (``residuals``)."""
+        return self.compressed and self.config.error_feedback
+
+    def exchange(self, blocks: list, dims: tuple, moments: list | None = None, key=None,
+                 residuals: Residuals | None = None) -> tuple[list, Residuals]:  # fmt: skip
         """The mean over every device of a layer's gradient, given as this device's blocks of
         its node's sums (inside ``shard_map`` over both axes); with ``b1``, of the devices'
         momenta on ``moments`` (this device's blocks of the layer's ``m``), as ``qadam``'s
         compressed phase computes them. ``key``: the layer's rounding key (``takes_key``),
-        the same on every device."""
+        the same on every device; ``residuals``: this device's error feedback for the layer
+        (``feeds_back``). Returns the mean and the new residuals (empty without)."""
         sharded = shards.Sharded(self.config.local_axis, dims, summed=True)
         if self.b1 is not None:
             within = sharded.momentum_within(list(moments))
             blocks = optax.tree.update_moment(list(blocks), within, self.b1, 1)
         if self.compressed:
-            mean, _ = collectives.sync_mean(
-                blocks, self.config, average=self.average, key=key, sharded=sharded, where=MARK
-            )
-            return mean
-        return collectives.sync_full_precision(
+            return collectives.sync_mean(
+                blocks, self.config, average=self.average, key=key, residuals=residuals,
+                sharded=sharded, where=MARK,
+            )  # fmt: skip
+        mean = collectives.sync_full_precision(
             blocks, self.config, average=self.average, reduce_dtype=self.reduce_dtype,
             sharded=sharded,
         )  # fmt: skip
+        return mean, Residuals()
 
 
 def _bytegrad_key(path, value) -> bool:
@@ -175,13 +184,9 @@ def _bytegrad_key(path, value) -> bool:
     return getattr(path[-1], "tuple_name", None) == ByteGradState.__name__
 
 
-def _is_mark(eqn) -> bool:
-    return eqn.primitive.name in ("jit", "pjit") and eqn.params.get("name") == MARK
-
-
 def _has_mark(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
-        if _is_mark(eqn):
+        if is_mark(eqn):
             return True
         if any(_has_mark(sub) for sub in jex.core.jaxprs_in_params(eqn.params)):
             return True
@@ -192,13 +197,15 @@ class _Rewrite:
     """One rewrite of a loss's trace: the marks become the exchange (``LoopSync``)."""
 
     def __init__(self, sync: LoopSync, mesh, dims, moments: dict | None = None,
-                 keys: dict | None = None):  # fmt: skip
+                 keys: dict | None = None, residuals: dict | None = None):  # fmt: skip
         self.sync, self.mesh, self.dims = sync, mesh, dims
         # Per marked leaf, what its exchange also takes (``LoopSync.b1``'s ``m``, a rounding
-        # key), as the current scope sees it: outside a loop whole (one key), inside a loop's
-        # body its slice (this iteration's key).
+        # key; per call, by its first leaf, the residual vectors), as the current scope sees
+        # it: outside a loop whole (one key), inside a loop's body its slice (this
+        # iteration's key, this layer's residuals).
         self.moments = dict(moments or {})
         self.keys = dict(keys or {})
+        self.residuals = dict(residuals or {})
 
     def eval(self, jaxpr, consts, args, origin: dict) -> list:
         """``jaxpr`` on ``consts`` and ``args``, as JAX's own interpreter runs it, but with
@@ -207,8 +214,8 @@ class _Rewrite:
         over (``"const"``)."""
 
         def run(eqn, ins):
-            outs = self._eqn(eqn, ins, [_get(origin, v) for v in eqn.invars])
-            if eqn.primitive.name in _PASS and _get(origin, eqn.invars[0]) is not None:
+            outs = self._eqn(eqn, ins, [origin_of(origin, v) for v in eqn.invars])
+            if eqn.primitive.name in PASS and origin_of(origin, eqn.invars[0]) is not None:
                 origin[eqn.outvars[0]] = origin[eqn.invars[0]]
             return outs
 
@@ -216,7 +223,7 @@ class _Rewrite:
 
     def _eqn(self, eqn, ins, origins) -> list:
         name = eqn.primitive.name
-        if _is_mark(eqn):
+        if is_mark(eqn):
             return self._mark(ins, origins)
         subs = list(jex.core.jaxprs_in_params(eqn.params))
         if subs and any(_has_mark(s) for s in subs):
@@ -224,7 +231,7 @@ class _Rewrite:
                 return self._scan(eqn, ins, origins)
             if name in ("jit", "pjit", "closed_call", "core_call"):
                 inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                inner_origin = _inner(getattr(inner, "jaxpr", inner), origins)
+                inner_origin = inner_origins(getattr(inner, "jaxpr", inner), origins)
                 return self.eval(_open(inner), _consts(inner), ins, inner_origin)
             if name in ("remat", "remat2", "checkpoint"):
                 return self._remat(eqn, ins, origins)
@@ -236,7 +243,7 @@ class _Rewrite:
 
     def _scan(self, eqn, ins, origins) -> list:
         p = eqn.params
-        nc, nk = _scan_counts(p)
+        nc, nk = scan_counts(p)
         consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         body = p["jaxpr"]
         # The loop slices its xs: a marked slice of a leaf is one layer of it.
@@ -244,35 +251,38 @@ class _Rewrite:
             None if o is None or o[1] != "whole" else (o[0], "slice") for o in origins[nc + nk :]
         ]
         whole = [None if o is None else (o[0], "const") for o in origins[:nc]]
-        inner_origin = _inner(body.jaxpr, [*whole, *[None] * nk, *sliced])
-        # The moments of the leaves the loop slices are sliced with them, and their keys split
-        # into one per iteration, as extra xs.
-        outer, outer_keys = self.moments, self.keys
+        inner_origin = inner_origins(body.jaxpr, [*whole, *[None] * nk, *sliced])
+        # The moments and residuals of the leaves the loop slices are sliced with them, and
+        # their keys split into one per iteration, as extra xs.
+        outer, outer_keys, outer_fed = self.moments, self.keys, self.residuals
         leaves = {o[0] for o in sliced if o is not None}
         slid = sorted(leaves & set(outer))
         keyed = sorted(leaves & set(outer_keys))
+        fed = sorted(leaves & set(outer_fed))
 
         def step(carry, x):
-            x, extra, keys = x
+            x, extra, keys, residuals = x
             self.moments = {**outer, **dict(zip(slid, extra, strict=True))}
             self.keys = {**outer_keys, **dict(zip(keyed, keys, strict=True))}
+            self.residuals = {**outer_fed, **dict(zip(fed, residuals, strict=True))}
             try:
                 outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], dict(inner_origin))
             finally:
-                self.moments, self.keys = outer, outer_keys
+                self.moments, self.keys, self.residuals = outer, outer_keys, outer_fed
             return outs[:nk], outs[nk:]
 
         extra = [outer[leaf] for leaf in slid]
         keys = [jax.random.split(outer_keys[leaf], p["length"]) for leaf in keyed]
+        residuals = [outer_fed[leaf] for leaf in fed]
         carry, ys = jax.lax.scan(
-            step, list(init), (list(xs), extra, keys), length=p["length"], reverse=p["reverse"],
-            unroll=p["unroll"],
+            step, list(init), (list(xs), extra, keys, residuals), length=p["length"],
+            reverse=p["reverse"], unroll=p["unroll"],
         )  # fmt: skip
         return [*carry, *ys]
 
     def _remat(self, eqn, ins, origins) -> list:
         inner = eqn.params["jaxpr"]
-        inner_origin = _inner(getattr(inner, "jaxpr", inner), origins)
+        inner_origin = inner_origins(getattr(inner, "jaxpr", inner), origins)
 
         def run(*args):
             return self.eval(_open(inner), _consts(inner), list(args), dict(inner_origin))
@@ -309,20 +319,23 @@ class _Rewrite:
         if self.sync.takes_key:
             layer_key = self.keys[leaves[0]]
             key, impl = [jax.random.key_data(layer_key)], jax.random.key_impl(layer_key)
-        exchanging = _exchanging(self, tuple(dims), len(moments), impl)
-        return list(exchanging(*ins, *moments, *key))
+        residuals = self.residuals[leaves[0]] if self.sync.feeds_back else []
+        exchanging = _exchanging(self, tuple(dims), len(moments), impl, len(residuals))
+        return list(exchanging(*ins, *moments, *key, *residuals))
 
 
-def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None):
+def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, residuals: int = 0):
     """The mark of a layer whose split dimensions are ``dims``: an identity whose backward
     averages the layer's gradient between nodes. After the layer's leaves it takes
     ``moments`` of them, which its backward exchanges with the gradient (``LoopSync.b1``),
-    then, given the key implementation ``impl``, its rounding key's data; their cotangents
-    are zero."""
+    then, given the key implementation ``impl``, its rounding key's data, then ``residuals``
+    error-feedback vectors, each the node's devices' own as ``(local, n)``. The cotangents of
+    the moments and the key are zero; those of the residuals are the new residuals."""
     sync, mesh, local_axis = rewrite.sync, rewrite.mesh, rewrite.sync.config.local_axis
     node_axis = sync.config.node_axis
     count = len(dims)
     keyed = impl is not None
+    fed = P(local_axis)
 
     def mean(cts, extra):
         pairs = zip(cts, dims, strict=True)
@@ -330,14 +343,19 @@ def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None):
         abstract = jax.sharding.get_abstract_mesh()
 
         def run_blocks(*xs):
-            blocks, ms = list(xs[:count]), list(xs[count : count + moments]) or None
-            key = jax.random.wrap_key_data(xs[-1], impl=impl) if keyed else None
-            return tuple(sync.exchange(blocks, dims, ms, key))
+            xs = list(xs)
+            blocks, xs = xs[:count], xs[count:]
+            ms, xs = xs[:moments] or None, xs[moments:]
+            key = jax.random.wrap_key_data(xs.pop(0), impl=impl) if keyed else None
+            flat = [x[0] for x in xs]  # this device's own vectors
+            pairs = Residuals(zip(flat[::2], flat[1::2], strict=True)) if residuals else None
+            mean, kept = sync.exchange(blocks, dims, ms, key, pairs)
+            return (*mean, *(x[None] for pair in kept for x in pair))
 
-        in_specs = specs + specs[:moments] + ((P(),) if keyed else ())
+        in_specs = specs + specs[:moments] + ((P(),) if keyed else ()) + (fed,) * residuals
         run = jax.shard_map(
             run_blocks, mesh=abstract if abstract.axis_names else mesh,
-            in_specs=in_specs, out_specs=specs, axis_names={local_axis},
+            in_specs=in_specs, out_specs=specs + (fed,) * residuals, axis_names={local_axis},
         )  # fmt: skip
         return tuple(run(*cts, *extra))
 
@@ -351,26 +369,14 @@ def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None):
         return mark(*xs), xs[count:]
 
     def bwd(extra, cts):
+        out = mean(cts, extra)
         zeros = [jax.numpy.zeros_like(m) for m in extra[:moments]]
         if keyed:  # an integer input's cotangent
-            zeros.append(np.zeros(np.shape(extra[-1]), jax.dtypes.float0))
-        return (*mean(cts, extra), *zeros)
+            zeros.append(np.zeros(np.shape(extra[moments]), jax.dtypes.float0))
+        return (*out[:count], *zeros, *out[count:])
 
     mark.defvjp(fwd, bwd)
     return mark
-
-
-def _scan_counts(params) -> tuple[int, int]:
-    """A scan equation's numbers of consts and carries: JAX 0.10 names them, JAX 0.12 gives
-    the flat trees of (consts, carry, xs) as ``ft_in``."""
-    if "num_consts" in params:
-        return params["num_consts"], params["num_carry"]
-    consts, carry, _ = params["ft_in"].unpack()
-    return len(list(consts)), len(list(carry))
-
-
-def _get(origin: dict, v):
-    return None if isinstance(v, jex.core.Literal) else origin.get(v)
 
 
 def _open(closed):
@@ -381,84 +387,64 @@ def _consts(closed):
     return list(getattr(closed, "consts", ()))
 
 
-def _inner(jaxpr, origins) -> dict:
-    return {v: o for v, o in zip(jaxpr.invars, origins, strict=True) if o is not None}
-
-
-def _find(jaxpr, origin: dict, found: list) -> None:
-    """Marks ``found[leaf]`` for each param leaf (``origin``) a mark in ``jaxpr`` takes,
-    directly or as a loop's slice."""
-    for eqn in jaxpr.eqns:
-        origins = [_get(origin, v) for v in eqn.invars]
-        if _is_mark(eqn):
-            for o in origins:
-                if o is not None:
-                    found[o] = True
-            continue
-        if eqn.primitive.name in _PASS and origins and origins[0] is not None:
-            origin[eqn.outvars[0]] = origins[0]
-        for sub in jex.core.jaxprs_in_params(eqn.params):
-            sub = getattr(sub, "jaxpr", sub)
-            if len(sub.invars) == len(eqn.invars):
-                _find(sub, _inner(sub, origins), found)
-
-
-def marked_leaves(fn, params_count: int, *args) -> tuple[bool, ...]:
-    """Per param leaf (the first ``params_count`` leaves of ``args``), whether ``fn`` marks it
-    (``exchange_in_loop``), read from one trace of ``fn``."""
-    closed = jax.make_jaxpr(fn)(*args)
-    found = [False] * params_count
-    invars = closed.jaxpr.invars[:params_count]
-    _find(closed.jaxpr, {v: i for i, v in enumerate(invars)}, found)
-    return tuple(found)
-
-
-def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=None, keys=None):
+def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=None, keys=None,
+                  fed=None):  # fmt: skip
     """``fn`` (whose first ``params_count`` leaves are the params, one array over the node,
     each split along ``dims``) with each ``exchange_in_loop`` mark it calls replaced by the
     exchange of ``sync``. The marked leaves (``marked_leaves``) come unvaried over the nodes,
     the others varying. ``moments``: with ``sync.b1``, per marked leaf index, its ``m``, shaped
     and split as the leaf; ``keys``: with ``sync.takes_key``, per marked leaf index, its
-    rounding key (a scanned stack's is split into one per layer)."""
+    rounding key (a scanned stack's is split into one per layer).
 
-    def rewritten(*args):
+    ``fed``: with ``sync.feeds_back``, the ``(calls, sizes)`` of the marked layers' residuals
+    (``residual_sizes``); the function then takes ``(params, residuals)`` first, the
+    residuals as the optimizer state holds them (``fed_residuals``), and each layer's new
+    residuals are their cotangent: ``jax.grad`` returns them."""
+
+    def rewritten(first, *rest):
+        params, carried = (first, None) if fed is None else first
+        args = (params, *rest)
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        if not _has_mark(closed.jaxpr):
-            outs = jex.core.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
-        else:
-            why = sync.refusal()
-            if why is not None:
-                raise ValueError(
-                    f"exchange_in_loop: this step's sync cannot run inside the loop with {why}; "
-                    "remove the mark (its gradient then crosses after the backward pass)"
-                )
-            invars = closed.jaxpr.invars[:params_count]
-            origin = {v: (i, "whole") for i, v in enumerate(invars)}
-            rewrite = _Rewrite(sync, mesh, dims, moments, keys)
-            outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), origin)
+        invars = closed.jaxpr.invars[:params_count]
+        origin = {v: (i, "whole") for i, v in enumerate(invars)}
+        local = mesh.shape[sync.config.local_axis]
+        residuals = None if fed is None else loop_marks.per_layer(carried, *fed, local)
+        rewrite = _Rewrite(sync, mesh, dims, moments, keys, residuals)
+        outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), origin)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
     return rewritten
 
 
 def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
-    """``(fn, args) -> (fn rewritten, marked)``, for ``ModelState.value_and_grad_rows``:
-    ``fn``'s marks found on ``args`` (the params varying first) and replaced by ``sync``'s
-    exchange; ``fn`` itself where it marks nothing. ``opt_state``: the optimizer's state,
-    from which the exchange takes what it needs (``LoopSync.from_state``)."""
+    """``(fn, args) -> (fn rewritten, marked, residuals)``, for
+    ``ModelState.value_and_grad_rows``: ``fn``'s marks found on ``args`` (the params varying
+    first) and replaced by ``sync``'s exchange; ``fn`` itself where it marks nothing.
+    ``opt_state``: the optimizer's state, from which the exchange takes what it needs
+    (``LoopSync.from_state``). ``residuals``: with error feedback and marks, the marked
+    layers' (``fed_residuals``), which the rewritten ``fn`` takes beside the params (its
+    first argument is then the pair); else None."""
     moments, key = sync.from_state(opt_state)
 
     def rewrite(fn, args):
         count = len(dims)
-        marked = marked_leaves(fn, count, *args)
+        calls = loop_marks.mark_calls(fn, count, *args)
+        marked = loop_marks.marked_leaves(calls, count)
         if not any(marked):
-            return fn, marked
-        ms = keys = None
+            return fn, marked, None
+        ms = keys = fed = residuals = None
         if sync.b1 is not None:
             ms = {i: m for i, (m, done) in enumerate(zip(moments, marked, strict=True)) if done}
         if sync.takes_key:
             base = jax.random.fold_in(key, _LOOP_KEYS)
             keys = {i: jax.random.fold_in(base, i) for i, done in enumerate(marked) if done}
-        return with_exchange(fn, sync, mesh, dims, count, ms, keys), marked
+        if sync.feeds_back:
+            config = sync.config
+            n, local = (mesh.shape[a] for a in config.axes)
+            shapes = jax.tree.leaves(args[0])
+            fed = (calls, loop_marks.residual_sizes(calls, shapes, config, (n, local)))
+            state = optax.tree.get(opt_state, "residuals")
+            residuals = loop_marks.fed_residuals(state, fed[1], local)[1]
+        return with_exchange(fn, sync, mesh, dims, count, ms, keys, fed), marked, residuals
 
     return rewrite

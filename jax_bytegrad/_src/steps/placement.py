@@ -27,6 +27,7 @@ never branches on the setting.
 """
 
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend
@@ -34,8 +35,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate, state_specs
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
+from jax_bytegrad._src.steps import loop_marks
 from jax_bytegrad._src.sync import shards
 from jax_bytegrad._src.sync.config import platform_of
 from jax_bytegrad._src.sync.shards import Shard, Sharded
@@ -63,6 +66,33 @@ def _project(spec: P, keep: frozenset) -> P:
 
 def _project_all(tree, keep: frozenset):
     return jax.tree.map(lambda s: _project(s, keep), tree, is_leaf=lambda x: isinstance(x, P))
+
+
+class Layout(NamedTuple):
+    """A state's global specs, from its params' shapes alone (``DataParallelStep._layout``).
+
+    Attributes:
+      key: what it was computed from: the params' structure, shapes and dtypes
+        (``shapes_key``), and the marks the state's residuals are laid out for.
+      dims: per leaf, the dimension split within the node, or None (none split).
+      params: the params' specs.
+      opt_state: the optimizer state's specs.
+      updates: the specs of each device's update (None: the whole of every leaf).
+      accumulated: the accumulator's specs (None without accumulation).
+    """
+
+    key: Any
+    dims: tuple[int | None, ...] | None
+    params: Any
+    opt_state: Any
+    updates: Any
+    accumulated: Any
+
+
+def shapes_key(params) -> tuple:
+    """What a ``Layout`` is computed from: the params' structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(params)
+    return treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
 
 
 class Placement:
@@ -285,11 +315,31 @@ class ParamsSharded(OptimizerSharded):
     def value_and_grad(self, model, loss_fn, has_aux, exchange=None):
         """With ``exchange`` (``loop_exchange.rewriter``), the layers the loss marks with
         ``exchange_in_loop`` are averaged between nodes inside the backward pass, and the
-        function returns ``(outputs, grads, marked)``; without it, ``(outputs, grads)``."""
+        function returns ``(outputs, grads, marked, residuals)`` (``value_and_grad_rows``);
+        without it, ``(outputs, grads)``."""
         run = model.value_and_grad_rows(loss_fn, has_aux, self.axes, self.local, exchange)
         if exchange is not None:
             return run
         return lambda *args: run(*args)[:2]
+
+    def mark_calls(self, model, loss_fn, has_aux, layout, params, batch, model_inputs):
+        """The loss's ``exchange_in_loop`` calls (``loop_marks.mark_calls``), from one trace
+        of the step's gradient on ``params`` and the global ``batch`` (shapes), laid out as
+        ``layout`` (the step's ``Layout``) says, with ``model_inputs`` (``ModelState.inputs``)."""
+        found = []
+
+        def probe(fn, args):
+            found.append(loop_marks.mark_calls(fn, len(layout.dims), *args))
+            return fn, (), None
+
+        grad_fn = self.value_and_grad(model, loss_fn, has_aux, probe)
+
+        def loss(params, batch, *model_inputs):
+            return jax.lax.pmean(grad_fn(params, batch, *model_inputs)[0][0], self.manual_axes)
+
+        in_specs = (layout.params, P(self.axes), *(P(),) * len(model_inputs))
+        jax.eval_shape(self.shard_map(loss, in_specs, P()), params, batch, *model_inputs)
+        return found[0]
 
     def check_gradient(self, closed, params, dims, where):
         warn_scanned_whole(closed, params, dims, where)
@@ -330,6 +380,17 @@ PLACEMENTS = {None: Placement, "optimizer": OptimizerSharded, "params": ParamsSh
 def placement_of(shard: Shard | None, mesh: Mesh, axes: tuple[str, str]) -> Placement:
     """The placement object of a ``shard=`` setting."""
     return PLACEMENTS[shard](mesh, axes)
+
+
+def check_shard(shard, flatten: bool, where: str) -> None:
+    """Validates ``shard=``."""
+    if shard is not None:
+        checks.one_of(shard, shards.SHARDS, "shard", where)
+        if flatten:
+            raise ValueError(
+                f"{where}: shard={shard!r} splits each parameter within the node and "
+                "flatten=True makes them one vector; use one of them"
+            )
 
 
 # A stacked leaf split along the dimension a scan runs over -----------------------------------
