@@ -58,7 +58,6 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
     host_copy,
 )
-from jax_bytegrad._src.steps.data_parallel import check_shard
 from jax_bytegrad._src.steps.diloco_layout import (
     GLOBAL,
     OUTER,
@@ -69,7 +68,7 @@ from jax_bytegrad._src.steps.diloco_layout import (
     merged,
 )
 from jax_bytegrad._src.steps.model_state import ModelState
-from jax_bytegrad._src.steps.placement import placement_of
+from jax_bytegrad._src.steps.placement import check_shard, placement_of
 from jax_bytegrad._src.steps.tracing import traced
 from jax_bytegrad._src.sync.collectives import mesh_residuals, sync_full_precision, sync_mean
 from jax_bytegrad._src.sync.config import (
