@@ -447,7 +447,10 @@ def _train_diloco(mesh, num_params, **settings):
     """``Strategy("diloco")`` on the MLP, one inner step per call, the state carried from call
     to call: the timed steps cross an outer exchange once every ``inner_steps`` calls, so the
     mean step (``steps_s`` in --json), not the median, is the cost per inner step. One period
-    and a step run first, so that both programs are compiled before any timed step."""
+    and a step run first, so that both programs are compiled before any timed step. Its state
+    is donated only with --donate, as the other train steps' (XLA:CPU copies a donated Adam
+    state before updating it in place: RESULTS.md, "DiLoCo", "Time between namespace hosts")."""
+    settings = {"donate": BUFFERS["donate"], **settings}
     strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **settings)
     step = strategy.train_step(mlp_loss, optax.adam(1e-4))
     state, batch = step.init(mlp_init(num_params)), _host_batch(mesh)

@@ -290,9 +290,14 @@ class _DiLoCo(TrainStep):
         own = placement.own(params, dims)
 
         def inner(own):
-            closed, (updates, state) = traced(self.optimizer.update, grads, opt_state, own)
+            # Over the state's own leading axis (this node's row), as jax.vmap: the optimizer
+            # sees each leaf as it is, and XLA:CPU updates a donated buffer in place; through
+            # the row's slice it copies every param and moment first (RESULTS.md, "DiLoCo").
+            rows = jax.tree.map(lambda x: x[None], (grads, opt_state, own))
+            closed, (updates, state) = traced(jax.vmap(self.optimizer.update), *rows)
             placement.check_update(closed, "diloco (the inner optimizer)")
-            return optax.apply_updates(own, updates), state
+            new = optax.apply_updates(rows[2], updates)
+            return jax.tree.map(lambda x: x[0], (new, state))
 
         if f is None:
             new, opt_state = inner(own)
