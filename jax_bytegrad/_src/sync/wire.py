@@ -318,11 +318,6 @@ def _plain_shard(x, plan: BucketPlan) -> jax.Array:
     return gather_invariant(x, plan.local_axis) if plan.local == 1 else x
 
 
-def _joined(x) -> jax.Array:
-    """A bucket given whole or as its parts (``buckets.to_bucket_parts``), as one vector."""
-    return jnp.concatenate(x) if isinstance(x, tuple) else x
-
-
 def sum_shard(x, plan: BucketPlan, *, key, residual):
     """The part of a flat bucket's all-reduce that crosses between nodes, over the plan's
     wire; the bucket's length is a multiple of devices x block. ``x`` may come as a tuple of
@@ -341,16 +336,16 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
     integer_wire = plan.group.wire == "allreduce"
     # What this device compresses, in float32, the codecs' dtype: its share of its node's sum,
     # from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets: half
-    # float32's bytes) where the plan says so; else ``x`` itself, whole or (integer wire) as
-    # its parts.
-    if plan.scatter or not integer_wire:
-        x = _joined(x)
+    # float32's bytes) where the plan says so; else ``x`` itself, whole, or as its parts where
+    # the integer wire compresses them.
+    if isinstance(x, tuple) and (plan.scatter or plan.group.plain or not integer_wire):
+        x = jnp.concatenate(x)
     if plan.scatter:
         x = jax.lax.psum_scatter(x, plan.local_axis, scatter_dimension=0, tiled=True)
     x = tuple(p.astype(jnp.float32) for p in x) if isinstance(x, tuple) else x.astype(jnp.float32)
     if plan.group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
-        x = _joined(x) * jnp.float32(plan.weight)
+        x = x * jnp.float32(plan.weight)
         return (_plain_shard(x, plan) if plan.hierarchical else x), residual
     if not integer_wire:
         return _scatter_gather_sum(x, plan, key=key, residual=residual)
