@@ -5,7 +5,7 @@ starts (``config.plan_sync``): its group, wire, width and codec are decided ther
 
 Each wire is written once, as its stages: those of one piece of a bucket between its
 collectives (``integer_stages``, ``scatter_gather_stages``). The one-program step runs them
-inline (``sum_flat``, through ``run``); the pipelined step runs each stage as a program of its
+inline (``sum_shard``, through ``run``); the pipelined step runs each stage as a program of its
 own (``steps/stages.py``); the GPU schedule tests count its collectives per bucket.
 
 ``wire="scatter_gather"`` is Bagua's ByteGrad (Gan et al., VLDB 2022), per flat bucket:
