@@ -262,7 +262,7 @@ def _codec_pieces(size: int) -> dict:
         plan = dataclasses.replace(plan, group=dataclasses.replace(plan.group, axis="node"))
 
         def sync(g, plan=plan):
-            mean, _ = wire_lib.integer_sum(g, None, plan, key=None)
+            mean, _ = wire_lib.sum_shard(g, plan, key=None, residual=None)
             return mean
 
         sync = jax.jit(

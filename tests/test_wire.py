@@ -378,14 +378,22 @@ def test_four_bits_over_two_nodes_packs_nibbles_within_the_bound():
 
 
 def test_four_bit_bytes_hold_adjacent_values_and_their_byte_sum_unpacks_to_the_code_sum():
-    width = integer.allreduce_width(4, 2)
+    width, codec = integer.allreduce_width(4, 2), Codec(bits=4)
     rng = np.random.default_rng(5)
     a, b = (rng.integers(0, width.levels + 1, (3, 2 * BLOCK)).astype(np.float32) for _ in "ab")
-    packed = np.asarray(integer.to_wire(jnp.asarray(a), width))
+    # Bounds [max, -min] = [levels, 0]: a grid of scale 1 and zero point 0, each value its code.
+    bounds = jnp.tile(jnp.asarray([[width.levels, 0.0]], jnp.float32), (3, 1))
+    encode = functools.partial(
+        integer.integer_encode, codec, bounds=bounds, block_size=2 * BLOCK, width=width,
+        seed=None, feedback=False,
+    )  # fmt: skip
+    packed = np.asarray(encode(jnp.asarray(a).reshape(-1))[0])
     assert packed.shape == (3, BLOCK) and packed.dtype == np.uint8
     np.testing.assert_array_equal(packed, a[:, 0::2] + 16 * a[:, 1::2])
-    total = jnp.asarray(packed) + integer.to_wire(jnp.asarray(b), width)
-    np.testing.assert_array_equal(np.asarray(integer.from_wire(total, width)), a + b)
+    total = jnp.asarray(packed) + encode(jnp.asarray(b).reshape(-1))[0]
+    factors = integer.decode_factors(codec, bounds, width=width, group_size=2, weight=1.0)
+    decoded = integer.integer_decode(codec, total, factors, width=width)
+    np.testing.assert_array_equal(np.asarray(decoded).reshape(3, -1), a + b)
 
 
 def test_four_bits_over_more_than_two_nodes_is_refused():
@@ -580,8 +588,9 @@ def test_a_bucket_in_parts_gives_the_whole_buckets_bits(feedback):
             key = jax.random.wrap_key_data(key_data)
             device = jax.random.fold_in(key, jax.lax.axis_index(AXES))
             parts = g if cut is None else (g[:cut], g[cut:])
-            mean, kept = wire_lib.integer_sum(parts, r, plan, key=device)
-            return mean[None], (mean * 0 if kept is None else kept)[None]
+            residual = None if r is None else (r, jnp.zeros(0, jnp.float32))
+            mean, kept = wire_lib.sum_shard(parts, plan, key=device, residual=residual)
+            return mean[None], (mean * 0 if kept is None else kept[0])[None]
 
         fn = jax.jit(
             jax.shard_map(body, mesh=mesh, in_specs=(P(AXES), P(AXES), P()), out_specs=P(AXES))

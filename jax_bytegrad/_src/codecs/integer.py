@@ -133,8 +133,11 @@ def allreduce_width(bits: int, group_size: int, platform: str | None = None) -> 
       >>> allreduce_width(8, 2), allreduce_width(8, 16), allreduce_width(4, 2)
       (Width(bits=8, levels=127), Width(bits=16, levels=4095), Width(bits=4, levels=7))
     """
-    check_fits(bits, group_size)
-    width = bits if bits == 4 or group_size <= MAX_GROUP[8] else 16
+    if bits == 4:
+        check_fits(bits, group_size)  # only nibbles can carry into each other
+        width = 4
+    else:
+        width = 8 if group_size <= MAX_GROUP[8] else 16
     levels = (2**width - 1) // group_size
     if levels < 2:
         raise ValueError(
@@ -205,29 +208,6 @@ def encode(x, scale, zero, inv_scale, levels: int, uniforms):
     return _grid.codes(y, zero, np.float32(levels), uniforms)
 
 
-def to_wire(codes: jax.Array, width: Width) -> jax.Array:
-    """(blocks, block_size) float32 codes as the wire sends them: 4-bit codes two per byte,
-    each even-indexed value in the low nibble and the value after it in the high one.
-
-    Not the codec's layout (``codecs.reference.pack``: a block's halves): XLA:CPU fuses the
-    encode into adjacent pairs 1.9x as fast as into halves (benchmarks/RESULTS.md, "Two
-    layouts of the integer wire").
-    """
-    if width.bits == 4:
-        pairs = codes.astype(jnp.uint8).reshape(codes.shape[0], -1, 2)
-        return pairs[..., 0] | (pairs[..., 1] << 4)
-    return codes.astype(jnp.uint16 if width.bits == 16 else jnp.uint8)
-
-
-def from_wire(total: jax.Array, width: Width) -> jax.Array:
-    """Inverse of ``to_wire`` on the summed codes: (blocks, block_size) int32."""
-    total = total.astype(jnp.int32)
-    if width.bits == 4:
-        nibbles = (total[..., None] >> np.array([[[0, 4]]], np.int32)) & 15
-        return nibbles.reshape(total.shape[0], -1)
-    return total
-
-
 # The integer wire's stages, as ops of the codec registry (``codecs/__init__.py``): each takes
 # the ``Codec`` first, as every op does, and reads what it needs of it.
 
@@ -270,8 +250,10 @@ def integer_encode(codec, x, bounds, *, block_size, width, seed, first_block=0,
       feedback: also return what the codes missed (error feedback's new residual).
 
     Returns:
-      The codes as the wire sends them (``width``'s dtype, or packed nibbles), flat per
-      block row, and the flat residual (None without ``feedback``).
+      The codes as the wire sends them, (blocks, block_size) of ``width``'s dtype, or 4-bit
+      codes two per byte, (blocks, block_size / 2): each even-indexed value in the low
+      nibble and the value after it in the high one, so the byte-wise psum sums each nibble;
+      and the flat residual (None without ``feedback``).
     """
     blocks = x.reshape(-1, block_size)
     scale, zero, inv_scale = grid(bounds, width.levels, codec.stochastic)
@@ -288,7 +270,13 @@ def integer_encode(codec, x, bounds, *, block_size, width, seed, first_block=0,
         # The clip stands between the product and the subtraction: no fused multiply-add
         # (module docstring), the same residual for any split.
         kept = (blocks - _grid.decode(codes, zero, scale)).reshape(-1)
-    return to_wire(codes, width), kept
+    if width.bits == 4:
+        # Adjacent pairs, not the codec's halves of a block (``codecs.reference.pack``):
+        # XLA:CPU fuses the encode into adjacent pairs 1.9x as fast as into halves
+        # (benchmarks/RESULTS.md, "Two layouts of the integer wire").
+        pairs = codes.astype(jnp.uint8).reshape(codes.shape[0], -1, 2)
+        return pairs[..., 0] | (pairs[..., 1] << 4), kept
+    return codes.astype(jnp.uint16 if width.bits == 16 else jnp.uint8), kept
 
 
 def decode_factors(codec, bounds, *, width, group_size, weight) -> jax.Array:
@@ -317,7 +305,11 @@ def integer_decode(codec, total, factors, *, width) -> jax.Array:
     del codec
     factor = jax.lax.bitcast_convert_type(factors[0], jnp.float32)[:, None]
     offset = factors[1][:, None]
-    total = from_wire(total, width)
+    total = total.astype(jnp.int32)
+    if width.bits == 4:
+        # Each byte's two nibbles, low first: the codes' adjacent pairs (``integer_encode``).
+        nibbles = (total[..., None] >> np.array([[[0, 4]]], np.int32)) & 15
+        total = nibbles.reshape(total.shape[0], -1)
     # sum - g * zero is exact in int32 (g * levels < 2**16); the one rounding to float32 and
     # the one product are the same on every device.
     decoded = (total - offset).astype(jnp.float32) * factor

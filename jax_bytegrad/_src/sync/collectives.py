@@ -263,8 +263,10 @@ def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
         gathers_within=within.gathers_within,
     )
     check_key(config.stochastic, key, where)
-    # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced.
-    resolve_implementation(config.implementation)
+    if config.implementation is not None:
+        # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced
+        # (None chooses each kernel where it is dispatched: nothing to refuse).
+        resolve_implementation(config.implementation)
     if residuals is not None:
         _check_residuals(residuals, plan, (n, local), where)
     layout = plan.layout

@@ -5,7 +5,7 @@ starts (``config.plan_sync``): its group, wire, width and codec are decided ther
 
 Each wire is written once, as its stages: those of one piece of a bucket between its
 collectives (``integer_stages``, ``scatter_gather_stages``). The one-program step runs them
-inline (``sum_flat``, through ``run``); the pipelined step runs each stage as a program of its
+inline (``sum_shard``, through ``run``); the pipelined step runs each stage as a program of its
 own (``steps/stages.py``); the GPU schedule tests count its collectives per bucket.
 
 ``wire="scatter_gather"`` is Bagua's ByteGrad (Gan et al., VLDB 2022), per flat bucket:
@@ -182,31 +182,6 @@ def scatter_gather_stages(plan: BucketPlan, *, held, feedback: bool) -> tuple[St
     )
 
 
-def _scatter_gather_sum(x, plan: BucketPlan, *, key, residual):
-    """The scatter-gather wire's sum of this device's float32 vector ``x`` over the group.
-
-    Between nodes the bucket goes as independent pieces of ``message_bytes`` of codes per
-    peer. XLA runs the collectives one at a time, in program order, but a piece's quantize,
-    average and decode only wait for their own data, so they can run while other pieces
-    are on the wire, as far as free cores allow (docs/performance.md). Blocks are coded
-    independently, so with nearest rounding the result does not depend on the split.
-    ``wire="ring"`` sends the all_to_all as ppermute shifts (``ring_all_to_all``), with the
-    same result.
-    """
-    block_size, bits = plan.block_size, plan.codec.bits
-    per_peer = x.shape[0] // (plan.group.size * block_size)
-    pieces = message_slices(per_peer, block_size * bits // 8, plan.message_bytes)
-    stages = scatter_gather_stages(
-        plan, held=tuple(enumerate(pieces)), feedback=residual is not None
-    )
-    values = {"x": x, "key": key}
-    if residual is not None:
-        values.update(send=residual[0], mean=residual[1])
-    values = run(stages, values)
-    x = values["decode"].reshape(-1)
-    return x, None if residual is None else (values["send"], values["mean"])
-
-
 # The integer wire ---------------------------------------------------------------------------
 
 
@@ -217,7 +192,7 @@ def integer_stages(plan: BucketPlan, *, start: int, stop: int, feedback: bool):
     They read ``x``, the group's vector of the bucket, whole or as a tuple of its
     consecutive parts (``buckets.to_bucket_parts``: each part is read where it lies), ``key``,
     and the bucket's ``agreed`` bounds and decode ``factors`` (the group's pmax of each
-    device's, ``integer_sum``); with ``feedback`` they update ``send`` (what this device's
+    device's, ``sum_shard``); with ``feedback`` they update ``send`` (what this device's
     codes missed, as long as ``x``). Their ``decode`` is those blocks of the weighted sum,
     flat. The plan's ``codec`` gives the bits and rounding, its ``integer`` the codec's ops,
     its ``width`` the codes' width on the wire.
@@ -262,51 +237,6 @@ def integer_stages(plan: BucketPlan, *, start: int, stop: int, feedback: bool):
     )
 
 
-def integer_sum(
-    x, residual: jax.Array | None, plan: BucketPlan, *, key: jax.Array | None
-) -> tuple[jax.Array, jax.Array | None]:
-    """The plan's weight times the sum over its group of the flat vectors ``x``, as integer
-    codes.
-
-    The bounds of each block are agreed by one pmax, the codes summed by one psum
-    (``integer_stages``), and the decode factors agreed by one more pmax. One psum per call:
-    an all-reduce cut into messages only runs slower through Gloo (benchmarks/RESULTS.md,
-    "Integer wire and rings"), so the bucket is the message.
-
-    Args:
-      x: this device's flat float32 vector, or a tuple of consecutive parts of it
-        (``buckets.to_bucket_parts``); each a whole number of blocks.
-      residual: None, or this device's error-feedback residual, as long as ``x``.
-      plan: the bucket's plan: its group (the axes that sum, and their size), ``width``,
-        ``codec``, ``block_size`` and ``weight``.
-      key: this device's PRNG key for stochastic rounding (None for nearest).
-
-    Returns:
-      The decoded weighted sum, typed as replicated over the group, and the new residual
-      (None without one).
-    """
-    codec, block_size, group, ops = plan.codec, plan.block_size, plan.group, plan.integer
-    parts = x if isinstance(x, tuple) else (x,)
-    starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
-    if residual is not None:
-        parts = [p + residual[s:e] for p, s, e in zip(parts, starts[:-1], starts[1:], strict=True)]
-    bounds = jnp.concatenate([ops.bounds(codec, part, block_size) for part in parts])
-    agreed = jax.lax.pmax(bounds, group.axis)
-    factors = ops.factors(
-        codec, agreed, width=plan.width, group_size=group.size, weight=plan.weight
-    )
-    # The same on every device: the pmax changes no bit (module docstring).
-    factors = jax.lax.pmax(factors, group.axis)
-    stages = integer_stages(
-        plan, start=0, stop=starts[-1] // block_size, feedback=residual is not None
-    )
-    values = {"x": x, "agreed": agreed, "key": key, "factors": factors}
-    if residual is not None:
-        values["send"] = residual
-    values = run(stages, values)
-    return values["decode"], None if residual is None else values["send"]
-
-
 # The bucket's way: the reduce-scatter within the node, a wire, the gather --------------------
 
 
@@ -318,44 +248,82 @@ def _plain_shard(x, plan: BucketPlan) -> jax.Array:
     return gather_invariant(x, plan.local_axis) if plan.local == 1 else x
 
 
-def _joined(x) -> jax.Array:
-    """A bucket given whole or as its parts (``buckets.to_bucket_parts``), as one vector."""
-    return jnp.concatenate(x) if isinstance(x, tuple) else x
-
-
 def sum_shard(x, plan: BucketPlan, *, key, residual):
-    """The part of a flat bucket's all-reduce that crosses between nodes, over the plan's
-    wire; the bucket's length is a multiple of devices x block. ``x`` may come as a tuple of
-    its parts: the integer wire reads them where they lie, the others join them. Without the
-    plan's ``scatter``, ``x`` is already what this device sends (its row of its node's sums,
-    ``buckets.own_rows``, or its whole bucket): no reduce-scatter within the node.
+    """The part of a flat bucket's all-reduce that crosses between nodes: the plan's weight
+    times the sum over its group, over its wire; the bucket's length is a multiple of devices
+    x block. ``x`` may come as a tuple of its parts (``buckets.to_bucket_parts``, each a whole
+    number of blocks): the integer wire reads them where they lie, the others join them.
+    Without the plan's ``scatter``, ``x`` is already what this device sends (its row of its
+    node's sums, ``buckets.own_rows``, or its whole bucket): no reduce-scatter within the node.
 
-    Returns this device's shard of the reduced bucket (all of it without a reduce-scatter
-    within the node), typed as replicated over the devices that summed it, and the new
-    residuals: None without error feedback, else (send, mean) (``BucketPlan.residual``; the
-    integer wire compresses once and keeps ``mean`` as it is, empty). The integer wire's
-    ops are XLA fusions on every backend (``codecs/__init__.py``): an explicit
-    ``implementation="pallas"`` raises ``NotImplementedError`` there. ``gather_shard`` makes
-    the shard the whole bucket.
+    The integer wire agrees on each block's bounds by one pmax, sums the codes by one psum
+    (``integer_stages``) and agrees on the decode factors by one more pmax. One psum per
+    bucket: an all-reduce cut into messages only runs slower through Gloo
+    (benchmarks/RESULTS.md, "Integer wire and rings"), so the bucket is the message. Its ops
+    are XLA fusions on every backend (``codecs/__init__.py``): an explicit
+    ``implementation="pallas"`` raises ``NotImplementedError`` there.
+
+    The scatter-gather wire sends the bucket as independent pieces of ``message_bytes`` of
+    codes per peer (``scatter_gather_stages``). XLA runs the collectives one at a time, in
+    program order, but a piece's quantize, average and decode only wait for their own data,
+    so they can run while other pieces are on the wire, as far as free cores allow
+    (docs/performance.md). Blocks are coded independently, so with nearest rounding the
+    result does not depend on the split. ``wire="ring"`` sends the all_to_all as ppermute
+    shifts (``ring_all_to_all``), with the same result.
+
+    Args:
+      x: this device's bucket (or its row), whole or as a tuple of its parts.
+      plan: the bucket's plan.
+      key: this device's PRNG key for the bucket's stochastic rounding (None for nearest).
+      residual: None, or error feedback's (send, mean) residuals (``BucketPlan.residual``).
+
+    Returns:
+      This device's shard of the reduced bucket (all of it without a reduce-scatter within
+      the node), typed as replicated over the devices that summed it, flat float32, and the
+      new residuals: None without error feedback, else (send, mean) (the integer wire
+      compresses once and keeps ``mean`` as it is, empty). ``gather_shard`` makes the shard
+      the whole bucket.
     """
-    integer_wire = plan.group.wire == "allreduce"
+    codec, block_size, group = plan.codec, plan.block_size, plan.group
+    integer_wire = group.wire == "allreduce"
     # What this device compresses, in float32, the codecs' dtype: its share of its node's sum,
     # from a reduce-scatter within the node in the bucket's own dtype (bfloat16 buckets: half
-    # float32's bytes) where the plan says so; else ``x`` itself, whole or (integer wire) as
-    # its parts.
-    if plan.scatter or not integer_wire:
-        x = _joined(x)
+    # float32's bytes) where the plan says so; else ``x`` itself, whole, or as its parts where
+    # the integer wire compresses them.
+    if isinstance(x, tuple) and (plan.scatter or group.plain or not integer_wire):
+        x = jnp.concatenate(x)
     if plan.scatter:
         x = jax.lax.psum_scatter(x, plan.local_axis, scatter_dimension=0, tiled=True)
     x = tuple(p.astype(jnp.float32) for p in x) if isinstance(x, tuple) else x.astype(jnp.float32)
-    if plan.group.plain:
+    if group.plain:
         # No slow hop to compress: the honest result is the plain float32 one.
-        x = _joined(x) * jnp.float32(plan.weight)
+        x = x * jnp.float32(plan.weight)
         return (_plain_shard(x, plan) if plan.hierarchical else x), residual
-    if not integer_wire:
-        return _scatter_gather_sum(x, plan, key=key, residual=residual)
-    x, send = integer_sum(x, None if residual is None else residual[0], plan, key=key)
-    return x, None if residual is None else (send, residual[1])
+    feedback = residual is not None
+    values = {"x": x, "key": key}
+    if feedback:
+        values.update(send=residual[0], mean=residual[1])
+    if integer_wire:
+        ops, parts = plan.integer, x if isinstance(x, tuple) else (x,)
+        starts = np.cumsum([0, *(part.shape[0] for part in parts)]).tolist()
+        if feedback:
+            ends = zip(parts, starts[:-1], starts[1:], strict=True)
+            parts = [part + residual[0][s:e] for part, s, e in ends]
+        bounds = jnp.concatenate([ops.bounds(codec, part, block_size) for part in parts])
+        agreed = values["agreed"] = jax.lax.pmax(bounds, group.axis)
+        factors = ops.factors(
+            codec, agreed, width=plan.width, group_size=group.size, weight=plan.weight
+        )
+        # The same on every device: the pmax changes no bit (module docstring).
+        values["factors"] = jax.lax.pmax(factors, group.axis)
+        stages = integer_stages(plan, start=0, stop=starts[-1] // block_size, feedback=feedback)
+    else:
+        per_peer = x.shape[0] // (group.size * block_size)
+        pieces = message_slices(per_peer, block_size * codec.bits // 8, plan.message_bytes)
+        stages = scatter_gather_stages(plan, held=tuple(enumerate(pieces)), feedback=feedback)
+    values = run(stages, values)
+    total = values["decode"].reshape(-1)
+    return total, None if residual is None else (values["send"], values["mean"])
 
 
 def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
