@@ -51,6 +51,7 @@ SHARDS = {"none": None, "optimizer": "optimizer", "params": "params"}
 ALGORITHMS = {
     "bytegrad": ("bytegrad", {}),
     "gradient_allreduce": ("gradient_allreduce", {"hierarchical": True}),
+    "bytegrad-4bit-ef": ("bytegrad", {"bits": 4, "error_feedback": True}),
 }
 
 
@@ -67,7 +68,8 @@ def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
     batch = jax.ShapeDtypeStruct((mesh.devices.size, SEQ + 1), jnp.int32)
     loss = _llama.loss_fn(shape, scan=scan, mark=form == "scan-marked")
     with strategy.train_step(loss, optax.adamw(1e-4)) as step:
-        state = step.state_shapes(_llama.param_shapes(shape, scan=scan))
+        # The batch shows the step the marks (error feedback lays out residuals for them).
+        state = step.state_shapes(_llama.param_shapes(shape, scan=scan), batch)
         start = time.perf_counter()
         lowered = step.lower(state, batch)
         memory = memory_stats(lowered)  # compiles; communication_stats reuses the executable

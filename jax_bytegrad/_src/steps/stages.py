@@ -464,7 +464,7 @@ class Stages:
         if self.group.plain or self.group.scatter:
             return [given[Bucket(Of.MEAN, b)] for b in self.buckets]
         if self.integer:
-            # The bucket's sum decoded at once, as integer_sum does: the same fusion.
+            # The bucket's sum decoded at once, as sum_shard does: the same fusion.
             return [
                 self._decode_sum(
                     self._join([given[Piece("psum", b, c.index)] for c in chunks]),
