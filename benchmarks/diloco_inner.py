@@ -1,0 +1,112 @@
+"""DiLoCo's inner step against a bare train step, in one process: what the inner step costs.
+
+On a mesh of (2, 1) CPU devices (two nodes of one device, as the namespace hosts of
+benchmarks/network.py), times, taking turns step by step:
+- the bare step: forward, backward, Adam, in a jitted ``shard_map``, the params and Adam state
+  carried and donated, each node's copy on a leading row axis (as DiLoCo keeps them), the
+  optimizer updating either the row's slice (``x[0]``, then ``x[None]`` back) or the rows as
+  they are (``jax.vmap``);
+- ``Strategy("diloco")``'s inner step (H large, so that every timed step is an inner one).
+It prints each one's median and the ``copy`` instructions XLA:CPU compiled into it. The figures
+are in benchmarks/RESULTS.md, "DiLoCo", "Time between namespace hosts".
+
+    python benchmarks/diloco_inner.py --params 2000000 --steps 40
+"""
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from _mlp import mlp_batch, mlp_init, mlp_loss  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_bytegrad  # noqa: E402
+from jax_bytegrad.sharding import shard_batch  # noqa: E402
+
+AXES = ("node", "local")
+
+
+def bare_step(mesh, params, batch, *, sliced: bool):
+    """``(run, compiled text)``: the bare step, its optimizer on the row's slice or the rows."""
+    tx = optax.adam(1e-4)
+
+    def body(p, s, b):
+        g = jax.grad(mlp_loss)(
+            jax.lax.pcast(jax.tree.map(lambda x: x[0], p), "local", to="varying"), b
+        )
+        g = jax.lax.pmean(g, "local")
+        if sliced:
+            p, s = jax.tree.map(lambda x: x[0], (p, s))
+            u, s = tx.update(g, s, p)
+            return jax.tree.map(lambda x: x[None], (optax.apply_updates(p, u), s))
+        u, s = jax.vmap(tx.update)(jax.tree.map(lambda x: x[None], g), s, p)
+        return optax.apply_updates(p, u), s
+
+    specs = (P("node"), P("node"))
+    fn = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(*specs, P(AXES)), out_specs=specs),
+        donate_argnums=(0, 1),
+    )
+    rows = lambda t: jax.tree.map(lambda x: np.stack([np.asarray(x)] * 2), t)  # noqa: E731
+    place = NamedSharding(mesh, P("node"))
+    cell = list(jax.device_put((rows(params), rows(tx.init(params))), place))
+    text = fn.lower(*cell, batch).compile().as_text()
+
+    def run():
+        cell[:] = fn(*cell, batch)
+        return cell[0]
+
+    return run, text
+
+
+def diloco_step(mesh, params, batch):
+    strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, inner_steps=10**6)
+    step = strategy.train_step(mlp_loss, optax.adam(1e-4))
+    cell = [step.init(params)]
+    text = step.lower(cell[0], batch).compile().as_text()
+
+    def run():
+        cell[0], _ = step(cell[0], batch)
+        return cell[0].params
+
+    return run, text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=2_000_000)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    mesh = jax_bytegrad.make_mesh(2, 1)
+    params = mlp_init(args.params)
+    batch = shard_batch(mlp_batch(np.random.default_rng(0), 64), mesh)
+    ops = {
+        "bare, optimizer on the row's slice": bare_step(mesh, params, batch, sliced=True),
+        "bare, optimizer on the rows (vmap)": bare_step(mesh, params, batch, sliced=False),
+        "Strategy('diloco') inner step": diloco_step(mesh, params, batch),
+    }
+    for run, _ in ops.values():
+        for _ in range(3):
+            jax.block_until_ready(run())
+    times = {name: [] for name in ops}
+    for _ in range(args.steps):
+        for name, (run, _) in ops.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            times[name].append(time.perf_counter() - start)
+    print(f"{args.params} parameters, mesh (2, 1), donated, {args.steps} steps each, taking turns")
+    print("| step | median ms | copies |\n|---|---:|---:|")
+    for name, (_, text) in ops.items():
+        print(f"| {name} | {1e3 * np.median(times[name]):.1f} | {text.count(' copy(')} |")
+
+
+if __name__ == "__main__":
+    main()
