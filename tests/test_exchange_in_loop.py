@@ -237,6 +237,20 @@ def test_a_marked_linen_scan_trains_as_unmarked_and_exchanges_inside_the_loop():
     assert want_bytes["step"][1] == 1 and got_bytes["step"] == (want_bytes["step"][0], LAYERS)
 
 
+@pytest.mark.slow
+def test_a_marked_linen_scan_keeps_error_feedback_inside_the_loop():
+    # Flax's map_variables also leaves a mark with no inputs in the trace: it marks nothing.
+    kwargs = dict(bits=4, error_feedback=True)
+    loss_fn, params = linen_loss(False)
+    want, want_bytes, _, _ = train("bytegrad", False, 3, loss_fn, params, **kwargs)
+    loss_fn, _ = linen_loss(True)
+    got, got_bytes, state, _ = train("bytegrad", True, 3, loss_fn, params, **kwargs)
+    np.testing.assert_allclose(got, want, rtol=0.05)
+    assert_nodes_identical(state)
+    assert_residuals_fed(state, layer=64 * 64)
+    assert want_bytes["step"][1] == 1 and got_bytes["step"][1] == LAYERS
+
+
 def nnx_train(mark: bool, steps=3, algorithm="gradient_allreduce", **kwargs):
     nnx = pytest.importorskip("flax.nnx")
 

@@ -223,8 +223,10 @@ class _Rewrite:
 
     def _eqn(self, eqn, ins, origins) -> list:
         name = eqn.primitive.name
-        if is_mark(eqn):
+        if is_mark(eqn) and ins:
             return self._mark(ins, origins)
+        # (A mark left with no inputs, its values unused where JAX traced it (a Flax
+        # ``nn.map_variables`` under ``nn.remat``), marks nothing: it runs as it is.)
         subs = list(jex.core.jaxprs_in_params(eqn.params))
         if subs and any(_has_mark(s) for s in subs):
             if name == "scan":
