@@ -89,15 +89,18 @@ class DataParallelStep(TrainStep):
             self._extra_keys = (accumulation_lib.ACCUMULATED,)
         self._layouts: dict[Any, Layout] = {}
         # Per phase, what the sync does to a layer marked ``exchange_in_loop`` inside the
-        # backward loop (``loop_exchange.LoopSync``); a phase without one leaves marks as
-        # identities.
-        self._loop_syncs = dict(loop_syncs or {})
+        # backward loop (``loop_exchange.LoopSync``); a phase without one, and any phase of a
+        # placement that cannot exchange in the loop or of a step that accumulates, leaves
+        # marks as identities.
+        in_loop = self.placement.exchanges_in_loop and accumulation is None
+        self._loop_syncs = {
+            k: s for k, s in (loop_syncs or {}).items() if s is not None and in_loop
+        }
         # The loop's sync that keeps error feedback (``LoopSync.feeds_back``), if any; and per
         # params' shapes, the loss's marks the state's residuals are laid out for
         # (``init(params, batch)``).
-        syncs = self._loop_syncs.values() if self.placement.exchanges_in_loop else ()
-        feeding = [s for s in syncs if s is not None and s.feeds_back and accumulation is None]
-        self._feeding = feeding[0] if feeding else None
+        syncs = self._loop_syncs.values()
+        self._feeding = next((s for s in syncs if s.feeds_back), None)
         self._fed: dict[Any, tuple] = {}
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
@@ -213,8 +216,6 @@ class DataParallelStep(TrainStep):
         ``residuals`` are those layers' new error-feedback residuals (None without)."""
         placement = self.placement
         loop = self._loop_syncs.get(phase)
-        if not placement.exchanges_in_loop or self.accumulation is not None:
-            loop = None
         grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
 
         def gradient(params, batch, *model_inputs, opt_state=None):

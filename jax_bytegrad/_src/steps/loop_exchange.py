@@ -125,14 +125,16 @@ class LoopSync:
     reduce_dtype: Any = None
     b1: float | None = None
 
-    def from_state(self, opt_state) -> tuple[list | None, jax.Array | None]:
+    def from_state(self, opt_state) -> tuple[list | None, jax.Array | None, Residuals | None]:
         """What the exchange takes from the optimizer's state: with ``b1``, the leaves of its
-        ``m``; with ``takes_key``, ``bytegrad``'s rounding key, before its update splits it.
+        ``m``; with ``takes_key``, ``bytegrad``'s rounding key, before its update splits it;
+        with ``feeds_back``, its ``residuals`` (the marked layers' are the last,
+        ``loop_marks.fed_residuals``).
 
         Raises:
-          ValueError: if the state lacks them.
+          ValueError: if the state lacks the moments or the key.
         """
-        moments = key = None
+        moments = key = residuals = None
         if self.b1 is not None:
             moments = optax.tree.get(opt_state, "mu")
             if moments is None:
@@ -142,7 +144,9 @@ class LoopSync:
             key = optax.tree.get(opt_state, "key", filtering=_bytegrad_key)
             if key is None:
                 raise ValueError("exchange_in_loop: stochastic rounding needs bytegrad's key")
-        return moments, key
+        if self.feeds_back:
+            residuals = optax.tree.get(opt_state, "residuals")
+        return moments, key, residuals
 
     @property
     def takes_key(self) -> bool:
@@ -426,7 +430,7 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
     (``LoopSync.from_state``). ``residuals``: with error feedback and marks, the marked
     layers' (``fed_residuals``), which the rewritten ``fn`` takes beside the params (its
     first argument is then the pair); else None."""
-    moments, key = sync.from_state(opt_state)
+    moments, key, state_residuals = sync.from_state(opt_state)
 
     def rewrite(fn, args):
         count = len(dims)
@@ -445,8 +449,7 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
             n, local = (mesh.shape[a] for a in config.axes)
             shapes = jax.tree.leaves(args[0])
             fed = (calls, loop_marks.residual_sizes(calls, shapes, config, (n, local)))
-            state = optax.tree.get(opt_state, "residuals")
-            residuals = loop_marks.fed_residuals(state, fed[1], local)[1]
+            residuals = loop_marks.fed_residuals(state_residuals, fed[1], local)
         return with_exchange(fn, sync, mesh, dims, count, ms, keys, fed), marked, residuals
 
     return rewrite

@@ -158,10 +158,10 @@ def per_layer(carried, calls, sizes, local: int) -> dict:
     return out
 
 
-def fed_residuals(residuals, sizes, local: int, where: str = MARK) -> tuple:
-    """The optimizer state's ``residuals`` split into the sync's own and the marked layers'
-    (the last pairs, ``sizes``), in the step's frame (each vector the node's ``local``
-    devices' own).
+def fed_residuals(residuals, sizes, local: int, where: str = MARK) -> Residuals:
+    """The marked layers' residuals: the last pairs (``sizes``) of the optimizer state's
+    ``residuals``, after the sync's own, in the step's frame (each vector the node's
+    ``local`` devices' own).
 
     Raises:
       ValueError: where the state holds no residuals of these sizes for the marked layers.
@@ -175,8 +175,7 @@ def fed_residuals(residuals, sizes, local: int, where: str = MARK) -> tuple:
             f"{got}. Build the state with step.init(params, batch) (and restore with "
             "step.state_shapes(params, batch)): the batch shows the step where the loss marks"
         )
-    cut = len(residuals) - len(want)
-    return Residuals(residuals[:cut]), Residuals(residuals[cut:])
+    return Residuals(residuals[len(residuals) - len(want) :])
 
 
 def feeding(update, fed: Residuals | None):
