@@ -410,7 +410,7 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, mesh):
 
 
 _KILLED_DURING_SAVE = """
-import os, signal, sys
+import os, pathlib, signal, sys
 import numpy as np
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
@@ -420,7 +420,13 @@ ckpt = Checkpointer(sys.argv[1], every=1)
 ckpt.save(1, replicate({"w": np.ones(1000, np.float32)}, mesh))
 ckpt.wait()
 ckpt.save(2, replicate({"w": np.ones(4_000_000, np.float32)}, mesh))
-os.kill(os.getpid(), signal.SIGKILL)  # while the 16 MB of step 2 are written in the background
+# orbax makes step 2's temporary folder in its own thread: kill as soon as it is there, while
+# the 16 MB of step 2 are written in the background (exit 3 if the save finished first)
+root = pathlib.Path(sys.argv[1])
+while not (root / "2.orbax-checkpoint-tmp").is_dir():
+    if (root / "2").exists():
+        sys.exit(3)
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
