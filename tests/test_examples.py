@@ -212,8 +212,9 @@ def test_sharded_state_across_two_processes_trains_as_the_replicated_one(six_alg
     """--shard params on 2 processes: QAdam (both phases, its state split within the node) ends
     where the replicated run of every algorithm ended. One algorithm: this is the example's
     --shard path across processes; every algorithm sharded is checked in test_sharding.py (one
-    process) and test_multiprocess_sharding.py (two, bit-identical), and the comparison's skip
-    lines in test_shard_with_an_algorithm_that_keeps_a_copy_per_device_is_a_usage_error."""
+    process) and test_multiprocess_sharding.py (two, bit-identical), the skip reasons of the
+    others in test_shard_with_an_algorithm_that_keeps_a_copy_per_device_is_a_usage_error, and
+    the comparison's "skipped" line by test_readme's run of train.py."""
     args = [*TWO_PROCESSES, "--algorithm", "qadam", "--shard", "params"]
     proc = _run([*args, "--out-dir", str(tmp_path)], tmp_path, 600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
