@@ -89,7 +89,7 @@ def _interpreted(kernel: Callable) -> Callable:
 
 
 _BLOCK_OPS = ("quantize_blocks", "dequantize_blocks", "average_requantize")
-_INTEGER_OPS = ("integer_bounds", "integer_encode", "decode_factors", "integer_decode")
+INTEGER_OPS = ("integer_bounds", "integer_encode", "decode_factors", "integer_decode")
 # Every implementation of every op: op -> implementation name -> function (module docstring).
 REGISTRY: dict[str, dict[str, Callable]] = {
     "quantize_blocks": {
@@ -123,7 +123,7 @@ def lookup(op: str, implementation: str) -> Callable:
     implementations = REGISTRY[op]
     if implementation in implementations:
         return implementations[implementation]
-    if implementation in IMPLEMENTATIONS and op in _INTEGER_OPS:
+    if implementation in IMPLEMENTATIONS and op in INTEGER_OPS:
         raise NotImplementedError(
             f"jax_bytegrad: implementation={implementation!r} asks for the Pallas kernels, and "
             f"the integer wire (wire='allreduce', which wire='auto' picks for 8-bit codes "
@@ -168,7 +168,7 @@ def average_requantize(codec: Codec, codes, header, key=None, *, weight: float):
 
 @dataclasses.dataclass(frozen=True)
 class IntegerOps:
-    """The integer wire's four ops for one ``Codec``, each looked up in ``REGISTRY`` once,
+    """The integer wire's four ops (``INTEGER_OPS``) for one ``Codec``, each ``resolve``d once,
     where the sync is planned (``sync.config.plan_sync``, which keeps them in the bucket's
     plan): an explicit kernel is refused there. Each takes the ``Codec`` first, as every op
     does (``integer.py``).
@@ -182,11 +182,6 @@ class IntegerOps:
     encode: Callable
     factors: Callable
     decode: Callable
-
-    @classmethod
-    def of(cls, codec: Codec) -> "IntegerOps":
-        """The ops that run for ``codec`` (``resolve``)."""
-        return cls(*(resolve(op, codec) for op in _INTEGER_OPS))
 
 
 # --- What the wires compose of the ops, and the checks of their arguments. -----------------

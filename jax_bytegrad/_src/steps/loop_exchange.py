@@ -42,7 +42,8 @@ from jax_bytegrad._src.sync.config import Residuals, SyncConfig
 from jax_bytegrad._src.transforms import ByteGradState
 
 # Folded into the step's rounding key for the marked layers' keys ("loop"), so that they
-# draw apart from the keys of the sync after the backward pass (``collectives.step_keys``).
+# draw apart from the keys of the sync after the backward pass (the split of the state's key
+# in ``transforms.py``).
 _LOOP_KEYS = 0x6C6F6F70
 
 

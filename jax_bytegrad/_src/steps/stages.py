@@ -24,7 +24,7 @@ from jax_bytegrad._src.runtime.programs import Program, Schedule
 from jax_bytegrad._src.sync import buckets as bucketing
 from jax_bytegrad._src.sync import patterns
 from jax_bytegrad._src.sync import wire as wires
-from jax_bytegrad._src.sync.collectives import bucket_keys, step_keys
+from jax_bytegrad._src.sync.collectives import bucket_keys
 from jax_bytegrad._src.sync.config import Group, Residuals, SyncConfig, SyncPlan
 
 # The values the programs pass each other, by name. ----------------------------------------
@@ -328,8 +328,8 @@ class Stages:
                 params = jax.lax.pcast(given[Whole.PARAMS], axes, to="varying")
                 value, grads = self.grad_fn(params, given[Whole.BATCH])
                 loss, aux = value if self.has_aux else (value, None)
-                # As bytegrad's update: the state's next key, and this step's.
-                new_key, step_key = step_keys(given[Whole.KEY])
+                # As bytegrad's update (``transforms.py``): the state's next key, and this step's.
+                new_key, step_key = jax.random.split(given[Whole.KEY])
             else:  # the sync alone: each device's own gradient, and compressed_mean's key
                 grads = jax.tree.map(lambda x: x[0], given[Whole.GRADS])
                 step_key = given.get(Whole.KEY)

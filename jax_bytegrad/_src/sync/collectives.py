@@ -192,13 +192,6 @@ def _in_ready_order(parts: list, cross, layout, order, *, through: bool):
     return crossed, other
 
 
-def step_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(the key a sync's state keeps, this step's rounding key)`` from the state's key:
-    ``bytegrad``'s update and the pipelined step split it so."""
-    kept, step = jax.random.split(key)
-    return kept, step
-
-
 def bucket_keys(key: jax.Array | None, axes, buckets) -> dict:
     """Each bucket's rounding key on this device, ``{b: key}`` for the indices ``buckets``,
     from the step's ``key`` (None: nearest rounding, and every bucket's key is None): the key

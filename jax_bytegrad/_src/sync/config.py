@@ -25,7 +25,14 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.codecs import IMPLEMENTATIONS, Codec, Implementation, IntegerOps
+from jax_bytegrad._src.codecs import (
+    IMPLEMENTATIONS,
+    INTEGER_OPS,
+    Codec,
+    Implementation,
+    IntegerOps,
+    resolve,
+)
 from jax_bytegrad._src.codecs.integer import Width, allreduce_width, check_fits
 from jax_bytegrad._src.sync.buckets import Layout, make_layout
 
@@ -365,7 +372,7 @@ def plan_sync(
     )
     integer = group.wire == "allreduce" and not group.plain
     width = allreduce_width(config.bits, group.size, platform) if integer else None
-    ops = IntegerOps.of(codec) if integer else None
+    ops = IntegerOps(*(resolve(op, codec) for op in INTEGER_OPS)) if integer else None
     plans = []
     for b, padded in enumerate(layout.padded_sizes):
         send = padded // local if config.hierarchical else padded

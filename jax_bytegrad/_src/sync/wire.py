@@ -334,7 +334,9 @@ def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
     itself otherwise."""
     if plan.gather:
         dtype = plan.dtype if dtype is None else dtype
-        return gather_invariant(shard.astype(dtype), plan.local_axis)
+        return jax.lax.all_gather(
+            shard.astype(dtype), plan.local_axis, axis=0, tiled=True, to="invarying"
+        )
     return shard
 
 
