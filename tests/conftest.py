@@ -58,3 +58,13 @@ def strict_dtypes():
     """
     with jax.numpy_dtype_promotion("strict"):
         yield
+
+
+@pytest.fixture(scope="session")
+def train_py_default_run() -> str:
+    """The stdout of ``python examples/train.py`` with no arguments, the README's command (every
+    algorithm one process runs, 300 steps of the CNN): run once for test_readme, which holds it
+    against the README, and test_examples, which checks that every algorithm learned."""
+    from helpers import run_train
+
+    return run_train([])

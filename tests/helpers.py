@@ -1,12 +1,13 @@
 """Helpers shared by the tests: tree comparisons, replica checks, small training data,
-scripts loaded by path, the launcher run in a subprocess, and the mark of tests that compile
-for GPUs that are not here."""
+scripts loaded by path, the launcher and examples/train.py run in a subprocess, and the mark
+of tests that compile for GPUs that are not here."""
 
 import functools
 import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -54,6 +55,26 @@ def run_launcher(*args: str, env: dict | None = None, timeout: float) -> tuple[i
         text=True,
     )
     return proc.returncode, proc.stdout
+
+
+def run_train(args: list[str]) -> str:
+    """The stdout of ``python examples/train.py ARGS``, as a user runs it from a clean shell
+    (not this suite's XLA_FLAGS), in a fresh directory: its files go to ``runs/`` there."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
+    env["JAX_PLATFORMS"] = "cpu"  # a GPU plugin without a GPU would print its error first
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory() as cwd:
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "examples" / "train.py"), *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
+    return proc.stdout
 
 
 def processes_with(marker: str) -> list[int]:

@@ -29,16 +29,14 @@ once with each Python whose JAX the README records (3.11: JAX 0.10.2; 3.12: JAX 
 
 import dataclasses
 import math
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import run_train
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -119,26 +117,6 @@ def figures_apart(stated: str, fresh: str) -> str | None:
         if not near:
             return f"{kind} {a} stated, {b} now"
     return None
-
-
-def run_train(args: list[str]) -> str:
-    """The stdout of ``python examples/train.py ARGS``, as a user runs it from a clean shell
-    (not this suite's XLA_FLAGS), in a fresh directory: its files go to ``runs/`` there."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "NPROC")}
-    env["JAX_PLATFORMS"] = "cpu"  # a GPU plugin without a GPU would print its error first
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory() as cwd:
-        proc = subprocess.run(
-            [sys.executable, str(EXAMPLES / "train.py"), *args],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-    if proc.returncode != 0:
-        raise RuntimeError(f"train.py {' '.join(args)}: exit {proc.returncode}\n{proc.stderr}")
-    return proc.stdout
 
 
 def fresh_blocks(stdout: str) -> dict[str, str]:
@@ -224,11 +202,11 @@ def test_the_readme_states_the_bytes_the_compiled_steps_send(model):
 
 
 @pytest.mark.slow
-def test_the_readme_shows_what_train_py_prints():
+def test_the_readme_shows_what_train_py_prints(train_py_default_run):
     recorded = {m["version"] for m in blocks(README.read_text()) if m["args"] == ""}
     if jax.__version__ not in recorded:
         pytest.skip(f"README.md records train.py's output on JAX {sorted(recorded)}, not this one")
-    fresh = fresh_blocks(run_train([]))
+    fresh = fresh_blocks(train_py_default_run)
     for match in blocks(README.read_text()):
         if match["args"] == "" and match["version"] == jax.__version__:
             apart = figures_apart(match["body"], fresh[match["what"]])
