@@ -173,9 +173,10 @@ def _table(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
-# Every algorithm on 2 processes x 2 devices, 150 steps of a global batch of 32.
+# Every algorithm on 2 processes x 2 devices, 100 steps of a global batch of 32: 88.6-92.2% test
+# accuracy here (gradient_allreduce 88.9%, async 92.2%), against the tests' bar of 80%.
 TWO_PROCESSES = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2"]
-TWO_PROCESSES += ["--timeout", "540", os.path.join(EXAMPLES, "multihost.py"), "--steps", "150"]
+TWO_PROCESSES += ["--timeout", "540", os.path.join(EXAMPLES, "multihost.py"), "--steps", "100"]
 TWO_PROCESSES += ["--no-progress", "--batch-size", "32"]
 
 
@@ -229,8 +230,9 @@ def test_sharded_state_across_two_processes_trains_as_the_replicated_one(six_alg
     # Between nodes the same bytes cross (the 4th and 5th columns).
     assert row[4:6] == replicated[4:6], (row, replicated)
     # Compressed: each device's blocks group other values than the replicated buckets, so the
-    # codes differ by up to a step and the runs drift apart by Adam's steps. Measured (with
-    # ByteGrad and QAdam): final train loss 3% apart, test loss 6%, the same accuracy.
+    # codes differ by up to a step and the runs drift apart by Adam's steps. Measured: at 150
+    # steps (ByteGrad and QAdam) final train loss 3% apart, test loss 6%, the same accuracy; at
+    # 100 (QAdam) 0.1%, 0.1% and 0.8 points.
     assert abs(accuracy - accuracy0) <= 1.5, (row, replicated)
     assert test_loss == pytest.approx(test_loss0, rel=0.15), (row, replicated)
     assert train_loss == pytest.approx(train_loss0, rel=0.1), (row, replicated)
