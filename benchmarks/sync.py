@@ -156,8 +156,6 @@ def _timed(fn, *args, repeats: int) -> tuple[float, float]:
 def _codec_pieces(size: int) -> dict:
     """Name -> (jitted fn, args) for each timed piece, on one device's `size` values."""
     from jax_bytegrad._src.codecs import Codec, dequantize_blocks, integer, quantize_blocks
-    from jax_bytegrad._src.codecs.grid import codes as codes_of
-    from jax_bytegrad._src.codecs.grid import grid as grid_of
     from jax_bytegrad._src.sync import wire as wire_lib
     from jax_bytegrad._src.sync.config import plan_sync
 
@@ -170,31 +168,23 @@ def _codec_pieces(size: int) -> dict:
     x = jax.random.normal(jax.random.key(0), (size // block, block), jnp.float32)
     codes, header = jax.jit(quantize)(x)
     keys = {impl: jax.random.key(1, impl=impl) for impl in ("threefry2x32", "rbg", "unsafe_rbg")}
-    width, spelling = integer.allreduce_width(8, 2), integer._SPELLING  # integer_encode's grid
+    width = integer.allreduce_width(8, 2)
     block_bounds = functools.partial(integer.integer_bounds, nearest, block_size=block)
     bounds = jax.jit(block_bounds)(x)
-    grid = jax.jit(
-        lambda b: grid_of(
-            -b[:, 1:2], b[:, 0:1], levels=width.levels, stochastic=True, spelling=spelling
-        )
-    )(bounds)
+    grid = jax.jit(functools.partial(integer.grid, levels=width.levels, stochastic=True))(bounds)
     seed = jnp.asarray([1234567, 89101112], jnp.uint32)
 
     def index(shape):
         rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * np.uint32(shape[1])
         return rows + jax.lax.broadcasted_iota(jnp.uint32, shape, 1)
 
-    def encode(x, grid, uniforms):  # integer.integer_encode's codes, on a given grid
-        scale, zero, inv = grid
-        y = jnp.clip(x * inv, np.float32(-(2.0**24)), np.float32(2.0**24))
-        return codes_of(y, zero, np.float32(width.levels), uniforms)
-
     def ar_encode(x, grid, uniforms):
-        return encode(x, grid, uniforms).astype(jnp.uint8)
+        scale, zero, inv = grid
+        return integer.encode(x, scale, zero, inv, width.levels, uniforms).astype(jnp.uint8)
 
     def ar_feedback(x, grid, uniforms):
-        scale, zero, _ = grid
-        codes = encode(x, grid, uniforms)
+        scale, zero, inv = grid
+        codes = integer.encode(x, scale, zero, inv, width.levels, uniforms)
         return codes.astype(jnp.uint8), x - (codes - zero) * scale
 
     def ar_decode(total, grid):

@@ -193,6 +193,21 @@ def _unfused_step(lo, hi, steps):
 _SPELLING = _grid.Spelling(step=_unfused_step)
 
 
+def grid(bounds: jax.Array, levels: int, stochastic: bool):
+    """Scale, integer zero point and 1 / scale per block, shape (blocks, 1), from the bounds
+    (``integer_bounds``): ``grid.grid`` of lo = -bounds[:, 1], hi = bounds[:, 0]."""
+    hi, lo = bounds[:, 0:1], -bounds[:, 1:2]
+    return _grid.grid(lo, hi, levels=levels, stochastic=stochastic, spelling=_SPELLING)
+
+
+def encode(x, scale, zero, inv_scale, levels: int, uniforms):
+    """Codes of ``x`` (blocks, block_size) on the grid, as float32 integers in [0, levels]."""
+    # |y| <= 2**23 + levels on the grid: the clip changes no value, and keeps the product
+    # from being contracted with ``y - floor`` (module docstring).
+    y = jnp.clip(x * inv_scale, np.float32(-(2.0**24)), np.float32(2.0**24))
+    return _grid.codes(y, zero, np.float32(levels), uniforms)
+
+
 # The integer wire's stages, as ops of the codec registry (``codecs/__init__.py``): each takes
 # the ``Codec`` first, as every op does, and reads what it needs of it.
 
@@ -241,11 +256,7 @@ def integer_encode(codec, x, bounds, *, block_size, width, seed, first_block=0,
       and the flat residual (None without ``feedback``).
     """
     blocks = x.reshape(-1, block_size)
-    # The grid of each block, (blocks, 1), from lo = -bounds[:, 1] and hi = bounds[:, 0].
-    scale, zero, inv_scale = _grid.grid(
-        -bounds[:, 1:2], bounds[:, 0:1], levels=width.levels, stochastic=codec.stochastic,
-        spelling=_SPELLING,
-    )  # fmt: skip
+    scale, zero, inv_scale = grid(bounds, width.levels, codec.stochastic)
     uniforms = None
     if seed is not None:
         rows = jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 0)
@@ -253,10 +264,7 @@ def integer_encode(codec, x, bounds, *, block_size, width, seed, first_block=0,
             rows = rows + np.uint32(first_block)
         index = rows * np.uint32(block_size) + jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 1)
         uniforms = dither(seed, index)
-    # |y| <= 2**23 + levels on the grid: the clip changes no value, and keeps the product
-    # from being contracted with ``y - floor`` (module docstring).
-    y = jnp.clip(blocks * inv_scale, np.float32(-(2.0**24)), np.float32(2.0**24))
-    codes = _grid.codes(y, zero, np.float32(width.levels), uniforms)
+    codes = encode(blocks, scale, zero, inv_scale, width.levels, uniforms)
     kept = None
     if feedback:
         # The clip stands between the product and the subtraction: no fused multiply-add
@@ -280,10 +288,7 @@ def decode_factors(codec, bounds, *, width, group_size, weight) -> jax.Array:
     contiguous row: read from (blocks, 2) pairs, an Adam pass with the decode fused in took
     1.4x as long on one core (benchmarks/RESULTS.md, "Two layouts of the integer wire").
     """
-    scale, zero, _ = _grid.grid(
-        -bounds[:, 1:2], bounds[:, 0:1], levels=width.levels, stochastic=codec.stochastic,
-        spelling=_SPELLING,
-    )  # fmt: skip
+    scale, zero, _ = grid(bounds, width.levels, codec.stochastic)
     # |zero| <= 2**23 + 1 and g <= 2**16 / levels: g * zero fits int32.
     offset = (np.int32(group_size) * zero.astype(jnp.int32)).astype(jnp.int32)
     factor = jax.lax.bitcast_convert_type(scale * np.float32(weight), jnp.int32)

@@ -334,9 +334,7 @@ def gather_shard(shard: jax.Array, plan: BucketPlan, dtype=None) -> jax.Array:
     itself otherwise."""
     if plan.gather:
         dtype = plan.dtype if dtype is None else dtype
-        return jax.lax.all_gather(
-            shard.astype(dtype), plan.local_axis, axis=0, tiled=True, to="invarying"
-        )
+        return gather_invariant(shard.astype(dtype), plan.local_axis)
     return shard
 
 
