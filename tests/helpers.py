@@ -77,6 +77,18 @@ def run_train(args: list[str]) -> str:
     return proc.stdout
 
 
+def table_rows(table: str) -> dict[str, dict[str, str]]:
+    """``{algorithm: {column: cell}}`` of a markdown results table (the lines of ``table``
+    that start with ``|``: ``examples/report.py``'s ``results_table``)."""
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[2:]:
+        cells = dict(zip(header, (c.strip() for c in line.strip("|").split("|")), strict=True))
+        rows[cells["algorithm"]] = cells
+    return rows
+
+
 def processes_with(marker: str) -> list[int]:
     """Ids of the live processes whose command line contains ``marker`` (read from /proc)."""
     found = []
