@@ -120,6 +120,12 @@ class SyncConfig:
         levels per device: 255 // g at 8 bits for a group of g <= 8, uint16 beyond; 4 bits
         for g <= 2; one residual per device).
         ``"ring"``: scatter-gather with the all_to_all as ppermute shifts; the same result.
+      axes: ``(node_axis, local_axis)``. This and the next two are derived from the settings
+        once, when the config is built, so that the sync never asks for them again.
+      stochastic: whether codes are rounded stochastically (``rounding="stochastic"``).
+      codec: the part of these settings that the codecs' ops read, a ``codecs.Codec`` of
+        ``bits``, ``rounding`` and ``implementation``: the one object that travels from here
+        to a kernel.
 
     Raises:
       ValueError: for a bad value, naming it and ``where`` (an init-only argument: the
@@ -146,6 +152,10 @@ class SyncConfig:
     error_feedback: bool = False
     wire: Wire = "auto"
     where: dataclasses.InitVar[str] = "SyncConfig"
+    # Derived once, from the settings above (see Attributes): not arguments, not compared.
+    axes: tuple[str, str] = dataclasses.field(init=False, repr=False, compare=False)
+    stochastic: bool = dataclasses.field(init=False, repr=False, compare=False)
+    codec: Codec = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self, where: str) -> None:
         checks.axis_names(self.node_axis, self.local_axis, where)
@@ -162,23 +172,11 @@ class SyncConfig:
             checks.one_of(self.implementation, IMPLEMENTATIONS, "implementation", where)
         checks.boolean(self.error_feedback, "error_feedback", where)
         checks.one_of(self.wire, WIRES, "wire", where)
-
-    @property
-    def axes(self) -> tuple[str, str]:
-        """``(node_axis, local_axis)``."""
-        return (self.node_axis, self.local_axis)
-
-    @property
-    def stochastic(self) -> bool:
-        """Whether codes are rounded stochastically (``rounding="stochastic"``)."""
-        return self.rounding == "stochastic"
-
-    @property
-    def codec(self) -> Codec:
-        """The part of these settings that the codecs' ops read: a ``codecs.Codec`` of
-        ``bits``, ``rounding`` and ``implementation``, the one object that travels from here
-        to a kernel."""
-        return Codec(bits=self.bits, stochastic=self.stochastic, implementation=self.implementation)
+        stochastic = self.rounding == "stochastic"
+        object.__setattr__(self, "axes", (self.node_axis, self.local_axis))
+        object.__setattr__(self, "stochastic", stochastic)
+        codec = Codec(bits=self.bits, stochastic=stochastic, implementation=self.implementation)
+        object.__setattr__(self, "codec", codec)
 
     def bucket_grain(self, platform: str) -> tuple[int | None, int]:
         """``(bucket_bytes, fewest leaves per bucket)`` on ``platform`` (a JAX platform name,
