@@ -116,6 +116,42 @@ def test_initialize_after_backend_start_refuses_a_multi_process_layout(clean_sta
         jax_bytegrad.initialize("127.0.0.1:1", num_processes=2, process_id=0)
 
 
+def test_a_process_joins_as_soon_as_the_coordinator_listens():
+    # JAX's client, refused by a coordinator not yet up, retries after growing pauses (14 s
+    # late, measured, for a coordinator up 30 s after it): initialize asks every 50 ms first.
+    import socket
+
+    listening = threading.Event()
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+
+        def listen_later():
+            time.sleep(2.0)
+            server.listen()
+            listening.set()
+
+        threading.Thread(target=listen_later, daemon=True).start()
+        start = time.monotonic()
+        left = run_record._await_coordinator(address, timeout=60)
+        waited = time.monotonic() - start
+    assert listening.is_set()
+    assert 2.0 <= waited < 30, waited  # it waited for the listener, not for its deadline
+    assert 30 < left <= 58, left  # what is left of the timeout goes to JAX's own connect
+
+
+def test_a_coordinator_that_never_listens_leaves_the_error_to_jax_after_the_timeout():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        start = time.monotonic()
+        left = run_record._await_coordinator(address, timeout=1)
+        assert 1.0 <= time.monotonic() - start < 10
+    assert left == 1.0  # JAX's initialize then fails on its own, after at least a second
+
+
 def _subprocess_env(**extra: str) -> dict:
     """This environment without any layout, process-wide setting or device count, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in (*_LAYOUT_VARS, "NPROC", "XLA_FLAGS")}

@@ -39,7 +39,9 @@ References:
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import time
 import warnings
 from collections.abc import MutableMapping, Sequence
 from typing import NamedTuple
@@ -286,6 +288,28 @@ def _single_process(ncpu: int | None) -> DistributedInfo:
     return DistributedInfo(0, 1, None, "single")
 
 
+def _await_coordinator(address: str, timeout: float) -> float:
+    """Waits until ``address`` (``host:port``) accepts TCP connections, at most ``timeout``
+    seconds; returns the seconds left of it.
+
+    A process that asks process 0's coordinator before it listens is refused, and JAX's
+    client (gRPC) then retries after exponentially growing pauses (1 s, 1.6 s, 2.6 s, ... up
+    to 120 s): started 30 s before the coordinator here, it joined 14 s after the coordinator
+    was up. Asking every 50 ms first, it joins as soon as the coordinator listens.
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                break
+        except OSError:
+            if time.monotonic() >= deadline:
+                break  # JAX's own connect then fails with its error
+            time.sleep(0.05)
+    return max(1.0, deadline - time.monotonic())
+
+
 def _check_can_join(given: dict, cluster) -> list[str]:
     """Raises unless this process can join a run; returns the fields left to the detector."""
     missing = [name for name, v in given.items() if v is None]
@@ -476,13 +500,16 @@ def initialize(
             pid = cluster.process_id if pid is None else pid
         else:
             method, source = "deactivate", ("arguments" if from_args else "environment")
+        timeout = initialization_timeout
+        if coord is not None and pid != 0:
+            timeout = int(_await_coordinator(coord, initialization_timeout))
         jax.distributed.initialize(
             coordinator_address=coord,
             num_processes=given["num_processes"],
             process_id=given["process_id"],
             local_device_ids=local_device_ids,
             cluster_detection_method=method,
-            initialization_timeout=initialization_timeout,
+            initialization_timeout=timeout,
             heartbeat_timeout_seconds=heartbeat_timeout_seconds,
         )
         info = DistributedInfo(pid, nproc, coord, source)
