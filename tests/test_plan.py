@@ -86,3 +86,22 @@ def test_sync_mean_returns_the_mean_and_the_residuals_whatever_its_input():
         mean, kept = jax.eval_shape(fn, tree, given)
         assert mean["w"].shape == (3000,) and isinstance(kept, Residuals)
         assert len(kept) == (0 if residuals is None else 1)
+
+
+def test_the_configs_derived_values_are_resolved_once_and_are_not_settings():
+    config = SyncConfig(bits=4, rounding="stochastic", implementation="xla")
+    assert config.axes == AXES and config.stochastic
+    assert (config.codec.bits, config.codec.stochastic, config.codec.implementation) == (
+        4,
+        True,
+        "xla",
+    )
+    # Derived again with the settings they come from, and never settings of their own: a
+    # config's fields rebuild an equal config.
+    changed = config.replace(rounding="nearest", node_axis="hosts")
+    assert not changed.stochastic and not changed.codec.stochastic
+    assert changed.axes == ("hosts", "local")
+    assert SyncConfig(**dataclasses.asdict(config)) == config
+    assert "codec" not in repr(config) and "axes" not in dataclasses.asdict(config)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.stochastic = False

@@ -64,7 +64,7 @@ _STEP = _defaults(data_parallel_step, only=("donate", "node_axis", "local_axis",
 _SYNC = _defaults(transforms.bytegrad, without=_GIVEN)
 _ALLREDUCE = _defaults(transforms.gradient_allreduce, without=_GIVEN)
 _QADAM = _defaults(qadam.qadam, without=_GIVEN)
-_SYNC_CONFIG = tuple(f.name for f in dataclasses.fields(SyncConfig) if f.init)
+_SYNC_CONFIG = tuple(f.name for f in dataclasses.fields(SyncConfig))
 
 
 def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:

@@ -152,10 +152,6 @@ class SyncConfig:
     error_feedback: bool = False
     wire: Wire = "auto"
     where: dataclasses.InitVar[str] = "SyncConfig"
-    # Derived once, from the settings above (see Attributes): not arguments, not compared.
-    axes: tuple[str, str] = dataclasses.field(init=False, repr=False, compare=False)
-    stochastic: bool = dataclasses.field(init=False, repr=False, compare=False)
-    codec: Codec = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self, where: str) -> None:
         checks.axis_names(self.node_axis, self.local_axis, where)
@@ -172,6 +168,9 @@ class SyncConfig:
             checks.one_of(self.implementation, IMPLEMENTATIONS, "implementation", where)
         checks.boolean(self.error_feedback, "error_feedback", where)
         checks.one_of(self.wire, WIRES, "wire", where)
+        # Derived once, here (see Attributes): plain attributes, not fields, so that they are
+        # no arguments, and ``dataclasses.fields``, ``asdict``, equality and the repr hold the
+        # settings alone.
         stochastic = self.rounding == "stochastic"
         object.__setattr__(self, "axes", (self.node_axis, self.local_axis))
         object.__setattr__(self, "stochastic", stochastic)
