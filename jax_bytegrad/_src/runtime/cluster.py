@@ -423,7 +423,9 @@ def initialize(
         `jax.distributed.initialize`.
       cpu_devices: Number of CPU devices this process exposes. Env: ``JAX_BYTEGRAD_CPU_DEVICES``.
         None keeps JAX's default (one, or ``--xla_force_host_platform_device_count``).
-      initialization_timeout: Seconds to wait for every process to reach the coordinator.
+      initialization_timeout: Seconds to wait for every process to reach the coordinator. A
+        process other than 0 first waits, within it, until the coordinator accepts connections
+        (asking every 50 ms), so that it joins as soon as process 0 is up.
       heartbeat_timeout_seconds: Seconds without a heartbeat after which the coordination
         service declares a process dead and aborts every process of the run; JAX's default is
         100. Longer rides out longer network partitions, and takes as long to notice a host
