@@ -4,6 +4,7 @@ The multi-process tests start real processes that talk Gloo over TCP on 127.0.0.
 """
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -119,8 +120,6 @@ def test_initialize_after_backend_start_refuses_a_multi_process_layout(clean_sta
 def test_a_process_joins_as_soon_as_the_coordinator_listens():
     # JAX's client, refused by a coordinator not yet up, retries after growing pauses (14 s
     # late, measured, for a coordinator up 30 s after it): initialize asks every 50 ms first.
-    import socket
-
     listening = threading.Event()
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -141,8 +140,6 @@ def test_a_process_joins_as_soon_as_the_coordinator_listens():
 
 
 def test_a_coordinator_that_never_listens_leaves_the_error_to_jax_after_the_timeout():
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
         address = f"127.0.0.1:{s.getsockname()[1]}"
@@ -701,8 +698,6 @@ def test_two_processes_by_four_devices_psum_over_gloo(quiet):
 
 def _free_slurm_job_id() -> int:
     """A SLURM job id whose coordinator port (JAX: 61440 + id % 4096) is free on 127.0.0.1."""
-    import socket
-
     for offset in range(4096):
         port = 61440 + (os.getpid() + offset) % 4096
         with socket.socket() as s:

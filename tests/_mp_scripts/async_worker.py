@@ -138,7 +138,7 @@ acc = accuracy(p)
 flat = np.concatenate(
     [np.ravel(np.asarray(a.addressable_shards[0].data)) for a in jax.tree.leaves(p)]
 )
-both = process_rows(flat)
+both = process_rows(flat, mesh)
 np.testing.assert_allclose(both[0], both[-1], rtol=1e-5, atol=1e-7)
 say(
     f"rank {rank}: gradient_allreduce={baseline:.4f} async={acc:.4f} rounds={stats.rounds} "

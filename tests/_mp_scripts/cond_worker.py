@@ -50,7 +50,7 @@ def main() -> int:
         float(metrics["loss"])  # wait for it: one step in flight
     flat = np.concatenate([np.ravel(np.asarray(v.addressable_shards[0].data))
                            for v in jax.tree.leaves(state.params)])  # fmt: skip
-    both = process_rows(flat)
+    both = process_rows(flat, mesh)
     np.testing.assert_array_equal(both[0], both[-1])
     count = int(np.asarray(state.opt_state[0].count.addressable_shards[0].data))
     assert count == STEPS, count
