@@ -170,6 +170,72 @@ def test_a_delayed_exchange_lands_one_step_late_with_that_steps_update():
         np.testing.assert_allclose(node[i], late_glob[i] + after[i] - before[i], atol=1e-6)
 
 
+def test_a_longer_delay_sends_a_chunk_per_step_and_lands_tau_steps_late():
+    # H = 4, tau = 2, one fragment of 3 leaves: its exchange is split into 2 chunks of whole
+    # leaves, sent in steps 4 and 5; it lands in step 5. bits=32: the chunks' means are the
+    # exact run's.
+    data = batches(6)
+    runs = {}
+    for name, h, delay in (("now", 4, 0), ("late", 4, 2), ("none", 8, 0)):
+        with strategy(inner_steps=h, delay=delay, bits=32).train_step(
+            loss_fn, optax.adam(1e-2)
+        ) as step:
+            state = step.init(params0())
+            trail = []
+            for batch in data:
+                state, _ = step(state, batch)
+                trail.append((node_params(state, 0), jax.device_get(step.params(state))))
+            runs[name] = trail
+            if name == "late":
+                assert step.phases == ("inner", "outer.0", "outer.1")
+                assert [step._phase(i)[0] for i in range(9)] == (
+                    ["inner"] * 4 + ["outer.0", "outer.1"] + ["inner"] * 2 + ["outer.0"]
+                )
+                (chunks,) = step._chunks
+                assert sorted(chunks[0] + chunks[1]) == [0, 1, 2] and all(chunks)
+                traffic = step.bytes_between_nodes(state, data[0])
+    # Each step carries its chunk between nodes, and nothing else does.
+    assert traffic["inner"] == 0 and traffic["outer.0"] > 0 and traffic["outer.1"] > 0
+    assert traffic["per_inner_step"] == pytest.approx((traffic["outer.0"] + traffic["outer.1"]) / 4)
+    assert_trees_all_equal(runs["late"][4][1], jax.device_get(params0()))  # not landed yet
+    late_glob = jax.tree.leaves(runs["late"][5][1])
+    now_glob = jax.tree.leaves(runs["now"][3][1])
+    for got, want in zip(late_glob, now_glob, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    # Node 0 restarts from them plus its own steps 4 and 5 (an undisturbed run's).
+    before, after = (jax.tree.leaves(runs["none"][k][0]) for k in (3, 5))
+    node = jax.tree.leaves(runs["late"][5][0])
+    for i, got in enumerate(node):
+        np.testing.assert_allclose(got, late_glob[i] + after[i] - before[i], atol=1e-6)
+
+
+def test_exchanges_in_flight_overlap_and_resume_bit_exact(tmp_path):
+    # H = 4, F = 2, tau = 3 > H / F: fragment 0 is sent in steps 2-4, fragment 1 in steps
+    # 4-6, so step 4 lands one and starts the other. The checkpoint after step 5 holds
+    # fragment 1's exchange in flight, with 4-bit residuals, its state split within the node.
+    s = strategy(inner_steps=4, fragments=2, delay=3, bits=4, error_feedback=True,
+                 shard="params")  # fmt: skip
+    data = batches(8)
+    with s.train_step(loss_fn, optax.adam(1e-2)) as step, Checkpointer(tmp_path, every=1) as ckpt:
+        assert step._phase(4)[0] == "outer_1.0+outer_0.2"
+        state = run(step, data[:6])
+        assert not np.array_equal(state.extra["exchange_started"]["w2"], 0)
+        ckpt.save(6, state, force=True)
+        ckpt.wait()
+        straight = run(step, data[6:], state)
+        target = step.state_shapes(params0())
+        resumed = run(step, data[6:], ckpt.restore(6, lambda: target, target))
+        for leaf in jax.tree.leaves(straight.extra["global_params"]):  # the nodes' copies
+            blocks = {}
+            for shard in leaf.addressable_shards:
+                blocks.setdefault(str(shard.index), []).append(np.asarray(shard.data))
+            assert all(len(b) == NODES and np.array_equal(*b) for b in blocks.values())
+        glob = jax.device_get(step.params(straight))
+    assert_trees_all_equal(jax.device_get(resumed), jax.device_get(straight))
+    start = params0()
+    assert all(not np.array_equal(glob[k], start[k]) for k in start)  # both fragments landed
+
+
 def test_h100_at_4_bits_sends_over_700x_fewer_bytes_than_float32_every_step():
     # Compiled, not run: a 262k-parameter layer, so block headers and padding weigh as in
     # a real model (benchmarks/diloco_bytes.py gives the same ratio at 4M parameters).
@@ -198,13 +264,14 @@ def test_h100_at_4_bits_sends_over_700x_fewer_bytes_than_float32_every_step():
         (dict(inner_steps=0), "inner_steps must be an int >= 1"),
         (dict(inner_steps=10, fragments=3), "fragments=3 does not divide inner_steps=10"),
         (dict(inner_steps=1), "delay=1 must be less than inner_steps=1"),
-        (dict(inner_steps=4, delay=2), r"delay must be an int in \[0, 1\]"),
+        (dict(inner_steps=4, delay=-1), "delay must be an int >= 0"),
+        (dict(inner_steps=4, delay=4), "delay=4 must be less than inner_steps=4"),
         (dict(inner_steps=4, outer_optimizer=optax.sgd), "outer_optimizer must be an optax"),
         (dict(inner_steps=4, bits=2), "bits must be one of 8, 4, 32"),
         (dict(inner_steps=4, bits=32, error_feedback=True), "error_feedback=True needs bits"),
         (dict(), "missing keyword argument.*inner_steps"),
     ],
-    ids=["h0", "f_divides", "tau_ge_h", "tau2", "outer", "bits", "ef32", "no_h"],
+    ids=["h0", "f_divides", "tau_ge_h", "tau_negative", "tau_h", "outer", "bits", "ef32", "no_h"],
 )
 def test_bad_settings_are_refused_when_the_strategy_is_built(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -25,16 +25,23 @@ exchange runs in the program of that step, after its inner update (exact, no ove
 ``delay=1`` it runs in the next step's program, from that step's inputs: nothing in the inner
 update waits for it, so XLA can schedule it beside the compute (on GPU; XLA:CPU runs a
 program's collectives one after another), and it is applied one step late: the fragment
-restarts from the new global params plus that one inner step's own update.
+restarts from the new global params plus that one inner step's own update. With ``delay=tau``
+> 1 the fragment's leaves are split into up to tau chunks (whole leaves, as even in bytes as
+the fragments), and chunk k is exchanged inside the program of the k-th step after the
+fragment's H steps: each step carries a tau-th of the exchange beside its compute. The
+pseudo-gradient of every chunk is taken from the node's params when the exchange started,
+the means wait in the state until the last chunk has crossed, and the fragment lands tau
+steps late: the new global params plus the node's own tau steps since the start.
 
 The state: ``state.params`` holds each node's params (stacked on a leading axis of the node
 count, sharded over "node"), ``state.opt_state`` each node's inner optimizer state laid out
 the same way, and ``state.extra`` the global params, the outer optimizer state of each
-fragment and, with error feedback, each fragment's residuals. The fragment schedule follows
-from ``state.step``, so a checkpoint of the state resumes bit-exact. With ``shard=`` the
-data-parallel step's placement objects (``placement.py``) split the node's state within the
-node, the global params and outer state with it (``diloco_layout.py``): each device runs the
-inner and outer updates on its blocks.
+fragment, with error feedback each chunk's residuals, and with ``delay`` > 1 the exchanges in
+flight (each node's params when its exchange started, and the means received). The fragment
+schedule follows from ``state.step``, so a checkpoint of the state resumes bit-exact. With
+``shard=`` the data-parallel step's placement objects (``placement.py``) split the node's state
+within the node, the global params and outer state with it (``diloco_layout.py``): each device
+runs the inner and outer updates on its blocks.
 """
 
 import functools
@@ -61,7 +68,9 @@ from jax_bytegrad._src.steps.base import (
 from jax_bytegrad._src.steps.diloco_layout import (
     GLOBAL,
     OUTER,
+    RECEIVED,
     RESIDUALS,
+    STARTED,
     Layout,
     fragment,
     layout_of,
@@ -116,6 +125,15 @@ def split_fragments(sizes, fragments: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(sorted(m)) for m in members)
 
 
+def _chunks(members, sizes, steps: int) -> tuple[tuple[int, ...], ...]:
+    """A fragment's leaves (indices ``members``, bytes ``sizes`` per leaf of the params) as
+    ``steps`` chunks of whole leaves, as even in bytes as ``split_fragments`` makes them; the
+    chunks past the fragment's leaf count are empty."""
+    parts = split_fragments([sizes[i] for i in members], min(steps, len(members)))
+    chunks = tuple(tuple(members[i] for i in part) for part in parts)
+    return chunks + ((),) * (steps - len(chunks))
+
+
 def default_outer_optimizer() -> optax.GradientTransformation:
     """DiLoCo's outer optimizer: Nesterov SGD, learning rate 0.7, momentum 0.9."""
     return optax.sgd(0.7, momentum=0.9, nesterov=True)
@@ -143,11 +161,11 @@ def _check(mesh, axes, inner_steps, fragments, delay, outer_optimizer, bits, whe
             f"{where}: fragments={f} does not divide inner_steps={h}; the fragments are "
             f"staggered by inner_steps / fragments steps: pick F among the divisors of {h}"
         )
-    checks.integer(delay, "delay", where, minimum=0, maximum=1, why=" (tau: 0 or 1)")
+    checks.integer(delay, "delay", where, minimum=0, why=" (tau: the steps an exchange takes)")
     if delay >= h:
         raise ValueError(
             f"{where}: delay={delay} must be less than inner_steps={h} (an exchange must land "
-            "before its fragment's next one); use delay=0 or inner_steps >= 2"
+            f"before its fragment's next one starts); use delay <= {h - 1}"
         )
     if not isinstance(outer_optimizer, optax.GradientTransformation):
         raise ValueError(
@@ -170,11 +188,14 @@ class _DiLoCo(TrainStep):
         self.sync = sync  # None: a float32 exchange
         self._nodes = int(mesh.shape[axes[0]])
         self._extra_keys = (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
+        self._extra_keys += (STARTED, RECEIVED) if self._pending else ()
         self._stride = inner_steps // fragments
-        outer_names = self._outer_names()
-        inner = self._stride > 1 or delay > 0  # with delay, step 0 exchanges nothing
-        self.phases = ((INNER,) if inner else ()) + outer_names
+        # One period of the schedule, once every exchange can be in flight.
+        names = [self._phase(s)[0] for s in range(delay + inner_steps)]
+        self.phases = tuple(dict.fromkeys(sorted(names, key=lambda name: name != INNER)))
         self._members = None  # each fragment's leaf indices, from the first params seen
+        self._chunks = None  # per fragment, the leaf indices each of its delay steps sends
+        self._slots = None  # (fragment, chunk) -> index of its residuals
         self.shard = shard
         self.placement = placement_of(shard, mesh, axes)
         self._layout: Layout | None = None  # the state's specs, with the members
@@ -182,6 +203,11 @@ class _DiLoCo(TrainStep):
     @property
     def _feedback(self) -> bool:
         return self.sync is not None and self.sync.error_feedback
+
+    @property
+    def _pending(self) -> bool:
+        """Whether exchanges stay in flight between steps (``delay`` > 1)."""
+        return self.delay > 1
 
     def _outer_names(self) -> tuple[str, ...]:
         if self.fragments == 1:
@@ -197,12 +223,23 @@ class _DiLoCo(TrainStep):
             return None
         return (done // self._stride - 1) % self.fragments
 
+    def _events(self, steps_taken: int) -> tuple[tuple[int, int], ...]:
+        """The exchanges in the next step's program, as ``(fragment, chunk)``: with delay
+        tau >= 1, chunk k of each fragment whose H steps ended k + 1 steps before."""
+        if self.delay == 0:
+            fragment = self.synced_after(steps_taken)
+            return () if fragment is None else ((fragment, 0),)
+        ended = [(steps_taken - 1 - k, k) for k in range(self.delay) if steps_taken > k]
+        return tuple((f, k) for t, k in ended if (f := self.synced_after(t)) is not None)
+
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
-        due = steps_taken - self.delay
-        fragment = self.synced_after(due) if due >= 0 else None
-        if fragment is None:
+        events = self._events(steps_taken)
+        if not events:
             return INNER, INNER
-        return self._outer_names()[fragment], fragment
+        names = self._outer_names()
+        if not self._pending:
+            return names[events[0][0]], events
+        return "+".join(f"{names[f]}.{k}" for f, k in events), events
 
     # Where the state lives. ---------------------------------------------------------------
 
@@ -223,8 +260,11 @@ class _DiLoCo(TrainStep):
                 "these params have other leaves; build a new step for them"
             )
         self._members = members
+        self._chunks = tuple(_chunks(m, sizes, max(self.delay, 1)) for m in members)
+        sent = [(f, k) for f, chunks in enumerate(self._chunks) for k, c in enumerate(chunks) if c]
+        self._slots = {event: i for i, event in enumerate(sent)}
         self._layout = layout_of(self.placement, self.optimizer, self.outer, params, members,
-                                 self._feedback)  # fmt: skip
+                                 self._feedback, self._pending)  # fmt: skip
 
     def _fragment(self, tree, f: int):
         """``tree`` with the leaves outside fragment ``f`` as None (optax skips them)."""
@@ -252,9 +292,13 @@ class _DiLoCo(TrainStep):
                 OUTER: tuple(self.outer.init(p) for p in frags),
             }
             if self._feedback:
+                chunks = [fragment(params, self._chunks[f][k]) for f, k in self._slots]
                 extra[RESIDUALS] = tuple(
-                    mesh_residuals(p, self.sync, shape, platform) for p in frags
+                    mesh_residuals(p, self.sync, shape, platform) for p in chunks
                 )
+            if self._pending:  # nothing in flight yet; each exchange writes before it reads
+                extra[STARTED] = jax.tree.map(jnp.zeros_like, stacked)
+                extra[RECEIVED] = jax.tree.map(jnp.zeros_like, params)
             return stacked, jax.vmap(self.optimizer.init)(stacked), extra
 
         return jax.jit(place, out_shardings=self._shardings())
@@ -280,11 +324,11 @@ class _DiLoCo(TrainStep):
 
     # The programs. ------------------------------------------------------------------------
 
-    def _update(self, f, grads, opt_state, params, *extra):
+    def _update(self, events, grads, opt_state, params, *extra):
         """In the placement's update frame: the inner update of this device's params (its
-        blocks with ``shard=``) from the node's mean gradient, and with fragment ``f`` (None:
-        none) that fragment's exchange. Returns the params as they rest, the inner state
-        and, with ``f``, the new ``extra``."""
+        blocks with ``shard=``) from the node's mean gradient, and the exchanges ``events``
+        (``_events``; None: none). Returns the params as they rest, the inner state and,
+        with ``events``, the new ``extra``."""
         placement, dims = self.placement, self._layout.dims
         grads = placement.node_mean(grads, dims)
         own = placement.own(params, dims)
@@ -299,48 +343,86 @@ class _DiLoCo(TrainStep):
             new = optax.apply_updates(rows[2], updates)
             return jax.tree.map(lambda x: x[0], (new, state))
 
-        if f is None:
+        if events is None:
             new, opt_state = inner(own)
             return placement.finish(new, dims), opt_state
+        extra = dict(extra[0])
         if self.delay == 0:
+            ((f, _),) = events
             new, opt_state = inner(own)
-            fresh, extra = self._exchange(f, new, extra[0])
-            new = self._merged(new, fresh, f)
-        else:
-            # The exchange reads only this step's inputs: XLA may run it beside the update.
-            fresh, extra = self._exchange(f, own, extra[0])
-            new, opt_state = inner(own)
-            step = jax.tree.map(jnp.subtract, self._fragment(new, f), self._fragment(own, f))
+            new = self._merged(new, self._land(f, self._send(f, 0, new, extra), extra), f)
+            return placement.finish(new, dims), opt_state, extra
+        # The exchanges read only this step's inputs and the state: XLA may run them beside
+        # the update.
+        landed = []
+        for f, k in events:
+            start = self._started(f, k, own, extra)
+            mean = self._send(f, k, start, extra)
+            if k == self.delay - 1:
+                landed.append((f, start, self._land(f, mean, extra)))
+        new, opt_state = inner(own)
+        for f, start, fresh in landed:
+            # The fragment restarts from the new global params plus the node's own steps
+            # since its exchange started.
+            step = jax.tree.map(jnp.subtract, self._fragment(new, f), self._fragment(start, f))
             new = self._merged(new, jax.tree.map(jnp.add, fresh, step), f)
         return placement.finish(new, dims), opt_state, extra
 
-    def _exchange(self, f, node_params, extra):
-        """Fragment ``f``'s outer step on this device's (blocks of the) params: ``(new
-        global fragment, new extra)``."""
-        placement = self.placement
+    def _started(self, f, k, own, extra):
+        """This device's params (full tree) when fragment ``f``'s exchange started: ``own``
+        in its first step (kept in ``extra`` while the exchange is in flight), then the kept
+        ones."""
+        if k > 0:
+            return jax.tree.map(lambda x: x[0], extra[STARTED])
+        if self._pending:
+            row = jax.tree.map(lambda x: x[None], self._fragment(own, f))
+            extra[STARTED] = self._merged(extra[STARTED], row, f)
+        return own
+
+    def _send(self, f, k, start, extra):
+        """Chunk ``k`` of fragment ``f``'s exchange: the mean over nodes of its
+        pseudo-gradient (the global params minus ``start``). Updates ``extra``'s residuals
+        (and, in flight, the means received); returns the fragment's mean so far (leaves
+        outside ``f`` None)."""
+        leaves = self._chunks[f][k]
+        if leaves:
+            placement = self.placement
+            theirs = fragment(extra[GLOBAL], leaves)
+            delta = jax.tree.map(jnp.subtract, theirs, fragment(start, leaves))
+            delta = placement.node_sum_of_alike(make_varying(delta, self._axes))
+            sharded = placement.sharded(tuple(self._layout.dims[i] for i in leaves), True)
+            if self.sync is None:
+                node_axis, local_axis = self._axes
+                config = SyncConfig(node_axis=node_axis, local_axis=local_axis, where="diloco")
+                mean = sync_full_precision(delta, config, sharded=sharded)
+            else:
+                slot = self._slots[(f, k)]
+                residuals = list(extra[RESIDUALS]) if self._feedback else [None] * (slot + 1)
+                mean, residuals[slot] = sync_mean(
+                    delta, self.sync, residuals=residuals[slot], sharded=sharded,
+                    where="diloco",
+                )  # fmt: skip
+                if self._feedback:
+                    extra[RESIDUALS] = tuple(residuals)
+            if not self._pending:  # one chunk: the whole fragment
+                return mean
+            extra[RECEIVED] = merged(extra[RECEIVED], mean, leaves)
+        return self._fragment(extra[RECEIVED], f)
+
+    def _land(self, f, mean, extra):
+        """Fragment ``f``'s outer step from the nodes' ``mean`` pseudo-gradient, on this
+        device's (blocks of the) global params; updates ``extra``, returns the new global
+        fragment."""
         theirs = self._fragment(extra[GLOBAL], f)
-        delta = jax.tree.map(jnp.subtract, theirs, self._fragment(node_params, f))
-        delta = placement.node_sum_of_alike(make_varying(delta, self._axes))
-        sharded = placement.sharded(tuple(self._layout.dims[i] for i in self._members[f]), True)
         outer_states = list(extra[OUTER])
-        residuals = list(extra[RESIDUALS]) if self._feedback else [None] * self.fragments
-        if self.sync is None:
-            node_axis, local_axis = self._axes
-            config = SyncConfig(node_axis=node_axis, local_axis=local_axis, where="diloco")
-            mean = sync_full_precision(delta, config, sharded=sharded)
-        else:  # residuals: empty without error feedback
-            mean, residuals[f] = sync_mean(
-                delta, self.sync, residuals=residuals[f], sharded=sharded, where="diloco"
-            )
         closed, (updates, outer_states[f]) = traced(
             self.outer.update, mean, outer_states[f], theirs
         )
-        placement.check_update(closed, "diloco (the outer optimizer)")
+        self.placement.check_update(closed, "diloco (the outer optimizer)")
         fresh = optax.apply_updates(theirs, updates)
-        new = {GLOBAL: self._merged(extra[GLOBAL], fresh, f), OUTER: tuple(outer_states)}
-        if self._feedback:
-            new[RESIDUALS] = tuple(residuals)
-        return fresh, new
+        extra[GLOBAL] = self._merged(extra[GLOBAL], fresh, f)
+        extra[OUTER] = tuple(outer_states)
+        return fresh
 
     def _build(self, key) -> Program:
         placement, layout = self.placement, self._layout
@@ -405,9 +487,9 @@ class _DiLoCo(TrainStep):
         on average; compiles, runs nothing.
 
         Read from each phase's compiled program (``communication_stats``, ``bytes_on`` the
-        node axis). Over one period of ``inner_steps`` steps each fragment is exchanged once
-        and the other steps are inner steps, so the average is ``(sum of the outer phases +
-        (H - F) * inner) / H``. Multiply by the devices per node for what a node sends.
+        node axis). One period of ``inner_steps`` steps exchanges each fragment once (in
+        ``delay`` steps when ``delay`` > 1), so the average is the sum of the period's
+        phases over H. Multiply by the devices per node for what a node sends.
 
         Returns:
           ``{phase: bytes}`` for the phases of ``communication_stats`` (``"inner"``,
@@ -417,10 +499,9 @@ class _DiLoCo(TrainStep):
             name: one.bytes_on(self._axes[0])
             for name, one in self.communication_stats(state, batch).items()
         }
-        inner = per_phase.get(INNER, 0.0)
-        outer = sum(per_phase[name] for name in self._outer_names())
-        steps = self.inner_steps
-        return {**per_phase, "per_inner_step": (outer + (steps - self.fragments) * inner) / steps}
+        period = range(self.delay, self.delay + self.inner_steps)  # every phase in its turn
+        total = sum(per_phase[self._phase(s)[0]] for s in period)
+        return {**per_phase, "per_inner_step": total / self.inner_steps}
 
 
 # The public factory ----------------------------------------------------------------------
@@ -469,10 +550,14 @@ def diloco_step(
       inner_steps: H, the inner steps per outer step of each fragment.
       fragments: F, how many fragments of the params are exchanged at staggered steps; it
         divides ``inner_steps``.
-      delay: tau, 0 or 1. 0: a fragment's exchange runs in the program of the step that ends
-        its H inner steps, after that step's update (exact). 1 (default): it runs inside the
-        next step's program, beside that step's compute, and lands one step late (the
-        fragment restarts from the new global params plus that step's own update).
+      delay: tau, from 0 to ``inner_steps - 1``. 0: a fragment's exchange runs in the
+        program of the step that ends its H inner steps, after that step's update (exact).
+        1 (default): it runs inside the next step's program, beside that step's compute, and
+        lands one step late (the fragment restarts from the new global params plus that
+        step's own update). tau > 1: the fragment's leaves are split into up to tau chunks,
+        one exchanged inside each of the next tau steps, and the fragment lands tau steps
+        late (plus the node's own tau steps); the state then keeps the exchanges in flight,
+        two params' worth more (split as the global params with ``shard=``).
       outer_optimizer: any optax transformation of the pseudo-gradient; None for DiLoCo's
         Nesterov SGD (learning rate 0.7, momentum 0.9). Each fragment keeps its own state.
       bits: 8 or 4 (codes between nodes, as ``bytegrad``), or 32 (a float32 exchange).
@@ -501,7 +586,7 @@ def diloco_step(
 
     Raises:
       ValueError: at build time for ``inner_steps < 1``, ``fragments`` that does not divide
-        ``inner_steps``, ``delay`` not 0 or 1 or not below ``inner_steps``, an
+        ``inner_steps``, ``delay`` below 0 or not below ``inner_steps``, an
         ``outer_optimizer`` that is not an optax transformation, a mesh of one node, a bad
         wire setting, or ``model_state``; at ``init``, for more fragments than
         leaves.

@@ -11,6 +11,9 @@ al., SC 2020), through the data-parallel step's placement objects (``placement.p
     global params     replicated over nodes, split within the node as each device's update
     outer state       (its blocks with shard=, whole without), one outer state per fragment
     residuals         per device, as the sync's error feedback keeps them
+    in flight         (delay > 1) the node's params when each exchange started, stacked over
+                      nodes and split as each device's update; the means received, as the
+                      global params
 
 The outer state goes where each device's update goes: with ``shard=`` the global params and
 the outer momentum, two params' worth that a big model cannot keep whole on every device, are
@@ -27,6 +30,9 @@ from jax_bytegrad._src.steps.placement import Placement
 
 # The names ``state.extra`` holds.
 GLOBAL, OUTER, RESIDUALS = "global_params", "outer_opt_state", "residuals"
+# With delay > 1, the exchanges in flight: each node's params when they started, and the means
+# received so far.
+STARTED, RECEIVED = "exchange_started", "exchange_received"
 
 
 def fragment(tree, keep):
@@ -75,9 +81,11 @@ class Layout(NamedTuple):
         return _stack(self.params, axes), _stack(self.opt_state, axes)
 
 
-def layout_of(placement: Placement, optimizer, outer, params, members, feedback: bool) -> Layout:
+def layout_of(placement: Placement, optimizer, outer, params, members, feedback: bool,
+              in_flight: bool) -> Layout:  # fmt: skip
     """The ``Layout`` of a DiLoCo state of ``params`` (arrays or shapes) whose fragments
-    hold the leaves ``members``, ``feedback``: with error feedback's residuals."""
+    hold the leaves ``members``; ``feedback``: with error feedback's residuals,
+    ``in_flight``: with the exchanges in flight (delay > 1)."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     dims = placement.dims(shapes)
     dims = (None,) * len(jax.tree.leaves(shapes)) if dims is None else dims
@@ -88,6 +96,9 @@ def layout_of(placement: Placement, optimizer, outer, params, members, feedback:
     }
     if feedback:
         extra[RESIDUALS] = P(placement.axes)
+    if in_flight:
+        extra[STARTED] = _stack(extra[GLOBAL], placement.axes)
+        extra[RECEIVED] = extra[GLOBAL]
     return Layout(
         dims,
         placement.param_specs(shapes),
