@@ -9,6 +9,7 @@ import pytest
 from helpers import assert_replicas_bit_identical, assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
+from jax_bytegrad._src.steps.diloco_schedule import split_chunks
 from jax_bytegrad.checkpoint import Checkpointer
 
 NODES, LOCAL = 2, 4
@@ -171,9 +172,8 @@ def test_a_delayed_exchange_lands_one_step_late_with_that_steps_update():
 
 
 def test_a_longer_delay_sends_a_chunk_per_step_and_lands_tau_steps_late():
-    # H = 4, tau = 2, one fragment of 3 leaves: its exchange is split into 2 chunks of whole
-    # leaves, sent in steps 4 and 5; it lands in step 5. bits=32: the chunks' means are the
-    # exact run's.
+    # H = 4, tau = 2, one fragment of 3 leaves: its exchange is split into 2 chunks, sent in
+    # steps 4 and 5; it lands in step 5. bits=32: the chunks' means are the exact run's.
     data = batches(6)
     runs = {}
     for name, h, delay in (("now", 4, 0), ("late", 4, 2), ("none", 8, 0)):
@@ -191,8 +191,14 @@ def test_a_longer_delay_sends_a_chunk_per_step_and_lands_tau_steps_late():
                 assert [step._phase(i)[0] for i in range(9)] == (
                     ["inner"] * 4 + ["outer.0", "outer.1"] + ["inner"] * 2 + ["outer.0"]
                 )
-                (chunks,) = step._chunks
-                assert sorted(chunks[0] + chunks[1]) == [0, 1, 2] and all(chunks)
+                # The leaves end to end (b1: 128 bytes, w1: 16 rows of 128, w2: 512), cut at
+                # the row of w1 nearest the half (1344 bytes).
+                (chunks,) = step._layout.chunks
+                pieces = [[(p.leaf, p.dim, p.start, p.stop) for p in c] for c in chunks]
+                assert pieces == [
+                    [(0, None, 0, 0), (1, 0, 0, 10)],
+                    [(1, 0, 10, 16), (2, None, 0, 0)],
+                ]
                 traffic = step.bytes_between_nodes(state, data[0])
     # Each step carries its chunk between nodes, and nothing else does.
     assert traffic["inner"] == 0 and traffic["outer.0"] > 0 and traffic["outer.1"] > 0
@@ -209,6 +215,42 @@ def test_a_longer_delay_sends_a_chunk_per_step_and_lands_tau_steps_late():
         np.testing.assert_allclose(got, late_glob[i] + after[i] - before[i], atol=1e-6)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_chunks_cover_each_leaf_once_along_a_dimension_the_node_does_not_split(seed):
+    rng = np.random.default_rng(seed)
+    count = int(rng.integers(1, 6))
+    shapes = [tuple(int(n) for n in rng.integers(0, 9, rng.integers(0, 4))) for _ in range(count)]
+    split = [int(rng.integers(len(s))) if s and rng.random() < 0.5 else None for s in shapes]
+    members = sorted(rng.choice(count, int(rng.integers(1, count + 1)), replace=False).tolist())
+    steps = int(rng.integers(1, 7))
+    chunks = split_chunks(members, [(s, 4) for s in shapes], split, steps)
+    assert len(chunks) == steps
+    covered = {i: np.zeros(shapes[i], int) for i in members}
+    sizes = []
+    for chunk in chunks:
+        sizes.append(0)
+        for piece in chunk:
+            block = piece.of([np.zeros(s) for s in shapes])
+            assert piece.dim is None or piece.dim != split[piece.leaf]
+            index = [slice(None)] * len(shapes[piece.leaf])
+            if piece.dim is not None:
+                assert 0 <= piece.start < piece.stop <= shapes[piece.leaf][piece.dim]
+                index[piece.dim] = slice(piece.start, piece.stop)
+            covered[piece.leaf][tuple(index)] += 1
+            sizes[-1] += 4 * block.size
+    assert all(np.all(c == 1) for c in covered.values())  # every element once
+
+    # As even as the rows allow: each cut lies within half a row (of a whole leaf, where no
+    # dimension can be cut) of its place, so a chunk is within one row of its share.
+    def row(s, d):
+        cut = [n for k, n in enumerate(s) if n > 1 and k != d]
+        return 4 * int(np.prod(s)) // (cut[0] if cut else 1)
+
+    widest = max(row(shapes[i], split[i]) for i in members)
+    share = sum(4 * int(np.prod(shapes[i])) for i in members) / steps
+    assert all(abs(size - share) <= widest for size in sizes)
+
+
 def test_exchanges_in_flight_overlap_and_resume_bit_exact(tmp_path):
     # H = 4, F = 2, tau = 3 > H / F: fragment 0 is sent in steps 2-4, fragment 1 in steps
     # 4-6, so step 4 lands one and starts the other. The checkpoint after step 5 holds
@@ -219,6 +261,10 @@ def test_exchanges_in_flight_overlap_and_resume_bit_exact(tmp_path):
     with s.train_step(loss_fn, optax.adam(1e-2)) as step, Checkpointer(tmp_path, every=1) as ckpt:
         assert step._phase(4)[0] == "outer_1.0+outer_0.2"
         state = run(step, data[:6])
+        # Fragment 0 is one leaf, w1, split over the node's devices along its columns: its
+        # exchange goes in 3 runs of rows, one per step.
+        assert step._layout.dims[1] == 1
+        assert [[(p.leaf, p.dim) for p in c] for c in step._layout.chunks[0]] == [[(1, 0)]] * 3
         assert not np.array_equal(state.extra["exchange_started"]["w2"], 0)
         ckpt.save(6, state, force=True)
         ckpt.wait()

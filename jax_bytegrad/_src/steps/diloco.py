@@ -26,9 +26,10 @@ exchange runs in the program of that step, after its inner update (exact, no ove
 update waits for it, so XLA can schedule it beside the compute (on GPU; XLA:CPU runs a
 program's collectives one after another), and it is applied one step late: the fragment
 restarts from the new global params plus that one inner step's own update. With ``delay=tau``
-> 1 the fragment's leaves are split into up to tau chunks (whole leaves, as even in bytes as
-the fragments), and chunk k is exchanged inside the program of the k-th step after the
-fragment's H steps: each step carries a tau-th of the exchange beside its compute. The
+> 1 the fragment is split into tau chunks as even in bytes as its rows allow (runs of rows
+of a leaf, ``diloco_schedule.py``), and chunk k is exchanged inside the program of the k-th
+step after the fragment's H steps: each step carries a tau-th of the exchange beside its
+compute. The
 pseudo-gradient of every chunk is taken from the node's params when the exchange started,
 the means wait in the state until the last chunk has crossed, and the fragment lands tau
 steps late: the new global params plus the node's own tau steps since the start.
@@ -76,6 +77,7 @@ from jax_bytegrad._src.steps.diloco_layout import (
     layout_of,
     merged,
 )
+from jax_bytegrad._src.steps.diloco_schedule import INNER, Schedule, split_fragments
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.placement import check_shard, placement_of
 from jax_bytegrad._src.steps.tracing import traced
@@ -92,46 +94,9 @@ from jax_bytegrad._src.sync.shards import Shard
 
 # ``bits`` of a float32 exchange between nodes.
 FLOAT32 = 32
-INNER = "inner"
 
 
 # Private helpers -------------------------------------------------------------------------
-
-
-def split_fragments(sizes, fragments: int) -> tuple[tuple[int, ...], ...]:
-    """Leaf indices of each fragment, as even in bytes as whole leaves allow.
-
-    The largest leaf goes first to the lightest fragment (ties: the lower index); each
-    fragment lists its leaves in tree order.
-
-    Args:
-      sizes: the bytes of each leaf, in tree order.
-      fragments: how many fragments; at most ``len(sizes)``.
-
-    Returns:
-      One tuple of leaf indices per fragment, none empty.
-
-    Examples:
-      >>> from jax_bytegrad._src.steps.diloco import split_fragments
-      >>> split_fragments([400, 100, 300, 200], 2)
-      ((0, 1), (2, 3))
-    """
-    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-    load, members = [0] * fragments, [[] for _ in range(fragments)]
-    for i in order:
-        f = min(range(fragments), key=lambda k: (load[k], k))
-        load[f] += sizes[i]
-        members[f].append(i)
-    return tuple(tuple(sorted(m)) for m in members)
-
-
-def _chunks(members, sizes, steps: int) -> tuple[tuple[int, ...], ...]:
-    """A fragment's leaves (indices ``members``, bytes ``sizes`` per leaf of the params) as
-    ``steps`` chunks of whole leaves, as even in bytes as ``split_fragments`` makes them; the
-    chunks past the fragment's leaf count are empty."""
-    parts = split_fragments([sizes[i] for i in members], min(steps, len(members)))
-    chunks = tuple(tuple(members[i] for i in part) for part in parts)
-    return chunks + ((),) * (steps - len(chunks))
 
 
 def default_outer_optimizer() -> optax.GradientTransformation:
@@ -189,13 +154,10 @@ class _DiLoCo(TrainStep):
         self._nodes = int(mesh.shape[axes[0]])
         self._extra_keys = (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
         self._extra_keys += (STARTED, RECEIVED) if self._pending else ()
-        self._stride = inner_steps // fragments
-        # One period of the schedule, once every exchange can be in flight.
-        names = [self._phase(s)[0] for s in range(delay + inner_steps)]
-        self.phases = tuple(dict.fromkeys(sorted(names, key=lambda name: name != INNER)))
+        self.schedule = Schedule(inner_steps, fragments, delay)
+        self.phases = self.schedule.phases
         self._members = None  # each fragment's leaf indices, from the first params seen
-        self._chunks = None  # per fragment, the leaf indices each of its delay steps sends
-        self._slots = None  # (fragment, chunk) -> index of its residuals
+        self._treedef = None
         self.shard = shard
         self.placement = placement_of(shard, mesh, axes)
         self._layout: Layout | None = None  # the state's specs, with the members
@@ -209,37 +171,8 @@ class _DiLoCo(TrainStep):
         """Whether exchanges stay in flight between steps (``delay`` > 1)."""
         return self.delay > 1
 
-    def _outer_names(self) -> tuple[str, ...]:
-        if self.fragments == 1:
-            return ("outer",)
-        return tuple(f"outer_{f}" for f in range(self.fragments))
-
-    # The schedule. ------------------------------------------------------------------------
-
-    def synced_after(self, steps_taken: int) -> int | None:
-        """The fragment whose exchange is due after ``steps_taken + 1`` inner steps, if any."""
-        done = steps_taken + 1
-        if done % self._stride:
-            return None
-        return (done // self._stride - 1) % self.fragments
-
-    def _events(self, steps_taken: int) -> tuple[tuple[int, int], ...]:
-        """The exchanges in the next step's program, as ``(fragment, chunk)``: with delay
-        tau >= 1, chunk k of each fragment whose H steps ended k + 1 steps before."""
-        if self.delay == 0:
-            fragment = self.synced_after(steps_taken)
-            return () if fragment is None else ((fragment, 0),)
-        ended = [(steps_taken - 1 - k, k) for k in range(self.delay) if steps_taken > k]
-        return tuple((f, k) for t, k in ended if (f := self.synced_after(t)) is not None)
-
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
-        events = self._events(steps_taken)
-        if not events:
-            return INNER, INNER
-        names = self._outer_names()
-        if not self._pending:
-            return names[events[0][0]], events
-        return "+".join(f"{names[f]}.{k}" for f, k in events), events
+        return self.schedule.phase(steps_taken)
 
     # Where the state lives. ---------------------------------------------------------------
 
@@ -259,12 +192,9 @@ class _DiLoCo(TrainStep):
                 "diloco: this step split the params of its first init into fragments, and "
                 "these params have other leaves; build a new step for them"
             )
-        self._members = members
-        self._chunks = tuple(_chunks(m, sizes, max(self.delay, 1)) for m in members)
-        sent = [(f, k) for f, chunks in enumerate(self._chunks) for k, c in enumerate(chunks) if c]
-        self._slots = {event: i for i, event in enumerate(sent)}
+        self._members, self._treedef = members, jax.tree.structure(params)
         self._layout = layout_of(self.placement, self.optimizer, self.outer, params, members,
-                                 self._feedback, self._pending)  # fmt: skip
+                                 self._feedback, self.schedule.chunks)  # fmt: skip
 
     def _fragment(self, tree, f: int):
         """``tree`` with the leaves outside fragment ``f`` as None (optax skips them)."""
@@ -291,14 +221,15 @@ class _DiLoCo(TrainStep):
                 GLOBAL: jax.tree.map(jnp.copy, params),  # a buffer of its own, to donate
                 OUTER: tuple(self.outer.init(p) for p in frags),
             }
+            leaves, layout = jax.tree.leaves(params), self._layout
+            chunks = [[p.of(leaves) for p in layout.chunks[f][k]] for f, k in layout.slots]
             if self._feedback:
-                chunks = [fragment(params, self._chunks[f][k]) for f, k in self._slots]
                 extra[RESIDUALS] = tuple(
-                    mesh_residuals(p, self.sync, shape, platform) for p in chunks
+                    mesh_residuals(c, self.sync, shape, platform) for c in chunks
                 )
             if self._pending:  # nothing in flight yet; each exchange writes before it reads
                 extra[STARTED] = jax.tree.map(jnp.zeros_like, stacked)
-                extra[RECEIVED] = jax.tree.map(jnp.zeros_like, params)
+                extra[RECEIVED] = tuple(tuple(jnp.zeros_like(x) for x in c) for c in chunks)
             return stacked, jax.vmap(self.optimizer.init)(stacked), extra
 
         return jax.jit(place, out_shardings=self._shardings())
@@ -350,16 +281,25 @@ class _DiLoCo(TrainStep):
         if self.delay == 0:
             ((f, _),) = events
             new, opt_state = inner(own)
-            new = self._merged(new, self._land(f, self._send(f, 0, new, extra), extra), f)
-            return placement.finish(new, dims), opt_state, extra
+            fresh = self._land(f, self._mean(f, {(f, 0): self._send(f, 0, new, extra)}), extra)
+            return placement.finish(self._merged(new, fresh, f), dims), opt_state, extra
         # The exchanges read only this step's inputs and the state: XLA may run them beside
-        # the update.
+        # the update. A chunk's means wait in ``extra`` for the fragment's last chunk.
         landed = []
         for f, k in events:
             start = self._started(f, k, own, extra)
-            mean = self._send(f, k, start, extra)
-            if k == self.delay - 1:
-                landed.append((f, start, self._land(f, mean, extra)))
+            means = self._send(f, k, start, extra)
+            if k < self.delay - 1:
+                if means is not None:
+                    received = list(extra[RECEIVED])
+                    received[self._layout.slots[(f, k)]] = means
+                    extra[RECEIVED] = tuple(received)
+                continue
+            got = {(f, k): means}
+            if self._pending:  # the fragment's other chunks
+                slots = self._layout.slots.items()
+                got |= {e: extra[RECEIVED][i] for e, i in slots if e[0] == f and e[1] < k}
+            landed.append((f, start, self._land(f, self._mean(f, got), extra)))
         new, opt_state = inner(own)
         for f, start, fresh in landed:
             # The fragment restarts from the new global params plus the node's own steps
@@ -380,34 +320,43 @@ class _DiLoCo(TrainStep):
         return own
 
     def _send(self, f, k, start, extra):
-        """Chunk ``k`` of fragment ``f``'s exchange: the mean over nodes of its
-        pseudo-gradient (the global params minus ``start``). Updates ``extra``'s residuals
-        (and, in flight, the means received); returns the fragment's mean so far (leaves
-        outside ``f`` None)."""
-        leaves = self._chunks[f][k]
-        if leaves:
-            placement = self.placement
-            theirs = fragment(extra[GLOBAL], leaves)
-            delta = jax.tree.map(jnp.subtract, theirs, fragment(start, leaves))
-            delta = placement.node_sum_of_alike(make_varying(delta, self._axes))
-            sharded = placement.sharded(tuple(self._layout.dims[i] for i in leaves), True)
-            if self.sync is None:
-                node_axis, local_axis = self._axes
-                config = SyncConfig(node_axis=node_axis, local_axis=local_axis, where="diloco")
-                mean = sync_full_precision(delta, config, sharded=sharded)
-            else:
-                slot = self._slots[(f, k)]
-                residuals = list(extra[RESIDUALS]) if self._feedback else [None] * (slot + 1)
-                mean, residuals[slot] = sync_mean(
-                    delta, self.sync, residuals=residuals[slot], sharded=sharded,
-                    where="diloco",
-                )  # fmt: skip
-                if self._feedback:
-                    extra[RESIDUALS] = tuple(residuals)
-            if not self._pending:  # one chunk: the whole fragment
-                return mean
-            extra[RECEIVED] = merged(extra[RECEIVED], mean, leaves)
-        return self._fragment(extra[RECEIVED], f)
+        """Chunk ``k`` of fragment ``f``'s exchange: the means over nodes of its pieces'
+        pseudo-gradient (the global params minus ``start``), a tuple (None: an empty chunk).
+        Updates ``extra``'s residuals."""
+        chunk = self._layout.chunks[f][k]
+        if not chunk:
+            return None
+        placement = self.placement
+        theirs, start = jax.tree.leaves(extra[GLOBAL]), jax.tree.leaves(start)
+        delta = [jnp.subtract(p.of(theirs), p.of(start)) for p in chunk]
+        delta = placement.node_sum_of_alike(make_varying(delta, self._axes))
+        sharded = placement.sharded(tuple(self._layout.dims[p.leaf] for p in chunk), True)
+        if self.sync is None:
+            node_axis, local_axis = self._axes
+            config = SyncConfig(node_axis=node_axis, local_axis=local_axis, where="diloco")
+            return tuple(sync_full_precision(delta, config, sharded=sharded))
+        slot = self._layout.slots[(f, k)]
+        residuals = list(extra[RESIDUALS]) if self._feedback else [None] * (slot + 1)
+        means, residuals[slot] = sync_mean(
+            delta, self.sync, residuals=residuals[slot], sharded=sharded, where="diloco"
+        )
+        if self._feedback:
+            extra[RESIDUALS] = tuple(residuals)
+        return tuple(means)
+
+    def _mean(self, f, means):
+        """Fragment ``f``'s mean pseudo-gradient (leaves outside ``f`` None), from its
+        chunks' means (``{(f, k): means of its pieces}``): a leaf cut in runs of rows is
+        joined again."""
+        runs: dict[int, list] = {}
+        for k, chunk in enumerate(self._layout.chunks[f]):
+            for p, mean in zip(chunk, means.get((f, k)) or (), strict=True):
+                runs.setdefault(p.leaf, []).append((p.dim, mean))
+        leaves = [None] * self._treedef.num_leaves
+        for leaf, run in runs.items():
+            dim = run[0][0]  # None: one piece, the whole leaf
+            leaves[leaf] = run[0][1] if dim is None else jnp.concatenate([m for _, m in run], dim)
+        return jax.tree.unflatten(self._treedef, leaves)
 
     def _land(self, f, mean, extra):
         """Fragment ``f``'s outer step from the nodes' ``mean`` pseudo-gradient, on this
@@ -499,8 +448,7 @@ class _DiLoCo(TrainStep):
             name: one.bytes_on(self._axes[0])
             for name, one in self.communication_stats(state, batch).items()
         }
-        period = range(self.delay, self.delay + self.inner_steps)  # every phase in its turn
-        total = sum(per_phase[self._phase(s)[0]] for s in period)
+        total = sum(per_phase[self._phase(s)[0]] for s in self.schedule.period())
         return {**per_phase, "per_inner_step": total / self.inner_steps}
 
 
@@ -554,10 +502,11 @@ def diloco_step(
         program of the step that ends its H inner steps, after that step's update (exact).
         1 (default): it runs inside the next step's program, beside that step's compute, and
         lands one step late (the fragment restarts from the new global params plus that
-        step's own update). tau > 1: the fragment's leaves are split into up to tau chunks,
-        one exchanged inside each of the next tau steps, and the fragment lands tau steps
-        late (plus the node's own tau steps); the state then keeps the exchanges in flight,
-        two params' worth more (split as the global params with ``shard=``).
+        step's own update). tau > 1: the fragment is split into tau chunks of rows, as even
+        in bytes as the rows allow, one exchanged inside each of the next tau steps, and
+        the fragment lands tau steps late (plus the node's own tau steps); the state then
+        keeps the exchanges in flight, two params' worth more (split as the global params
+        with ``shard=``).
       outer_optimizer: any optax transformation of the pseudo-gradient; None for DiLoCo's
         Nesterov SGD (learning rate 0.7, momentum 0.9). Each fragment keeps its own state.
       bits: 8 or 4 (codes between nodes, as ``bytegrad``), or 32 (a float32 exchange).

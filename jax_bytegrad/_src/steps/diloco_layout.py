@@ -12,8 +12,8 @@ al., SC 2020), through the data-parallel step's placement objects (``placement.p
     outer state       (its blocks with shard=, whole without), one outer state per fragment
     residuals         per device, as the sync's error feedback keeps them
     in flight         (delay > 1) the node's params when each exchange started, stacked over
-                      nodes and split as each device's update; the means received, as the
-                      global params
+                      nodes and split as each device's update; the means received, per chunk
+                      of each exchange, each piece split as its leaf
 
 The outer state goes where each device's update goes: with ``shard=`` the global params and
 the outer momentum, two params' worth that a big model cannot keep whole on every device, are
@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad._src.steps.diloco_schedule import Piece, split_chunks
 from jax_bytegrad._src.steps.placement import Placement
 
 # The names ``state.extra`` holds.
@@ -62,19 +63,26 @@ def _stack(specs, axes):
 
 
 class Layout(NamedTuple):
-    """DiLoCo's state specs, from the params' shapes alone.
+    """DiLoCo's state specs, and what each exchange sends, from the params' shapes alone.
 
     Attributes:
       dims: per leaf, the dimension split within the node (None: whole).
       params: one node's params' specs (unstacked).
       opt_state: one node's inner optimizer state's specs (unstacked).
-      extra: ``state.extra``'s specs: the global params, the outer states and the residuals.
+      extra: ``state.extra``'s specs: the global params, the outer states, the residuals and
+        the exchanges in flight.
+      chunks: per fragment, the ``Piece``s each of its exchange's steps sends
+        (``diloco_schedule.split_chunks``).
+      slots: ``(fragment, chunk)`` of each chunk that sends anything, in order: the index of
+        its residuals and of its means in flight.
     """
 
     dims: tuple[int | None, ...]
     params: Any
     opt_state: Any
     extra: dict
+    chunks: tuple[tuple[tuple[Piece, ...], ...], ...]
+    slots: dict[tuple[int, int], int]
 
     def stacked(self, axes: tuple[str, str]) -> tuple[Any, Any]:
         """The specs of ``state.params`` and ``state.opt_state`` (stacked over nodes)."""
@@ -82,13 +90,17 @@ class Layout(NamedTuple):
 
 
 def layout_of(placement: Placement, optimizer, outer, params, members, feedback: bool,
-              in_flight: bool) -> Layout:  # fmt: skip
+              steps: int) -> Layout:  # fmt: skip
     """The ``Layout`` of a DiLoCo state of ``params`` (arrays or shapes) whose fragments
-    hold the leaves ``members``; ``feedback``: with error feedback's residuals,
-    ``in_flight``: with the exchanges in flight (delay > 1)."""
+    hold the leaves ``members``, each exchanged over ``steps`` steps (``delay``, at least 1);
+    ``feedback``: with error feedback's residuals."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     dims = placement.dims(shapes)
     dims = (None,) * len(jax.tree.leaves(shapes)) if dims is None else dims
+    sizes = [(x.shape, x.dtype.itemsize) for x in jax.tree.leaves(shapes)]
+    chunks = tuple(split_chunks(m, sizes, dims, steps) for m in members)
+    sent = [(f, k) for f, parts in enumerate(chunks) for k, chunk in enumerate(parts) if chunk]
+    slots = {event: i for i, event in enumerate(sent)}
     frags = [fragment(shapes, m) for m in members]
     extra = {
         GLOBAL: placement.update_specs(shapes),
@@ -96,12 +108,16 @@ def layout_of(placement: Placement, optimizer, outer, params, members, feedback:
     }
     if feedback:
         extra[RESIDUALS] = P(placement.axes)
-    if in_flight:
+    if steps > 1:
         extra[STARTED] = _stack(extra[GLOBAL], placement.axes)
-        extra[RECEIVED] = extra[GLOBAL]
+        # A piece keeps its leaf's split dimension: its leaf's spec.
+        update = jax.tree.leaves(extra[GLOBAL], is_leaf=lambda x: isinstance(x, P))
+        extra[RECEIVED] = tuple(tuple(update[p.leaf] for p in chunks[f][k]) for f, k in slots)
     return Layout(
         dims,
         placement.param_specs(shapes),
         placement.state_specs(jax.eval_shape(optimizer.init, shapes), shapes),
         extra,
+        chunks,
+        slots,
     )
