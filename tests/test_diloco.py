@@ -143,6 +143,15 @@ def test_fragments_sync_at_staggered_steps_without_delay():
                 assert not np.array_equal(leaves[0][i], leaves[1][i])
 
 
+def trail(step, data):
+    """After each step from ``params0`` over ``data``: (node 0's params, the global params)."""
+    state, out = step.init(params0()), []
+    for batch in data:
+        state, _ = step(state, batch)
+        out.append((node_params(state, 0), jax.device_get(step.params(state))))
+    return out
+
+
 def test_a_delayed_exchange_lands_one_step_late_with_that_steps_update():
     data = batches(3)
     kwargs = dict(fragments=2, bits=8)
@@ -151,12 +160,7 @@ def test_a_delayed_exchange_lands_one_step_late_with_that_steps_update():
         with strategy(inner_steps=h, delay=delay, **kwargs).train_step(
             loss_fn, optax.adam(1e-2)
         ) as step:
-            state = step.init(params0())
-            trail = []
-            for batch in data:
-                state, _ = step(state, batch)
-                trail.append((node_params(state, 0), jax.device_get(step.params(state))))
-            runs[name] = trail
+            runs[name] = trail(step, data)
             members = step._members[0]
     # The late run's exchange after step 3 gives the global params the exact run had after 2.
     late_glob = jax.tree.leaves(runs["late"][2][1])
@@ -180,12 +184,7 @@ def test_a_longer_delay_sends_a_chunk_per_step_and_lands_tau_steps_late():
         with strategy(inner_steps=h, delay=delay, bits=32).train_step(
             loss_fn, optax.adam(1e-2)
         ) as step:
-            state = step.init(params0())
-            trail = []
-            for batch in data:
-                state, _ = step(state, batch)
-                trail.append((node_params(state, 0), jax.device_get(step.params(state))))
-            runs[name] = trail
+            runs[name] = trail(step, data)
             if name == "late":
                 assert step.phases == ("inner", "outer.0", "outer.1")
                 assert [step._phase(i)[0] for i in range(9)] == (
@@ -199,7 +198,7 @@ def test_a_longer_delay_sends_a_chunk_per_step_and_lands_tau_steps_late():
                     [(0, None, 0, 0), (1, 0, 0, 10)],
                     [(1, 0, 10, 16), (2, None, 0, 0)],
                 ]
-                traffic = step.bytes_between_nodes(state, data[0])
+                traffic = step.bytes_between_nodes(step.state_shapes(params0()), data[0])
     # Each step carries its chunk between nodes, and nothing else does.
     assert traffic["inner"] == 0 and traffic["outer.0"] > 0 and traffic["outer.1"] > 0
     assert traffic["per_inner_step"] == pytest.approx((traffic["outer.0"] + traffic["outer.1"]) / 4)
