@@ -204,9 +204,11 @@ class _DiLoCo(TrainStep):
         """``tree`` with fragment ``f``'s leaves taken from ``fragment_tree``."""
         return merged(tree, fragment_tree, self._members[f])
 
-    def _shardings(self):
+    def _shardings(self, specs=None):
+        """``specs`` (default: the state's) as shardings on the mesh."""
+        if specs is None:
+            specs = (*self._layout.stacked(self._axes), self._layout.extra)
         named = lambda spec: NamedSharding(self.mesh, spec)  # noqa: E731
-        specs = (*self._layout.stacked(self._axes), self._layout.extra)
         return jax.tree.map(named, specs, is_leaf=lambda x: isinstance(x, P))
 
     def _place(self):
@@ -399,13 +401,18 @@ class _DiLoCo(TrainStep):
 
         state_specs = (*layout.stacked(self._axes), *extra_specs)
         metric = P(tuple(placement.manual_axes))
+        out_specs = (*state_specs, metric) + ((metric,) if self.has_aux else ())
         fn = jax.jit(
             placement.shard_map(
                 per_device,
                 in_specs=(*state_specs, *(P(),) * self.model.num_inputs(), P(self._axes)),
-                out_specs=(*state_specs, metric) + ((metric,) if self.has_aux else ()),
+                out_specs=out_specs,
             ),
             compiler_options=placement.compiler_options(),
+            # The state comes back as it went in: a residual of error feedback's integer wire
+            # is empty, and the shard_map alone would hand it back replicated, which the next
+            # exchange would compile again for.
+            out_shardings=self._shardings(out_specs),
             donate_argnums=tuple(range(len(state_specs))) if self._donate else (),
         )
         return Program(fn, self._inputs(inner), self._outputs(inner))
