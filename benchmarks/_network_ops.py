@@ -541,6 +541,12 @@ _TABLE: dict[str, tuple[Builder, dict, float | None]] = {
     # DiLoCo: one inner step per call, the outer exchange every 50 (delay 1: inside a step).
     "train_diloco50": (_train_diloco, dict(inner_steps=50), None),
     "train_diloco50_4ef": (_train_diloco, dict(inner_steps=50, bits=4, error_feedback=True), None),
+    # The same on the integer wire (one psum per bucket; 4-bit codes on it: 2 nodes at most).
+    "train_diloco50_4ef_ar": (
+        _train_diloco,
+        dict(inner_steps=50, bits=4, error_feedback=True, wire="allreduce"),
+        None,
+    ),
     "pipelined_sync_ar8": (_pipelined_sync, dict(wire="allreduce"), _CODES_8),
     "pipelined_sync_ar8_sr": (
         _pipelined_sync,
