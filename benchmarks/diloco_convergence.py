@@ -57,6 +57,11 @@ for _h in (10, 50):
         "diloco",
         {"inner_steps": _h, "delay": 0, "bits": 4, "error_feedback": True},
     )
+    # The same codes summed on the integer wire (7 levels per node: 2 nodes at most).
+    VARIANTS[f"diloco H={_h} 4-bit + EF, integer wire"] = (
+        "diloco",
+        {"inner_steps": _h, "delay": 0, "bits": 4, "error_feedback": True, "wire": "allreduce"},
+    )
 # Plain averaging of the nodes' params every H steps (outer SGD, rate 1, no momentum: local
 # SGD), to tell the outer optimizer's share of a gap from the exchange interval's.
 for _h in (1, 10, 50):
