@@ -36,6 +36,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import warnings
@@ -161,6 +162,21 @@ def _differing_leaves(saved, target) -> str:
     )
 
 
+def _async_options(ocp):
+    """Orbax's async options: the step's directories made in ``save`` itself.
+
+    Made in orbax's threads (its default since 0.12), a save still under way when Python 3.12
+    exits could leave threads waiting for directories that no thread would make (none can
+    start at exit), and the interpreter waited for those threads up to orbax's timeout (1200
+    s): 3 of 8 scripts that never closed their Checkpointer, run side by side. Older orbax
+    makes them in ``save`` already and has no such option (None: its defaults).
+    """
+    fields = {f.name for f in dataclasses.fields(ocp.AsyncOptions)}
+    if "create_directories_asynchronously" not in fields:
+        return None
+    return ocp.AsyncOptions(create_directories_asynchronously=False)
+
+
 def _close_at_exit(checkpointer: weakref.ref) -> None:
     """Closes a `Checkpointer` its script never closed, if it still exists, at exit.
 
@@ -250,6 +266,7 @@ class Checkpointer:
                 enable_async_checkpointing=async_save,
                 create=True,
                 cleanup_tmp_directories=True,  # what a killed process left half-written
+                async_options=_async_options(ocp),
             ),
         )
         self._closed = False
