@@ -29,10 +29,9 @@ restarts from the new global params plus that one inner step's own update. With 
 > 1 the fragment is split into tau chunks as even in bytes as its rows allow (runs of rows
 of a leaf, ``diloco_schedule.py``), and chunk k is exchanged inside the program of the k-th
 step after the fragment's H steps: each step carries a tau-th of the exchange beside its
-compute. The
-pseudo-gradient of every chunk is taken from the node's params when the exchange started,
-the means wait in the state until the last chunk has crossed, and the fragment lands tau
-steps late: the new global params plus the node's own tau steps since the start.
+compute. The pseudo-gradient of every chunk is taken from the node's params when the exchange
+started, the means wait in the state until the last chunk has crossed, and the fragment lands
+tau steps late: the new global params plus the node's own tau steps since the start.
 
 The state: ``state.params`` holds each node's params (stacked on a leading axis of the node
 count, sharded over "node"), ``state.opt_state`` each node's inner optimizer state laid out
@@ -260,7 +259,7 @@ class _DiLoCo(TrainStep):
     def _update(self, events, grads, opt_state, params, *extra):
         """In the placement's update frame: the inner update of this device's params (its
         blocks with ``shard=``) from the node's mean gradient, and the exchanges ``events``
-        (``_events``; None: none). Returns the params as they rest, the inner state and,
+        (``Schedule.events``; None: none). Returns the params as they rest, the inner state and,
         with ``events``, the new ``extra``."""
         placement, dims = self.placement, self._layout.dims
         grads = placement.node_mean(grads, dims)
