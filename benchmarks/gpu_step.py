@@ -39,8 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
-import jax_bytegrad as jbg  # noqa: E402
 import models  # noqa: E402
+
+import jax_bytegrad as jbg  # noqa: E402
 from jax_bytegrad._src.codecs import (  # noqa: E402
     Codec,
     average_requantize,
