@@ -241,12 +241,7 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
         mu_old = mu
         # The layers the step exchanged inside the backward loop (``exchange_in_loop``) come
         # as the mean momentum already: they pass on as they are.
-        exchanged = () if sharded is None else sharded.exchanged
-        if any(exchanged):
-            leaves, treedef = jax.tree.flatten(local_mu)
-            given = jax.tree.leaves(updates)
-            mixed = [g if done else m for m, g, done in zip(leaves, given, exchanged, strict=True)]
-            local_mu = jax.tree.unflatten(treedef, mixed)
+        local_mu = layout.exchanged_from(updates, local_mu)
 
         # Without error feedback the state's residuals are empty, as sync_mean's are.
         sync = functools.partial(
@@ -387,11 +382,8 @@ def scale_by_qadam(
         collectives.axis_sizes(node_axis, local_axis, where)
         # Leaves exchanged inside the backward loop come averaged already: not checked (as
         # None, an empty subtree, the others keep their paths for the error).
-        exchanged = () if sharded is None else sharded.exchanged
-        leaves, treedef = jax.tree.flatten(updates)
-        if any(exchanged):
-            leaves = [None if done else x for x, done in zip(leaves, exchanged, strict=True)]
-        _check_per_device(treedef.unflatten(leaves), node_axis, local_axis, sharded, where)
+        unexchanged = shards.layout_of(sharded).exchanged_from(None, updates)
+        _check_per_device(unexchanged, node_axis, local_axis, sharded, where)
         count_inc = optax.safe_increment(state.count)
         full = count_inc <= warmup_steps
         # A frozen v froze at step warmup_steps, and so does its correction. Bagua keeps

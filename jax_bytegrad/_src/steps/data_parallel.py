@@ -28,7 +28,6 @@ Leaves that the node's devices cannot split stay whole. The optimizer's sync (``
 shards.
 """
 
-import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -253,19 +252,14 @@ class DataParallelStep(TrainStep):
         ``fed``: their new error-feedback residuals, which take the place of the last of the
         state's (``loop_marks.fed_residuals``): the optimizer sees the others only."""
         placement, axes, dims = self.placement, self._axes, layout.dims
-        extra = {"gradient_order": order}
-        sharded = placement.sharded(dims, accumulating)
-        if sharded is not None and any(exchanged):
-            sharded = dataclasses.replace(sharded, exchanged=exchanged)
-        if sharded is not None:
-            extra["sharded"] = sharded
+        sharded = placement.sharded(dims, accumulating, exchanged)
+        extra = {"gradient_order": order, "sharded": sharded}
 
         def update(grads, opt_state, params, fed):
             own = placement.own(params, dims)
             fn = loop_marks.feeding(functools.partial(optimizer.update, **extra), fed)
             closed, (updates, opt_state) = traced(fn, grads, opt_state, own)
-            if sharded is not None:  # each device updates blocks: elementwise only
-                shards.check_elementwise(closed.jaxpr, self.algorithm)
+            placement.check_update(closed, self.algorithm)
             unsynced = checks.unsynced(updates, layout.updates, opt_state, layout.opt_state, axes)
             if unsynced:
                 raise ValueError(

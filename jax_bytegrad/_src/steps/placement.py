@@ -176,8 +176,9 @@ class Placement:
         """What the accumulator adds each micro-step: here each device's own gradient."""
         return grads
 
-    def sharded(self, dims, accumulating: bool) -> Sharded | None:
-        """The layout the optimizer's sync is told (``sharded=``); None: replicated."""
+    def sharded(self, dims, accumulating: bool, exchanged: tuple[bool, ...] = ()) -> Sharded | None:
+        """The layout the optimizer's sync is told (``sharded=``); None: replicated.
+        ``exchanged``: the leaves the backward loop averaged already (``Sharded.exchanged``)."""
         return None
 
     def node_mean(self, grads, dims):
@@ -245,8 +246,8 @@ class OptimizerSharded(Placement):
         sums = [shards.node_sum(x, d, self.axes[1]) for x, d in zip(leaves, dims, strict=True)]
         return jax.tree.unflatten(treedef, sums)
 
-    def sharded(self, dims, accumulating):
-        return Sharded(self.axes[1], dims, summed=accumulating)
+    def sharded(self, dims, accumulating, exchanged=()):
+        return Sharded(self.axes[1], dims, summed=accumulating, exchanged=exchanged)
 
     def node_mean(self, grads, dims):
         local = self.axes[1]
@@ -350,8 +351,8 @@ class ParamsSharded(OptimizerSharded):
     def node_mean(self, grads, dims):
         return jax.tree.map(lambda x: x / np.asarray(self.local, x.dtype), grads)
 
-    def sharded(self, dims, accumulating):
-        return Sharded(self.axes[1], dims, summed=True)
+    def sharded(self, dims, accumulating, exchanged=()):
+        return Sharded(self.axes[1], dims, summed=True, exchanged=exchanged)
 
     def own(self, params, dims):
         return params  # the update's frame holds this device's blocks

@@ -112,6 +112,8 @@ class Whole:
     sums_within = True
     gathers_within = True
     ties_through = False
+    # Per leaf, whether the step averaged it inside the backward loop (``Sharded``): none.
+    exchanged = ()
 
     def full_shapes(self, leaves, local: int, hierarchical: bool, where: str):
         """The whole leaves, whose buckets the sync lays out: the updates' own. Raises, naming
@@ -145,6 +147,16 @@ class Whole:
     def momentum_within(self, mu):
         """The momentum each device adds its gradient to (``qadam``): ``mu`` itself."""
         return mu
+
+    def exchanged_from(self, given, tree):
+        """``tree`` with the leaves in ``exchanged`` taken from ``given`` instead (or, for a
+        ``given`` of None, left out as None: an empty subtree)."""
+        if not any(self.exchanged):
+            return tree
+        leaves, treedef = jax.tree.flatten(tree)
+        given = jax.tree.leaves(given) if given is not None else [None] * len(leaves)
+        mixed = [g if done else x for x, g, done in zip(leaves, given, self.exchanged, strict=True)]
+        return jax.tree.unflatten(treedef, mixed)
 
     def varying_axes(self, node_axis: str, local_axis: str) -> set[str]:
         """The axes every update varies over: each device's own gradient."""
@@ -287,7 +299,7 @@ def skip_exchanged(sync, updates, sharded: Sharded | None, order):
     the rest's leaves), and anything else (residuals), which is returned as it is. Returns
     ``(the updates' pytree of means, other)``.
     """
-    if sharded is None or not any(sharded.exchanged):
+    if not any(layout_of(sharded).exchanged):
         return sync(updates, sharded=sharded, order=order)
     leaves, treedef = jax.tree.flatten(updates)
     keep = [i for i, done in enumerate(sharded.exchanged) if not done]
