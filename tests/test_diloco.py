@@ -427,6 +427,31 @@ def test_the_split_state_is_a_quarter_per_device_and_resumes_bit_exact(tmp_path)
     assert_trees_all_equal(jax.device_get(resumed), jax.device_get(straight))
 
 
+def test_restore_or_init_on_the_mesh_keeps_the_steps_placement_and_a_replicated_restore_is_refused(
+    tmp_path,
+):
+    # A fresh start through restore_or_init(init, mesh) keeps each array where init put it
+    # (the node's params stacked over "node", the moments split over "local"); a checkpoint
+    # restored onto the bare mesh is replicated, and the step refuses it naming state_shapes
+    # instead of re-laying it out (a big model may not fit replicated).
+    s = strategy(inner_steps=2, shard="optimizer")
+    data = batches(2)
+    with s.train_step(loss_fn, optax.adam(1e-2)) as step, Checkpointer(tmp_path, every=1) as ckpt:
+        init = jax.tree.leaves(step.init(params0()))
+        start, state = ckpt.restore_or_init(lambda: step.init(params0()), mesh())
+        assert start == 0
+        pairs = zip(init, jax.tree.leaves(state), strict=True)
+        placed = [(a.sharding, b.sharding) for a, b in pairs if isinstance(a, jax.Array)]
+        assert all(a == b for a, b in placed)
+        assert any(a.spec != jax.sharding.PartitionSpec() for a, _ in placed)
+        state = run(step, data[:1], state)
+        ckpt.save(1, state, force=True)
+        ckpt.wait()
+        _, replicated = ckpt.restore_or_init(lambda: step.init(params0()), mesh())
+        with pytest.raises(ValueError, match=r"state_shapes\(params\)"):
+            step(replicated, data[1])
+
+
 def test_split_state_needs_elementwise_optimizers_and_unflattened_params():
     with pytest.raises(ValueError, match="flatten=True"):
         jax_bytegrad.Strategy("diloco", mesh=mesh(), inner_steps=2, shard="optimizer",

@@ -200,6 +200,15 @@ def _close_at_exit(checkpointer: weakref.ref) -> None:
         )
 
 
+def _on(x, mesh: Mesh) -> Sharding:
+    """Where a fresh state's leaf ``x`` goes on ``mesh``: where it is already, for an array
+    placed on that mesh (a train step's ``init`` splits what it keeps split); else
+    replicated."""
+    if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == mesh:
+        return x.sharding
+    return NamedSharding(mesh, P())
+
+
 def _place(state, shardings):
     """Puts each leaf (this process's value of it) onto its target sharding."""
 
@@ -392,7 +401,9 @@ class Checkpointer:
             JAX arrays, the same on every process for replicated leaves). With a checkpoint it
             is only traced, to learn the structure.
           shardings: Where the leaves go (see `restore`); typically the run's mesh, or
-            `replicated_shardings` of it.
+            `replicated_shardings` of it. A state split on the mesh (``shard=``, DiLoCo's
+            nodes) restores onto the train step's ``state_shapes(params)``, which carry its
+            shardings; a fresh ``init_fn()``'s arrays that are on the mesh stay as placed.
 
         Returns:
           ``(step, state)``: the steps already done (0 when initialized) and the state.
@@ -432,6 +443,8 @@ class Checkpointer:
                 "from scratch"
             )
         state = init_fn()
+        if isinstance(shardings, Mesh):  # a train step's init placed its arrays: kept there
+            shardings = jax.tree.map(lambda x: _on(x, shardings), state)
         return 0, _place(state, _target_shardings(state, shardings))
 
     def wait(self) -> None:

@@ -80,6 +80,7 @@ from jax_bytegrad._src.steps.diloco_schedule import INNER, Schedule, split_fragm
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.placement import check_shard, placement_of
 from jax_bytegrad._src.steps.tracing import traced
+from jax_bytegrad._src.sync import shards
 from jax_bytegrad._src.sync.collectives import mesh_residuals, sync_full_precision, sync_mean
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
@@ -418,6 +419,10 @@ class _DiLoCo(TrainStep):
 
     def _inputs(self, inner: bool):
         def inputs(state, batch):
+            # A state placed otherwise (restored onto the bare mesh, say) is refused, naming
+            # state_shapes, as the data-parallel step refuses it.
+            shards.check_placed((state.params, state.opt_state), self._layout.stacked(self._axes),
+                                self.mesh, "diloco")  # fmt: skip
             batch = global_batch(batch, self.mesh, self._axes)
             extra = () if inner else ({k: state.extra[k] for k in self._extra_keys},)
             return (state.params, state.opt_state, *extra, *self.model.inputs(state), batch)
