@@ -19,7 +19,8 @@ outer step to the next), or a float32 ``full_precision_mean`` with ``bits=32``. 
 decodes the same codes and runs the same outer update, so the global params are bit-identical
 everywhere.
 
-The params are split into F fragments of whole leaves, as even in bytes as possible; fragment
+The params are split into F fragments, as even in bytes as possible: sets of whole leaves, or
+with more fragments than leaves runs of rows (a scanned stack's layers); fragment
 p is exchanged after inner steps (p + 1) H / F, then every H steps. With ``delay=0`` the
 exchange runs in the program of that step, after its inner update (exact, no overlap). With
 ``delay=1`` it runs in the next step's program, from that step's inputs: nothing in the inner
@@ -50,7 +51,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -76,7 +76,7 @@ from jax_bytegrad._src.steps.diloco_layout import (
     layout_of,
     merged,
 )
-from jax_bytegrad._src.steps.diloco_schedule import INNER, Schedule, split_fragments
+from jax_bytegrad._src.steps.diloco_schedule import INNER, Schedule
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.placement import check_shard, placement_of
 from jax_bytegrad._src.steps.tracing import traced
@@ -156,11 +156,10 @@ class _DiLoCo(TrainStep):
         self._extra_keys += (STARTED, RECEIVED) if self._pending else ()
         self.schedule = Schedule(inner_steps, fragments, delay)
         self.phases = self.schedule.phases
-        self._members = None  # each fragment's leaf indices, from the first params seen
         self._treedef = None
         self.shard = shard
         self.placement = placement_of(shard, mesh, axes)
-        self._layout: Layout | None = None  # the state's specs, with the members
+        self._layout: Layout | None = None  # the state's specs and fragments, at first init
 
     @property
     def _feedback(self) -> bool:
@@ -177,32 +176,24 @@ class _DiLoCo(TrainStep):
     # Where the state lives. ---------------------------------------------------------------
 
     def _plan(self, params) -> None:
-        """Splits ``params`` into fragments, once; raises for more fragments than leaves."""
-        leaves = jax.tree.leaves(params)
-        if self.fragments > len(leaves):
-            raise ValueError(
-                f"diloco: fragments={self.fragments} is more than the {len(leaves)} leaves of "
-                "the params (a fragment is a set of whole leaves); pass fragments <= "
-                f"{len(leaves)}"
-            )
-        sizes = [int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves]
-        members = split_fragments(sizes, self.fragments)
-        if self._members is not None and members != self._members:
+        """Splits ``params`` into fragments and lays out the state, once."""
+        layout = layout_of(self.placement, self.optimizer, self.outer, params, self.fragments,
+                           self._feedback, self.schedule.chunks)  # fmt: skip
+        if self._layout is not None and layout.fragments != self._layout.fragments:
             raise ValueError(
                 "diloco: this step split the params of its first init into fragments, and "
                 "these params have other leaves; build a new step for them"
             )
-        self._members, self._treedef = members, jax.tree.structure(params)
-        self._layout = layout_of(self.placement, self.optimizer, self.outer, params, members,
-                                 self._feedback, self.schedule.chunks)  # fmt: skip
+        self._layout, self._treedef = layout, jax.tree.structure(params)
 
     def _fragment(self, tree, f: int):
-        """``tree`` with the leaves outside fragment ``f`` as None (optax skips them)."""
-        return fragment(tree, self._members[f])
+        """``tree`` cut to fragment ``f``'s pieces, the leaves outside it None (optax skips
+        them)."""
+        return fragment(tree, self._layout.fragments[f])
 
     def _merged(self, tree, fragment_tree, f: int):
-        """``tree`` with fragment ``f``'s leaves taken from ``fragment_tree``."""
-        return merged(tree, fragment_tree, self._members[f])
+        """``tree`` with fragment ``f``'s pieces taken from ``fragment_tree``."""
+        return merged(tree, fragment_tree, self._layout.fragments[f])
 
     def _shardings(self, specs=None):
         """``specs`` (default: the state's) as shardings on the mesh."""
@@ -316,9 +307,10 @@ class _DiLoCo(TrainStep):
         ones."""
         if k > 0:
             return jax.tree.map(lambda x: x[0], extra[STARTED])
-        if self._pending:
-            row = jax.tree.map(lambda x: x[None], self._fragment(own, f))
-            extra[STARTED] = self._merged(extra[STARTED], row, f)
+        if self._pending:  # this node's row of the stacked params, as pieces cut it
+            started = jax.tree.map(lambda x: x[0], extra[STARTED])
+            started = self._merged(started, self._fragment(own, f), f)
+            extra[STARTED] = jax.tree.map(lambda x: x[None], started)
         return own
 
     def _send(self, f, k, start, extra):
@@ -499,7 +491,8 @@ def diloco_step(
     ``bytegrad`` (``bits`` 8 or 4, with ``error_feedback`` residuals carried from one outer
     step to the next; ``bits=32`` for float32), ``outer_optimizer`` updates the global params,
     and every node restarts from them. With ``fragments`` F > 1 (streaming DiLoCo) the params
-    are split into F sets of whole leaves, each exchanged every ``inner_steps`` steps,
+    are split into F fragments (sets of whole leaves, or with more fragments than leaves runs
+    of rows: a scanned stack's layers), each exchanged every ``inner_steps`` steps,
     staggered by ``inner_steps / F``. See docs/diloco.md.
 
     Args:
@@ -548,8 +541,8 @@ def diloco_step(
       ValueError: at build time for ``inner_steps < 1``, ``fragments`` that does not divide
         ``inner_steps``, ``delay`` below 0 or not below ``inner_steps``, an
         ``outer_optimizer`` that is not an optax transformation, a mesh of one node, a bad
-        wire setting, or ``model_state``; at ``init``, for more fragments than
-        leaves.
+        wire setting, or ``model_state``; at ``init``, for more fragments than the params'
+        rows can share.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad

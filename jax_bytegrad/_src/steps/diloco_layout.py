@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src.steps.diloco_schedule import Piece, split_chunks
+from jax_bytegrad._src.steps.diloco_schedule import Piece, split_chunks, split_fragments
 from jax_bytegrad._src.steps.placement import Placement
 
 # The names ``state.extra`` holds.
@@ -36,18 +36,24 @@ GLOBAL, OUTER, RESIDUALS = "global_params", "outer_opt_state", "residuals"
 STARTED, RECEIVED = "exchange_started", "exchange_received"
 
 
-def fragment(tree, keep):
-    """``tree`` with the leaves whose index is not in ``keep`` as None (optax skips them)."""
+def fragment(tree, pieces):
+    """``tree`` with each leaf of ``pieces`` cut to its piece, and the others None (optax
+    skips them)."""
     leaves, treedef = jax.tree.flatten(tree)
-    keep = set(keep)
-    return jax.tree.unflatten(treedef, [x if i in keep else None for i, x in enumerate(leaves)])
+    out = [None] * len(leaves)
+    for p in pieces:
+        out[p.leaf] = p.of(leaves)
+    return jax.tree.unflatten(treedef, out)
 
 
-def merged(tree, fragment_tree, members):
-    """``tree`` with the leaves of indices ``members`` taken from ``fragment_tree``."""
+def merged(tree, fragment_tree, pieces):
+    """``tree`` with the ``pieces`` taken from ``fragment_tree`` (as ``fragment`` cut them)."""
     leaves, treedef = jax.tree.flatten(tree)
-    for i, x in zip(members, jax.tree.leaves(fragment_tree), strict=True):
-        leaves[i] = x
+    for p, x in zip(pieces, jax.tree.leaves(fragment_tree), strict=True):
+        whole = p.dim is None
+        leaves[p.leaf] = x if whole else jax.lax.dynamic_update_slice_in_dim(
+            leaves[p.leaf], x, p.start, p.dim
+        )  # fmt: skip
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -71,6 +77,7 @@ class Layout(NamedTuple):
       opt_state: one node's inner optimizer state's specs (unstacked).
       extra: ``state.extra``'s specs: the global params, the outer states, the residuals and
         the exchanges in flight.
+      fragments: per fragment, its ``Piece``s (``diloco_schedule.split_fragments``).
       chunks: per fragment, the ``Piece``s each of its exchange's steps sends
         (``diloco_schedule.split_chunks``).
       slots: ``(fragment, chunk)`` of each chunk that sends anything, in order: the index of
@@ -81,6 +88,7 @@ class Layout(NamedTuple):
     params: Any
     opt_state: Any
     extra: dict
+    fragments: tuple[tuple[Piece, ...], ...]
     chunks: tuple[tuple[tuple[Piece, ...], ...], ...]
     slots: dict[tuple[int, int], int]
 
@@ -89,19 +97,21 @@ class Layout(NamedTuple):
         return _stack(self.params, axes), _stack(self.opt_state, axes)
 
 
-def layout_of(placement: Placement, optimizer, outer, params, members, feedback: bool,
+def layout_of(placement: Placement, optimizer, outer, params, fragments: int, feedback: bool,
               steps: int) -> Layout:  # fmt: skip
-    """The ``Layout`` of a DiLoCo state of ``params`` (arrays or shapes) whose fragments
-    hold the leaves ``members``, each exchanged over ``steps`` steps (``delay``, at least 1);
-    ``feedback``: with error feedback's residuals."""
+    """The ``Layout`` of a DiLoCo state of ``params`` (arrays or shapes) in ``fragments``
+    fragments, each exchanged over ``steps`` steps (``delay``, at least 1); ``feedback``:
+    with error feedback's residuals."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     dims = placement.dims(shapes)
     dims = (None,) * len(jax.tree.leaves(shapes)) if dims is None else dims
     sizes = [(x.shape, x.dtype.itemsize) for x in jax.tree.leaves(shapes)]
+    members = split_fragments(sizes, dims, fragments)
     chunks = tuple(split_chunks(m, sizes, dims, steps) for m in members)
     sent = [(f, k) for f, parts in enumerate(chunks) for k, chunk in enumerate(parts) if chunk]
     slots = {event: i for i, event in enumerate(sent)}
-    frags = [fragment(shapes, m) for m in members]
+    frags = [jax.eval_shape(lambda t, m=m: fragment(t, m), shapes) for m in members]
+    _check_pieces_split_as_their_leaves(placement, frags, members, dims)
     extra = {
         GLOBAL: placement.update_specs(shapes),
         OUTER: tuple(placement.state_specs(jax.eval_shape(outer.init, p), p) for p in frags),
@@ -118,6 +128,21 @@ def layout_of(placement: Placement, optimizer, outer, params, members, feedback:
         placement.param_specs(shapes),
         placement.state_specs(jax.eval_shape(optimizer.init, shapes), shapes),
         extra,
+        members,
         chunks,
         slots,
     )
+
+
+def _check_pieces_split_as_their_leaves(placement, frags, members, dims) -> None:
+    """Raises where a fragment's piece of rows would be split within the node along another
+    dimension than its leaf (the outer state's blocks would not match the params')."""
+    for frag, pieces in zip(frags, members, strict=True):
+        got = placement.dims([x for x in jax.tree.leaves(frag)])
+        for p, dim in zip(pieces, got or (None,) * len(pieces), strict=True):
+            if p.dim is not None and dim != dims[p.leaf]:
+                raise ValueError(
+                    f"diloco: a fragment's rows {p.start}:{p.stop} of leaf {p.leaf} would be "
+                    f"split within the node along dimension {dim}, and the leaf along "
+                    f"{dims[p.leaf]}; pass fewer fragments (at most the params' leaves)"
+                )
