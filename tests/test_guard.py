@@ -266,10 +266,13 @@ def test_skips_in_a_row_mean_training_has_stopped(mesh):
 
 
 class FakeStep:
-    """What the watch reads of a train step: its algorithm and on_divergence."""
+    """What the watch reads of a train step: its algorithm, on_divergence and loss_watch."""
 
     def __init__(self, algorithm="bytegrad"):
+        from jax_bytegrad._src import guard
+
         self.algorithm = algorithm
+        self.loss_watch = guard.Watch()
 
 
 def watched(step, losses, skipped=None):
@@ -329,10 +332,7 @@ def test_the_watch_compares_magnitudes_and_warns_once():
     """A loss that may be negative (a log-likelihood bound) is judged by its magnitude."""
     from jax_bytegrad._src import guard
 
-    class Step:
-        algorithm = "bytegrad"
-
-    step = Step()
+    step = FakeStep()
     with warnings.catch_warnings():
         warnings.simplefilter("error", DivergenceWarning)
         for loss in [-5.0] * 10 + [-3.0, 4.0, 400.0, -499.0]:

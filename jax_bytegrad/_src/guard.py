@@ -42,7 +42,6 @@ parameter to NaN. What serves is shared: the count saturates through ``optax.saf
 
 import math
 import warnings
-import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -86,7 +85,10 @@ class DivergenceWarning(RuntimeWarning):
     ``skip_nonfinite`` skipped a step."""
 
 
-class _Watch:
+class Watch:
+    """What ``watch_loss`` keeps of one train step's losses: each step object holds its own
+    (``TrainStep.loss_watch``)."""
+
     def __init__(self):
         self.pending: list[tuple[int, int, Any, list | None]] = []
         self.seen = 0
@@ -98,9 +100,6 @@ class _Watch:
         self.next_report = 1
         self.guards: tuple | None = None  # (treedef, indices) of the SkipNonFiniteStates
         self.reported = False
-
-
-_WATCHES: "weakref.WeakKeyDictionary[Any, _Watch]" = weakref.WeakKeyDictionary()
 
 
 def _scalar(loss):
@@ -116,7 +115,7 @@ def _is_guard(x) -> bool:
     return isinstance(x, SkipNonFiniteState)
 
 
-def _guard_states(watch: _Watch, state) -> list:
+def _guard_states(watch: Watch, state) -> list:
     """The ``SkipNonFiniteState``s in ``state``: searched for once per step object, then cut
     out of each new state at the same places (a flatten in C++, no Python per leaf)."""
     if watch.guards is not None:
@@ -133,7 +132,7 @@ def _guard_states(watch: _Watch, state) -> list:
     return [parts[i] for i in watch.guards[1]]
 
 
-def _skip_counts(watch: _Watch, state) -> list | None:
+def _skip_counts(watch: Watch, state) -> list | None:
     """Device copies of the skipped counts in ``state``, None without ``skip_nonfinite``:
     enqueued, never waited for, because the next step donates ``state`` (deletes its arrays)."""
     return [jnp.copy(guard.skipped) for guard in _guard_states(watch, state)] or None
@@ -143,7 +142,7 @@ def _ready(value) -> bool:
     return not isinstance(value, jax.Array) or value.is_ready()
 
 
-def _cause(watch: _Watch, loss: float) -> tuple[str, str]:
+def _cause(watch: Watch, loss: float) -> tuple[str, str]:
     """What a non-finite ``loss`` after the steps seen so far says of its cause: ``("first"
     | "batch" | "growth", a sentence)``."""
     if watch.last is None:
@@ -170,7 +169,7 @@ def _advice(algorithm: str, guarded: bool) -> str:
     return f"{advice}; to skip non-finite updates, {_GUARD.get(algorithm, _DEFAULT_GUARD)}"
 
 
-def _report(step_obj, watch: _Watch, message: str, *, divergence: bool) -> None:
+def _report(step_obj, watch: Watch, message: str, *, divergence: bool) -> None:
     if divergence:
         watch.reported = True
         if getattr(step_obj, "on_divergence", "warn") == "raise":
@@ -188,7 +187,7 @@ def _message(algorithm: str, step: int, loss: float, reference: float) -> str:
     )
 
 
-def _nonfinite_message(algorithm: str, watch: _Watch, step: int, loss: float, guarded) -> str:
+def _nonfinite_message(algorithm: str, watch: Watch, step: int, loss: float, guarded) -> str:
     """The report of a non-finite loss on a step that was not skipped."""
     kind, cause = _cause(watch, loss)
     if kind == "growth":
@@ -204,7 +203,7 @@ def _nonfinite_message(algorithm: str, watch: _Watch, step: int, loss: float, gu
     return f"{algorithm}: the training loss became {loss} at step {step} {cause}. {advice}."
 
 
-def _skip_message(algorithm: str, watch: _Watch, step: int, loss: float) -> str:
+def _skip_message(algorithm: str, watch: Watch, step: int, loss: float) -> str:
     """The report of a step that ``skip_nonfinite`` skipped."""
     if math.isfinite(loss):
         why = (
@@ -225,7 +224,7 @@ def _skip_message(algorithm: str, watch: _Watch, step: int, loss: float) -> str:
     )
 
 
-def _stall_message(algorithm: str, watch: _Watch, step: int) -> str:
+def _stall_message(algorithm: str, watch: Watch, step: int) -> str:
     """The report of ``STALL_STEPS`` skipped steps in a row."""
     return (
         f"{algorithm}: skip_nonfinite skipped the last {watch.in_a_row} steps in a row (to "
@@ -236,7 +235,7 @@ def _stall_message(algorithm: str, watch: _Watch, step: int) -> str:
     )
 
 
-def _check(step_obj, watch: _Watch, number: int, step: int, loss: float, skipped) -> None:
+def _check(step_obj, watch: Watch, number: int, step: int, loss: float, skipped) -> None:
     """Reports what one finished step's loss (and skipped count) says, if anything.
 
     ``number`` counts the steps this watch has seen, ``step`` the state's steps (they differ
@@ -297,9 +296,7 @@ def watch_loss(step_obj, outputs):
     loss = _scalar(metrics.get("loss")) if isinstance(metrics, dict) else None
     if mode == "ignore" or loss is None:
         return outputs
-    watch = _WATCHES.get(step_obj)
-    if watch is None:
-        watch = _WATCHES[step_obj] = _Watch()
+    watch = step_obj.loss_watch
     if watch.reported:
         return outputs
     watch.seen += 1

@@ -7,7 +7,6 @@ Large-scale Training via 0/1 Adam", ICLR 2023): the steps
 """
 
 import bisect
-import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -66,10 +65,9 @@ def _schedule(warmup_steps: int, interval: int, growth: float):
         gap *= growth
 
 
-@functools.cache
 def _refresh_table(warmup_steps: int, interval: int, growth: float, where: str) -> np.ndarray:
-    """The refresh steps of a growing schedule up to int32's end, computed once (a few dozen
-    steps for g = 2)."""
+    """The refresh steps of a growing schedule up to int32's end (a few dozen steps for
+    g = 2), computed where a transform or step builder reads its schedule."""
     table = np.fromiter(
         itertools.islice(
             itertools.takewhile(

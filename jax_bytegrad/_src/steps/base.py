@@ -255,6 +255,7 @@ class TrainStep:
         self._checked: set[Any] = set()  # the state layouts _check_state has passed
         self._in_flight = StepsInFlight(mesh)
         self._on_divergence = "warn"
+        self.loss_watch = guard.Watch()  # what guard.watch_loss keeps of this step's losses
         self._closed = False
 
     # What subclasses give. --------------------------------------------------------------
