@@ -200,14 +200,6 @@ def grid(bounds: jax.Array, levels: int, stochastic: bool):
     return _grid.grid(lo, hi, levels=levels, stochastic=stochastic, spelling=_SPELLING)
 
 
-def encode(x, scale, zero, inv_scale, levels: int, uniforms):
-    """Codes of ``x`` (blocks, block_size) on the grid, as float32 integers in [0, levels]."""
-    # |y| <= 2**23 + levels on the grid: the clip changes no value, and keeps the product
-    # from being contracted with ``y - floor`` (module docstring).
-    y = jnp.clip(x * inv_scale, np.float32(-(2.0**24)), np.float32(2.0**24))
-    return _grid.codes(y, zero, np.float32(levels), uniforms)
-
-
 # The integer wire's stages, as ops of the codec registry (``codecs/__init__.py``): each takes
 # the ``Codec`` first, as every op does, and reads what it needs of it.
 
@@ -264,7 +256,11 @@ def integer_encode(codec, x, bounds, *, block_size, width, seed, first_block=0,
             rows = rows + np.uint32(first_block)
         index = rows * np.uint32(block_size) + jax.lax.broadcasted_iota(jnp.uint32, blocks.shape, 1)
         uniforms = dither(seed, index)
-    codes = encode(blocks, scale, zero, inv_scale, width.levels, uniforms)
+    # Codes on the grid, float32 integers in [0, levels]. |y| <= 2**23 + levels on the grid:
+    # the clip changes no value, and keeps the product from being contracted with
+    # ``y - floor`` (module docstring).
+    y = jnp.clip(blocks * inv_scale, np.float32(-(2.0**24)), np.float32(2.0**24))
+    codes = _grid.codes(y, zero, np.float32(width.levels), uniforms)
     kept = None
     if feedback:
         # The clip stands between the product and the subtraction: no fused multiply-add
