@@ -342,6 +342,13 @@ def test_one_node_more_fragments_than_leaves_and_model_state_are_refused():
     step = strategy(inner_steps=4, fragments=4).train_step(scalar_loss, optax.sgd(0.1))
     with pytest.raises(ValueError, match="cannot give each of 4 fragments a share"):
         step.init({"a": np.float32(1.0), "b": np.float32(2.0)})
+    # A (7, 4) leaf is split within the node along its 4; its rows 0:4 alone, (4, 4), would
+    # split along the first: their outer state's blocks would not match the params'.
+    step = strategy(inner_steps=2, fragments=2, shard="optimizer").train_step(
+        lambda p, b: (p["w"].sum() * b[0].mean()) ** 2, optax.sgd(0.1)
+    )
+    with pytest.raises(ValueError, match="rows 0:4 of leaf 0 would be split"):
+        step.init({"w": np.ones((7, 4), np.float32)})
     with pytest.raises(ValueError, match="model_state= is not supported"):
         strategy(inner_steps=4).train_step(loss_fn, optax.sgd(0.1), model_state={"n": 0})
 
