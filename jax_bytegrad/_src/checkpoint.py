@@ -71,13 +71,21 @@ def _ocp():
     return ocp
 
 
+def _on(x, mesh: Mesh) -> Sharding:
+    """Where leaf ``x`` goes on ``mesh``: where it is already, for an array placed on that
+    mesh (a train step's ``init`` splits what it keeps split); else replicated."""
+    if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == mesh:
+        return x.sharding
+    return NamedSharding(mesh, P())
+
+
 def _target_shardings(abstract, shardings):
-    """A sharding per leaf of `abstract`, from one Mesh, one Sharding or a matching pytree of
-    shardings, or of arrays or `jax.ShapeDtypeStruct`s that carry theirs (a train step's
-    `state_shapes`); there a leaf that carries none (the host step count) goes replicated on
-    the others' mesh."""
+    """A sharding per leaf of `abstract`, from one Mesh (replicated on it, but for the arrays
+    of `abstract` already placed on it), one Sharding or a matching pytree of shardings, or of
+    arrays or `jax.ShapeDtypeStruct`s that carry theirs (a train step's `state_shapes`); there
+    a leaf that carries none (the host step count) goes replicated on the others' mesh."""
     if isinstance(shardings, Mesh):
-        shardings = NamedSharding(shardings, P())
+        return jax.tree.map(lambda x: _on(x, shardings), abstract)
     if isinstance(shardings, Sharding):
         return jax.tree.map(lambda _: shardings, abstract)
     try:
@@ -198,15 +206,6 @@ def _close_at_exit(checkpointer: weakref.ref) -> None:
             RuntimeWarning,
             stacklevel=1,
         )
-
-
-def _on(x, mesh: Mesh) -> Sharding:
-    """Where a fresh state's leaf ``x`` goes on ``mesh``: where it is already, for an array
-    placed on that mesh (a train step's ``init`` splits what it keeps split); else
-    replicated."""
-    if isinstance(x, jax.Array) and getattr(x.sharding, "mesh", None) == mesh:
-        return x.sharding
-    return NamedSharding(mesh, P())
 
 
 def _place(state, shardings):
@@ -443,8 +442,6 @@ class Checkpointer:
                 "from scratch"
             )
         state = init_fn()
-        if isinstance(shardings, Mesh):  # a train step's init placed its arrays: kept there
-            shardings = jax.tree.map(lambda x: _on(x, shardings), state)
         return 0, _place(state, _target_shardings(state, shardings))
 
     def wait(self) -> None:
