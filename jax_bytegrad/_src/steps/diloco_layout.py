@@ -50,10 +50,7 @@ def merged(tree, fragment_tree, pieces):
     """``tree`` with the ``pieces`` taken from ``fragment_tree`` (as ``fragment`` cut them)."""
     leaves, treedef = jax.tree.flatten(tree)
     for p, x in zip(pieces, jax.tree.leaves(fragment_tree), strict=True):
-        whole = p.dim is None
-        leaves[p.leaf] = x if whole else jax.lax.dynamic_update_slice_in_dim(
-            leaves[p.leaf], x, p.start, p.dim
-        )  # fmt: skip
+        p.put(leaves, x)
     return jax.tree.unflatten(treedef, leaves)
 
 
@@ -138,7 +135,7 @@ def _check_pieces_split_as_their_leaves(placement, frags, members, dims) -> None
     """Raises where a fragment's piece of rows would be split within the node along another
     dimension than its leaf (the outer state's blocks would not match the params')."""
     for frag, pieces in zip(frags, members, strict=True):
-        got = placement.dims([x for x in jax.tree.leaves(frag)])
+        got = placement.dims(jax.tree.leaves(frag))
         for p, dim in zip(pieces, got or (None,) * len(pieces), strict=True):
             if p.dim is not None and dim != dims[p.leaf]:
                 raise ValueError(

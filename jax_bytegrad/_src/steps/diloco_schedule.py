@@ -40,6 +40,14 @@ class Piece(NamedTuple):
             return x
         return jax.lax.slice_in_dim(x, self.start, self.stop, axis=self.dim)
 
+    def put(self, leaves: list, value) -> None:
+        """Writes ``value`` where this piece lies in ``leaves`` (a list, changed in place)."""
+        if self.dim is None:
+            leaves[self.leaf] = value
+        else:
+            x = leaves[self.leaf]
+            leaves[self.leaf] = jax.lax.dynamic_update_slice_in_dim(x, value, self.start, self.dim)
+
 
 def _cut_dim(shape, split: int | None) -> int | None:
     """The dimension a leaf's rows run along: the first of size > 1 that the state does not
