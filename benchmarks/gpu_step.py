@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 import models  # noqa: E402
+from quantize import _time as median_time  # noqa: E402  (benchmarks/quantize.py's timer)
 
 import jax_bytegrad as jbg  # noqa: E402
 from jax_bytegrad._src.codecs import (  # noqa: E402
@@ -114,13 +115,7 @@ def codec_ms(size: int, bits: int, impl: str, repeats: int = 20) -> float:
         )
         return dequantize_blocks(codec, codes, header)
 
-    jax.block_until_ready(round_trip(x))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(round_trip(x))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_time(round_trip, x, repeats=repeats)
 
 
 def main() -> None:
