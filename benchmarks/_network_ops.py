@@ -447,16 +447,31 @@ def _train_diloco(mesh, num_params, **settings):
     """``Strategy("diloco")`` on the MLP, one inner step per call, the state carried from call
     to call: the timed steps cross an outer exchange once every ``inner_steps`` calls, so the
     mean step (``steps_s`` in --json), not the median, is the cost per inner step. One period
-    and a step run first, so that both programs are compiled before any timed step. Its state
-    is donated only with --donate, as the other train steps' (XLA:CPU copies a donated Adam
-    state before updating it in place: RESULTS.md, "DiLoCo", "Time between namespace hosts")."""
+    and the delay run first, so that every program is compiled before any timed step. Its
+    state is donated only with --donate, as the other train steps' (XLA:CPU copies a donated
+    Adam state before updating it in place: RESULTS.md, "DiLoCo", "Time between namespace
+    hosts"). The worker waits for what the next inner step reads, as a training loop does: the
+    node's params, its inner state and the metrics; an exchange in the background is waited for
+    in the step it lands in, which reads what it hands back."""
     settings = {"donate": BUFFERS["donate"], **settings}
     strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **settings)
     step = strategy.train_step(mlp_loss, optax.adam(1e-4))
     state, batch = step.init(mlp_init(num_params)), _host_batch(mesh)
-    for _ in range(settings["inner_steps"] + 1):
+    for _ in range(settings["inner_steps"] + settings.get("delay", 1) + 1):
         state, _ = step(state, batch)
-    return _train_step(mesh, num_params, step, carry=True, state=state)
+    cell = [state]
+
+    def inner_step():
+        cell[0], metrics = step(cell[0], batch)
+        return cell[0].params, cell[0].opt_state, metrics
+
+    if settings.get("background"):
+        # Its exchange stays in flight on the step's own thread between calls, where any other
+        # collective between the hosts (another op's, the worker's barrier) would meet it on
+        # the same Gloo pairs: it runs alone, with no barrier, and ends with its exchanges.
+        inner_step.alone = True
+        inner_step.drain = lambda: jax.block_until_ready(cell[0])
+    return inner_step, ()
 
 
 def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
@@ -545,6 +560,21 @@ _TABLE: dict[str, tuple[Builder, dict, float | None]] = {
     "train_diloco50_4ef_ar": (
         _train_diloco,
         dict(inner_steps=50, bits=4, error_feedback=True, wire="allreduce"),
+        None,
+    ),
+    # The exchange in the background: a program of its own on a thread of its own, beside the
+    # next 25 inner steps, landing in the last of them.
+    "train_diloco50_bg": (_train_diloco, dict(inner_steps=50, delay=40, background=True), None),
+    "train_diloco50_4ef_bg": (
+        _train_diloco,
+        dict(inner_steps=50, delay=40, background=True, bits=4, error_feedback=True),
+        None,
+    ),
+    "train_diloco50_4ef_ar_bg": (
+        _train_diloco,
+        dict(
+            inner_steps=50, delay=40, background=True, bits=4, error_feedback=True, wire="allreduce"
+        ),
         None,
     ),
     "pipelined_sync_ar8": (_pipelined_sync, dict(wire="allreduce"), _CODES_8),

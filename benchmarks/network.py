@@ -93,13 +93,18 @@ def _worker(args) -> int:
         jax.profiler.start_trace(
             str(Path(args.trace) / f"host{info.process_id}"), create_perfetto_trace=True
         )
+    alone = [name for name in args.ops if getattr(built[name][0], "alone", False)]
+    if alone and len(args.ops) > 1:
+        raise SystemExit(f"{alone[0]} keeps an exchange in flight between steps: run it alone")
     for step in range(args.steps):
         # With --rotate, round s starts at op s: no op always runs right after the same one.
         first = step % len(args.ops) if args.rotate else 0
         for name in args.ops[first:] + args.ops[:first]:
             fn, fn_args = built[name]
-            # Start together, so one host's late start is not counted as link time.
-            multihost_utils.sync_global_devices(f"{name}-{step}")
+            # Start together, so one host's late start is not counted as link time (not an op
+            # that runs alone: its exchange in flight would meet the barrier's collective).
+            if not alone:
+                multihost_utils.sync_global_devices(f"{name}-{step}")
             tx0 = _tx_bytes()
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*fn_args))
@@ -108,6 +113,8 @@ def _worker(args) -> int:
             tx[name] += (tx1 - tx0) if tx0 is not None and tx1 is not None else float("nan")
     if args.trace:
         jax.profiler.stop_trace()
+    for name in alone:
+        built[name][0].drain()
     results = {}
     for name in args.ops:
         # A step ends when the slowest host has its result.

@@ -34,6 +34,15 @@ compute. The pseudo-gradient of every chunk is taken from the node's params when
 started, the means wait in the state until the last chunk has crossed, and the fragment lands
 tau steps late: the new global params plus the node's own tau steps since the start.
 
+With ``background=True`` (tau >= 1) the exchange is a program of its own instead: the step that
+ends the fragment's H steps keeps a copy of the node's fragment, a dispatch thread
+(``runtime/programs.py``) runs the exchange and the outer step from it, and the next tau
+inner steps, which read nothing it writes, run beside it on the caller's thread. XLA:CPU runs
+two programs dispatched from different threads at once, where it runs a program's collectives
+blocking (with one device per process: several devices per process run their programs one at
+a time). The exchange hands back, per node, the new global fragment minus that copy; the
+tau-th step adds it to the node's fragment after its update: the same landing as above.
+
 The state: ``state.params`` holds each node's params (stacked on a leading axis of the node
 count, sharded over "node"), ``state.opt_state`` each node's inner optimizer state laid out
 the same way, and ``state.extra`` the global params, the outer optimizer state of each
@@ -57,7 +66,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate
+from jax_bytegrad._src.runtime.programs import Dispatcher
 from jax_bytegrad._src.steps.base import (
+    LoweredPrograms,
     Program,
     StepState,
     TrainStep,
@@ -67,6 +78,7 @@ from jax_bytegrad._src.steps.base import (
 )
 from jax_bytegrad._src.steps.diloco_layout import (
     GLOBAL,
+    LANDING,
     OUTER,
     RECEIVED,
     RESIDUALS,
@@ -76,7 +88,7 @@ from jax_bytegrad._src.steps.diloco_layout import (
     layout_of,
     merged,
 )
-from jax_bytegrad._src.steps.diloco_schedule import INNER, Schedule
+from jax_bytegrad._src.steps.diloco_schedule import INNER, LAND, START, Schedule
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.placement import check_shard, placement_of
 from jax_bytegrad._src.steps.tracing import traced
@@ -110,7 +122,20 @@ def _mean_over_devices(tree):
     return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
 
 
-def _check(mesh, axes, inner_steps, fragments, delay, outer_optimizer, bits, where) -> None:
+def _mean_over_process(tree):
+    """The losses of this process's devices (stacked on a leading axis) as one number each,
+    on its first device: a mean over every device would cross between nodes (processes)."""
+
+    def one(x):
+        shards = [s.data for s in x.addressable_shards]
+        first = next(iter(shards[0].devices()))
+        return jnp.mean(jnp.concatenate([jax.device_put(s, first) for s in shards]), axis=0)
+
+    return jax.tree.map(one, tree)
+
+
+def _check(mesh, axes, inner_steps, fragments, delay, background, outer_optimizer, bits,
+           where) -> None:  # fmt: skip
     """Raises a ``ValueError`` naming the bad setting and what to do."""
     nodes, _ = checks.mesh_axes(mesh, *axes, where)
     if nodes < 2:
@@ -127,6 +152,13 @@ def _check(mesh, axes, inner_steps, fragments, delay, outer_optimizer, bits, whe
             f"staggered by inner_steps / fragments steps: pick F among the divisors of {h}"
         )
     checks.integer(delay, "delay", where, minimum=0, why=" (tau: the steps an exchange takes)")
+    checks.boolean(background, "background", where)
+    if background and delay < 1:
+        raise ValueError(
+            f"{where}: background=True runs each exchange beside the next `delay` inner steps "
+            "and lands it in the last of them: use delay >= 1 (delay=0 is the exact exchange, "
+            "inside its own step)"
+        )
     if delay >= h:
         raise ValueError(
             f"{where}: delay={delay} must be less than inner_steps={h} (an exchange must land "
@@ -145,16 +177,19 @@ class _DiLoCo(TrainStep):
     steps that exchange it."""
 
     def __init__(self, loss_fn, optimizer, outer, mesh, *, axes, inner_steps, fragments,
-                 delay, sync, has_aux, donate, flatten, model, shard):  # fmt: skip
+                 delay, background, sync, has_aux, donate, flatten, model, shard):  # fmt: skip
         super().__init__("diloco", mesh, loss_fn, axes=axes, has_aux=has_aux,
                          flatten=flatten, donate=donate, model=model)  # fmt: skip
         self.optimizer, self.outer = optimizer, outer
         self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
         self.sync = sync  # None: a float32 exchange
         self._nodes = int(mesh.shape[axes[0]])
+        self.background = background
+        self.schedule = Schedule(inner_steps, fragments, delay, background)
         self._extra_keys = (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
         self._extra_keys += (STARTED, RECEIVED) if self._pending else ()
-        self.schedule = Schedule(inner_steps, fragments, delay)
+        self._extra_keys += (LANDING,) if background else ()
+        self._dispatcher = Dispatcher("diloco-exchange") if background else None
         self.phases = self.schedule.phases
         self._treedef = None
         self.shard = shard
@@ -167,8 +202,9 @@ class _DiLoCo(TrainStep):
 
     @property
     def _pending(self) -> bool:
-        """Whether exchanges stay in flight between steps (``delay`` > 1)."""
-        return self.delay > 1
+        """Whether chunks of exchanges stay in flight between steps (``delay`` > 1, not in
+        the background)."""
+        return self.schedule.chunks > 1
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return self.schedule.phase(steps_taken)
@@ -178,7 +214,7 @@ class _DiLoCo(TrainStep):
     def _plan(self, params) -> None:
         """Splits ``params`` into fragments and lays out the state, once."""
         layout = layout_of(self.placement, self.optimizer, self.outer, params, self.fragments,
-                           self._feedback, self.schedule.chunks)  # fmt: skip
+                           self._feedback, self.schedule.chunks, self.background)  # fmt: skip
         if self._layout is not None and layout.fragments != self._layout.fragments:
             raise ValueError(
                 "diloco: this step split the params of its first init into fragments, and "
@@ -223,6 +259,10 @@ class _DiLoCo(TrainStep):
             if self._pending:  # nothing in flight yet; each exchange writes before it reads
                 extra[STARTED] = jax.tree.map(jnp.zeros_like, stacked)
                 extra[RECEIVED] = tuple(tuple(jnp.zeros_like(x) for x in c) for c in chunks)
+            if self.background:  # nothing lands before an exchange has written it
+                pieces = [[p.of(leaves) for p in m] for m in layout.fragments]
+                zeros = lambda x: jnp.zeros((nodes, *x.shape), x.dtype)  # noqa: E731
+                extra[LANDING] = tuple(tuple(zeros(x) for x in m) for m in pieces)
             return stacked, jax.vmap(self.optimizer.init)(stacked), extra
 
         return jax.jit(place, out_shardings=self._shardings())
@@ -256,17 +296,7 @@ class _DiLoCo(TrainStep):
         placement, dims = self.placement, self._layout.dims
         grads = placement.node_mean(grads, dims)
         own = placement.own(params, dims)
-
-        def inner(own):
-            # Over the state's own leading axis (this node's row), as jax.vmap: the optimizer
-            # sees each leaf as it is, and XLA:CPU updates a donated buffer in place; through
-            # the row's slice it copies every param and moment first (RESULTS.md, "DiLoCo").
-            rows = jax.tree.map(lambda x: x[None], (grads, opt_state, own))
-            closed, (updates, state) = traced(jax.vmap(self.optimizer.update), *rows)
-            placement.check_update(closed, "diloco (the inner optimizer)")
-            new = optax.apply_updates(rows[2], updates)
-            return jax.tree.map(lambda x: x[0], (new, state))
-
+        inner = functools.partial(self._inner, grads, opt_state)
         if events is None:
             new, opt_state = inner(own)
             return placement.finish(new, dims), opt_state
@@ -301,6 +331,46 @@ class _DiLoCo(TrainStep):
             new = self._merged(new, jax.tree.map(jnp.add, fresh, step), f)
         return placement.finish(new, dims), opt_state, extra
 
+    def _inner(self, grads, opt_state, own):
+        """The inner optimizer's update of this device's params ``own`` from the node's mean
+        gradient: the new params and inner state."""
+        # Over the state's own leading axis (this node's row), as jax.vmap: the optimizer
+        # sees each leaf as it is, and XLA:CPU updates a donated buffer in place; through
+        # the row's slice it copies every param and moment first (RESULTS.md, "DiLoCo").
+        rows = jax.tree.map(lambda x: x[None], (grads, opt_state, own))
+        closed, (updates, state) = traced(jax.vmap(self.optimizer.update), *rows)
+        self.placement.check_update(closed, "diloco (the inner optimizer)")
+        new = optax.apply_updates(rows[2], updates)
+        return jax.tree.map(lambda x: x[0], (new, state))
+
+    def _background_update(self, events, grads, opt_state, params, *landing):
+        """``_update`` in the background: the inner update, then for a fragment that lands
+        here its ``landing`` (the new global pieces minus the node's when the exchange
+        started) added to the node's pieces, and for one whose exchange starts here a copy of
+        the node's pieces (the exchange's input, a buffer no later step donates). Returns the
+        params as they rest, the inner state and, with a start, that copy."""
+        placement, dims = self.placement, self._layout.dims
+        own = placement.own(params, dims)
+        new, opt_state = self._inner(placement.node_mean(grads, dims), opt_state, own)
+        started = ()
+        for f, what in events:  # a start and a landing are of two fragments: disjoint pieces
+            pieces, leaves = self._layout.fragments[f], jax.tree.leaves(new)
+            if what == LAND:
+                landed = [jnp.add(p.of(leaves), x) for p, x in zip(pieces, landing[0], strict=True)]
+                new = merged(new, landed, pieces)
+            else:
+                started = (tuple(p.of(leaves) for p in pieces),)
+        return placement.finish(new, dims), opt_state, *started
+
+    def _exchange(self, f, extra, started):
+        """Fragment ``f``'s exchange in the background, in the update frame: the outer step
+        from the node's pieces ``started``; returns the new ``extra`` and ``landing``."""
+        extra = dict(extra)
+        means = self._send_pieces(f, 0, started, extra)
+        fresh = self._land(f, self._mean(f, {(f, 0): means}), extra)
+        landing = tuple(map(jnp.subtract, jax.tree.leaves(fresh), started))
+        return extra, landing
+
     def _started(self, f, k, own, extra):
         """This device's params (full tree) when fragment ``f``'s exchange started: ``own``
         in its first step (kept in ``extra`` while the exchange is in flight), then the kept
@@ -320,9 +390,14 @@ class _DiLoCo(TrainStep):
         chunk = self._layout.chunks[f][k]
         if not chunk:
             return None
-        placement = self.placement
-        theirs, start = jax.tree.leaves(extra[GLOBAL]), jax.tree.leaves(start)
-        delta = [jnp.subtract(p.of(theirs), p.of(start)) for p in chunk]
+        start = jax.tree.leaves(start)
+        return self._send_pieces(f, k, [p.of(start) for p in chunk], extra)
+
+    def _send_pieces(self, f, k, start, extra):
+        """``_send`` from the chunk's pieces of the node's params (``start``, a list)."""
+        chunk, placement = self._layout.chunks[f][k], self.placement
+        theirs = jax.tree.leaves(extra[GLOBAL])
+        delta = [jnp.subtract(p.of(theirs), x) for p, x in zip(chunk, start, strict=True)]
         delta = placement.node_sum_of_alike(make_varying(delta, self._axes))
         sharded = placement.sharded(tuple(self._layout.dims[p.leaf] for p in chunk), True)
         if self.sync is None:
@@ -368,6 +443,8 @@ class _DiLoCo(TrainStep):
         return fresh
 
     def _build(self, key) -> Program:
+        if self.background and key != INNER:
+            return self._build_background(key)
         placement, layout = self.placement, self._layout
         inner = key == INNER
         extra_specs = () if inner else (layout.extra,)
@@ -409,6 +486,136 @@ class _DiLoCo(TrainStep):
         )
         return Program(fn, self._inputs(inner), self._outputs(inner))
 
+    def _pieces_specs(self, f: int, stacked: bool):
+        """The specs of fragment ``f``'s pieces of a node's params in the update frame (as
+        their leaves'), ``stacked`` over nodes as the state keeps them, or one node's."""
+        if stacked:
+            return self._layout.extra[LANDING][f]
+        update = jax.tree.leaves(self._layout.extra[GLOBAL], is_leaf=lambda x: isinstance(x, P))
+        return tuple(update[p.leaf] for p in self._layout.fragments[f])
+
+    def _build_background(self, events) -> Program:
+        """The program of a step that starts or lands an exchange in the background: the
+        inner step, and with a start the exchange's own program, on the dispatch thread."""
+        placement, layout = self.placement, self._layout
+        start = next((f for f, what in events if what == START), None)
+        land = [f for f, what in events if what == LAND]
+        update_in = (layout.params, layout.opt_state, layout.params)
+        update_in += tuple(self._pieces_specs(f, False) for f in land)
+        update_out = (layout.params, layout.opt_state)
+        update_out += () if start is None else (self._pieces_specs(start, False),)
+        update = functools.partial(self._background_update, events)
+
+        def per_device(params, opt_state, *rest):
+            landing, inputs, batch = rest[: len(land)], rest[len(land) : -1], rest[-1]
+            rows = jax.tree.map(lambda x: x[0], (params, opt_state, *landing))
+            params, opt_state, *landing = rows
+            grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
+            varying = make_varying(params, placement.manual_axes)
+            (loss, aux, _), grads = grad_fn(varying, batch, *inputs)
+            trees = (grads, opt_state, params, *landing)
+            out = placement.in_update_frame(update, trees, update_in, update_out)
+            metrics = (loss, aux) if self.has_aux else (loss,)
+            return jax.tree.map(lambda x: x[None], (*out, *metrics))
+
+        state_specs = layout.stacked(self._axes)
+        metric = P(tuple(placement.manual_axes))
+        started = () if start is None else (self._pieces_specs(start, True),)
+        out_specs = (*state_specs, *started, metric) + ((metric,) if self.has_aux else ())
+        landing_specs = tuple(self._pieces_specs(f, True) for f in land)
+        step = jax.jit(
+            placement.shard_map(
+                per_device,
+                in_specs=(*state_specs, *landing_specs, *(P(),) * self.model.num_inputs(),
+                          P(self._axes)),
+                out_specs=out_specs,
+            ),
+            compiler_options=placement.compiler_options(),
+            out_shardings=self._shardings(out_specs),
+            donate_argnums=(0, 1) if self._donate else (),
+        )  # fmt: skip
+        if start is None:
+            return Program(step, self._background_inputs(land, None), self._outputs_of(start))
+        exchange = self._build_exchange(start)
+        return Program(_Started(step, exchange, self._dispatcher, len(land)),
+                       self._background_inputs(land, start), self._outputs_of(start))  # fmt: skip
+
+    def _build_exchange(self, f: int):
+        """The jitted exchange of fragment ``f`` in the background: ``(extra, started) ->
+        (extra, landing)``, ``extra`` the global params, outer states and residuals."""
+        placement = self.placement
+        specs = {k: self._layout.extra[k] for k in self._exchanged_keys}
+        one, stacked = self._pieces_specs(f, False), self._pieces_specs(f, True)
+
+        def per_device(extra, started):
+            started = jax.tree.map(lambda x: x[0], started)
+            body = functools.partial(self._exchange, f)
+            extra, landing = placement.in_update_frame(
+                body, (extra, started), (specs, one), (specs, one)
+            )
+            return extra, jax.tree.map(lambda x: x[None], landing)
+
+        return jax.jit(
+            placement.shard_map(per_device, in_specs=(specs, stacked), out_specs=(specs, stacked)),
+            compiler_options=placement.compiler_options(),
+            out_shardings=self._shardings((specs, stacked)),
+            donate_argnums=(0, 1) if self._donate else (),
+        )
+
+    @property
+    def _exchanged_keys(self) -> tuple[str, ...]:
+        """The keys of ``state.extra`` that an exchange in the background reads and writes."""
+        return (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
+
+    def _background_inputs(self, land, start):
+        def inputs(state, batch):
+            shards.check_placed((state.params, state.opt_state), self._layout.stacked(self._axes),
+                                self.mesh, "diloco")  # fmt: skip
+            batch = global_batch(batch, self.mesh, self._axes)
+            landing = tuple(state.extra[LANDING][f] for f in land)
+            exchanged = () if start is None else (
+                {k: state.extra[k] for k in self._exchanged_keys},
+            )  # fmt: skip
+            return (state.params, state.opt_state, *landing, *exchanged,
+                    *self.model.inputs(state), batch)  # fmt: skip
+
+        return inputs
+
+    def _outputs_of(self, start):
+        def outputs(state, out):
+            exchanged = None
+            if start is not None:
+                exchanged, out = out
+            params, opt_state, *out = out
+            extra = dict(state.extra)
+            if exchanged is not None:
+                new, landing = exchanged
+                out = out[1:]  # the copy the exchange started from
+                extra.update(new)
+                extra[LANDING] = tuple(
+                    landing if f == start else x for f, x in enumerate(extra[LANDING])
+                )
+            return StepState(state.step, params, opt_state, extra), self._metrics(out)
+
+        return outputs
+
+    def _metrics(self, out) -> dict[str, Any]:
+        """The step's metrics from its per-device losses (and aux) ``out``: their mean over
+        every device; in the background over this process's devices (its node's, with a
+        process per node), since a mean between processes would be a collective on the
+        caller's thread beside the exchange's on the dispatch thread, which Gloo cannot tell
+        apart."""
+        mean = _mean_over_process if self.background else _mean_over_devices
+        metrics = {"loss": mean(out[0])}
+        if self.has_aux:
+            metrics["aux"] = mean(out[1])
+        return metrics
+
+    def close(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.close()
+        super().close()
+
     def _inputs(self, inner: bool):
         def inputs(state, batch):
             # A state placed otherwise (restored onto the bare mesh, say) is refused, naming
@@ -425,10 +632,7 @@ class _DiLoCo(TrainStep):
         def outputs(state, out):
             params, opt_state, *out = out
             extra = state.extra if inner else {**state.extra, **out.pop(0)}
-            metrics = {"loss": _mean_over_devices(out[0])}
-            if self.has_aux:
-                metrics["aux"] = _mean_over_devices(out[1])
-            return StepState(state.step, params, opt_state, extra), metrics
+            return StepState(state.step, params, opt_state, extra), self._metrics(out)
 
         return outputs
 
@@ -455,6 +659,38 @@ class _DiLoCo(TrainStep):
         return {**per_phase, "per_inner_step": total / self.inner_steps}
 
 
+class _Started:
+    """A step that starts an exchange in the background: its inner step on the caller's
+    thread, then the exchange dispatched by the dispatch thread, from the copy the step made.
+
+    The call returns once both are dispatched (JAX runs them asynchronously): the next steps
+    on the caller's thread read nothing the exchange writes, so XLA:CPU runs them beside it.
+    Waiting for the dispatch keeps the order of dispatch the same on every process.
+    """
+
+    def __init__(self, step, exchange, dispatcher: Dispatcher, landing: int):
+        self.step, self.exchange, self.dispatcher = step, exchange, dispatcher
+        self._at = 2 + landing  # where the exchange's state sits in the arguments
+
+    def _split(self, args):
+        return (*args[: self._at], *args[self._at + 1 :]), args[self._at]
+
+    def __call__(self, *args):
+        step_args, extra = self._split(args)
+        out = self.step(*step_args)
+        exchanged = self.dispatcher.submit(self.exchange, extra, out[2]).result()
+        # The step's own outputs last: the next step waits for them alone where it waits
+        # (``base.StepsInFlight``), not for the exchange.
+        return exchanged, out
+
+    def lower(self, *args) -> LoweredPrograms:
+        step_args, extra = self._split(args)
+        started = self.step.eval_shape(*step_args)[2]
+        return LoweredPrograms(
+            {"step": self.step.lower(*step_args), "exchange": self.exchange.lower(extra, started)}
+        )
+
+
 # The public factory ----------------------------------------------------------------------
 
 
@@ -466,6 +702,7 @@ def diloco_step(
     inner_steps: int,
     fragments: int = 1,
     delay: int = 1,
+    background: bool = False,
     outer_optimizer: optax.GradientTransformation | None = None,
     bits: int = 8,
     error_feedback: bool = False,
@@ -511,6 +748,13 @@ def diloco_step(
         the fragment lands tau steps late (plus the node's own tau steps); the state then
         keeps the exchanges in flight, two params' worth more (split as the global params
         with ``shard=``).
+      background: run each exchange as a program of its own, on a thread of its own, beside
+        the next ``delay`` inner steps (tau >= 1, whole: no chunks), and land it in the last
+        of them as above. For CPU hosts with one device per process, where XLA:CPU runs a
+        program's collectives blocking: two programs from different threads run at once.
+        The state keeps one params' worth more per node (what each fragment lands). With
+        several devices per process the programs run one at a time (correct, no overlap);
+        on GPUs the exchange inside a step (the default) is what XLA overlaps.
       outer_optimizer: any optax transformation of the pseudo-gradient; None for DiLoCo's
         Nesterov SGD (learning rate 0.7, momentum 0.9). Each fragment keeps its own state.
       bits: 8 or 4 (codes between nodes, as ``bytegrad``), or 32 (a float32 exchange).
@@ -539,7 +783,8 @@ def diloco_step(
 
     Raises:
       ValueError: at build time for ``inner_steps < 1``, ``fragments`` that does not divide
-        ``inner_steps``, ``delay`` below 0 or not below ``inner_steps``, an
+        ``inner_steps``, ``delay`` below 0 or not below ``inner_steps``, ``background`` with
+        ``delay=0``, an
         ``outer_optimizer`` that is not an optax transformation, a mesh of one node, a bad
         wire setting, or ``model_state``; at ``init``, for more fragments than the params'
         rows can share.
@@ -564,7 +809,7 @@ def diloco_step(
     where = "diloco_step"
     outer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
     axes = (node_axis, local_axis)
-    _check(mesh, axes, inner_steps, fragments, delay, outer, bits, where)
+    _check(mesh, axes, inner_steps, fragments, delay, background, outer, bits, where)
     check_shard(shard, flatten, where)
     model = ModelState.of(model_state, rng_seed, state_sync, where)
     if model.has_state:
@@ -585,8 +830,8 @@ def diloco_step(
         raise ValueError(f"{where}: error_feedback=True needs bits=8 or 4; bits=32 loses nothing")
     return _DiLoCo(
         loss_fn, optimizer, outer, mesh, axes=axes, inner_steps=inner_steps,
-        fragments=fragments, delay=delay, sync=sync, has_aux=has_aux, donate=donate,
-        flatten=flatten, model=model, shard=shard,
+        fragments=fragments, delay=delay, background=background, sync=sync, has_aux=has_aux,
+        donate=donate, flatten=flatten, model=model, shard=shard,
     )  # fmt: skip
 
 

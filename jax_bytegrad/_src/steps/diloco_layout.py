@@ -14,6 +14,9 @@ al., SC 2020), through the data-parallel step's placement objects (``placement.p
     in flight         (delay > 1) the node's params when each exchange started, stacked over
                       nodes and split as each device's update; the means received, per chunk
                       of each exchange, each piece split as its leaf
+    landing           (background) per fragment, what each node adds to its pieces when the
+                      fragment's exchange lands, stacked over nodes, each piece split as its
+                      leaf
 
 The outer state goes where each device's update goes: with ``shard=`` the global params and
 the outer momentum, two params' worth that a big model cannot keep whole on every device, are
@@ -34,6 +37,9 @@ GLOBAL, OUTER, RESIDUALS = "global_params", "outer_opt_state", "residuals"
 # With delay > 1, the exchanges in flight: each node's params when they started, and the means
 # received so far.
 STARTED, RECEIVED = "exchange_started", "exchange_received"
+# In the background, per fragment: the new global params minus the node's params when the
+# exchange started, which the node adds to its own when the exchange lands.
+LANDING = "exchange_landing"
 
 
 def fragment(tree, pieces):
@@ -95,10 +101,11 @@ class Layout(NamedTuple):
 
 
 def layout_of(placement: Placement, optimizer, outer, params, fragments: int, feedback: bool,
-              steps: int) -> Layout:  # fmt: skip
+              steps: int, background: bool = False) -> Layout:  # fmt: skip
     """The ``Layout`` of a DiLoCo state of ``params`` (arrays or shapes) in ``fragments``
-    fragments, each exchanged over ``steps`` steps (``delay``, at least 1); ``feedback``:
-    with error feedback's residuals."""
+    fragments, each exchanged over ``steps`` steps (``delay``, at least 1; 1 in the
+    background); ``feedback``: with error feedback's residuals; ``background``: with what
+    each exchange in the background lands."""
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     dims = placement.dims(shapes)
     dims = (None,) * len(jax.tree.leaves(shapes)) if dims is None else dims
@@ -115,11 +122,15 @@ def layout_of(placement: Placement, optimizer, outer, params, fragments: int, fe
     }
     if feedback:
         extra[RESIDUALS] = P(placement.axes)
+    # A piece keeps its leaf's split dimension: its leaf's spec.
+    update = jax.tree.leaves(extra[GLOBAL], is_leaf=lambda x: isinstance(x, P))
     if steps > 1:
         extra[STARTED] = _stack(extra[GLOBAL], placement.axes)
-        # A piece keeps its leaf's split dimension: its leaf's spec.
-        update = jax.tree.leaves(extra[GLOBAL], is_leaf=lambda x: isinstance(x, P))
         extra[RECEIVED] = tuple(tuple(update[p.leaf] for p in chunks[f][k]) for f, k in slots)
+    if background:
+        extra[LANDING] = tuple(
+            tuple(_stacked(update[p.leaf], placement.axes) for p in m) for m in members
+        )
     return Layout(
         dims,
         placement.param_specs(shapes),

@@ -7,6 +7,8 @@ Follows streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping c
     delay (tau) 0     the exchange runs in the step that ends the fragment's H steps
     delay (tau) 1     it runs in the next step
     delay (tau) > 1   its chunk k runs in the (k + 1)-th step after the H steps, k < tau
+    background        it starts after the step that ends the H steps, in a program of its
+                      own beside the next tau steps, and lands in the tau-th of them
 
 A fragment and a chunk are lists of ``Piece``s: whole leaves, or runs of rows of a leaf along a
 dimension that the state does not split within the node. Fragments are sets of whole leaves
@@ -23,6 +25,9 @@ import jax
 import numpy as np
 
 INNER = "inner"
+# In the background (``Schedule(..., background=True)``), what a step does with a fragment's
+# exchange: its H steps end there and it starts, or it lands.
+START, LAND = "start", "land"
 
 
 class Piece(NamedTuple):
@@ -163,12 +168,15 @@ class Schedule:
     """DiLoCo's schedule: ``inner_steps`` H, ``fragments`` F, ``delay`` tau.
 
     ``events(steps_taken)`` are the exchanges in the next step's program, as ``(fragment,
-    chunk)`` pairs; ``phase(steps_taken)`` names that program (``"inner"``, ``"outer"``,
-    ``"outer_0"``..., with tau > 1 ``"outer.0"``, ``"outer_1.0+outer_0.2"``...).
+    chunk)`` pairs (in the background ``(fragment, START)`` and ``(fragment, LAND)``);
+    ``phase(steps_taken)`` names that program (``"inner"``, ``"outer"``, ``"outer_0"``...,
+    with tau > 1 ``"outer.0"``, ``"outer_1.0+outer_0.2"``...; in the background ``"outer"``
+    for a start and ``"outer.land"`` for a landing).
     """
 
-    def __init__(self, inner_steps: int, fragments: int, delay: int):
+    def __init__(self, inner_steps: int, fragments: int, delay: int, background: bool = False):
         self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
+        self.background = background
         self._stride = inner_steps // fragments
         if fragments == 1:
             self.names = ("outer",)
@@ -180,8 +188,9 @@ class Schedule:
 
     @property
     def chunks(self) -> int:
-        """How many steps (and chunks) each exchange takes."""
-        return max(self.delay, 1)
+        """How many chunks each exchange is cut into: one per step it takes, one in the
+        background."""
+        return 1 if self.background else max(self.delay, 1)
 
     def synced_after(self, steps_taken: int) -> int | None:
         """The fragment whose H steps end with step ``steps_taken`` (counted from 0), if any."""
@@ -193,6 +202,11 @@ class Schedule:
     def events(self, steps_taken: int) -> tuple[tuple[int, int], ...]:
         """The exchanges in the next step's program: with delay tau >= 1, chunk k of each
         fragment whose H steps ended k + 1 steps before."""
+        if self.background:
+            start = self.synced_after(steps_taken)
+            ended = steps_taken - self.delay
+            land = self.synced_after(ended) if ended >= 0 else None
+            return tuple((f, what) for f, what in ((start, START), (land, LAND)) if f is not None)
         if self.delay == 0:
             fragment = self.synced_after(steps_taken)
             return () if fragment is None else ((fragment, 0),)
@@ -204,6 +218,9 @@ class Schedule:
         events = self.events(steps_taken)
         if not events:
             return INNER, INNER
+        if self.background:
+            names = (self.names[f] + (".land" if k == LAND else "") for f, k in events)
+            return "+".join(names), events
         if self.delay <= 1:
             return self.names[events[0][0]], events
         return "+".join(f"{self.names[f]}.{k}" for f, k in events), events

@@ -1,0 +1,99 @@
+"""Worker for tests/test_diloco_background.py: DiLoCo's exchange in the background over Gloo.
+
+Run it under ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 1 diloco_worker.py
+OUT_DIR STEPS``: one device per process, the layout where the exchange's program (on the
+step's dispatch thread) and the inner steps (on the caller's thread) run at once. Each process
+feeds its own rows of every global batch, trains ``CONFIG`` for STEPS steps, and writes the
+global params and its node's params to ``OUT_DIR/rank<k>.npz``. The step's thread must be gone
+once the step is closed.
+
+`train`, `CONFIG` and `init_params` are imported by the test, which runs the same steps in one
+process.
+"""
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+
+IN_DIM, HIDDEN, OUT_DIM = 24, 48, 6
+GLOBAL_BATCH = 16
+# H = 4 in 2 fragments, each exchange beside the next 3 inner steps: fragment 1 starts while
+# fragment 0 is in flight, and step 4 lands one and starts the other.
+CONFIG = dict(inner_steps=4, fragments=2, delay=3, background=True, bits=4, error_feedback=True)
+
+
+def init_params() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {
+        "w1": (rng.standard_normal((IN_DIM, HIDDEN)) / np.sqrt(IN_DIM)).astype(np.float32),
+        "b1": np.zeros(HIDDEN, np.float32),
+        "w2": (rng.standard_normal((HIDDEN, OUT_DIM)) / np.sqrt(HIDDEN)).astype(np.float32),
+    }
+
+
+def batch(step: int, rank: int, nproc: int):
+    rng = np.random.default_rng(1000 + step)
+    x = rng.standard_normal((GLOBAL_BATCH, IN_DIM)).astype(np.float32)
+    y = rng.integers(0, OUT_DIM, GLOBAL_BATCH).astype(np.int32)
+    rows = GLOBAL_BATCH // nproc
+    return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+
+
+def loss_fn(params, batch):
+    import jax
+    import optax
+
+    x, y = batch
+    h = jax.nn.relu(x @ params["w1"] + params["b1"][None])
+    logits = h @ params["w2"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _first_shard(x) -> np.ndarray:
+    return np.asarray(x.addressable_shards[0].data)
+
+
+def train(mesh, steps: int, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarray]:
+    """After ``steps`` steps: the global params (``global/<name>``) and, per node this process
+    holds, that node's params (``node<n>/<name>``)."""
+    import optax
+
+    import jax_bytegrad
+
+    strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **CONFIG)
+    with strategy.train_step(loss_fn, optax.adam(1e-2)) as step:
+        state = step.init(init_params())
+        for t in range(steps):
+            state, metrics = step(state, batch(t, rank, nproc))
+        assert np.isfinite(float(metrics["loss"]))
+        out = {f"global/{k}": _first_shard(v) for k, v in step.params(state).items()}
+        for name, leaf in state.params.items():
+            for shard in leaf.addressable_shards:
+                node = shard.index[0].start or 0
+                out[f"node{node}/{name}"] = np.asarray(shard.data)[0]
+    assert not step._dispatcher.alive
+    assert "diloco-exchange" not in [t.name for t in threading.enumerate()]
+    return out
+
+
+def main(out_dir: str, steps: int) -> int:
+    from jax_bytegrad import initialize
+
+    info = initialize()  # before any JAX computation
+    import jax
+
+    import jax_bytegrad
+
+    mesh = jax_bytegrad.make_mesh()
+    assert mesh.shape["node"] == info.num_processes, mesh.shape
+    out = train(mesh, steps, info.process_id, info.num_processes)
+    np.savez(Path(out_dir) / f"rank{info.process_id}.npz", **out)
+    jax.distributed.shutdown()
+    print("OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))
