@@ -7,8 +7,8 @@ feeds its own rows of every global batch, trains ``CONFIG`` for STEPS steps, and
 global params and its node's params to ``OUT_DIR/rank<k>.npz``. The step's thread must be gone
 once the step is closed.
 
-`train`, `CONFIG` and `init_params` are imported by the test, which runs the same steps in one
-process.
+`train`, `CONFIG` and `init_params` (the pipelined worker's) are used by the test, which runs
+the same steps in one process.
 """
 
 import sys
@@ -17,38 +17,13 @@ from pathlib import Path
 
 import numpy as np
 
-IN_DIM, HIDDEN, OUT_DIM = 24, 48, 6
-GLOBAL_BATCH = 16
+# The model, its parameters and each process's rows: the pipelined step's worker's.
+sys.path.insert(0, str(Path(__file__).parent))
+from pipelined_worker import batch, init_params, loss_fn  # noqa: E402
+
 # H = 4 in 2 fragments, each exchange beside the next 3 inner steps: fragment 1 starts while
 # fragment 0 is in flight, and step 4 lands one and starts the other.
 CONFIG = dict(inner_steps=4, fragments=2, delay=3, background=True, bits=4, error_feedback=True)
-
-
-def init_params() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    return {
-        "w1": (rng.standard_normal((IN_DIM, HIDDEN)) / np.sqrt(IN_DIM)).astype(np.float32),
-        "b1": np.zeros(HIDDEN, np.float32),
-        "w2": (rng.standard_normal((HIDDEN, OUT_DIM)) / np.sqrt(HIDDEN)).astype(np.float32),
-    }
-
-
-def batch(step: int, rank: int, nproc: int):
-    rng = np.random.default_rng(1000 + step)
-    x = rng.standard_normal((GLOBAL_BATCH, IN_DIM)).astype(np.float32)
-    y = rng.integers(0, OUT_DIM, GLOBAL_BATCH).astype(np.int32)
-    rows = GLOBAL_BATCH // nproc
-    return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
-
-
-def loss_fn(params, batch):
-    import jax
-    import optax
-
-    x, y = batch
-    h = jax.nn.relu(x @ params["w1"] + params["b1"][None])
-    logits = h @ params["w2"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def _first_shard(x) -> np.ndarray:
