@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import requires_gloo
@@ -372,6 +373,25 @@ def test_a_state_donated_right_after_save_is_saved_intact(tmp_path, mesh):
         step, restored = ckpt.restore_or_init(lambda: {"w": np.zeros(4_000_000, np.float32)}, mesh)
     assert step == 1
     np.testing.assert_array_equal(np.asarray(restored["w"].addressable_shards[0].data), big["w"])
+
+
+def test_a_save_starts_once_every_value_of_the_state_is_computed(tmp_path, monkeypatch):
+    # orbax's save begins with a barrier that is a collective between processes; a value still
+    # computing (DiLoCo's exchange in the background, on a thread of its own) would meet it
+    # on the same Gloo pairs. Here a value that takes a second to compute.
+    slow = jax.jit(lambda x: jax.lax.fori_loop(0, 60, lambda i, y: jnp.tanh(y @ y), x))
+    with Checkpointer(tmp_path, every=1) as ckpt:
+        seen = []
+        save = ckpt._manager.save
+
+        def spy(step, *, args, force):
+            seen.append([x.is_ready() for x in jax.tree.leaves(args.item)])
+            return save(step, args=args, force=force)
+
+        monkeypatch.setattr(ckpt._manager, "save", spy)
+        state = {"w": slow(jnp.full((512, 512), 1e-3, jnp.float32)), "n": jnp.zeros(3)}
+        assert ckpt.save(1, state)
+    assert seen == [[True, True]]
 
 
 def test_keeps_only_the_last_checkpoints(tmp_path, mesh):

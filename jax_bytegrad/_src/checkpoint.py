@@ -307,6 +307,11 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False  # already saved at this step (a forced save after a periodic one)
         ocp = _ocp()
+        # Every value computed first: orbax's save starts with a barrier that is a collective
+        # between processes (multihost_utils.sync_global_devices), which must not meet a
+        # collective still running on another thread (DiLoCo's exchange in the background:
+        # Gloo cannot tell the two apart). The save copies every array to the host anyway.
+        jax.block_until_ready(state)
         return bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=True))
 
     def restore(self, step: int, init_fn: Callable[[], Any], shardings, *, relayout=False):
