@@ -144,8 +144,9 @@ def test_bad_background_settings_are_refused(kwargs, match):
 @requires_gloo
 def test_two_processes_of_one_device_match_one_process(tmp_path):
     """2 processes x 1 device over Gloo: the exchanges run on the dispatch thread beside the
-    inner steps of the caller's; both processes end with the same global params, and each
-    node's params are one process's 2 x 1 mesh's."""
+    inner steps of the caller's, and a checkpoint saved mid-flight waits for them before its
+    barrier; both processes end with the same global params, and each node's params are one
+    process's 2 x 1 mesh's."""
     steps = 10
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
@@ -158,6 +159,7 @@ def test_two_processes_of_one_device_match_one_process(tmp_path):
         stderr=subprocess.STDOUT, timeout=300, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:]
+    assert (tmp_path / "ckpt" / "6").is_dir()  # saved with two exchanges in flight
     ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in (0, 1)]
     for key in worker.init_params():
         np.testing.assert_array_equal(ranks[1][f"global/{key}"], ranks[0][f"global/{key}"])

@@ -4,8 +4,9 @@ Run it under ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc 1 dilo
 OUT_DIR STEPS``: one device per process, the layout where the exchange's program (on the
 step's dispatch thread) and the inner steps (on the caller's thread) run at once. Each process
 feeds its own rows of every global batch, trains ``CONFIG`` for STEPS steps, and writes the
-global params and its node's params to ``OUT_DIR/rank<k>.npz``. The step's thread must be gone
-once the step is closed.
+global params and its node's params to ``OUT_DIR/rank<k>.npz``, and after 6 steps, with two
+exchanges in flight, a checkpoint to ``OUT_DIR/ckpt``. The step's thread must be gone once the
+step is closed.
 
 `train`, `CONFIG` and `init_params` (the pipelined worker's) are used by the test, which runs
 the same steps in one process.
@@ -30,18 +31,25 @@ def _first_shard(x) -> np.ndarray:
     return np.asarray(x.addressable_shards[0].data)
 
 
-def train(mesh, steps: int, rank: int = 0, nproc: int = 1) -> dict[str, np.ndarray]:
+def train(mesh, steps: int, rank: int = 0, nproc: int = 1, checkpoints=None):
     """After ``steps`` steps: the global params (``global/<name>``) and, per node this process
-    holds, that node's params (``node<n>/<name>``)."""
+    holds, that node's params (``node<n>/<name>``). With ``checkpoints`` (a directory), the
+    state after 6 steps is saved there."""
     import optax
 
     import jax_bytegrad
+    from jax_bytegrad.checkpoint import Checkpointer
 
     strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **CONFIG)
     with strategy.train_step(loss_fn, optax.adam(1e-2)) as step:
         state = step.init(init_params())
         for t in range(steps):
             state, metrics = step(state, batch(t, rank, nproc))
+            if checkpoints is not None and t == 5:
+                # Both exchanges in flight: the save's barrier, a collective between the
+                # processes, must wait for them (Checkpointer.save does).
+                with Checkpointer(checkpoints, every=1) as ckpt:
+                    ckpt.save(t + 1, state, force=True)
         assert np.isfinite(float(metrics["loss"]))
         out = {f"global/{k}": _first_shard(v) for k, v in step.params(state).items()}
         for name, leaf in state.params.items():
@@ -63,7 +71,7 @@ def main(out_dir: str, steps: int) -> int:
 
     mesh = jax_bytegrad.make_mesh()
     assert mesh.shape["node"] == info.num_processes, mesh.shape
-    out = train(mesh, steps, info.process_id, info.num_processes)
+    out = train(mesh, steps, info.process_id, info.num_processes, Path(out_dir) / "ckpt")
     np.savez(Path(out_dir) / f"rank{info.process_id}.npz", **out)
     jax.distributed.shutdown()
     print("OK", flush=True)
