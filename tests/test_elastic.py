@@ -117,23 +117,27 @@ def test_a_killed_worker_is_restarted_and_ends_bit_identical(reference, tmp_path
 
 @pytest.mark.slow
 @requires_gloo
-def test_a_killed_diloco_worker_resumes_its_outer_state_bit_identical(reference, tmp_path):
+@pytest.mark.parametrize("name, kill", [("diloco", 2), ("diloco_background", 4)])
+def test_a_killed_diloco_worker_resumes_its_outer_state_bit_identical(reference, tmp_path, name,
+                                                                      kill):  # fmt: skip
     # Killed after step 2: the restart resumes the saved period, crosses the delayed 4-bit
     # exchange (global params, outer momentum, residuals) and ends as the uninterrupted run.
+    # In the background, killed after step 4: the checkpoint holds the exchange in flight.
     code, out = _launch(
         tmp_path,
         "--max-restarts",
         "1",
-        worker_args=["--algorithms", "diloco", "--kill-step", "2"],
+        worker_args=["--algorithms", name, "--kill-step", str(kill)],
     )
     assert code == 0, out
-    assert "[rank 1] killing myself after step 2" in out
-    resumed = [line for line in out.splitlines() if "diloco: starts at step" in line]
+    assert f"[rank 1] killing myself after step {kill}" in out
+    resumed = [line for line in out.splitlines() if f"{name}: starts at step" in line]
     assert len(resumed) == 4, out  # two ranks, two attempts
-    assert resumed[-1].endswith(("step 0", "step 2")), out  # the last finalized checkpoint
-    want = _final_params(reference, "diloco")
+    # The last finalized checkpoint.
+    assert resumed[-1].endswith(tuple(f"step {s}" for s in (kill - 2, kill))), out
+    want = _final_params(reference, name)
     assert not np.array_equal(want[0]["w1"], worker.train_worker.init_params()["w1"])
-    for got in _final_params(tmp_path, "diloco"):
+    for got in _final_params(tmp_path, name):
         assert_trees_all_equal(got, want[0])
 
 

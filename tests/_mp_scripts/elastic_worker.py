@@ -45,10 +45,19 @@ _spec.loader.exec_module(train_worker)
 STEPS = 6
 EVERY = 2
 QADAM_WARMUP = 3  # the switch to compressed momenta comes after the checkpoint of step 2
-ALGORITHMS = ("gradient_allreduce", "bytegrad", "bytegrad_flat", "qadam", "diloco")
+ALGORITHMS = (
+    "gradient_allreduce", "bytegrad", "bytegrad_flat", "qadam", "diloco", "diloco_background"
+)  # fmt: skip
 # DiLoCo's exchange is due after step 3 and runs inside step 4 (delay 1): the checkpoint of
 # step 2 holds an open period, and a restart from it crosses the exchange with its residuals.
-DILOCO = {"inner_steps": 3, "bits": 4, "error_feedback": True}
+# In the background (delay 2) it starts after step 3 and lands in step 5: the checkpoint of
+# step 4 holds it in flight.
+DILOCO = {
+    "diloco": {"inner_steps": 3, "bits": 4, "error_feedback": True},
+    "diloco_background": {
+        "inner_steps": 3, "bits": 4, "error_feedback": True, "background": True, "delay": 2
+    },
+}  # fmt: skip
 
 
 def optimizer(name: str, mesh):
@@ -78,8 +87,9 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
     import jax_bytegrad
     from jax_bytegrad.checkpoint import Checkpointer
 
-    if name == "diloco":
-        return _train_diloco(mesh, ckpt_dir, rank=rank, nproc=nproc, on_step=on_step, keep=keep)
+    if name in DILOCO:
+        return _train_diloco(name, mesh, ckpt_dir, rank=rank, nproc=nproc, on_step=on_step,
+                             keep=keep)  # fmt: skip
     tx = optimizer(name, mesh)
     step_fn = jax_bytegrad.data_parallel_step(train_worker.loss_fn, tx, mesh, donate=False)
     rows = train_worker.GLOBAL_BATCH // nproc
@@ -104,7 +114,7 @@ def train(name, mesh, ckpt_dir, *, rank=0, nproc=1, on_step=None, keep=STEPS):
     return start, params
 
 
-def _train_diloco(mesh, ckpt_dir, *, rank, nproc, on_step, keep):
+def _train_diloco(name, mesh, ckpt_dir, *, rank, nproc, on_step, keep):
     """``train`` for ``Strategy("diloco")``: its whole ``StepState`` is the checkpoint."""
     import jax
     import optax
@@ -112,7 +122,7 @@ def _train_diloco(mesh, ckpt_dir, *, rank, nproc, on_step, keep):
     import jax_bytegrad
     from jax_bytegrad.checkpoint import Checkpointer
 
-    strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **DILOCO)
+    strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **DILOCO[name])
     params = train_worker.init_params()
     rows = train_worker.GLOBAL_BATCH // nproc
     with (
@@ -122,7 +132,7 @@ def _train_diloco(mesh, ckpt_dir, *, rank, nproc, on_step, keep):
         start, state = ckpt.restore_or_init(
             lambda: step_fn.init(params), step_fn.state_shapes(params)
         )
-        print(f"diloco: starts at step {start}", flush=True)
+        print(f"{name}: starts at step {start}", flush=True)
         step = start
         while step < STEPS:
             x, y = train_worker.global_batch(step)
@@ -130,7 +140,7 @@ def _train_diloco(mesh, ckpt_dir, *, rank, nproc, on_step, keep):
             state, metrics = step_fn(state, mine)
             step += 1
             jax_bytegrad.distributed.report_progress(step)
-            print(f"diloco: step {step} loss {float(metrics['loss']):.6f}", flush=True)
+            print(f"{name}: step {step} loss {float(metrics['loss']):.6f}", flush=True)
             ckpt.save(step, state)
             if on_step is not None:
                 on_step(step, ckpt)

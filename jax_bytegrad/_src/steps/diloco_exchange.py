@@ -191,12 +191,12 @@ class Exchanges:
         placement, dims = self.placement, self._layout.dims
         own = placement.own(params, dims)
         new, opt_state = self._inner(placement.node_mean(grads, dims), opt_state, own)
-        started = ()
+        started, lands = (), iter(landing)
         for f, what in events:  # a start and a landing are of two fragments: disjoint pieces
             pieces, leaves = self._layout.fragments[f], jax.tree.leaves(new)
             if what == LAND:
-                landed = [jnp.add(p.of(leaves), x) for p, x in zip(pieces, landing[0], strict=True)]
-                new = merged(new, landed, pieces)
+                added = zip(pieces, next(lands), strict=True)
+                new = merged(new, [jnp.add(p.of(leaves), x) for p, x in added], pieces)
             else:
                 started = (tuple(p.of(leaves) for p in pieces),)
         return placement.finish(new, dims), opt_state, *started

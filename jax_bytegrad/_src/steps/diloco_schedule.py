@@ -199,9 +199,11 @@ class Schedule:
             return None
         return (done // self._stride - 1) % self.fragments
 
-    def events(self, steps_taken: int) -> tuple[tuple[int, int], ...]:
+    def events(self, steps_taken: int) -> tuple[tuple[int, int | str], ...]:
         """The exchanges in the next step's program: with delay tau >= 1, chunk k of each
-        fragment whose H steps ended k + 1 steps before."""
+        fragment whose H steps ended k + 1 steps before; in the background, ``(f, START)``
+        for the fragment whose H steps end with this step and ``(f, LAND)`` for the one whose
+        H steps ended tau steps before."""
         if self.background:
             start = self.synced_after(steps_taken)
             ended = steps_taken - self.delay
