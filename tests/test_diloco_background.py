@@ -13,11 +13,17 @@ import numpy as np
 import optax
 import pytest
 from conftest import requires_gloo
-from helpers import assert_replicas_bit_identical, assert_trees_all_equal, load_script
+from helpers import (
+    assert_replicas_bit_identical,
+    assert_trees_all_equal,
+    load_script,
+    needs_gpu_plugin,
+)
 from test_diloco import LOCAL, NODES, batches, loss_fn, node_params, params0, run, strategy
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
+from jax_bytegrad.sharding import gpu_mesh
 
 REPO = Path(__file__).parent.parent
 WORKER = Path(__file__).parent / "_mp_scripts" / "diloco_worker.py"
@@ -138,6 +144,15 @@ def test_the_loss_is_the_mean_over_the_processs_devices_and_the_thread_stops_at_
 def test_bad_background_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         strategy(**kwargs)
+
+
+@needs_gpu_plugin(covered_by="test_bad_background_settings_are_refused checks the others")
+def test_the_background_is_refused_on_gpus():
+    # Untested there, and not needed: XLA:GPU overlaps the exchange inside a step's program.
+    mesh = gpu_mesh(2, 4, "h100")
+    with pytest.raises(ValueError, match="background=True is for CPU hosts"):
+        jax_bytegrad.Strategy("diloco", mesh=mesh, inner_steps=4, background=True)
+    jax_bytegrad.Strategy("diloco", mesh=mesh, inner_steps=4, delay=2)  # the default's way
 
 
 @pytest.mark.slow

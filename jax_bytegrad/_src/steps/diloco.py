@@ -143,6 +143,12 @@ def _check(mesh, axes, inner_steps, fragments, delay, background, outer_optimize
             "and lands it in the last of them: use delay >= 1 (delay=0 is the exact exchange, "
             "inside its own step)"
         )
+    if background and platform_of(mesh) != "cpu":
+        raise ValueError(
+            f"{where}: background=True is for CPU hosts, where XLA runs a program's collectives "
+            f"blocking; on {platform_of(mesh)} use background=False: the exchange inside the "
+            "next steps' programs (delay=), which XLA overlaps with their compute"
+        )
     if delay >= h:
         raise ValueError(
             f"{where}: delay={delay} must be less than inner_steps={h} (an exchange must land "
@@ -457,7 +463,7 @@ def diloco_step(
         program's collectives blocking: two programs from different threads run at once.
         The state keeps one params' worth more per node (what each fragment lands). With
         several devices per process the programs run one at a time (correct, no overlap);
-        on GPUs the exchange inside a step (the default) is what XLA overlaps.
+        refused on GPUs, where the exchange inside a step (the default) is what XLA overlaps.
       outer_optimizer: any optax transformation of the pseudo-gradient; None for DiLoCo's
         Nesterov SGD (learning rate 0.7, momentum 0.9). Each fragment keeps its own state.
       bits: 8 or 4 (codes between nodes, as ``bytegrad``), or 32 (a float32 exchange).
@@ -487,7 +493,7 @@ def diloco_step(
     Raises:
       ValueError: at build time for ``inner_steps < 1``, ``fragments`` that does not divide
         ``inner_steps``, ``delay`` below 0 or not below ``inner_steps``, ``background`` with
-        ``delay=0``, an
+        ``delay=0`` or on GPUs, an
         ``outer_optimizer`` that is not an optax transformation, a mesh of one node, a bad
         wire setting, or ``model_state``; at ``init``, for more fragments than the params'
         rows can share.
