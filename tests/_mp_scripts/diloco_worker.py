@@ -41,21 +41,25 @@ def train(mesh, steps: int, rank: int = 0, nproc: int = 1, checkpoints=None):
     from jax_bytegrad.checkpoint import Checkpointer
 
     strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, **CONFIG)
+    # Made before the loop, as users do: its constructor starts with a barrier between the
+    # processes, a collective that must not meet an exchange in flight.
+    ckpt = None if checkpoints is None else Checkpointer(checkpoints, every=6)
     with strategy.train_step(loss_fn, optax.adam(1e-2)) as step:
         state = step.init(init_params())
         for t in range(steps):
             state, metrics = step(state, batch(t, rank, nproc))
-            if checkpoints is not None and t == 5:
-                # Both exchanges in flight: the save's barrier, a collective between the
-                # processes, must wait for them (Checkpointer.save does).
-                with Checkpointer(checkpoints, every=1) as ckpt:
-                    ckpt.save(t + 1, state, force=True)
+            if ckpt is not None:
+                # After 6 steps both exchanges are in flight: the save's barrier must wait
+                # for them (Checkpointer.save does).
+                ckpt.save(t + 1, state)
         assert np.isfinite(float(metrics["loss"]))
         out = {f"global/{k}": _first_shard(v) for k, v in step.params(state).items()}
         for name, leaf in state.params.items():
             for shard in leaf.addressable_shards:
                 node = shard.index[0].start or 0
                 out[f"node{node}/{name}"] = np.asarray(shard.data)[0]
+    if ckpt is not None:
+        ckpt.close()
     assert not step._dispatcher.alive
     assert "diloco-exchange" not in [t.name for t in threading.enumerate()]
     return out
