@@ -465,13 +465,17 @@ def _train_diloco(mesh, num_params, **settings):
         cell[0], metrics = step(cell[0], batch)
         return cell[0].params, cell[0].opt_state, metrics
 
-    if settings.get("background"):
-        # Its exchange stays in flight on the step's own thread between calls, where any other
-        # collective between the hosts (another op's, the worker's barrier) would meet it on
-        # the same Gloo pairs: it runs alone, with no barrier, and ends with its exchanges.
-        inner_step.alone = True
-        inner_step.drain = lambda: jax.block_until_ready(cell[0])
+    # The worker waits for the exchanges in flight before its own collectives at the end.
+    inner_step.drain = lambda: jax.block_until_ready(cell[0])
     return inner_step, ()
+
+
+def runs_alone(name: str) -> bool:
+    """Whether op ``name`` keeps an exchange in flight on a thread of its own between calls
+    (DiLoCo in the background), where any other collective between the hosts (another op's,
+    the worker's barrier) would meet it on the same Gloo pairs: it must run alone, with no
+    barrier between steps, and end with its exchanges (``drain``)."""
+    return bool(_TABLE[name][1].get("background"))
 
 
 def _pipelined_sync(mesh, num_params, *, wire: str, rounding: str = "nearest",
@@ -563,7 +567,7 @@ _TABLE: dict[str, tuple[Builder, dict, float | None]] = {
         None,
     ),
     # The exchange in the background: a program of its own on a thread of its own, beside the
-    # next 25 inner steps, landing in the last of them.
+    # next 40 inner steps, landing in the last of them. Each runs alone (`runs_alone`).
     "train_diloco50_bg": (_train_diloco, dict(inner_steps=50, delay=40, background=True), None),
     "train_diloco50_4ef_bg": (
         _train_diloco,

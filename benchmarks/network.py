@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _network_report as report  # noqa: E402
-from _network_ops import BASELINE_OP, BUFFERS, DEFAULT_OPS, OPS, SIZES  # noqa: E402
+from _network_ops import BASELINE_OP, BUFFERS, DEFAULT_OPS, OPS, SIZES, runs_alone  # noqa: E402
 
 DEFAULT_NUM_PARAMS = 25_200_000
 
@@ -71,6 +71,7 @@ def _worker(args) -> int:
         ("node", "local"),
         axis_types=(jax.sharding.AxisType.Auto,) * 2,
     )
+    alone = [name for name in args.ops if runs_alone(_parse_op(name)[0])]  # main checked them
     built = {}
     for name in args.ops:
         op, message_kb, bucket_mb = _parse_op(name)
@@ -93,9 +94,6 @@ def _worker(args) -> int:
         jax.profiler.start_trace(
             str(Path(args.trace) / f"host{info.process_id}"), create_perfetto_trace=True
         )
-    alone = [name for name in args.ops if getattr(built[name][0], "alone", False)]
-    if alone and len(args.ops) > 1:
-        raise SystemExit(f"{alone[0]} keeps an exchange in flight between steps: run it alone")
     for step in range(args.steps):
         # With --rotate, round s starts at op s: no op always runs right after the same one.
         first = step % len(args.ops) if args.rotate else 0
@@ -267,6 +265,9 @@ def main(argv=None) -> int:
     unknown = [o for o in args.ops if _parse_op(o)[0] not in OPS]
     if unknown:
         parser.error(f"unknown op(s) {unknown}; registered: {sorted(OPS)}")
+    alone = [o for o in args.ops if runs_alone(_parse_op(o)[0])]
+    if alone and len(args.ops) > 1:
+        parser.error(f"{alone[0]} keeps an exchange in flight between steps: run it alone")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     if args.devices_per_host < 1:
