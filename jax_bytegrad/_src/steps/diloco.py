@@ -293,35 +293,51 @@ class _DiLoCo(Exchanges, TrainStep):
     def _build(self, key) -> Program:
         if self.background and key != INNER:
             return self._build_background(key)
-        placement, layout = self.placement, self._layout
+        layout = self._layout
         inner = key == INNER
-        extra_specs = () if inner else (layout.extra,)
+        extra_specs = () if inner else (layout.extra,)  # the outer state: an inner step's not
         update = functools.partial(self._update, None if inner else key)
         update_in = (layout.params, layout.opt_state, layout.params, *extra_specs)
         update_out = (layout.params, layout.opt_state, *extra_specs)
+        per_device = self._per_device(update, update_in, update_out, len(extra_specs), False)
+        state_specs = (*layout.stacked(self._axes), *extra_specs)
+        out_specs = (*state_specs, *self._metric_specs())
+        in_specs = (*state_specs, *(P(),) * self.model.num_inputs(), P(self._axes))
+        fn = self._jit(per_device, in_specs, out_specs, len(state_specs))
+        return Program(fn, self._inputs(inner), self._outputs(inner))
+
+    def _per_device(self, update, update_in, update_out, held: int, rows: bool):
+        """A step's per-device function: ``(params, opt_state, *held trees, *model inputs,
+        batch) -> (params, opt_state, *what the update gives besides, *metrics)``. The loss's
+        gradient, then ``update(grads, opt_state, params, *held)`` in the placement's update
+        frame (``update_in`` and ``update_out`` its specs). ``rows``: whether the held trees
+        and the update's other outputs carry the node's row, as params do (else as they are:
+        the outer state)."""
+        placement = self.placement
+        row = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        unrow = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
 
         def per_device(params, opt_state, *rest):
-            held = 0 if inner else 1  # the outer state, which an inner step leaves alone
-            extra, inputs, batch = rest[:held], rest[held:-1], rest[-1]
-            params, opt_state = jax.tree.map(lambda x: x[0], (params, opt_state))
+            trees, inputs, batch = rest[:held], rest[held:-1], rest[-1]
+            params, opt_state = row((params, opt_state))
+            trees = row(trees) if rows else trees
             grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
             # Varying first: else jax.grad would sum the gradient over the node itself.
             varying = make_varying(params, placement.manual_axes)
             (loss, aux, _), grads = grad_fn(varying, batch, *inputs)
-            trees = (grads, opt_state, params, *extra)
-            params, opt_state, *extra = placement.in_update_frame(
-                update, trees, update_in, update_out
+            params, opt_state, *given = placement.in_update_frame(
+                update, (grads, opt_state, params, *trees), update_in, update_out
             )
             metrics = (loss, aux) if self.has_aux else (loss,)
-            stacked = jax.tree.map(lambda x: x[None], (params, opt_state, *metrics))
-            return (*stacked[:2], *extra, *stacked[2:])
+            given = unrow(given) if rows else given
+            return (*unrow((params, opt_state)), *given, *unrow(metrics))
 
-        state_specs = (*layout.stacked(self._axes), *extra_specs)
-        metric = P(tuple(placement.manual_axes))
-        out_specs = (*state_specs, metric) + ((metric,) if self.has_aux else ())
-        in_specs = (*state_specs, *(P(),) * self.model.num_inputs(), P(self._axes))
-        fn = self._jit(per_device, in_specs, out_specs, len(state_specs))
-        return Program(fn, self._inputs(inner), self._outputs(inner))
+        return per_device
+
+    def _metric_specs(self) -> tuple:
+        """The out_specs of a step's per-device losses (and aux)."""
+        metric = P(tuple(self.placement.manual_axes))
+        return (metric,) * (2 if self.has_aux else 1)
 
     def _jit(self, per_device, in_specs, out_specs, donated: int):
         """``per_device`` mapped over the mesh and jitted, its first ``donated`` arguments

@@ -221,7 +221,7 @@ class Exchanges:
     def _build_background(self, events) -> Program:
         """The program of a step that starts or lands an exchange in the background: the
         inner step, and with a start the exchange's own program, on the dispatch thread."""
-        placement, layout = self.placement, self._layout
+        layout = self._layout
         start = next((f for f, what in events if what == START), None)
         land = [f for f, what in events if what == LAND]
         update_in = (layout.params, layout.opt_state, layout.params)
@@ -229,23 +229,10 @@ class Exchanges:
         update_out = (layout.params, layout.opt_state)
         update_out += () if start is None else (self._pieces_specs(start, False),)
         update = functools.partial(self._background_update, events)
-
-        def per_device(params, opt_state, *rest):
-            landing, inputs, batch = rest[: len(land)], rest[len(land) : -1], rest[-1]
-            rows = jax.tree.map(lambda x: x[0], (params, opt_state, *landing))
-            params, opt_state, *landing = rows
-            grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
-            varying = make_varying(params, placement.manual_axes)
-            (loss, aux, _), grads = grad_fn(varying, batch, *inputs)
-            trees = (grads, opt_state, params, *landing)
-            out = placement.in_update_frame(update, trees, update_in, update_out)
-            metrics = (loss, aux) if self.has_aux else (loss,)
-            return jax.tree.map(lambda x: x[None], (*out, *metrics))
-
+        per_device = self._per_device(update, update_in, update_out, len(land), True)
         state_specs = layout.stacked(self._axes)
-        metric = P(tuple(placement.manual_axes))
         started = () if start is None else (self._pieces_specs(start, True),)
-        out_specs = (*state_specs, *started, metric) + ((metric,) if self.has_aux else ())
+        out_specs = (*state_specs, *started, *self._metric_specs())
         landing_specs = tuple(self._pieces_specs(f, True) for f in land)
         inputs = (*landing_specs, *(P(),) * self.model.num_inputs(), P(self._axes))
         step = self._jit(per_device, (*state_specs, *inputs), out_specs, 2)
