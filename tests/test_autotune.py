@@ -567,6 +567,22 @@ def test_the_diloco_estimate_is_the_bytes_on_the_link_over_h():
         estimate_diloco(step, params=params, nodes=nodes, link_bytes_per_s=0)
 
 
+def test_the_background_estimate_waits_for_what_the_delay_steps_do_not_cover():
+    # 10 ms of compute, a 45 ms outer exchange, H = 20: delay 5 covers it, 4 leaves 5 ms.
+    got = estimate_diloco(0.02, params=1, nodes=2, link_bytes_per_s=1.0, inner_steps=20,
+                          compute_s=0.01)  # fmt: skip
+    got = got._replace(outer_s=0.045)
+    assert got.background_delay == 5
+    assert got.background_step_s(5) == pytest.approx(0.01)
+    assert got.background_step_s(4) == pytest.approx(0.01 + 0.005 / 20)
+    assert got.background_step_s(0) == pytest.approx(got.diloco_step_s)
+    assert "delay=5 would hide the outer exchange: about 10.0 ms" in got.verdict()
+    # An exchange longer than H - 1 steps cannot hide; nor can anything without compute.
+    assert got._replace(outer_s=0.2).background_delay is None
+    assert "background" not in got._replace(outer_s=0.2).verdict()
+    assert got._replace(compute_s=0.0).background_delay is None
+
+
 def test_autotune_says_whether_diloco_would_pay_on_the_link(monkeypatch):
     _timed(monkeypatch, _bytegrad_ms(uncompressed=50.0))  # the chosen step: 20 ms
     count = sum(np.size(x) for x in jax.tree.leaves(_params()))
