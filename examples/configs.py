@@ -10,6 +10,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import optax
+
 import jax_bytegrad
 
 # Simulated layout on CPU: the smallest one where both the "node" and the "local" hop exist.
@@ -135,6 +137,16 @@ def qadam_warning(config: Config) -> str | None:
     )
 
 
+def _diloco(config: Config) -> dict[str, Any]:
+    """DiLoCo's H, and the outer step docs/diloco.md recommends for H from 10 to 50: Nesterov
+    SGD at 0.7 with momentum 0.6, within 5% of ByteGrad on this language model at 1000 steps
+    where DiLoCo's own default (momentum 0.9) ended 39-41% above at H = 10."""
+    return {
+        "inner_steps": config.diloco_inner_steps,
+        "outer_optimizer": optax.sgd(0.7, momentum=0.6, nesterov=True),
+    }
+
+
 def _qadam(config: Config) -> dict[str, Any]:
     # QAdam's defaults, Adam's eps included: its second moment keeps being updated after
     # warm-up (from the gradient recovered from the decoded momenta), and both models train
@@ -166,6 +178,6 @@ assert tuple(ALGORITHMS) == jax_bytegrad.ALGORITHMS, "one registry entry per lib
 # What --algorithm takes besides Bagua's six: DiLoCo (docs/diloco.md), run by name only. The
 # comparison (--compare) runs ALGORITHMS alone: the README records its table as printed.
 EXTRA_ALGORITHMS: dict[str, Algorithm] = {
-    "diloco": Algorithm(lambda config: {"inner_steps": config.diloco_inner_steps}),
+    "diloco": Algorithm(_diloco),
 }
 RUNNABLE = {**ALGORITHMS, **EXTRA_ALGORITHMS}

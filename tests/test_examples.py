@@ -281,6 +281,11 @@ def test_diloco_runs_by_name_and_not_in_the_comparison():
     args = train.parse_args(["--algorithm", "diloco", "--diloco-inner-steps", "2", "--steps", "4"])
     config = dataclasses.replace(train.config_from_args(args), progress=False, batch_size=64)
     assert config.algorithm == "diloco" and config.diloco_inner_steps == 2
+    # The outer step docs/diloco.md recommends for small H: Nesterov 0.7 / 0.6, whose first
+    # update of a pseudo-gradient g is -0.7 (1 + 0.6) g.
+    outer = train.RUNNABLE["diloco"].kwargs(config)["outer_optimizer"]
+    update, _ = outer.update(np.ones(3, np.float32), outer.init(np.zeros(3, np.float32)))
+    np.testing.assert_allclose(update, -1.12, rtol=1e-6)
     result = train.train_and_evaluate(config)
     assert len(result.losses) == 4 and np.isfinite(result.test_loss)
     assert 0 < result.node_bytes_average < result.baseline_node_bytes  # every 2nd step only
