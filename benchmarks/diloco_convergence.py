@@ -230,8 +230,8 @@ def report(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> Path:
-    """One panel per task and mesh: test loss against inner steps, ByteGrad and H = 1..100
-    (8-bit outer exchanges), and plain averaging dashed."""
+    """One panel per task and mesh: test loss against inner steps, ByteGrad, H = 1..100 (8-bit
+    outer exchanges) and other outer steps, and plain averaging dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +241,8 @@ def plot(results: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=True):
         for variant, run in results[key].items():
-            if variant == BASE or variant.endswith(("8-bit", "averaging")):
+            outer = OUTER_PREFIX in variant
+            if variant == BASE or variant.endswith(("8-bit", "averaging")) or outer:
                 style = {"color": "black", "linewidth": 2} if variant == BASE else {}
                 if variant.endswith("averaging"):
                     style = {"linestyle": "--"}
