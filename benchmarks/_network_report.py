@@ -40,11 +40,12 @@ def mbit_per_s(row: dict) -> float:
 def table(rows: list[dict]) -> str:
     head = (
         "| hosts | link | operation | median ms | vs float32 | MB sent/host | Mbit/s "
-        "| ring bound ms |"
+        "| ring bound ms | CPU ms/step |"
     )
-    lines = [head, "|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = [head, "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bound = "" if r["bound_ms"] is None else f"{r['bound_ms']:.0f}"
+        cpu = "" if r.get("cpu_ms") is None else f"{r['cpu_ms']:.1f}"  # older --json: none
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
         devices = r.get("devices", 1)  # per host; rows of older --json files have none
         hosts = f"{r['hosts']} x {devices}" if devices > 1 else f"{r['hosts']}"
@@ -52,7 +53,7 @@ def table(rows: list[dict]) -> str:
             f"| {hosts} | {rate_label(r['mbit'])}"
             f"{' + ' + format(r['delay_ms'], 'g') + ' ms' if r['delay_ms'] else ''} | "
             f"{r['op']} | {r['median_ms']:.1f} | {ratio} | {r['tx_mb']:.1f} | "
-            f"{mbit_per_s(r):.0f} | {bound} |"
+            f"{mbit_per_s(r):.0f} | {bound} | {cpu} |"
         )
     return "\n".join(lines)
 

@@ -16,7 +16,10 @@ Usage (root; without root it says so and exits 0)::
 other ops of the same run (``op@MB:KB`` both).
 
 The table gives each op's median step, its ratio to ``psum_f32`` in the same run, the bytes
-the host put on its link per step and the rate that makes (Mbit/s), and the ring bound.
+the host put on its link per step and the rate that makes (Mbit/s), the ring bound, and the
+CPU seconds the host's process spent per step, all its threads (the hosts' mean; ``--json``
+keeps each step's, ``cpu_s``): a collective that spun while it waited for the link would show
+there.
 
 The timed operations are the rows of a table in ``benchmarks/_network_ops.py`` (a builder
 ``(mesh, num_params) -> (jitted_fn, args)`` that runs in every worker process; ``--ops`` picks
@@ -89,6 +92,7 @@ def _worker(args) -> int:
     # lands on all of them alike instead of on whichever op was running at the time.
     times = {name: [] for name in args.ops}
     tx = {name: 0 for name in args.ops}
+    cpu = {name: [] for name in args.ops}
     if args.trace:
         # Each host's timed steps, for Perfetto or TensorBoard (one directory per host).
         jax.profiler.start_trace(
@@ -104,9 +108,10 @@ def _worker(args) -> int:
             if not alone:
                 multihost_utils.sync_global_devices(f"{name}-{step}")
             tx0 = _tx_bytes()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*fn_args))
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             tx1 = _tx_bytes()
             tx[name] += (tx1 - tx0) if tx0 is not None and tx1 is not None else float("nan")
     if args.trace:
@@ -120,9 +125,17 @@ def _worker(args) -> int:
         per_step = np.asarray(all_times).max(axis=0)
         # Bytes this host put on its link per timed step.
         sent = np.asarray(multihost_utils.process_allgather(np.asarray([tx[name] / args.steps])))
-        results[name] = {"steps_s": per_step.tolist(), "tx_bytes_per_host": float(sent.mean())}
+        # The process's CPU seconds in each timed step (every thread's: a collective that spun
+        # while it waited for the link would show here), the hosts' mean.
+        busy = np.asarray(multihost_utils.process_allgather(np.asarray(cpu[name]))).mean(axis=0)
+        results[name] = {"steps_s": per_step.tolist(), "tx_bytes_per_host": float(sent.mean()),
+                         "cpu_s": busy.tolist()}  # fmt: skip
         if info.process_id == 0:
-            print(f"{name}: median {1e3 * statistics.median(per_step):.1f} ms", flush=True)
+            print(
+                f"{name}: median {1e3 * statistics.median(per_step):.1f} ms, "
+                f"{1e3 * busy.mean():.1f} ms of CPU per step",
+                flush=True,
+            )
     if info.process_id == 0:
         Path(args.out).write_text(json.dumps(results))
     jax.distributed.shutdown()
@@ -317,6 +330,8 @@ def main(argv=None) -> int:
                                 "delay_ms": args.delay, "op": op,
                                 "median_ms": 1e3 * med, "steps_s": result[op]["steps_s"],
                                 "tx_mb": result[op]["tx_bytes_per_host"] / 1e6,
+                                "cpu_ms": 1e3 * statistics.mean(result[op]["cpu_s"]),
+                                "cpu_s": result[op]["cpu_s"],
                                 "bound_ms": report.ring_bound_ms(op, k, args.num_params, mbit),
                                 "ratio": None if base is None else med / base,
                             }

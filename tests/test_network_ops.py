@@ -42,3 +42,11 @@ def test_the_table_names_the_devices_per_host():
     assert "| 2 x 2 | 1 Gbit/s | train_local | 100.0 |" in _network_report.table([row])
     del row["devices"]  # a row of a --json file written before the option
     assert "| 2 | 1 Gbit/s | train_local |" in _network_report.table([row])
+
+
+def test_the_table_gives_the_cpu_seconds_per_step_where_measured():
+    row = {"hosts": 2, "mbit": 100.0, "delay_ms": None, "op": "psum_f32", "median_ms": 169.3,
+           "tx_mb": 2.0, "bound_ms": 160.0, "ratio": 1.0, "cpu_ms": 14.8}  # fmt: skip
+    assert _network_report.table([row]).endswith("| 160 | 14.8 |")
+    del row["cpu_ms"]  # a row of a --json file written before it was measured
+    assert _network_report.table([row]).endswith("| 160 |  |")
