@@ -91,7 +91,9 @@ def exchange_costs(mesh, params, batch, steps: int) -> None:
     print("| outer exchange | inner step ms | step with the exchange ms | exchange ms |")
     print("|---|---:|---:|---:|")
     # The process's first DiLoCo step ran its inner steps twice as slowly as every later one
-    # (16 against 31 ms at 2M parameters): the first setting runs once untimed.
+    # (31 against 16 ms at 2M parameters): page faults on the fresh mappings glibc's malloc
+    # makes until its mmap threshold has risen (runtime/hugepages.py; with GLIBC_TUNABLES=
+    # glibc.malloc.hugetlb=1, 20 against 17 ms). The first setting runs once untimed.
     first = next(iter(EXCHANGES.items()))
     for n, (label, kwargs) in enumerate([first, *EXCHANGES.items()]):
         strategy = jax_bytegrad.Strategy(
