@@ -16,7 +16,8 @@ ends the H steps (it carries the exchange and the outer step) less the median in
 (RESULTS.md, "The exchange in the background").
 
     python benchmarks/diloco_inner.py --params 2000000 --steps 40
-    taskset -c 0 python benchmarks/diloco_inner.py --exchange --steps 60   # one core, as --pin
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 taskset -c 0 \
+        python benchmarks/diloco_inner.py --exchange --steps 60   # one core, as --pin
 """
 
 import argparse
@@ -86,38 +87,43 @@ def diloco_step(mesh, params, batch):
     return run, text
 
 
-def exchange_costs(mesh, params, batch, steps: int) -> None:
-    """Prints, per outer exchange, the median step with the exchange less the median inner step."""
-    print("| outer exchange | inner step ms | step with the exchange ms | exchange ms |")
-    print("|---|---:|---:|---:|")
-    # The process's first DiLoCo step ran its inner steps twice as slowly as every later one
-    # (31 against 16 ms at 2M parameters): page faults on the fresh mappings glibc's malloc
-    # makes until its mmap threshold has risen (runtime/hugepages.py; with GLIBC_TUNABLES=
-    # glibc.malloc.hugetlb=1, 20 against 17 ms). The first setting runs once untimed.
-    first = next(iter(EXCHANGES.items()))
-    for n, (label, kwargs) in enumerate([first, *EXCHANGES.items()]):
-        strategy = jax_bytegrad.Strategy(
-            "diloco", mesh=mesh, inner_steps=10, delay=0, donate=True, **kwargs
-        )
-        with strategy.train_step(mlp_loss, optax.adam(1e-4)) as step:
-            state, times = step.init(params), []
-            for _ in range(20 + steps):  # two periods untimed: every program compiled
-                start = time.perf_counter()
-                state, _ = step(state, batch)
-                jax.block_until_ready(state)
-                times.append(time.perf_counter() - start)
-        times = 1e3 * np.asarray(times[20:])
-        ends = np.arange(9, len(times), 10)  # the 10th, 20th, ... timed step ends a period
-        inner, outer = np.median(np.delete(times, ends)), np.median(times[ends])
-        if n:
-            print(f"| {label} | {inner:.1f} | {outer:.1f} | {outer - inner:.1f} |")
-
-
 EXCHANGES = {
     "8-bit": {"bits": 8},
     "4-bit + error feedback": {"bits": 4, "error_feedback": True},
     "float32": {"bits": 32},
 }
+
+
+def exchange_step_ms(mesh, params, batch, steps: int, **settings) -> tuple[float, float]:
+    """(median inner step, median step that ends the H = 10 steps and carries the exchange)."""
+    strategy = jax_bytegrad.Strategy(
+        "diloco", mesh=mesh, inner_steps=10, delay=0, donate=True, **settings
+    )
+    with strategy.train_step(mlp_loss, optax.adam(1e-4)) as step:
+        state, times = step.init(params), []
+        for _ in range(20 + steps):  # two periods untimed: every program compiled
+            start = time.perf_counter()
+            state, _ = step(state, batch)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - start)
+    times = 1e3 * np.asarray(times[20:])
+    ends = np.arange(9, len(times), 10)  # the 10th, 20th, ... timed step ends a period
+    return float(np.median(np.delete(times, ends))), float(np.median(times[ends]))
+
+
+def exchange_costs(mesh, params, batch, steps: int) -> None:
+    """Prints, per outer exchange, the median step with the exchange less the median inner step."""
+    # The process's first DiLoCo step ran its inner steps twice as slowly as every later one
+    # (31 against 16 ms at 2M parameters): page faults on the fresh mappings glibc's malloc
+    # makes until its mmap threshold has risen (runtime/hugepages.py; with GLIBC_TUNABLES=
+    # glibc.malloc.hugetlb=1, as the launcher sets it, 20 against 17 ms). So one untimed run
+    # first; without the tunable the next setting's inner steps still ran slow in some runs.
+    exchange_step_ms(mesh, params, batch, steps, **EXCHANGES["8-bit"])
+    print("| outer exchange | inner step ms | step with the exchange ms | exchange ms |")
+    print("|---|---:|---:|---:|")
+    for label, settings in EXCHANGES.items():
+        inner, outer = exchange_step_ms(mesh, params, batch, steps, **settings)
+        print(f"| {label} | {inner:.1f} | {outer:.1f} | {outer - inner:.1f} |")
 
 
 def main() -> None:
