@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_replicas_bit_identical, assert_trees_all_close, assert_trees_all_equal
 
 import jax_bytegrad
-from jax_bytegrad._src.steps.diloco_schedule import Piece, split_chunks
+from jax_bytegrad._src.sharding.pieces import Piece, split_chunks
 from jax_bytegrad.checkpoint import Checkpointer
 
 NODES, LOCAL = 2, 4

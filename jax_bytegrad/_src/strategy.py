@@ -29,13 +29,13 @@ from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks, guard, qadam, transforms
 from jax_bytegrad._src import mesh as mesh_lib
+from jax_bytegrad._src.sharding.placement import check_shard
 from jax_bytegrad._src.steps import asynchronous, decentralized, diloco, pipelined
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import TrainStep
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep, data_parallel_step
 from jax_bytegrad._src.steps.loop_exchange import LoopSync
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
-from jax_bytegrad._src.steps.placement import check_shard
 from jax_bytegrad._src.sync import collectives
 from jax_bytegrad._src.sync.config import SyncConfig
 

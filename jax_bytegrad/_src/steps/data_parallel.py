@@ -40,6 +40,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.sharding import rule
+from jax_bytegrad._src.sharding.placement import (
+    StateLayout,
+    check_shard,
+    placement_of,
+    shapes_key,
+)
+from jax_bytegrad._src.sharding.rule import Shard
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
 from jax_bytegrad._src.steps import loop_exchange, loop_marks
 from jax_bytegrad._src.steps.accumulation import Accumulation
@@ -53,11 +61,8 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
-from jax_bytegrad._src.steps.placement import Layout, check_shard, placement_of, shapes_key
 from jax_bytegrad._src.steps.tracing import traced, traced_gradient
-from jax_bytegrad._src.sync import shards
 from jax_bytegrad._src.sync.patterns import make_varying
-from jax_bytegrad._src.sync.shards import Shard
 
 # The phase of the micro-steps that only accumulate (``accumulation.py``).
 ACCUMULATE = "accumulate"
@@ -86,7 +91,7 @@ class DataParallelStep(TrainStep):
                 raise ValueError(f"{algorithm}: a phase may not be named {ACCUMULATE!r}")
             self.phases = (ACCUMULATE, *self.phases)
             self._extra_keys = (accumulation_lib.ACCUMULATED,)
-        self._layouts: dict[Any, Layout] = {}
+        self._layouts: dict[Any, StateLayout] = {}
         # Per phase, what the sync does to a layer marked ``exchange_in_loop`` inside the
         # backward loop (``loop_exchange.LoopSync``); a phase without one, and any phase of a
         # placement that cannot exchange in the loop or of a step that accumulates, leaves
@@ -141,8 +146,8 @@ class DataParallelStep(TrainStep):
             return state
         if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
             batch = global_batch(batch, self.mesh, self._axes)
-        calls = self.placement.mark_calls(
-            self.model, self.loss_fn, self.has_aux, self._layout(state.params),
+        calls = self._mark_calls(
+            self._layout(state.params),
             abstract(state.params), abstract(batch), self.model.inputs(state),
         )  # fmt: skip
         key = shapes_key(state.params)
@@ -152,10 +157,39 @@ class DataParallelStep(TrainStep):
         init = self._init_program(self._layout(state.params))
         return state._replace(opt_state=(init.eval_shape if shapes else init)(state.params))
 
+    def _mark_calls(self, layout: StateLayout, params, batch, model_inputs):
+        """The loss's ``exchange_in_loop`` calls (``loop_marks.mark_calls``), from one trace
+        of the step's gradient on ``params`` and the global ``batch`` (shapes), laid out as
+        ``layout`` says, with ``model_inputs`` (``ModelState.inputs``)."""
+        placement, found = self.placement, []
+
+        def probe(fn, args):
+            found.append(loop_marks.mark_calls(fn, len(layout.dims), *args))
+            return fn, (), None
+
+        grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, probe)
+
+        def loss(params, batch, *model_inputs):
+            outputs = grad_fn(params, batch, *model_inputs)[0]
+            return jax.lax.pmean(outputs[0], placement.manual_axes)
+
+        in_specs = (layout.params, P(self._axes), *(P(),) * len(model_inputs))
+        jax.eval_shape(placement.shard_map(loss, in_specs, P()), params, batch, *model_inputs)
+        return found[0]
+
+    def _accumulated(self, params) -> dict:
+        """``extra``'s accumulator as placed ``ShapeDtypeStruct``s; empty without one."""
+        if self.accumulation is None:
+            return {}
+        placement = self.placement
+        specs, rows = placement.accumulator_specs(params), placement.accumulator_rows
+        acc = accumulation_lib.shapes(params, self.mesh, self.accumulation, specs, rows)
+        return {accumulation_lib.ACCUMULATED: acc}
+
     def _expected_opt_state(self, params):
         return jax.eval_shape(self._init_fn(), params)
 
-    def _layout(self, params) -> Layout:
+    def _layout(self, params) -> StateLayout:
         """The specs of a state whose params are ``params`` (arrays or shapes), as the
         placement gives them for their shapes (and the marks the state was fitted to,
         ``_fit_state``)."""
@@ -164,8 +198,8 @@ class DataParallelStep(TrainStep):
         if key not in self._layouts:
             placement = self.placement
             shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), params)
-            acc = placement.accumulated(shapes, self.accumulation)
-            self._layouts[key] = Layout(
+            acc = self._accumulated(shapes)
+            self._layouts[key] = StateLayout(
                 key,
                 placement.dims(shapes),
                 placement.param_specs(shapes),
@@ -178,7 +212,7 @@ class DataParallelStep(TrainStep):
     def _shardings(self, specs):
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), specs)
 
-    def _init_program(self, layout: Layout):
+    def _init_program(self, layout: StateLayout):
         """The optimizer's init, jitted to place its state where it lives."""
         return jax.jit(
             self._init_fn(),
@@ -189,9 +223,7 @@ class DataParallelStep(TrainStep):
     def _init(self, params) -> StepState:
         params = self.placement.place(host_copy(params))
         layout = self._layout(params)
-        extra = jax.tree.map(
-            accumulation_lib.zeros, self.placement.accumulated(params, self.accumulation)
-        )
+        extra = jax.tree.map(accumulation_lib.zeros, self._accumulated(params))
         return StepState(count(0), params, self._init_program(layout)(params), extra)
 
     def _state_shapes(self, params) -> StepState:
@@ -202,12 +234,12 @@ class DataParallelStep(TrainStep):
             self._shardings(layout.params),
         )
         opt_state = self._init_program(layout).eval_shape(params)
-        accumulated = self.placement.accumulated(params, self.accumulation)
+        accumulated = self._accumulated(params)
         return StepState(count(0), params, opt_state, accumulated)
 
     # The program. -------------------------------------------------------------------------
 
-    def _gradient(self, layout: Layout, phase: str | None = None):
+    def _gradient(self, layout: StateLayout, phase: str | None = None):
         """``(params, batch, *model_inputs) -> ((loss, aux, model_state), grads, order,
         exchanged, residuals)``: what the placement hands the optimizer: each device's
         gradient, or its node's sums in blocks; ``exchanged`` says, per leaf, which the
@@ -305,7 +337,7 @@ class DataParallelStep(TrainStep):
     def _phase_name(self, phase):
         return phase if phase is not None else next(iter(self._optimizers))
 
-    def _layout_of(self, params, opt_state) -> Layout:
+    def _layout_of(self, params, opt_state) -> StateLayout:
         """``params``' layout; without them (a replicated step), the one ``opt_state`` gives."""
         if params is not None:
             return self._layout(params)
@@ -315,9 +347,9 @@ class DataParallelStep(TrainStep):
                 "or their shapes): they fix the layout"
             )
         specs = None if opt_state is None else self.placement.state_specs(opt_state, None)
-        return Layout(None, None, P(), specs, None, None)
+        return StateLayout(None, None, P(), specs, None, None)
 
-    def _per_device(self, phase: str, layout: Layout) -> Callable:
+    def _per_device(self, phase: str, layout: StateLayout) -> Callable:
         gradient, placement = self._gradient(layout, phase), self.placement
         accumulation = self.accumulation
         accumulating = accumulation is not None
@@ -352,7 +384,7 @@ class DataParallelStep(TrainStep):
 
         return step
 
-    def _specs_of(self, phase, layout: Layout) -> tuple[tuple, tuple]:
+    def _specs_of(self, phase, layout: StateLayout) -> tuple[tuple, tuple]:
         """The global in and out specs of a phase's program, the batch's last."""
         params, specs = layout.params, layout.opt_state
         metrics = (P(),) * (1 + self.has_aux + self.model.has_state)
@@ -370,7 +402,7 @@ class DataParallelStep(TrainStep):
         with ``shard=`` or accumulation, pass ``params`` (or their shapes) too."""
         return self._mapped(self._phase_name(phase), self._layout_of(params, opt_state))
 
-    def _mapped(self, phase: str, layout: Layout) -> Callable:
+    def _mapped(self, phase: str, layout: StateLayout) -> Callable:
         in_specs, out_specs = self._specs_of(phase, layout)
         return self.placement.shard_map(self._per_device(phase, layout), in_specs, out_specs)
 
@@ -404,9 +436,9 @@ class DataParallelStep(TrainStep):
         outputs = functools.partial(self._outputs, phase=phase)
         return Program(fn, inputs, outputs)
 
-    def _inputs(self, state, batch, *, phase, layout: Layout):
+    def _inputs(self, state, batch, *, phase, layout: StateLayout):
         # ``layout`` is the one ``program`` found for these params' shapes: not looked up again.
-        shards.check_placed((state.params, state.opt_state), (layout.params, layout.opt_state),
+        rule.check_placed((state.params, state.opt_state), (layout.params, layout.opt_state),
                             self.mesh, f"{self.algorithm} (shard={self.shard!r})")  # fmt: skip
         batch = global_batch(batch, self.mesh, self._axes)
         model = self.model.inputs(state)

@@ -45,9 +45,9 @@ fragment, with error feedback each chunk's residuals, with ``delay`` > 1 the exc
 flight (each node's params when its exchange started, and the means received), and in the
 background what each fragment's exchange lands, per node. The fragment
 schedule follows from ``state.step``, so a checkpoint of the state resumes bit-exact. With
-``shard=`` the data-parallel step's placement objects (``placement.py``) split the node's state
-within the node, the global params and outer state with it (``diloco_layout.py``): each device
-runs the inner and outer updates on its blocks.
+``shard=`` the data-parallel step's placement objects (``sharding/placement.py``) split the
+node's state within the node, the global params and outer state with it
+(``sharding/diloco.py``): each device runs the inner and outer updates on its blocks.
 """
 
 import functools
@@ -63,6 +63,21 @@ from jax.sharding import PartitionSpec as P
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.runtime.programs import Dispatcher
+from jax_bytegrad._src.sharding import rule
+from jax_bytegrad._src.sharding.diloco import (
+    GLOBAL,
+    LANDING,
+    OUTER,
+    RECEIVED,
+    RESIDUALS,
+    STARTED,
+    DiLoCoLayout,
+    diloco_layout,
+    fragment,
+    merged,
+)
+from jax_bytegrad._src.sharding.placement import check_shard, placement_of
+from jax_bytegrad._src.sharding.rule import Shard
 from jax_bytegrad._src.steps.base import (
     Program,
     StepState,
@@ -72,23 +87,9 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.steps.diloco_exchange import Exchanges, mean_over_process
-from jax_bytegrad._src.steps.diloco_layout import (
-    GLOBAL,
-    LANDING,
-    OUTER,
-    RECEIVED,
-    RESIDUALS,
-    STARTED,
-    Layout,
-    fragment,
-    layout_of,
-    merged,
-)
 from jax_bytegrad._src.steps.diloco_schedule import INNER, Schedule
 from jax_bytegrad._src.steps.model_state import ModelState
-from jax_bytegrad._src.steps.placement import check_shard, placement_of
 from jax_bytegrad._src.steps.tracing import traced
-from jax_bytegrad._src.sync import shards
 from jax_bytegrad._src.sync.collectives import mesh_residuals
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
@@ -98,7 +99,6 @@ from jax_bytegrad._src.sync.config import (
     platform_of,
 )
 from jax_bytegrad._src.sync.patterns import make_varying
-from jax_bytegrad._src.sync.shards import Shard
 
 # ``bits`` of a float32 exchange between nodes.
 FLOAT32 = 32
@@ -184,7 +184,7 @@ class _DiLoCo(Exchanges, TrainStep):
         self._treedef = None
         self.shard = shard
         self.placement = placement_of(shard, mesh, axes)
-        self._layout: Layout | None = None  # the state's specs and fragments, at first init
+        self._layout: DiLoCoLayout | None = None  # the state's specs and fragments, at first init
 
     @property
     def _feedback(self) -> bool:
@@ -203,8 +203,8 @@ class _DiLoCo(Exchanges, TrainStep):
 
     def _plan(self, params) -> None:
         """Splits ``params`` into fragments and lays out the state, once."""
-        layout = layout_of(self.placement, self.optimizer, self.outer, params, self.fragments,
-                           self._feedback, self.schedule.chunks, self.background)  # fmt: skip
+        layout = diloco_layout(self.placement, self.optimizer, self.outer, params, self.fragments,
+                               self._feedback, self.schedule.chunks, self.background)  # fmt: skip
         if self._layout is not None and layout.fragments != self._layout.fragments:
             raise ValueError(
                 "diloco: this step split the params of its first init into fragments, and "
@@ -373,7 +373,7 @@ class _DiLoCo(Exchanges, TrainStep):
         """``batch`` over the mesh, once ``state`` is found placed as the step keeps it: a
         state placed otherwise (restored onto the bare mesh, say) is refused, naming
         state_shapes, as the data-parallel step refuses it."""
-        shards.check_placed((state.params, state.opt_state), self._layout.stacked(self._axes),
+        rule.check_placed((state.params, state.opt_state), self._layout.stacked(self._axes),
                             self.mesh, "diloco")  # fmt: skip
         return global_batch(batch, self.mesh, self._axes)
 

@@ -2,8 +2,8 @@
 background, in a program of its own beside the next inner steps.
 
 ``Exchanges`` is mixed into the DiLoCo ``TrainStep`` (``diloco.py``), whose layout
-(``diloco_layout.py``), schedule (``diloco_schedule.py``), placement and settings it reads.
-Per device, in the placement's update frame (``placement.py``), an exchange of fragment f:
+(``sharding/diloco.py``), schedule (``diloco_schedule.py``), placement and settings it reads.
+Per device, in the placement's update frame (``sharding/placement.py``), an exchange of fragment f:
 
     delta = global_f - x_f                 the pseudo-gradient of the node's pieces x_f
     mean  = mean over nodes of delta       sync_mean (8- or 4-bit codes) or float32
@@ -30,8 +30,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src.runtime.programs import Dispatcher
-from jax_bytegrad._src.steps.base import LoweredPrograms, Program, StepState
-from jax_bytegrad._src.steps.diloco_layout import (
+from jax_bytegrad._src.sharding.diloco import (
     GLOBAL,
     LANDING,
     OUTER,
@@ -40,6 +39,7 @@ from jax_bytegrad._src.steps.diloco_layout import (
     STARTED,
     merged,
 )
+from jax_bytegrad._src.steps.base import LoweredPrograms, Program, StepState
 from jax_bytegrad._src.steps.diloco_schedule import LAND, START
 from jax_bytegrad._src.steps.tracing import traced
 from jax_bytegrad._src.sync.collectives import sync_full_precision, sync_mean

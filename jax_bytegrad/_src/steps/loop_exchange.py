@@ -28,6 +28,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.sharding import rule
 from jax_bytegrad._src.steps import interpret, loop_marks
 from jax_bytegrad._src.steps.loop_marks import (
     MARK,
@@ -346,7 +347,7 @@ def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, res
 
     def mean(cts, extra):
         pairs = zip(cts, dims, strict=True)
-        specs = tuple(shards.spec(d, np.ndim(x), local_axis) for x, d in pairs)
+        specs = tuple(rule.spec(d, np.ndim(x), local_axis) for x, d in pairs)
         abstract = jax.sharding.get_abstract_mesh()
 
         def run_blocks(*xs):

@@ -37,11 +37,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate, state_specs
-from jax_bytegrad._src.steps import accumulation as accumulation_lib
-from jax_bytegrad._src.steps import loop_marks
+from jax_bytegrad._src.sharding import rule
+from jax_bytegrad._src.sharding.rule import Shard
 from jax_bytegrad._src.sync import shards
 from jax_bytegrad._src.sync.config import platform_of
-from jax_bytegrad._src.sync.shards import Shard, Sharded
+from jax_bytegrad._src.sync.shards import Sharded
 
 # With shard="params" on GPUs: the largest combined reduce-scatter within the node. XLA:GPU's
 # combiner (30 MiB) would merge the gradient's reduce-scatters after the last one, holding every
@@ -68,7 +68,7 @@ def _project_all(tree, keep: frozenset):
     return jax.tree.map(lambda s: _project(s, keep), tree, is_leaf=lambda x: isinstance(x, P))
 
 
-class Layout(NamedTuple):
+class StateLayout(NamedTuple):
     """A state's global specs, from its params' shapes alone (``DataParallelStep._layout``).
 
     Attributes:
@@ -90,7 +90,7 @@ class Layout(NamedTuple):
 
 
 def shapes_key(params) -> tuple:
-    """What a ``Layout`` is computed from: the params' structure, shapes and dtypes."""
+    """What a ``StateLayout`` is computed from: the params' structure, shapes and dtypes."""
     leaves, treedef = jax.tree.flatten(params)
     return treedef, tuple((np.shape(x), np.dtype(x.dtype)) for x in leaves)
 
@@ -131,14 +131,6 @@ class Placement:
         """The optimizer state's global specs."""
         del params
         return state_specs(opt_state, node_axis=self.axes[0], local_axis=self.axes[1])
-
-    def accumulated(self, params, accumulation) -> dict:
-        """``extra``'s accumulator as placed ``ShapeDtypeStruct``s; empty without one."""
-        if accumulation is None:
-            return {}
-        specs, rows = self.accumulator_specs(params), self.accumulator_rows
-        acc = accumulation_lib.shapes(params, self.mesh, accumulation, specs, rows)
-        return {accumulation_lib.ACCUMULATED: acc}
 
     def accumulator_specs(self, params):
         """The accumulator's spec per leaf: a leading axis of one row per device."""
@@ -221,13 +213,15 @@ class OptimizerSharded(Placement):
     shard = "optimizer"
 
     def dims(self, params):
-        return shards.split_dims(params, self.local)
+        return rule.split_dims(params, self.local)
 
     def update_specs(self, params):
-        return shards.leaf_specs(params, self.axes[1], self.local)
+        return rule.leaf_specs(params, self.axes[1], self.local)
 
     def state_specs(self, opt_state, params):
-        return shards.state_specs(opt_state, params, axes=self.axes, local=self.local)
+        return rule.split_state_specs(
+            opt_state, params, axis=self.axes[1], parts=self.local, devices=self.axes
+        )
 
     def accumulator_specs(self, params):
         """One row per node, each split within the node as its leaf is."""
@@ -288,7 +282,7 @@ class ParamsSharded(OptimizerSharded):
     exchanges_in_loop = True
 
     def param_specs(self, params):
-        return shards.leaf_specs(params, self.axes[1], self.local)
+        return rule.leaf_specs(params, self.axes[1], self.local)
 
     def place(self, params):
         return jax.tree.map(
@@ -322,25 +316,6 @@ class ParamsSharded(OptimizerSharded):
         if exchange is not None:
             return run
         return lambda *args: run(*args)[:2]
-
-    def mark_calls(self, model, loss_fn, has_aux, layout, params, batch, model_inputs):
-        """The loss's ``exchange_in_loop`` calls (``loop_marks.mark_calls``), from one trace
-        of the step's gradient on ``params`` and the global ``batch`` (shapes), laid out as
-        ``layout`` (the step's ``Layout``) says, with ``model_inputs`` (``ModelState.inputs``)."""
-        found = []
-
-        def probe(fn, args):
-            found.append(loop_marks.mark_calls(fn, len(layout.dims), *args))
-            return fn, (), None
-
-        grad_fn = self.value_and_grad(model, loss_fn, has_aux, probe)
-
-        def loss(params, batch, *model_inputs):
-            return jax.lax.pmean(grad_fn(params, batch, *model_inputs)[0][0], self.manual_axes)
-
-        in_specs = (layout.params, P(self.axes), *(P(),) * len(model_inputs))
-        jax.eval_shape(self.shard_map(loss, in_specs, P()), params, batch, *model_inputs)
-        return found[0]
 
     def check_gradient(self, closed, params, dims, where):
         warn_scanned_whole(closed, params, dims, where)
@@ -386,7 +361,7 @@ def placement_of(shard: Shard | None, mesh: Mesh, axes: tuple[str, str]) -> Plac
 def check_shard(shard, flatten: bool, where: str) -> None:
     """Validates ``shard=``."""
     if shard is not None:
-        checks.one_of(shard, shards.SHARDS, "shard", where)
+        checks.one_of(shard, rule.SHARDS, "shard", where)
         if flatten:
             raise ValueError(
                 f"{where}: shard={shard!r} splits each parameter within the node and "

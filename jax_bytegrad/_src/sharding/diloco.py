@@ -2,7 +2,7 @@
 
 Follows DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
 Models", 2023) with the node's state split as ZeRO splits it within a node (Rajbhandari et
-al., SC 2020), through the data-parallel step's placement objects (``placement.py``):
+al., SC 2020), through the data-parallel step's placement objects (``sharding/placement.py``):
 
     state.params      each node's params, stacked over nodes, split within the node as
                       the placement keeps params (shard="params": in blocks)
@@ -29,8 +29,8 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src.steps.diloco_schedule import Piece, split_chunks, split_fragments
-from jax_bytegrad._src.steps.placement import Placement
+from jax_bytegrad._src.sharding.pieces import Piece, split_chunks, split_fragments
+from jax_bytegrad._src.sharding.placement import Placement
 
 # The names ``state.extra`` holds.
 GLOBAL, OUTER, RESIDUALS = "global_params", "outer_opt_state", "residuals"
@@ -71,7 +71,7 @@ def _stack(specs, axes):
     return jax.tree.map(lambda s: _stacked(s, axes), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-class Layout(NamedTuple):
+class DiLoCoLayout(NamedTuple):
     """DiLoCo's state specs, and what each exchange sends, from the params' shapes alone.
 
     Attributes:
@@ -80,9 +80,9 @@ class Layout(NamedTuple):
       opt_state: one node's inner optimizer state's specs (unstacked).
       extra: ``state.extra``'s specs: the global params, the outer states, the residuals and
         the exchanges in flight.
-      fragments: per fragment, its ``Piece``s (``diloco_schedule.split_fragments``).
+      fragments: per fragment, its ``Piece``s (``pieces.split_fragments``).
       chunks: per fragment, the ``Piece``s each of its exchange's steps sends
-        (``diloco_schedule.split_chunks``).
+        (``pieces.split_chunks``).
       slots: ``(fragment, chunk)`` of each chunk that sends anything, in order: the index of
         its residuals and of its means in flight.
     """
@@ -100,9 +100,9 @@ class Layout(NamedTuple):
         return _stack(self.params, axes), _stack(self.opt_state, axes)
 
 
-def layout_of(placement: Placement, optimizer, outer, params, fragments: int, feedback: bool,
-              steps: int, background: bool = False) -> Layout:  # fmt: skip
-    """The ``Layout`` of a DiLoCo state of ``params`` (arrays or shapes) in ``fragments``
+def diloco_layout(placement: Placement, optimizer, outer, params, fragments: int, feedback: bool,
+                  steps: int, background: bool = False) -> DiLoCoLayout:  # fmt: skip
+    """The ``DiLoCoLayout`` of a DiLoCo state of ``params`` (arrays or shapes) in ``fragments``
     fragments, each exchanged over ``steps`` steps (``delay``, at least 1; 1 in the
     background); ``feedback``: with error feedback's residuals; ``background``: with what
     each exchange in the background lands."""
@@ -131,7 +131,7 @@ def layout_of(placement: Placement, optimizer, outer, params, fragments: int, fe
         extra[LANDING] = tuple(
             tuple(_stacked(update[p.leaf], placement.axes) for p in m) for m in members
         )
-    return Layout(
+    return DiLoCoLayout(
         dims,
         placement.param_specs(shapes),
         placement.state_specs(jax.eval_shape(optimizer.init, shapes), shapes),
