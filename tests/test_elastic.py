@@ -547,6 +547,29 @@ def test_a_restore_onto_a_layer_more_or_less_names_the_leaf(tmp_path, saved, res
     assert "relayout=True cannot help" in message and "pass relayout=True" not in message
 
 
+def test_a_restore_onto_a_leaf_of_another_shape_names_the_leaf_and_both_shapes(tmp_path):
+    # orbax's own error names neither leaf nor a remedy Checkpointer has (strict=False), and
+    # restore_or_init took it for an unreadable checkpoint ("move the directory away").
+    mesh = jax_bytegrad.make_mesh(1, 1)
+    with Checkpointer(tmp_path, every=1) as ckpt:
+        ckpt.save(1, _layers(2))
+        ckpt.wait()
+
+    def wider():  # the second layer 7 wide instead of 5
+        return {
+            "layers": [{"w": np.zeros((8, 4), np.float32)}, {"w": np.zeros((8, 7), np.float32)}]
+        }
+
+    want = r"\['layers'\]\[1\]\['w'\] is \[8, 5\] in the checkpoint, \[8, 7\] in the state"
+    with Checkpointer(tmp_path, every=1) as ckpt:  # a fresh one, as a restarted run has
+        with pytest.raises(ValueError, match=want) as raised:
+            ckpt.restore(1, wider, mesh)
+        assert "strict" not in str(raised.value) and "['layers'][0]" not in str(raised.value)
+        with pytest.raises(ValueError, match=want):
+            ckpt.restore_or_init(wider, mesh)
+        assert ckpt.steps == [1]  # not taken for an unreadable checkpoint, nor deleted
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

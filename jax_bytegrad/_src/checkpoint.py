@@ -170,6 +170,34 @@ def _differing_leaves(saved, target) -> str:
     )
 
 
+def _stored_shape(leaf) -> tuple:
+    """The shape orbax stores for a leaf of the target: a typed PRNG key's as its key data."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.eval_shape(jax.random.key_data, leaf).shape
+    return tuple(leaf.shape)
+
+
+def _other_shapes(saved, target) -> list[str]:
+    """The leaves that the saved tree (orbax's metadata) and `target` both have, by name, but
+    with other shapes: ``"['w'] is [8, 4] in the checkpoint, [8, 5] in the state"``. Empty when
+    the names differ too, which orbax's own structure check names (see `_differing_leaves`)."""
+    have = {_order(p): x for p, x in jax.tree.flatten_with_path(saved)[0]}
+    want = {_order(p): (p, x) for p, x in jax.tree.flatten_with_path(target)[0]}
+    if have.keys() != want.keys():
+        return []
+    out = []
+    for key in sorted(want):
+        path, leaf = want[key]
+        shape = getattr(have[key], "shape", None)
+        if shape is None or tuple(shape) in (tuple(leaf.shape), _stored_shape(leaf)):
+            continue
+        out.append(
+            f"{jax.tree_util.keystr(path)} is {list(shape)} in the checkpoint, "
+            f"{list(leaf.shape)} in the state"
+        )
+    return out
+
+
 def _async_options(ocp):
     """Orbax's async options: the step's directories made in ``save`` itself.
 
@@ -276,6 +304,9 @@ class Checkpointer:
                 cleanup_tmp_directories=True,  # what a killed process left half-written
                 async_options=_async_options(ocp),
             ),
+            # Named up front so that a fresh manager reads a step's metadata (restore checks
+            # the shapes in it) before its first save or restore, which would name it.
+            item_handlers=ocp.StandardCheckpointHandler(),
         )
         self._closed = False
         # A script that never closes its Checkpointer ends while the save runs in orbax's
@@ -336,7 +367,8 @@ class Checkpointer:
         Raises:
           ValueError: The checkpoint's structure differs (naming the leaves one has and the
             other lacks; advising ``relayout=True`` only where the same leaves sit at other
-            places), or with ``relayout``, its leaves differ.
+            places), a leaf has another shape (naming it, with the saved and the expected
+            shape), or with ``relayout``, its leaves differ.
         """
         ocp = _ocp()
         abstract = jax.eval_shape(init_fn)
@@ -347,6 +379,21 @@ class Checkpointer:
         )
         if relayout:
             return self._relayout(step, target)
+        # Checked here, not left to orbax: its error for a leaf of another shape names neither
+        # the leaf nor a remedy that Checkpointer offers (it advises strict=False, padding or
+        # truncating the array), and comes with a long traceback through its coroutines.
+        saved = self._manager.item_metadata(step)
+        other = _other_shapes(getattr(saved, "tree", saved), target)
+        if other:
+            listed = "; ".join(other[:3]) + (
+                f"; and {len(other) - 3} more" if len(other) > 3 else ""
+            )
+            raise ValueError(
+                f"Checkpointer: the checkpoint of step {step} in {self.directory} holds leaves "
+                f"of other shapes than the state to restore: {listed}. Restore with init_fn of "
+                "the model and optimizer that saved it, or start the changed model in another "
+                f"directory{_residuals_hint(abstract)}"
+            )
         try:
             return self._manager.restore(step, args=ocp.args.StandardRestore(target))
         except ValueError as e:
@@ -414,7 +461,8 @@ class Checkpointer:
 
         Raises:
           RuntimeError: There are checkpoints, but none could be read.
-          ValueError: `shardings` does not match the state's structure.
+          ValueError: `shardings` does not match the state's structure, or a checkpoint's
+            leaf has another shape than the state's (as in `restore`).
         """
         steps = self.steps
         failed = []
@@ -422,7 +470,10 @@ class Checkpointer:
             try:
                 state = self.restore(step, init_fn, shardings)
             except ValueError as e:
-                if "do not match the structure" in str(e):
+                # Another model, not an unreadable checkpoint: none is skipped or deleted.
+                if "of other shapes than the state" in str(
+                    e
+                ) or "do not match the structure" in str(e):
                     raise
                 failed.append((step, e))
                 continue
