@@ -285,6 +285,24 @@ def test_bad_model_state_arguments_are_refused():
             step(step.init(PARAMS), BATCH)
 
 
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [("gradient_allreduce", {}), ("decentralized", {}), ("bytegrad", {"pipeline": True})],
+    ids=["gradient_allreduce", "decentralized", "bytegrad-pipelined"],
+)
+def test_a_loss_returning_aux_without_has_aux_is_told_to_pass_it(name, kwargs):
+    # jax.grad's own error ("Gradient only defined for scalar-output functions") named neither
+    # the cause nor has_aux.
+    strategy = _strategy(name, **kwargs)
+    loss = lambda p, b: (jnp.mean((b @ p["w"]) ** 2), {"n": jnp.float32(1)})  # noqa: E731
+    with strategy.train_step(loss, _tx(name)) as step:
+        with pytest.raises(ValueError, match=r"\(loss, aux\).*pass has_aux=True"):
+            step(step.init(PARAMS), BATCH)
+    with strategy.train_step(loss, _tx(name), has_aux=True) as step:
+        _, metrics = step(step.init(PARAMS), BATCH)
+    assert float(np.asarray(metrics["aux"]["n"]).ravel()[0]) == 1.0
+
+
 def test_autotune_takes_the_model_state():
     strategy = _strategy("bytegrad")
     result = jax_bytegrad.autotune(

@@ -54,6 +54,34 @@ def step_key(rng: jax.Array, step, device) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(rng, step), device)
 
 
+def refuse_aux(out, has_aux: bool, where: str = "train step") -> None:
+    """Raises for a loss function's output that is ``(loss, aux)`` when the step was built
+    without ``has_aux``: a tuple or list whose first element is a scalar (a Python number, a
+    0-d array or tracer). jax.grad's own error there ("Gradient only defined for
+    scalar-output functions") names neither the cause nor the builder's argument."""
+    if has_aux or not isinstance(out, (tuple, list)) or not out:
+        return
+    first = out[0]
+    if isinstance(first, (int, float)) or getattr(first, "shape", None) == ():
+        raise ValueError(
+            f"{where}: loss_fn returned a {type(out).__name__} of {len(out)} whose first "
+            "element is a scalar, as (loss, aux) is, but the step was built without has_aux: "
+            "pass has_aux=True to the step builder (e.g. strategy.train_step(loss_fn, "
+            "optimizer, has_aux=True)) to get aux back from each step, or return the loss alone"
+        )
+
+
+def checked_loss(loss_fn, has_aux: bool):
+    """``loss_fn``, its output checked by `refuse_aux`: for steps that call it themselves."""
+
+    def loss(*args, **kwargs):
+        out = loss_fn(*args, **kwargs)
+        refuse_aux(out, has_aux)
+        return out
+
+    return loss
+
+
 def _dtype(leaf):
     """The dtype ``leaf`` gets on the devices (Python numbers included); None for no array."""
     try:
@@ -215,6 +243,7 @@ class ModelState:
                         f"model_state= has structure {expected}; return the state it was "
                         "given, updated"
                     )
+            refuse_aux(out, has_aux, where)
             value, aux = out if has_aux else (out, None)
             return value, (aux, model_state)
 

@@ -21,6 +21,7 @@ import optax
 
 from jax_bytegrad._src.codecs import resolve_implementation
 from jax_bytegrad._src.runtime.programs import Program, Schedule
+from jax_bytegrad._src.steps.model_state import checked_loss
 from jax_bytegrad._src.sync import buckets as bucketing
 from jax_bytegrad._src.sync import patterns
 from jax_bytegrad._src.sync import wire as wires
@@ -226,7 +227,8 @@ class Stages:
         self.step = step is not None
         self.has_aux = self.step and step.has_aux
         if self.step:
-            self.grad_fn = jax.value_and_grad(step.loss_fn, has_aux=step.has_aux)
+            loss_fn = checked_loss(step.loss_fn, step.has_aux)
+            self.grad_fn = jax.value_and_grad(loss_fn, has_aux=step.has_aux)
             self.optimizer, self.donate = step._optimizer, step._donate
         # The integer wire's bounds are of x + residual: known in the gradient's program
         # unless a float32 reduce-scatter within the node comes first.
