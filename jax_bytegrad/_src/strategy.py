@@ -72,10 +72,11 @@ def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
 
 
 def _loop_sync(s: "Strategy", *, compressed: bool, reduce_dtype=None, b1=None) -> LoopSync | None:
-    """What a ``shard="params"`` step of ``s`` runs on a layer marked ``exchange_in_loop``:
-    the sync of its optimizer, with the same settings (``b1``: of the momentum, as
-    ``LoopSync``); None for another ``shard=``."""
-    if s.setting("shard") != "params":
+    """What a ``shard="params"`` step of ``s`` runs on a layer marked ``exchange_in_loop``
+    (and a ``shard="full"`` step on every layer's gradient): the sync of its optimizer, with
+    the same settings (``b1``: of the momentum, as ``LoopSync``); None for another
+    ``shard=``."""
+    if s.setting("shard") not in ("params", "full"):
         return None
     names = _SYNC_CONFIG if compressed else ("node_axis", "local_axis")
     config = SyncConfig(**_pick(s.kwargs, names), where=s.algorithm)

@@ -5,7 +5,7 @@ Parameter Models", SC 2020) within a node, as PyTorch FSDP's hybrid sharding (HS
 GSPMD's way of gathering a sharded weight where it is used (Xu et al., "GSPMD: General and
 Scalable Parallelization for ML Computation Graphs", 2021), as MaxText and Levanter rely on.
 
-Three placements, each the whole answer for its setting (``placement_of``):
+Four placements, each the whole answer for its setting (``placement_of``):
 
     Replicated (shard=None)      every device holds the whole state; the step is manual over
                                  both mesh axes; the sync sums within the node itself
@@ -19,6 +19,11 @@ Three placements, each the whole answer for its setting (``placement_of``):
                                  at once. Its gradient arrives as the node's sum in blocks
                                  (a reduce-scatter within the node), and the update runs in a
                                  ``shard_map`` over "local" on those blocks.
+    FullSharded ("full")         as "params", with each leaf split across the nodes too: the
+                                 loss gets each layer gathered across the nodes as codes, and
+                                 its gradient reduce-scattered across them as integer codes,
+                                 both where the loss marks the layer (``exchange_in_loop``),
+                                 else before and after the loss.
 
 Each gives the step its specs (computed from the params' shapes alone, so no call order
 matters), the loss's gradient, the update's frame, and its compiler options; the sync side
@@ -108,6 +113,9 @@ class Placement:
     # Whether a layer marked ``exchange_in_loop`` can cross between nodes inside the backward
     # loop: only where the loss gets each layer's node sums (``ParamsSharded``).
     exchanges_in_loop = False
+    # Whether the loss gets the params gathered across nodes, and its gradient reduce-scattered
+    # across them (``FullSharded``): the step then needs its optimizer's sync settings.
+    gathers_across_nodes = False
 
     def __init__(self, mesh: Mesh, axes: tuple[str, str]):
         self.mesh, self.axes = mesh, axes
@@ -350,7 +358,61 @@ class ParamsSharded(OptimizerSharded):
         return None
 
 
-PLACEMENTS = {None: Placement, "optimizer": OptimizerSharded, "params": ParamsSharded}
+class FullSharded(ParamsSharded):
+    """``shard="full"``: params and state in blocks over every device of the mesh, nodes
+    included (FSDP's FULL_SHARD, ZeRO-3 across nodes).
+
+    Each leaf is split along one dimension over ``(node, local)``, node-major: inside the
+    step, manual over "node" only, a node holds its block of each leaf, split over "local" by
+    the partitioner. The loss gets the whole leaves gathered across the nodes where it uses
+    them (``loop_exchange.gatherer``: the layers marked ``exchange_in_loop`` inside the scan
+    body, the rest before the loss), as codes where the sync compresses
+    (``sync/across_nodes.py``), and their gradient comes back reduce-scattered across the
+    nodes, each node's blocks of the mean: the optimizer's sync has nothing left to send
+    (``Sharded.exchanged``), and each device updates its blocks in the frame manual over
+    "local" too.
+    """
+
+    shard = "full"
+    gathers_across_nodes = True
+
+    def __init__(self, mesh: Mesh, axes: tuple[str, str]):
+        super().__init__(mesh, axes)
+        self.parts = int(mesh.shape[axes[0]]) * self.local
+
+    def dims(self, params):
+        return rule.split_dims(params, self.parts)
+
+    def param_specs(self, params):
+        return rule.leaf_specs(params, self.axes, self.parts)
+
+    def update_specs(self, params):
+        return self.param_specs(params)
+
+    def state_specs(self, opt_state, params):
+        return rule.split_state_specs(
+            opt_state, params, axis=self.axes, parts=self.parts, devices=self.axes
+        )
+
+    def sharded(self, dims, accumulating, exchanged=()):
+        # A split leaf's gradient is every device's mean already, in this device's blocks; a
+        # leaf kept whole comes as the node's sum, which the sync averages as "params" does.
+        crossed = tuple(d is not None for d in dims)
+        return Sharded(self.axes[1], dims, summed=True, exchanged=crossed)
+
+    def node_mean(self, grads, dims):
+        raise ValueError(
+            "shard='full' splits the params across nodes: a node holds no whole model to "
+            "step on its own (DiLoCo, decentralized); use shard='params'"
+        )
+
+
+PLACEMENTS = {
+    None: Placement,
+    "optimizer": OptimizerSharded,
+    "params": ParamsSharded,
+    "full": FullSharded,
+}
 
 
 def placement_of(shard: Shard | None, mesh: Mesh, axes: tuple[str, str]) -> Placement:

@@ -106,6 +106,8 @@ class DataParallelStep(TrainStep):
         syncs = self._loop_syncs.values()
         self._feeding = next((s for s in syncs if s.feeds_back), None)
         self._fed: dict[Any, tuple] = {}
+        if self.placement.gathers_across_nodes:
+            _check_across_nodes(algorithm, self._optimizers, self._loop_syncs, accumulation)
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         taken = steps_taken
@@ -254,7 +256,10 @@ class DataParallelStep(TrainStep):
             what it needs (``LoopSync.from_state``)."""
             exchange, marked = grad_fn, []
             if loop is not None:
-                rewrite = loop_exchange.rewriter(loop, self.mesh, layout.dims, opt_state)
+                rewriter = loop_exchange.rewriter
+                if placement.gathers_across_nodes:
+                    rewriter = loop_exchange.gatherer
+                rewrite = rewriter(loop, self.mesh, layout.dims, opt_state)
                 run = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
 
                 def exchange(*args):
@@ -464,6 +469,34 @@ class DataParallelStep(TrainStep):
             metrics["aux"] = out.pop(0)
         extra.update(self.model.carried(state, out.pop(0) if self.model.has_state else None))
         return StepState(state.step, params, opt_state, extra), metrics
+
+
+def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation) -> None:
+    """Raises where a ``shard="full"`` step cannot run: the gradient crosses between nodes in
+    the loss's backward pass, so each phase needs its optimizer's sync settings (a
+    ``Strategy`` of gradient_allreduce, bytegrad or qadam gives them), and what that pass
+    cannot carry yet (error feedback, stochastic rounding, accumulation) is refused."""
+    where = f"{algorithm} (shard='full')"
+    if accumulation is not None:
+        raise ValueError(
+            f"{where}: optax.MultiSteps is not supported: each micro-step would reduce-scatter "
+            "its gradient across nodes; use shard='params', or a larger batch"
+        )
+    missing = [phase for phase in optimizers if phase not in loop_syncs]
+    if missing:
+        raise ValueError(
+            f"{where}: the gradient crosses between nodes inside the loss's backward pass, on "
+            "the optimizer's sync settings, which this step was not given; build it with "
+            "Strategy('gradient_allreduce' | 'bytegrad' | 'qadam', shard='full')"
+        )
+    for sync in loop_syncs.values():
+        if sync.feeds_back or sync.takes_key:
+            raise ValueError(
+                f"{where}: error_feedback=True and rounding='stochastic' are not supported: "
+                "the gradient's codes cross in the backward pass, which keeps no residuals or "
+                "keys; use error_feedback=False, rounding='nearest' (8 bits), or "
+                "shard='params'"
+            )
 
 
 def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int], str]]:

@@ -38,7 +38,7 @@ from jax_bytegrad._src.steps.loop_marks import (
     origin_of,
     scan_counts,
 )
-from jax_bytegrad._src.sync import collectives, shards
+from jax_bytegrad._src.sync import across_nodes, collectives, shards
 from jax_bytegrad._src.sync.config import Residuals, SyncConfig
 from jax_bytegrad._src.transforms import ByteGradState
 
@@ -298,7 +298,9 @@ class _Rewrite:
         policy, prevent_cse = eqn.params.get("policy"), eqn.params.get("prevent_cse", True)
         return jax.checkpoint(run, policy=policy, prevent_cse=prevent_cse)(*ins)
 
-    def _mark(self, ins, origins) -> list:
+    def _marked(self, origins) -> tuple[list[int], list[int | None]]:
+        """The leaves a mark's inputs are, and each one's split dimension as the mark sees it
+        (one less for a loop's slice)."""
         leaves = []
         for o in origins:
             if o is None or o[1] == "const":
@@ -320,6 +322,10 @@ class _Rewrite:
                     )
                 dim -= 1
             dims.append(dim)
+        return leaves, dims
+
+    def _mark(self, ins, origins) -> list:
+        leaves, dims = self._marked(origins)
         moments = [self.moments[leaf] for leaf in leaves] if self.sync.b1 is not None else []
         # One key per call: the sync draws each bucket's and device's own from it. It goes in
         # as its data, with its implementation beside.
@@ -330,6 +336,18 @@ class _Rewrite:
         residuals = self.residuals[leaves[0]] if self.sync.feeds_back else []
         exchanging = _exchanging(self, tuple(dims), len(moments), impl, len(residuals))
         return list(exchanging(*ins, *moments, *key, *residuals))
+
+
+class _Gather(_Rewrite):
+    """A rewrite for a state split across nodes (``shard="full"``): each mark gathers its
+    layer's blocks across the nodes where the loss uses them, and its backward reduce-scatters
+    the layer's gradient across the nodes (``gathering``)."""
+
+    def _mark(self, ins, origins) -> list:
+        leaves, dims = self._marked(origins)
+        moments = [self.moments[leaf] for leaf in leaves] if self.sync.b1 is not None else []
+        devices = int(np.prod([self.mesh.shape[a] for a in self.sync.config.axes]))
+        return list(gathering(self.sync, tuple(dims), devices)(*ins, *moments))
 
 
 def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, residuals: int = 0):
@@ -453,5 +471,95 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
             fed = (calls, loop_marks.residual_sizes(calls, shapes, config, (n, local)))
             residuals = loop_marks.fed_residuals(state_residuals, fed[1], local)
         return with_exchange(fn, sync, mesh, dims, count, ms, keys, fed), marked, residuals
+
+    return rewrite
+
+
+def gathering(sync: LoopSync, dims: tuple, devices: int):
+    """For a state split across nodes: ``(*blocks, *moments) -> leaves``, each node's blocks
+    of a layer (split along ``dims`` over the nodes) gathered across the nodes
+    (``across_nodes.gather_weights``), typed as varying over the nodes so that the cotangent
+    that comes back is the node's own sum. Its backward reduce-scatters that sum across the
+    nodes (``across_nodes.scatter_gradient``): each node's blocks of the mean over the
+    ``devices``. A leaf kept whole (``dims[i]`` None) is neither gathered nor reduced: its
+    gradient comes back as the node's sum, which the optimizer's sync averages (it is not
+    in ``Sharded.exchanged``). With ``sync.b1`` it takes the layer's ``m`` (blocks, as the
+    params) after the blocks, and its backward returns the mean momentum ``b1 m + (1 - b1) g``
+    instead, as ``qadam``'s compressed phase takes an exchanged layer (the cotangent of ``m``
+    is zero): the gradient's codes cross, not the momentum's."""
+    config, node_axis = sync.config, sync.config.node_axis
+    count = len(dims)
+    weight = 1.0 / devices if sync.average else 1.0
+
+    @jax.custom_vjp
+    def gather(*xs):
+        pairs = zip(xs[:count], dims, strict=True)
+        full = (across_nodes.gather_weights(x, d, config, sync.compressed) for x, d in pairs)
+        return tuple(_varying(x, (node_axis,)) for x in full)
+
+    def fwd(*xs):
+        return gather(*xs), xs[count:]
+
+    def bwd(moments, cts):
+        means = []
+        for i, (ct, dim) in enumerate(zip(cts, dims, strict=True)):
+            if dim is None:  # a leaf kept whole: the optimizer's sync averages it
+                means.append(ct)
+                continue
+            mean = across_nodes.scatter_gradient(ct, dim, config, sync.compressed, weight)
+            if sync.b1 is not None:
+                mean = optax.tree.update_moment(mean, moments[i], sync.b1, 1)
+            means.append(_varying(mean, (node_axis,)))
+        return (*means, *(jax.numpy.zeros_like(m) for m in moments))
+
+    gather.defvjp(fwd, bwd)
+    return gather
+
+
+def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
+    """``(fn, args) -> (fn rewritten, (), None)``, for ``ModelState.value_and_grad_rows`` of a
+    state split across nodes: ``fn`` takes each node's blocks of the params (``args[0]``),
+    and the rewritten ``fn`` gathers them across the nodes where the loss uses them: the
+    layers it marks with ``exchange_in_loop`` at the mark (inside the scan body, inside the
+    checkpoint), the other leaves before the loss. The gradient that comes back is each
+    node's blocks of the mean over every device (``gathering``); with ``sync.b1``, of the
+    mean momentum on the optimizer state's ``m``."""
+    moments = sync.from_state(opt_state)[0] if sync.b1 is not None else None
+    nodes = mesh.shape[sync.config.node_axis]
+    devices = nodes * mesh.shape[sync.config.local_axis]
+
+    def whole(x, dim):
+        # A stand-in of the gathered leaf for the trace: the loss is traced on whole shapes.
+        shape = list(np.shape(x))
+        if dim is not None:
+            shape[dim] *= nodes
+        return _varying(jax.numpy.zeros(shape, x.dtype), (sync.config.node_axis,))
+
+    def rewrite(fn, args):
+        count = len(dims)
+        leaves, treedef = jax.tree.flatten(args[0])
+        wholes = [whole(x, d) for x, d in zip(leaves, dims, strict=True)]
+        stand_in = jax.tree.unflatten(treedef, wholes)
+        calls = loop_marks.mark_calls(fn, count, stand_in, *args[1:])
+        marked = loop_marks.marked_leaves(calls, count)
+        rest = [i for i, m in enumerate(marked) if not m]
+        ms = {i: m for i, m in enumerate(moments)} if moments is not None else {}
+        gather_rest = gathering(sync, tuple(dims[i] for i in rest), devices)
+
+        def gathered(params, *others):
+            leaves = jax.tree.leaves(params)
+            extra = [ms[i] for i in rest] if moments is not None else []
+            for i, x in zip(rest, gather_rest(*(leaves[i] for i in rest), *extra), strict=True):
+                leaves[i] = x
+            closed, shape = jax.make_jaxpr(fn, return_shape=True)(stand_in, *others)
+            invars = closed.jaxpr.invars[:count]
+            origin = {v: (i, "whole") for i, v in enumerate(invars) if marked[i]}
+            marks = {i: m for i, m in ms.items() if marked[i]}
+            gather = _Gather(sync, mesh, dims, moments=marks)
+            args = [*leaves, *jax.tree.leaves(others)]
+            outs = gather.eval(closed.jaxpr, closed.consts, args, origin)
+            return jax.tree.unflatten(jax.tree.structure(shape), outs)
+
+        return gathered, (), None
 
     return rewrite

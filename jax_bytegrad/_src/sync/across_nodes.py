@@ -1,0 +1,117 @@
+"""The wire of a state split across nodes (``shard="full"``): weights gathered as codes,
+gradients reduce-scattered as integer codes.
+
+Follows ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant
+Model Training", 2023): with the state split over every device (FSDP's FULL_SHARD), each step
+gathers the weights across nodes for the forward pass (and again for the backward pass, where
+the model recomputes a layer under ``jax.checkpoint``) and reduce-scatters the gradient across
+nodes. Here the part that crosses between nodes is compressed, per layer, in the frame that is
+manual over the node axis (the partitioner carries the axis within the node):
+
+    gather_weights     the node's block of a leaf, quantized block-wise (min-max, ``bits``,
+                       nearest rounding: ZeRO++'s qwZ), codes and headers all-gathered over
+                       the nodes, decoded: every node computes on the same decoded weights.
+                       The float32 master block stays with its owner, unchanged.
+    scatter_gradient   the node's sum of a leaf's gradient, cut into one piece per node along
+                       the split dimension, coded on the integer wire's shared grid
+                       (``codecs/integer.py``: bounds, one ``pmax``, encode) and summed by one
+                       integer ``psum_scatter`` over the nodes: each node decodes its own
+                       piece's sum, times ``weight``.
+
+With ``compressed=False`` both are float32 (``all_gather`` and ``psum_scatter``): FSDP's
+exact baseline. A leaf kept whole (``dim`` None: a scalar, a leaf no dimension of which the
+devices divide) is not gathered, and the optimizer's sync averages its gradient.
+
+Non-finite values stay visible: a weight block holding NaN decodes to NaN (the min-max codec),
+and a gradient block holding NaN or +-inf on any node decodes to NaN on its owner (the integer
+wire's bounds).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_bytegrad._src.codecs import Codec, dequantize_blocks, integer, quantize_blocks
+from jax_bytegrad._src.sync.config import SyncConfig, platform_of
+
+
+def _pieces(x: jax.Array, dim: int, parts: int) -> jax.Array:
+    """``x`` cut into ``parts`` equal pieces along ``dim``: shape (parts, size / parts)."""
+    shape = x.shape
+    cut = x.reshape(*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :])
+    return jnp.moveaxis(cut, dim, 0).reshape(parts, -1)
+
+
+def _joined(pieces: jax.Array, dim: int, block_shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of ``_pieces``: (parts, n) pieces of ``block_shape`` joined along ``dim``."""
+    parts = pieces.shape[0]
+    stacked = pieces.reshape(parts, *block_shape)
+    joined = jnp.moveaxis(stacked, 0, dim)
+    shape = list(block_shape)
+    shape[dim] *= parts
+    return joined.reshape(shape)
+
+
+def _blocks(flat: jax.Array, block_size: int) -> jax.Array:
+    """(parts, n) values padded with zeros to whole blocks: (parts, blocks, block_size)."""
+    pad = -flat.shape[1] % block_size
+    if pad:
+        flat = jnp.pad(flat, ((0, 0), (0, pad)))
+    return flat.reshape(flat.shape[0], -1, block_size)
+
+
+def weight_codec(config: SyncConfig) -> Codec:
+    """The codec of the weights' gather: the sync's bits, nearest rounding (every node must
+    decode the same weights, and a weight's error does not average out over steps)."""
+    return Codec(bits=config.bits, stochastic=False, implementation=config.implementation)
+
+
+def gather_weights(block: jax.Array, dim: int | None, config: SyncConfig,
+                   compressed: bool) -> jax.Array:  # fmt: skip
+    """The whole leaf from each node's ``block`` (split along ``dim`` over the node axis), in
+    ``block``'s dtype: as float32 values, or with ``compressed`` as decoded codes."""
+    axis = config.node_axis
+    if dim is None:
+        return block
+    if not compressed:
+        return jax.lax.all_gather(block, axis, axis=dim, tiled=True)
+    codec, size = weight_codec(config), config.block_size
+    flat = _blocks(block.astype(jnp.float32).reshape(1, -1), size)[0]
+    codes, header = quantize_blocks(codec, flat)
+    codes = jax.lax.all_gather(codes, axis)  # (nodes, blocks, bytes per block)
+    header = jax.lax.all_gather(header, axis)
+    parts = codes.shape[0]
+    decoded = dequantize_blocks(codec, codes.reshape(-1, codes.shape[-1]), header.reshape(-1, 2))
+    decoded = decoded.reshape(parts, -1)[:, : block.size]
+    return _joined(decoded, dim, block.shape).astype(block.dtype)
+
+
+def scatter_gradient(total: jax.Array, dim: int, config: SyncConfig, compressed: bool,
+                     weight: float) -> jax.Array:  # fmt: skip
+    """This node's block of ``weight`` times the sum over the nodes of ``total`` (each node's
+    sum of a whole leaf's gradient), split along ``dim``. In ``total``'s dtype, summed in
+    float32."""
+    axis = config.node_axis
+    wide = total.astype(jnp.float32)
+    if not compressed:
+        summed = jax.lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True)
+        return (summed * np.float32(weight)).astype(total.dtype)
+    nodes, size = jax.lax.axis_size(axis), config.block_size
+    width = integer.allreduce_width(config.bits, nodes, platform_of())
+    pieces = _pieces(wide, dim, nodes)
+    count = pieces.shape[1]
+    flat = _blocks(pieces, size).reshape(-1)
+    bounds = jax.lax.pmax(integer.integer_bounds(config.codec, flat, size), axis)
+    codes, _ = integer.integer_encode(
+        config.codec, flat, bounds, block_size=size, width=width, seed=None, feedback=False
+    )
+    codes = codes.reshape(nodes, -1, codes.shape[-1])
+    mine = jax.lax.psum_scatter(codes, axis, scatter_dimension=0)  # this node's piece's sum
+    own = jnp.take(bounds.reshape(nodes, -1, 2), jax.lax.axis_index(axis), axis=0)
+    factors = integer.decode_factors(
+        config.codec, own, width=width, group_size=nodes, weight=weight
+    )
+    decoded = integer.integer_decode(config.codec, mine, factors, width=width)[:count]
+    shape = list(total.shape)
+    shape[dim] //= nodes
+    return decoded.reshape(shape).astype(total.dtype)
