@@ -491,15 +491,13 @@ print("saved")  # and exits with the save under way in orbax's threads, never cl
 """
 
 
-def test_a_checkpointer_never_closed_finishes_its_save_at_exit_or_says_why_not(tmp_path):
-    # Six scripts side by side: on Python 3.12 a save under way at exit once left orbax's
-    # threads waiting for directories no thread would make, and 3 of 8 such scripts hung.
+def _run_scripts(script: str, dirs: list[Path]) -> list[tuple[int, str, str]]:
+    """Runs ``script`` once per directory, side by side: ``(returncode, stdout, stderr)``."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    dirs = [tmp_path / str(i) for i in range(6)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _NEVER_CLOSED, str(d)],
+            [sys.executable, "-c", script, str(d)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -512,19 +510,47 @@ def test_a_checkpointer_never_closed_finishes_its_save_at_exit_or_says_why_not(t
     finally:
         for p in procs:
             p.kill()
-    for d, p, (out, err) in zip(dirs, procs, outs, strict=True):
-        assert p.returncode == 0 and out.strip() == "saved", err
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
+def test_a_checkpointer_never_closed_says_in_one_line_that_its_save_did_not_finish(tmp_path):
+    # Six scripts side by side: on Python 3.12 a save under way at exit once left orbax's
+    # threads waiting for directories no thread would make, and 3 of 8 such scripts hung.
+    # Python shuts the thread pools orbax's save needs before any public exit hook runs, so the
+    # step stays unfinished, never restored; one line says to close the Checkpointer, instead
+    # of orbax's three tracebacks ("cannot schedule new futures after interpreter shutdown").
+    dirs = [tmp_path / str(i) for i in range(6)]
+    warned = []
+    for d, (code, out, err) in zip(dirs, _run_scripts(_NEVER_CLOSED, dirs), strict=True):
+        assert code == 0 and out.strip() == "saved", err
+        assert "Traceback" not in err and "Exception ignored" not in err, err
+        warned.append("close the Checkpointer (or use it in a with block)" in err)
         with Checkpointer(d, every=1) as ckpt:
-            if sys.version_info < (3, 12):
-                assert "Traceback" not in err, err
-                assert ckpt.steps == [1]
-            else:
-                # Python 3.12 creates no thread at exit, which orbax's save needs: the step
-                # stays unfinished, so never restored, and one line says to close the
-                # Checkpointer.
-                assert "close the Checkpointer (or use it in a with block)" in err
-                assert "Exception ignored" not in err, err
-                assert ckpt.steps == []
+            # Saved only if the save beat the exit, and then there is nothing to say.
+            assert ckpt.steps == ([] if warned[-1] else [1]), err
+    assert any(warned)
+
+
+_DROPPED = """
+import sys
+import numpy as np
+from jax_bytegrad.checkpoint import Checkpointer
+def train():
+    ckpt = Checkpointer(sys.argv[1], every=1)
+    ckpt.save(1, {"w": np.ones(1_000_000, np.float32)})
+train()  # returns with the save under way: the Checkpointer is dropped, never closed
+print("saved")
+"""
+
+
+def test_a_checkpointer_dropped_without_close_finishes_its_save_quietly(tmp_path):
+    # It used to be closed only by a hook at exit (threading's private _register_atexit),
+    # which found it gone: orbax's save then failed at exit with three tracebacks.
+    ((code, out, err),) = _run_scripts(_DROPPED, [tmp_path])
+    assert code == 0 and out.strip() == "saved", err
+    assert "Traceback" not in err and "RuntimeWarning" not in err, err
+    with Checkpointer(tmp_path, every=1) as ckpt:
+        assert ckpt.steps == [1]
 
 
 def _layers(count: int) -> dict:

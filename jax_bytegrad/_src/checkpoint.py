@@ -37,8 +37,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
-import functools
-import threading
+import logging
 import warnings
 import weakref
 from collections.abc import Callable
@@ -213,27 +212,58 @@ def _async_options(ocp):
     return ocp.AsyncOptions(create_directories_asynchronously=False)
 
 
-def _close_at_exit(checkpointer: weakref.ref) -> None:
-    """Closes a `Checkpointer` its script never closed, if it still exists, at exit.
+# The orbax managers of the Checkpointers not yet closed, by id.
+_UNCLOSED: set[int] = set()
 
-    Python 3.12 creates no thread once the interpreter exits, and orbax's save needs some:
-    there the save under way cannot finish (a step never finished is never restored), and
-    this says so in one line, with what to do.
+
+class _CutShortByExit(logging.Filter):
+    """Drops orbax's error logs of a save that the interpreter's exit cut short, while a
+    Checkpointer is unclosed: three tracebacks that end in "RuntimeError: cannot schedule new
+    futures after interpreter shutdown" (or "after shutdown"), which `_close_unclosed` replaces
+    with one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if _UNCLOSED and record.exc_info else None
+        for _ in range(10):  # down the chain of causes, which may loop
+            if error is None:
+                return True
+            # The global pool's refusal ("after interpreter shutdown"), one pool's once its
+            # workers saw it ("after shutdown"), or Python 3.12's ("can't create new thread
+            # at interpreter shutdown").
+            if isinstance(error, RuntimeError) and any(
+                cause in str(error) for cause in ("interpreter shutdown", "futures after shutdown")
+            ):
+                return False
+            error = error.__cause__ or error.__context__
+        return True
+
+
+_CUT_SHORT_BY_EXIT = _CutShortByExit()
+
+
+def _close_unclosed(manager, directory: Path) -> None:
+    """Closes the orbax manager of a `Checkpointer` its script never closed: when the
+    Checkpointer is garbage-collected, or at exit if it never is.
+
+    Dropped before the script ends, its save under way finishes here. Still alive at exit, it
+    cannot: Python runs ``atexit`` (and so ``weakref.finalize``) only after it has shut the
+    thread pools that orbax's save needs, so the save under way has failed by then (a step
+    never finished is never restored); this says so in one line, with what to do.
     """
-    alive = checkpointer()
-    if alive is None:
-        return
     try:
-        alive.close()
+        manager.wait_until_finished()
+        manager.close()
     except Exception as error:  # noqa: BLE001 - at exit, a line to act on, not a traceback
         warnings.warn(
-            f"Checkpointer: the save under way in {alive.directory} could not finish as the "
+            f"Checkpointer: the save under way in {directory} could not finish as the "
             f"interpreter exited ({type(error).__name__}: {error}); close the Checkpointer (or "
             "use it in a with block) before the script ends. An unfinished step is never "
             "restored",
             RuntimeWarning,
             stacklevel=1,
         )
+    finally:
+        _UNCLOSED.discard(id(manager))
 
 
 def _place(state, shardings):
@@ -308,14 +338,16 @@ class Checkpointer:
             # the shapes in it) before its first save or restore, which would name it.
             item_handlers=ocp.StandardCheckpointHandler(),
         )
-        self._closed = False
-        # A script that never closes its Checkpointer ends while the save runs in orbax's
-        # threads, which then fail ("cannot schedule new futures after interpreter
-        # shutdown") and leave the step unfinished. Python's atexit runs too late: the
-        # executors are shut by then. threading's own exit hooks run just before that, in
-        # reverse order of registration, so this one finishes the save first (Python 3.11;
-        # on 3.12 see _close_at_exit). A weak reference: it keeps no Checkpointer alive.
-        threading._register_atexit(functools.partial(_close_at_exit, weakref.ref(self)))
+        # A Checkpointer dropped without close() is closed when it is collected, while the
+        # thread pools its save needs still run. One alive at exit is closed by atexit (the
+        # finalizer's), which runs after Python has shut those pools: too late for its save
+        # to finish, early enough to say so in one line, orbax's tracebacks of it dropped
+        # (_close_unclosed, _CutShortByExit). Only threading's private exit hooks run before
+        # the pools shut, and a private hook may change in any Python release.
+        # weakref.finalize holds no reference to the Checkpointer itself.
+        self._finalizer = weakref.finalize(self, _close_unclosed, self._manager, self.directory)
+        _UNCLOSED.add(id(self._manager))
+        logging.getLogger("absl").addFilter(_CUT_SHORT_BY_EXIT)  # once: a filter set
 
     @property
     def steps(self) -> list[int]:
@@ -506,12 +538,16 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for the save in progress and releases orbax's resources. Calling it again does
-        nothing; one never called runs when the interpreter exits."""
-        if self._closed:
-            return
-        self._closed = True
-        self._manager.wait_until_finished()
-        self._manager.close()
+        nothing. Never called, it runs when the Checkpointer is garbage-collected; one still
+        alive at exit cannot finish its last save (Python has shut the thread pools orbax needs
+        by then), which a RuntimeWarning says."""
+        if self._finalizer.detach() is None:
+            return  # closed already
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        finally:
+            _UNCLOSED.discard(id(self._manager))
 
     def __enter__(self) -> Checkpointer:
         return self
