@@ -25,9 +25,15 @@ class Shape(NamedTuple):
     ffn: int
     heads: int
     vocab: int = 32000
+    kv_heads: int | None = None  # grouped-query attention's key/value heads; None: ``heads``
+
+    @property
+    def kv_dim(self) -> int:
+        return self.dim // self.heads * (self.kv_heads or self.heads)
 
     def parameters(self) -> int:
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn + 2 * self.dim
+        attention = 2 * self.dim * self.dim + 2 * self.dim * self.kv_dim
+        per_layer = attention + 3 * self.dim * self.ffn + 2 * self.dim
         return self.layers * per_layer + 2 * self.vocab * self.dim + self.dim
 
 
@@ -41,17 +47,22 @@ SHAPES = {
     "40b": Shape(layers=74, dim=6656, ffn=17920, heads=52),
     # The 30B widths at 12 layers: a list's excess over its floor, in a fifth of the compile.
     "30b12": Shape(layers=12, dim=6656, ffn=17920, heads=52),
+    # Llama-2-70B: 80 layers of 8192, 8 key/value heads, feed-forward 28672 (69.0B).
+    "70b": Shape(layers=80, dim=8192, ffn=28672, heads=64, kv_heads=8),
+    # Its widths, deeper: 141 layers (120.6B), 160 (136.8B).
+    "120b": Shape(layers=141, dim=8192, ffn=28672, heads=64, kv_heads=8),
+    "137b": Shape(layers=160, dim=8192, ffn=28672, heads=64, kv_heads=8),
 }
 
 
 def _layer_shapes(shape: Shape, dtype) -> dict:
-    d, f = shape.dim, shape.ffn
+    d, f, kv = shape.dim, shape.ffn, shape.kv_dim
     s = jax.ShapeDtypeStruct
     return {
         "attn_norm": s((d,), dtype),
         "wq": s((d, d), dtype),
-        "wk": s((d, d), dtype),
-        "wv": s((d, d), dtype),
+        "wk": s((d, kv), dtype),
+        "wv": s((d, kv), dtype),
         "wo": s((d, d), dtype),
         "mlp_norm": s((d,), dtype),
         "w_gate": s((d, f), dtype),
@@ -106,13 +117,16 @@ def _rope(x):
 
 
 def block(x, p, heads: int):
-    """One decoder layer: attention then SwiGLU, each after an RMSNorm, with residuals."""
+    """One decoder layer: attention then SwiGLU, each after an RMSNorm, with residuals; with
+    fewer key/value heads than query heads (``wk`` narrower than ``wq``), each serves a group
+    of query heads."""
     b, t, d = x.shape
     hd = d // heads
+    groups = heads // (p["wk"].shape[-1] // hd)
     h = _rms_norm(x, p["attn_norm"])
     q = _rope((h @ p["wq"]).reshape(b, t, heads, hd))
-    k = _rope((h @ p["wk"]).reshape(b, t, heads, hd))
-    v = (h @ p["wv"]).reshape(b, t, heads, hd)
+    k = jnp.repeat(_rope((h @ p["wk"]).reshape(b, t, -1, hd)), groups, axis=2)
+    v = jnp.repeat((h @ p["wv"]).reshape(b, t, -1, hd), groups, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(hd).astype(x.dtype)
     causal = jnp.tril(jnp.ones((t, t), bool))
     scores = jnp.where(causal[None, None], scores, jnp.finfo(scores.dtype).min)
@@ -122,13 +136,18 @@ def block(x, p, heads: int):
     return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
 
 
-def loss_fn(shape: Shape, *, scan: bool, mark: bool = False):
+def loss_fn(shape: Shape, *, scan: bool, mark: bool | str = False):
     """``loss(params, tokens) -> mean next-token cross-entropy``; tokens (batch, seq + 1).
 
-    ``mark``: the scan body marks its layer with ``exchange_in_loop`` (its exchange between
-    nodes then runs inside the backward loop); scanned stacks only."""
-    layer = jax.checkpoint(lambda x, p: block(x, p, shape.heads))
-    if mark:
+    ``mark``: each layer marks its params with ``exchange_in_loop``: True (or ``"outside"``)
+    in the scan body before its ``jax.checkpoint`` (a ``shard="params"`` step then exchanges
+    it inside the backward loop; scanned stacks only), ``"inside"`` within its checkpoint (a
+    ``shard="full"`` step then gathers the layer there, and again in the backward pass)."""
+    if mark == "inside":
+        layer = jax.checkpoint(lambda x, p: block(x, exchange_in_loop(p), shape.heads))
+    else:
+        layer = jax.checkpoint(lambda x, p: block(x, p, shape.heads))
+    if mark and mark != "inside":
         if not scan:
             raise ValueError("mark=True needs scan=True")
         unmarked = layer

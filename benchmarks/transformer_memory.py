@@ -22,6 +22,8 @@ Usage:
   python benchmarks/transformer_memory.py                          # 7b, 13b, 30b; list and scan
   python benchmarks/transformer_memory.py --models 7b --forms scan --shards none,params
   python benchmarks/transformer_memory.py --models 7b --forms scan,scan-marked   # exchange_in_loop
+  python benchmarks/transformer_memory.py --models 70b --nodes 4 --forms scan-in,list-in \
+      --shards full                                   # the state split across nodes too
 """
 
 import argparse
@@ -47,7 +49,7 @@ from jax_bytegrad.sharding import GPUS, gpu_mesh  # noqa: E402
 
 SEQ = 2048
 GIB, MIB = 2**30, 2**20
-SHARDS = {"none": None, "optimizer": "optimizer", "params": "params"}
+SHARDS = {"none": None, "optimizer": "optimizer", "params": "params", "full": "full"}
 ALGORITHMS = {
     "bytegrad": ("bytegrad", {}),
     "gradient_allreduce": ("gradient_allreduce", {"hierarchical": True}),
@@ -66,7 +68,8 @@ def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
     name, settings = ALGORITHMS[algorithm]
     strategy = jbg.Strategy(name, mesh=mesh, shard=SHARDS[shard], **settings)
     batch = jax.ShapeDtypeStruct((mesh.devices.size, SEQ + 1), jnp.int32)
-    loss = _llama.loss_fn(shape, scan=scan, mark=form == "scan-marked")
+    mark = {"scan-marked": True, "scan-in": "inside", "list-in": "inside"}.get(form, False)
+    loss = _llama.loss_fn(shape, scan=scan, mark=mark)
     with strategy.train_step(loss, optax.adamw(1e-4)) as step:
         # The batch shows the step the marks (error feedback lays out residuals for them).
         state = step.state_shapes(_llama.param_shapes(shape, scan=scan), batch)
@@ -87,13 +90,13 @@ def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
     }
 
 
-def floor_bytes(shape: _llama.Shape, per_node: int) -> float:
-    """16 B per parameter over the node's devices, one gathered layer, and what the remat'd
+def floor_bytes(shape: _llama.Shape, devices: int) -> float:
+    """16 B per parameter over the ``devices`` that split the state, one gathered layer, and what the remat'd
     layers keep (each layer's input, float32) plus one layer's activations."""
-    layer = 4 * shape.dim * shape.dim + 3 * shape.dim * shape.ffn + 2 * shape.dim
+    layer = 2 * shape.dim * (shape.dim + shape.kv_dim) + 3 * shape.dim * shape.ffn + 2 * shape.dim
     inputs = shape.layers * SEQ * shape.dim * 4
     activations = SEQ * (4 * shape.dim + 3 * shape.ffn) * 4 + shape.heads * SEQ * SEQ * 4 * 2
-    return 16 * shape.parameters() / per_node + 4 * layer + inputs + activations
+    return 16 * shape.parameters() / devices + 4 * layer + inputs + activations
 
 
 def run_worker(spec: str, args) -> dict | None:
@@ -124,7 +127,8 @@ def report(rows: dict, args) -> None:
             continue
         base = rows.get((model, form, algorithm, "none"))
         ratio = f"{row['node_bytes'] / base['node_bytes']:8.4f}" if base else f"{'':8s}"
-        floor = floor_bytes(shape, args.per_node) / GIB
+        split = args.per_node * (args.nodes if shard == "full" else 1)
+        floor = floor_bytes(shape, split) / GIB
         print(
             f"{head} {row['peak'] / GIB:9.2f} {row['args'] / GIB:6.2f} {row['temp'] / GIB:6.2f} "
             f"{floor:6.2f} {row['node_bytes'] / MIB:9.2f} {ratio} "
@@ -143,7 +147,8 @@ def main() -> None:
     parser.add_argument(
         "--forms",
         default="scan,list",
-        help="scan, list, or scan-marked: the scan body marks its layer with exchange_in_loop",
+        help="scan, list, or scan-marked: the scan body marks its layer with exchange_in_loop; "
+        "scan-in, list-in: each layer marks its params inside its jax.checkpoint (shard=full)",
     )
     parser.add_argument("--algorithms", default="bytegrad")
     parser.add_argument("--shards", default="params")

@@ -358,22 +358,24 @@ class ParamsSharded(OptimizerSharded):
         return None
 
 
-class FullSharded(ParamsSharded):
+class FullSharded(Placement):
     """``shard="full"``: params and state in blocks over every device of the mesh, nodes
     included (FSDP's FULL_SHARD, ZeRO-3 across nodes).
 
-    Each leaf is split along one dimension over ``(node, local)``, node-major: inside the
-    step, manual over "node" only, a node holds its block of each leaf, split over "local" by
-    the partitioner. The loss gets the whole leaves gathered across the nodes where it uses
-    them (``loop_exchange.gatherer``: the layers marked ``exchange_in_loop`` inside the scan
-    body, the rest before the loss), as codes where the sync compresses
-    (``sync/across_nodes.py``), and their gradient comes back reduce-scattered across the
-    nodes, each node's blocks of the mean: the optimizer's sync has nothing left to send
-    (``Sharded.exchanged``), and each device updates its blocks in the frame manual over
-    "local" too.
+    Each leaf is split along one dimension over ``(node, local)``, node-major, and the step
+    is manual over both axes: each device holds its block of each leaf. The loss gets the
+    whole leaves gathered where it uses them (``loop_exchange.gatherer``: the layers marked
+    ``exchange_in_loop`` at the mark, inside the scan body and the checkpoint, the rest
+    before the loss), as codes between nodes where the sync compresses
+    (``sync/across_nodes.py``), and their gradient comes back reduce-scattered within the
+    node and across the nodes: each device's blocks of the mean, so the optimizer's sync has
+    nothing left to send for them (``Sharded.exchanged``), and each device updates its
+    blocks. Leaves the devices cannot split stay whole and cross on the sync, as
+    ``shard="optimizer"``'s do.
     """
 
     shard = "full"
+    exchanges_in_loop = True
     gathers_across_nodes = True
 
     def __init__(self, mesh: Mesh, axes: tuple[str, str]):
@@ -394,17 +396,37 @@ class FullSharded(ParamsSharded):
             opt_state, params, axis=self.axes, parts=self.parts, devices=self.axes
         )
 
+    def place(self, params):
+        return jax.tree.map(
+            lambda x, s: jax.make_array_from_callback(
+                x.shape, NamedSharding(self.mesh, s), lambda i, x=x: x[i]
+            ),
+            params,
+            self.param_specs(params),
+        )
+
+    def value_and_grad(self, model, loss_fn, has_aux, exchange=None):
+        """With ``exchange`` (``loop_exchange.gatherer``), the loss gathers this device's
+        blocks where it uses them, and the run returns ``(outputs, grads, marked,
+        residuals)``; without it, ``(outputs, grads)`` of the blocks as they are (a trace
+        that only reads the loss's marks)."""
+        return model.value_and_grad(loss_fn, has_aux, self.axes, exchange)
+
     def sharded(self, dims, accumulating, exchanged=()):
-        # A split leaf's gradient is every device's mean already, in this device's blocks; a
-        # leaf kept whole comes as the node's sum, which the sync averages as "params" does.
+        # A split leaf's gradient is every device's mean already, in its block, which the
+        # sync passes on; a leaf kept whole comes as each device's own, which the sync
+        # averages as "optimizer"'s: to the sync, every leaf is whole.
         crossed = tuple(d is not None for d in dims)
-        return Sharded(self.axes[1], dims, summed=True, exchanged=crossed)
+        return Sharded(self.axes[1], (None,) * len(dims), summed=False, exchanged=crossed)
 
     def node_mean(self, grads, dims):
         raise ValueError(
             "shard='full' splits the params across nodes: a node holds no whole model to "
             "step on its own (DiLoCo, decentralized); use shard='params'"
         )
+
+    def check_update(self, closed, where):
+        shards.check_elementwise(closed.jaxpr, where)
 
 
 PLACEMENTS = {

@@ -476,18 +476,19 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
 
 
 def gathering(sync: LoopSync, dims: tuple, devices: int):
-    """For a state split across nodes: ``(*blocks, *moments) -> leaves``, each node's blocks
-    of a layer (split along ``dims`` over the nodes) gathered across the nodes
-    (``across_nodes.gather_weights``), typed as varying over the nodes so that the cotangent
-    that comes back is the node's own sum. Its backward reduce-scatters that sum across the
-    nodes (``across_nodes.scatter_gradient``): each node's blocks of the mean over the
-    ``devices``. A leaf kept whole (``dims[i]`` None) is neither gathered nor reduced: its
-    gradient comes back as the node's sum, which the optimizer's sync averages (it is not
-    in ``Sharded.exchanged``). With ``sync.b1`` it takes the layer's ``m`` (blocks, as the
-    params) after the blocks, and its backward returns the mean momentum ``b1 m + (1 - b1) g``
-    instead, as ``qadam``'s compressed phase takes an exchanged layer (the cotangent of ``m``
-    is zero): the gradient's codes cross, not the momentum's."""
-    config, node_axis = sync.config, sync.config.node_axis
+    """For a state split over every device: ``(*blocks, *moments) -> leaves``, each device's
+    blocks of a layer (split along ``dims`` over both mesh axes) gathered whole
+    (``across_nodes.gather_weights``), typed as varying so that the cotangent that comes back
+    is the device's own gradient. Its backward reduce-scatters that gradient, within the node
+    and then across the nodes (``across_nodes.scatter_gradient``): each device's blocks of
+    the mean over the ``devices``. A leaf kept whole (``dims[i]`` None) is neither gathered
+    nor reduced: its gradient comes back as the device's own, which the optimizer's sync
+    averages (it is not in ``Sharded.exchanged``). With ``sync.b1`` it takes the layer's
+    ``m`` (blocks, as the params) after the blocks, and its backward returns the mean
+    momentum ``b1 m + (1 - b1) g`` instead, as ``qadam``'s compressed phase takes an
+    exchanged layer (the cotangent of ``m`` is zero): the gradient's codes cross, not the
+    momentum's."""
+    config = sync.config
     count = len(dims)
     weight = 1.0 / devices if sync.average else 1.0
 
@@ -495,7 +496,7 @@ def gathering(sync: LoopSync, dims: tuple, devices: int):
     def gather(*xs):
         pairs = zip(xs[:count], dims, strict=True)
         full = (across_nodes.gather_weights(x, d, config, sync.compressed) for x, d in pairs)
-        return tuple(_varying(x, (node_axis,)) for x in full)
+        return tuple(_varying(x, config.axes) for x in full)
 
     def fwd(*xs):
         return gather(*xs), xs[count:]
@@ -509,7 +510,7 @@ def gathering(sync: LoopSync, dims: tuple, devices: int):
             mean = across_nodes.scatter_gradient(ct, dim, config, sync.compressed, weight)
             if sync.b1 is not None:
                 mean = optax.tree.update_moment(mean, moments[i], sync.b1, 1)
-            means.append(_varying(mean, (node_axis,)))
+            means.append(_varying(mean, config.axes))
         return (*means, *(jax.numpy.zeros_like(m) for m in moments))
 
     gather.defvjp(fwd, bwd)
@@ -517,23 +518,22 @@ def gathering(sync: LoopSync, dims: tuple, devices: int):
 
 
 def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
-    """``(fn, args) -> (fn rewritten, (), None)``, for ``ModelState.value_and_grad_rows`` of a
-    state split across nodes: ``fn`` takes each node's blocks of the params (``args[0]``),
-    and the rewritten ``fn`` gathers them across the nodes where the loss uses them: the
+    """``(fn, args) -> (fn rewritten, (), None)``, for ``ModelState.value_and_grad`` of a
+    state split over every device: ``fn`` takes each device's blocks of the params
+    (``args[0]``), and the rewritten ``fn`` gathers them whole where the loss uses them: the
     layers it marks with ``exchange_in_loop`` at the mark (inside the scan body, inside the
     checkpoint), the other leaves before the loss. The gradient that comes back is each
-    node's blocks of the mean over every device (``gathering``); with ``sync.b1``, of the
+    device's blocks of the mean over every device (``gathering``); with ``sync.b1``, of the
     mean momentum on the optimizer state's ``m``."""
     moments = sync.from_state(opt_state)[0] if sync.b1 is not None else None
-    nodes = mesh.shape[sync.config.node_axis]
-    devices = nodes * mesh.shape[sync.config.local_axis]
+    devices = int(np.prod([mesh.shape[a] for a in sync.config.axes]))
 
     def whole(x, dim):
         # A stand-in of the gathered leaf for the trace: the loss is traced on whole shapes.
         shape = list(np.shape(x))
         if dim is not None:
-            shape[dim] *= nodes
-        return _varying(jax.numpy.zeros(shape, x.dtype), (sync.config.node_axis,))
+            shape[dim] *= devices
+        return _varying(jax.numpy.zeros(shape, x.dtype), sync.config.axes)
 
     def rewrite(fn, args):
         count = len(dims)

@@ -255,18 +255,31 @@ class ModelState:
         model_state = inputs.pop(0) if self.has_state else None
         return model_state, (tuple(inputs) if self.has_rng else None)
 
-    def value_and_grad(self, loss_fn, has_aux: bool, axes: tuple[str, str]):
+    def value_and_grad(self, loss_fn, has_aux: bool, axes: tuple[str, str], exchange=None):
         """``(params, batch, *inputs) -> ((loss, aux, model_state), grads)`` for one device;
         ``inputs`` as ``inputs`` gives them, ``model_state`` synced over ``axes`` (None
-        without state)."""
-        grad_fn = jax.value_and_grad(self._loss(loss_fn, has_aux), has_aux=True)
+        without state).
+
+        With ``exchange`` (``(fn, args) -> (fn, marked, residuals)``,
+        ``loop_exchange.gatherer``), ``params`` are this device's blocks, which the rewritten
+        loss gathers where it uses them; ``grads`` are then this device's blocks of the mean,
+        and the run returns ``(outputs, grads, marked, residuals)`` as ``value_and_grad_rows``
+        does."""
+        loss = self._loss(loss_fn, has_aux)
 
         def run(params, batch, *inputs):
             model_state, rng = self._split_inputs(inputs)
             key = None if rng is None else step_key(*rng, jax.lax.axis_index(axes))
+            fn, marked, residuals = loss, (), None
+            if exchange is not None:
+                params = make_varying(params, axes)
+                fn, marked, residuals = exchange(loss, (params, batch, model_state, key))
+            grad_fn = jax.value_and_grad(fn, has_aux=True)
             (value, (aux, model_state)), grads = grad_fn(params, batch, model_state, key)
             if self.has_state:
                 model_state = jax.tree.map(lambda x: _sync_leaf(x, axes, self.sync), model_state)
+            if exchange is not None:
+                return (value, aux, model_state), grads, marked, residuals
             return (value, aux, model_state), grads
 
         return run

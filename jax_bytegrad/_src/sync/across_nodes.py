@@ -5,18 +5,20 @@ Follows ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communicati
 Model Training", 2023): with the state split over every device (FSDP's FULL_SHARD), each step
 gathers the weights across nodes for the forward pass (and again for the backward pass, where
 the model recomputes a layer under ``jax.checkpoint``) and reduce-scatters the gradient across
-nodes. Here the part that crosses between nodes is compressed, per layer, in the frame that is
-manual over the node axis (the partitioner carries the axis within the node):
+nodes. Here the part that crosses between nodes is compressed, per layer, inside the step's
+``shard_map`` (manual over both mesh axes), where each device holds its block of each leaf:
 
-    gather_weights     the node's block of a leaf, quantized block-wise (min-max, ``bits``,
+    gather_weights     a device's block of a leaf, quantized block-wise (min-max, ``bits``,
                        nearest rounding: ZeRO++'s qwZ), codes and headers all-gathered over
-                       the nodes, decoded: every node computes on the same decoded weights.
-                       The float32 master block stays with its owner, unchanged.
-    scatter_gradient   the node's sum of a leaf's gradient, cut into one piece per node along
-                       the split dimension, coded on the integer wire's shared grid
+                       the nodes, then within the node, decoded: every device computes on
+                       the same decoded weights. The float32 master block stays with its
+                       owner, unchanged.
+    scatter_gradient   a device's gradient of a whole leaf, reduce-scattered within the node
+                       in float32 so that each device holds its part of every node's piece
+                       of the node's sum, coded on the integer wire's shared grid
                        (``codecs/integer.py``: bounds, one ``pmax``, encode) and summed by one
-                       integer ``psum_scatter`` over the nodes: each node decodes its own
-                       piece's sum, times ``weight``.
+                       integer ``psum_scatter`` over the nodes: each device decodes its own
+                       block's sum, times ``weight``.
 
 With ``compressed=False`` both are float32 (``all_gather`` and ``psum_scatter``): FSDP's
 exact baseline. A leaf kept whole (``dim`` None: a scalar, a leaf no dimension of which the
@@ -68,50 +70,63 @@ def weight_codec(config: SyncConfig) -> Codec:
 
 def gather_weights(block: jax.Array, dim: int | None, config: SyncConfig,
                    compressed: bool) -> jax.Array:  # fmt: skip
-    """The whole leaf from each node's ``block`` (split along ``dim`` over the node axis), in
-    ``block``'s dtype: as float32 values, or with ``compressed`` as decoded codes."""
-    axis = config.node_axis
+    """The whole leaf from every device's ``block`` (split along ``dim`` over the node and
+    local axes, node-major), in ``block``'s dtype: each device's values (or with
+    ``compressed`` its codes, which every device then decodes) gathered between nodes, then
+    within the node."""
+    axis, local_axis = config.axes
     if dim is None:
         return block
+
+    def gathered(x):
+        # Between nodes, then within the node: (nodes, local, ...), in the leaf's order; each
+        # device sends its own block across.
+        x = jax.lax.all_gather(x, axis, to="invarying")
+        return jax.lax.all_gather(x, local_axis, axis=1, to="invarying")
+
     if not compressed:
-        return jax.lax.all_gather(block, axis, axis=dim, tiled=True)
+        values = gathered(block)
+        return _joined(values.reshape(-1, block.size), dim, block.shape)
     codec, size = weight_codec(config), config.block_size
     flat = _blocks(block.astype(jnp.float32).reshape(1, -1), size)[0]
-    codes, header = quantize_blocks(codec, flat)
-    codes = jax.lax.all_gather(codes, axis)  # (nodes, blocks, bytes per block)
-    header = jax.lax.all_gather(header, axis)
-    parts = codes.shape[0]
-    decoded = dequantize_blocks(codec, codes.reshape(-1, codes.shape[-1]), header.reshape(-1, 2))
-    decoded = decoded.reshape(parts, -1)[:, : block.size]
+    codes, header = (gathered(x) for x in quantize_blocks(codec, flat))
+    parts = codes.shape[0] * codes.shape[1]
+    flat = dequantize_blocks(codec, codes.reshape(-1, codes.shape[-1]), header.reshape(-1, 2))
+    decoded = flat.reshape(parts, -1)[:, : block.size]
     return _joined(decoded, dim, block.shape).astype(block.dtype)
 
 
-def scatter_gradient(total: jax.Array, dim: int, config: SyncConfig, compressed: bool,
+def scatter_gradient(grad: jax.Array, dim: int, config: SyncConfig, compressed: bool,
                      weight: float) -> jax.Array:  # fmt: skip
-    """This node's block of ``weight`` times the sum over the nodes of ``total`` (each node's
-    sum of a whole leaf's gradient), split along ``dim``. In ``total``'s dtype, summed in
-    float32."""
-    axis = config.node_axis
-    wide = total.astype(jnp.float32)
-    if not compressed:
-        summed = jax.lax.psum_scatter(wide, axis, scatter_dimension=dim, tiled=True)
-        return (summed * np.float32(weight)).astype(total.dtype)
-    nodes, size = jax.lax.axis_size(axis), config.block_size
-    width = integer.allreduce_width(config.bits, nodes, platform_of())
-    pieces = _pieces(wide, dim, nodes)
+    """This device's block of ``weight`` times the sum over every device of ``grad`` (each
+    device's gradient of a whole leaf), split along ``dim`` over the node and local axes:
+    reduce-scattered within the node in float32 (device j of a node takes part j of every
+    node's piece), then between nodes, as float32 or on the integer wire. In ``grad``'s
+    dtype."""
+    axis, local_axis = config.axes
+    nodes = jax.lax.axis_size(axis)
+    local = jax.lax.axis_size(local_axis)
+    # (nodes, local, n): part j of node k's piece is the leaf's (k local + j)-th block.
+    rows = _pieces(grad.astype(jnp.float32), dim, nodes * local).reshape(nodes, local, -1)
+    pieces = jax.lax.psum_scatter(rows, local_axis, scatter_dimension=1)  # (nodes, n)
     count = pieces.shape[1]
+    shape = list(grad.shape)
+    shape[dim] //= nodes * local
+    if not compressed:
+        mine = jax.lax.psum_scatter(pieces, axis, scatter_dimension=0)
+        return (mine * np.float32(weight)).reshape(shape).astype(grad.dtype)
+    size = config.block_size
+    width = integer.allreduce_width(config.bits, nodes, platform_of())
     flat = _blocks(pieces, size).reshape(-1)
     bounds = jax.lax.pmax(integer.integer_bounds(config.codec, flat, size), axis)
     codes, _ = integer.integer_encode(
         config.codec, flat, bounds, block_size=size, width=width, seed=None, feedback=False
     )
     codes = codes.reshape(nodes, -1, codes.shape[-1])
-    mine = jax.lax.psum_scatter(codes, axis, scatter_dimension=0)  # this node's piece's sum
+    mine = jax.lax.psum_scatter(codes, axis, scatter_dimension=0)  # this device's part's sum
     own = jnp.take(bounds.reshape(nodes, -1, 2), jax.lax.axis_index(axis), axis=0)
     factors = integer.decode_factors(
         config.codec, own, width=width, group_size=nodes, weight=weight
     )
     decoded = integer.integer_decode(config.codec, mine, factors, width=width)[:count]
-    shape = list(total.shape)
-    shape[dim] //= nodes
-    return decoded.reshape(shape).astype(total.dtype)
+    return decoded.reshape(shape).astype(grad.dtype)
