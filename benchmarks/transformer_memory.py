@@ -91,8 +91,8 @@ def measure(model: str, form: str, shard: str, algorithm: str, args) -> dict:
 
 
 def floor_bytes(shape: _llama.Shape, devices: int) -> float:
-    """16 B per parameter over the ``devices`` that split the state, one gathered layer, and what the remat'd
-    layers keep (each layer's input, float32) plus one layer's activations."""
+    """16 B per parameter over the ``devices`` that split the state, one gathered layer, and
+    what the remat'd layers keep (each layer's input, float32) plus one layer's activations."""
     layer = 2 * shape.dim * (shape.dim + shape.kv_dim) + 3 * shape.dim * shape.ffn + 2 * shape.dim
     inputs = shape.layers * SEQ * shape.dim * 4
     activations = SEQ * (4 * shape.dim + 3 * shape.ffn) * 4 + shape.heads * SEQ * SEQ * 4 * 2
