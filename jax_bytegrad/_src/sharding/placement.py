@@ -442,10 +442,17 @@ def placement_of(shard: Shard | None, mesh: Mesh, axes: tuple[str, str]) -> Plac
     return PLACEMENTS[shard](mesh, axes)
 
 
-def check_shard(shard, flatten: bool, where: str) -> None:
-    """Validates ``shard=``."""
+def check_shard(shard, flatten: bool, where: str, per_node: bool = False) -> None:
+    """Validates ``shard=``; ``per_node``: for a step that keeps a whole model on each node
+    (DiLoCo), which ``"full"`` cannot give."""
     if shard is not None:
         checks.one_of(shard, rule.SHARDS, "shard", where)
+        if per_node and shard == "full":
+            raise ValueError(
+                f"{where}: shard='full' splits the params across nodes, and this algorithm "
+                "keeps a whole model on each node (its inner steps run within the node); use "
+                "shard='params' (the state split within the node)"
+            )
         if flatten:
             raise ValueError(
                 f"{where}: shard={shard!r} splits each parameter within the node and "

@@ -592,8 +592,13 @@ def data_parallel_step(
         loss uses them (ZeRO-3 within the node, HSDP). Each leaf is split along its first
         dimension that L divides; others stay whole. Between nodes nothing changes: the
         optimizer's sync sends each device's share of its node's sum, as with
-        ``hierarchical=True``. The optimizer after the sync must be elementwise (Adam, SGD,
-        AdamW, Lion...), as it runs on blocks; docs/sharding.md.
+        ``hierarchical=True``. ``"full"``: the params and state split over every device,
+        nodes included (FSDP's FULL_SHARD): the loss gets each layer gathered across nodes
+        (as 8-bit codes with ``bytegrad`` and ``qadam``) where it marks it with
+        ``exchange_in_loop``, the rest before the loss, and its gradient reduce-scattered
+        across nodes; it needs the sync's settings, so build it with ``Strategy``. The
+        optimizer after the sync must be elementwise (Adam, SGD, AdamW, Lion...), as it runs
+        on blocks; docs/sharding.md.
 
     Returns:
       A ``TrainStep``: ``state = step.init(params)``, ``state, metrics = step(state,

@@ -535,7 +535,7 @@ def diloco_step(
     outer = default_outer_optimizer() if outer_optimizer is None else outer_optimizer
     axes = (node_axis, local_axis)
     _check(mesh, axes, inner_steps, fragments, delay, background, outer, bits, where)
-    check_shard(shard, flatten, where)
+    check_shard(shard, flatten, where, per_node=True)
     model = ModelState.of(model_state, rng_seed, state_sync, where)
     if model.has_state:
         raise ValueError(
