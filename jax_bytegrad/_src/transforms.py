@@ -72,7 +72,9 @@ def bytegrad(
     min-max codes between nodes, for
     about 4x (8x) fewer inter-node bytes than a float32 all-reduce. Every replica receives
     bit-identical updates. Use it first in an optax chain, inside ``jax.shard_map`` on
-    per-device gradients (``data_parallel_step`` does this for you).
+    per-device gradients (``data_parallel_step`` does this for you). On one node
+    (``hierarchical=True``) nothing crosses between nodes, so nothing is compressed: the
+    step is ``gradient_allreduce``'s, one all-reduce within the node.
 
     With ``error_feedback=True`` each device keeps what its two compressions failed to send
     (its share of the node's sum before the all_to_all, its averaged chunk before the

@@ -234,17 +234,34 @@ def sync_mean(
     shard would, with the same sizes, wire and residuals, and the result is the mean in the
     same blocks (whole leaves whole).
 
+    On one node (a node axis of size 1) with ``hierarchical=True`` nothing crosses between
+    nodes, so nothing is compressed: the mean is ``sync_full_precision``'s, one all-reduce
+    within the node per leaf as ``gradient_allreduce``'s (blocks of a ``sharded`` step's leaves
+    as its), with no buckets, and ``residuals`` come back as they were (zero: what a
+    compression leaves unsent). The arguments are checked as on the compressed path. With
+    ``hierarchical=False`` the codes are every device's, whatever the mesh's shape, so they
+    still run (and give the same bits on 1 x 8 as on 2 x 4).
+
     Returns the pair (the mean, or sum, pytree; the new ``Residuals``, empty without
     ``residuals``).
     """
     within = shards.layout_of(sharded)
+    n, _ = axis_sizes(config.node_axis, config.local_axis, where)
+    if n == 1 and config.hierarchical:
+        _checked_plan(tree, key, residuals, config=config, average=average, within=within,
+                      where=where)  # fmt: skip
+        mean = sync_full_precision(tree, config, average=average, order=order, sharded=sharded)
+        return mean, Residuals(() if residuals is None else residuals)
     sync = functools.partial(
         _sync_mean, config=config, average=average, order=order, within=within, where=where
     )
     return within.run(sync, tree, key, residuals)
 
 
-def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
+def _checked_plan(tree, key, residuals, *, config, average, within, where):
+    """``tree``'s flat leaves, treedef and ``SyncPlan`` on this mesh; raises, naming
+    ``where``, for an integer leaf, a bad ``key``, an ``implementation`` this platform lacks
+    or ``residuals`` that do not fit the plan."""
     n, local = axis_sizes(config.node_axis, config.local_axis, where)
     leaves, treedef = _flat_leaves(tree, where)
     plan = plan_sync(
@@ -262,6 +279,13 @@ def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
         resolve_implementation(config.implementation)
     if residuals is not None:
         _check_residuals(residuals, plan, (n, local), where)
+    return leaves, treedef, plan
+
+
+def _sync_mean(tree, key, residuals, *, config, average, order, within, where):
+    leaves, treedef, plan = _checked_plan(
+        tree, key, residuals, config=config, average=average, within=within, where=where
+    )
     layout = plan.layout
     keys = bucket_keys(key, config.axes, range(len(layout.buckets)))
     parts = within.to_parts(leaves, layout, config.block_size)
@@ -290,7 +314,9 @@ def compressed_mean(
     reduced within a node in float32 (in bfloat16 for a bucket of bfloat16 leaves: half the
     bytes, and an error far below the codes'; benchmarks/RESULTS.md, "bfloat16"), exchanged
     between nodes as block-wise 8- or 4-bit codes, and returned in their own dtypes; every
-    device returns bit-identical values.
+    device returns bit-identical values. On one node (hierarchical) nothing crosses between
+    nodes: it is ``full_precision_mean``, one all-reduce per leaf, and the residuals come
+    back as they were.
     With ``residuals`` (error feedback), each compression first adds what it left unsent
     last time, and the new residuals are returned too.
 
@@ -465,7 +491,9 @@ def _summed_means(leaves, config: SyncConfig, average, order, within) -> list:
             return part
         return patterns.gather_flat(part, local_axis, x.size).reshape(x.shape)
 
-    if within.per_leaf(config.hierarchical, local):
+    # On one node a hierarchical mean is one all-reduce within it: there is nothing to send
+    # between nodes, so no reduce-scatter and gather around it.
+    if within.per_leaf(config.hierarchical and n > 1, local):
         return [reduce(x) for x in leaves]
     # Each leaf is reduce-scattered within the node, summed between nodes and gathered. The
     # leaves go in buckets of whole leaves, in the order the backward pass completes them,
