@@ -1,0 +1,253 @@
+"""shard="full" on 2 x 4 CPU devices: the state split over every device, nodes included, the
+weights gathered across nodes as codes where the model uses them and the gradient
+reduce-scattered across nodes on the integer wire. Each model trains as with shard=None, a
+checkpoint resumes exactly (into another layout too), and what crosses between nodes is codes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_trees_all_close
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_sharding_models import LLAMA, SHAPE, _nnx_run, token_batches
+
+import jax_bytegrad
+from jax_bytegrad.checkpoint import Checkpointer
+from jax_bytegrad.sharding import exchange_in_loop
+
+MESH_SHAPE = (2, 4)
+# SGD with momentum keeps the float32 runs within rounding of each other (see
+# test_sharding_models.OPTIMIZERS); AdamW for the compressed ones.
+OPTIMIZERS = {
+    "gradient_allreduce": optax.sgd(0.1, momentum=0.9),
+    "bytegrad": optax.adamw(3e-3),
+}
+SETTINGS = {"gradient_allreduce": {"hierarchical": True}, "bytegrad": {}}
+
+
+def train(algorithm: str, shard, *, scan: bool, steps: int, mark="inside", **settings):
+    params = jax.device_get(LLAMA.init(SHAPE, jax.random.key(0), scan=scan))
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    kwargs = {**SETTINGS[algorithm], **settings}
+    strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard=shard, **kwargs)
+    loss = LLAMA.loss_fn(SHAPE, scan=scan, mark=mark)
+    with strategy.train_step(loss, OPTIMIZERS[algorithm]) as step:
+        state = step.init(params)
+        losses = []
+        for batch in token_batches(steps):
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        return jax.device_get(step.params(state)), losses, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("algorithm", "scan", "mark"),
+    [("gradient_allreduce", False, "inside"), ("gradient_allreduce", True, False)],
+    ids=["list-marked", "scanned-unmarked"],
+)
+def test_float32_fsdp_trains_as_replicated(algorithm, scan, mark):
+    want_params, want, _ = train(algorithm, None, scan=scan, steps=8, mark=mark)
+    got_params, got, state = train(algorithm, "full", scan=scan, steps=8, mark=mark)
+    assert want[-1] < 0.95 * want[0], "the model did not learn"
+    assert_trees_all_close(got_params, want_params, atol=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # Every device rests with an eighth of every layer.
+    wq = state.params["layers"]["wq"] if scan else state.params["layers"][0]["wq"]
+    block = wq.addressable_shards[0].data.shape
+    assert block == ((SHAPE.layers, SHAPE.dim // 8, SHAPE.dim) if scan else (4, SHAPE.dim))
+
+
+@pytest.mark.slow
+def test_bytegrad_full_ends_within_a_percent_of_replicated():
+    steps = 60
+    _, want, _ = train("bytegrad", None, scan=True, steps=steps)
+    _, got, _ = train("bytegrad", "full", scan=True, steps=steps)
+    assert want[-1] < 0.8 * want[0], "the model did not learn"
+    tail = lambda x: np.mean(x[-10:])  # noqa: E731
+    assert abs(tail(got) / tail(want) - 1) < 0.01, (tail(got), tail(want))
+
+
+def _compiled(algorithm: str, shard, *, width: int = 256, layers: int = 4, mark: bool = True):
+    """The compiled step of a scanned stack of ``layers`` square layers of ``width`` under
+    jax.checkpoint (marked inside it), plus a head, and its state."""
+
+    def loss_fn(params, batch):
+        x, y = batch
+
+        def layer(h, w):
+            w = exchange_in_loop(w) if mark else w
+            return jnp.tanh(h @ w)
+
+        h, _ = jax.lax.scan(lambda h, w: (jax.checkpoint(layer)(h, w), None), x, params["stack"])
+        return jnp.mean((h @ params["head"] - y) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = {
+        "stack": rng.normal(size=(layers, width, width)).astype(np.float32) / np.sqrt(width),
+        "head": rng.normal(size=(width, 8)).astype(np.float32),
+    }
+    batch = (np.ones((16, width), np.float32), np.zeros((16, 8), np.float32))
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard=shard, **SETTINGS[algorithm])
+    step = strategy.train_step(loss_fn, optax.sgd(0.1))
+    state = step.init(params)
+    return step, state, batch, params
+
+
+def test_what_crosses_between_nodes_is_codes_a_third_more_than_params():
+    stats = {}
+    for algorithm, shard in [("bytegrad", "params"), ("bytegrad", "full"),
+                             ("gradient_allreduce", "full")]:  # fmt: skip
+        step, state, batch, _ = _compiled(algorithm, shard)
+        with step:
+            stats[algorithm, shard] = step.communication_stats(state, batch)["step"]
+    full = stats["bytegrad", "full"]
+    between = [r for r in full.rows if r.axes == "node"]
+    floats = sum(r.bytes_sent for r in between if "f32" in r.dtype)
+    codes = sum(r.bytes_sent for r in between if r.dtype == "u8")
+    kinds = {r.kind for r in between if r.dtype == "u8"}
+    # The weights' codes gathered and the gradient's reduce-scattered, all 8-bit: the float32
+    # between nodes is the blocks' headers and bounds, 8 B per block of 2048 codes each.
+    assert {"all-gather", "reduce-scatter"} <= kinds
+    assert floats < 0.02 * codes
+    params = stats["bytegrad", "params"].bytes_on("node")
+    # Three passes of the model's codes (gather, re-gather in the backward, reduce-scatter)
+    # against the hybrid layout's all-reduce (two): 1.5x.
+    assert full.bytes_on("node") <= 1.6 * params
+    assert stats["gradient_allreduce", "full"].bytes_on("node") >= 3.8 * full.bytes_on("node")
+
+
+def _while_bodies(hlo: str) -> str:
+    """The text of the computations the compiled step's while loops run."""
+    bodies = set(re.findall(r"while\(.*?\), condition=%?[\w.\-]+, body=%?([\w.\-]+)", hlo))
+    out, keep = [], False
+    for line in hlo.splitlines():
+        head = re.match(r"^%?([\w.\-]+) ", line)
+        if head and line.rstrip().endswith("{"):
+            keep = head.group(1) in bodies
+        if keep:
+            out.append(line)
+    return "\n".join(out)
+
+
+def test_a_marked_layer_is_gathered_and_reduced_across_nodes_inside_the_loop():
+    step, state, batch, _ = _compiled("bytegrad", "full")
+    with step:
+        hlo = step.lower(state, batch).compile().as_text()
+    loops = _while_bodies(hlo)
+    # One layer's codes at a time: the gather and the gradient's reduce-scatter run in the
+    # loops (forward, and backward with the checkpoint's re-gather), never the whole stack.
+    assert re.search(r"u8\[[^\]]*\][^\n]*all-gather", loops), "no gather of codes in the loop"
+    assert re.search(r"reduce-scatter\(", loops), "no reduce-scatter in the loop"
+    assert not re.search(r"f32\[4,256,256\][^\n]*all-gather", hlo)
+
+
+def test_a_full_checkpoint_resumes_exactly_and_restores_into_params(tmp_path):
+    batches = token_batches(6)
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    params = jax.device_get(LLAMA.init(SHAPE, jax.random.key(0), scan=True))
+    loss = LLAMA.loss_fn(SHAPE, scan=True, mark="inside")
+
+    def run(shard, start_state=None, batches=batches):
+        strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard=shard)
+        step = strategy.train_step(loss, optax.adamw(3e-3))
+        state = start_state(step) if start_state else step.init(params)
+        for b in batches:
+            state, _ = step(state, b)
+        return step, state
+
+    step, state = run("full", batches=batches[:3])
+    with step, Checkpointer(tmp_path, every=1) as ckpt:
+        at_3 = jax.device_get(step.params(state))
+        ckpt.save(3, state)
+        ckpt.wait()
+        for b in batches[3:]:
+            state, _ = step(state, b)
+        want = jax.device_get(step.params(state))
+
+    def restored():
+        def start(step):
+            with Checkpointer(tmp_path, every=1) as ckpt:
+                shapes = step.state_shapes(params)
+                got = ckpt.restore(3, lambda: shapes, shapes)
+            return got
+
+        return start
+
+    again, state = run("full", restored(), batches[3:])
+    with again:
+        assert_trees_all_close(jax.device_get(again.params(state)), want)
+        spec = state.params["layers"]["wq"].sharding.spec
+        assert spec == P(None, ("node", "local"), None)
+    # The same checkpoint onto the hybrid layout: each leaf as it was saved.
+    hybrid, state = run("params", restored(), [])
+    with hybrid:
+        assert_trees_all_close(jax.device_get(hybrid.params(state)), at_3, atol=0)
+        assert state.params["layers"]["wq"].sharding.spec == P(None, "local", None)
+
+
+def test_nnx_stacked_blocks_with_dropout_train_full_as_replicated():
+    nnx = pytest.importorskip("flax.nnx")
+    base, want = _nnx_run(nnx, None, 6)
+    step, got = _nnx_run(nnx, "full", 6)
+    with base, step:
+        assert want[-1] < want[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+        params = [nnx.to_pure_dict(nnx.state(s.model, nnx.Param)) for s in (step, base)]
+        assert_trees_all_close(*params, atol=1e-5)
+        kernel = step.state.params["blocks"]["linear"]["kernel"]
+        assert kernel.addressable_shards[0].data.shape == (4, 2, 16)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "settings", "match"),
+    [
+        ("bytegrad", {"error_feedback": True, "bits": 4}, "error_feedback"),
+        ("bytegrad", {"rounding": "stochastic"}, "stochastic"),
+        ("diloco", {"inner_steps": 4}, "whole model on each node"),
+    ],
+    ids=["error-feedback", "stochastic", "diloco"],
+)
+def test_what_full_cannot_run_is_refused_clearly(algorithm, settings, match):
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    with pytest.raises(ValueError, match=match):
+        strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard="full", **settings)
+        strategy.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1))
+
+
+def test_multisteps_and_a_bare_step_are_refused_with_full():
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    loss = lambda p, b: jnp.sum(p["w"] * b)  # noqa: E731
+    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full")
+    with pytest.raises(ValueError, match="MultiSteps"):
+        strategy.train_step(loss, optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
+    tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="Strategy"):
+        jax_bytegrad.data_parallel_step(loss, tx, mesh, shard="full")
+
+
+def test_the_weights_the_forward_computes_on_are_the_masters_to_8_bits():
+    step, state, batch, params = _compiled("bytegrad", "full", width=64, layers=2)
+    with step:
+        mesh = step.mesh
+        spec = state.params["stack"].sharding.spec
+        config = jax_bytegrad.SyncConfig()
+        from jax_bytegrad._src.sync import across_nodes
+
+        def gather(block):
+            return across_nodes.gather_weights(block, 1, config, compressed=True)[None]
+
+        fn = jax.shard_map(gather, mesh=mesh, in_specs=spec, out_specs=P(("node", "local")))
+        got = np.asarray(jax.jit(fn)(state.params["stack"]))
+    want = params["stack"]
+    # Every device computes on the same decoded weights, each within half a code step of
+    # the master (a block's range over 255 levels).
+    assert all((g == got[0]).all() for g in got)
+    error = np.abs(got[0] - want).max() / np.abs(want).max()
+    assert 0 < error < 1 / 255, error
+    assert isinstance(state.params["stack"].sharding, NamedSharding)
