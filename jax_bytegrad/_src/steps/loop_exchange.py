@@ -347,7 +347,13 @@ class _Gather(_Rewrite):
         leaves, dims = self._marked(origins)
         moments = [self.moments[leaf] for leaf in leaves] if self.sync.b1 is not None else []
         devices = int(np.prod([self.mesh.shape[a] for a in self.sync.config.axes]))
-        return list(gathering(self.sync, tuple(dims), devices)(*ins, *moments))
+        # One gather per leaf: each weight's gradient then crosses as soon as it exists, and
+        # its buffer goes, instead of the layer's all waiting for the last.
+        out = []
+        for i, (x, dim) in enumerate(zip(ins, dims, strict=True)):
+            extra = moments[i : i + 1]
+            out.extend(gathering(self.sync, (dim,), devices)(x, *extra))
+        return out
 
 
 def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, residuals: int = 0):
@@ -544,13 +550,12 @@ def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
         marked = loop_marks.marked_leaves(calls, count)
         rest = [i for i, m in enumerate(marked) if not m]
         ms = {i: m for i, m in enumerate(moments)} if moments is not None else {}
-        gather_rest = gathering(sync, tuple(dims[i] for i in rest), devices)
 
         def gathered(params, *others):
             leaves = jax.tree.leaves(params)
-            extra = [ms[i] for i in rest] if moments is not None else []
-            for i, x in zip(rest, gather_rest(*(leaves[i] for i in rest), *extra), strict=True):
-                leaves[i] = x
+            for i in rest:  # one gather per leaf, as at a mark
+                extra = [ms[i]] if moments is not None else []
+                (leaves[i],) = gathering(sync, (dims[i],), devices)(leaves[i], *extra)
             closed, shape = jax.make_jaxpr(fn, return_shape=True)(stand_in, *others)
             invars = closed.jaxpr.invars[:count]
             origin = {v: (i, "whole") for i, v in enumerate(invars) if marked[i]}
