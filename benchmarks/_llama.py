@@ -51,6 +51,8 @@ SHAPES = {
     "70b": Shape(layers=80, dim=8192, ffn=28672, heads=64, kv_heads=8),
     # Its widths, deeper: 141 layers (120.6B), 160 (136.8B).
     "120b": Shape(layers=141, dim=8192, ffn=28672, heads=64, kv_heads=8),
+    # Its widths at 8 layers: the per-step memory that does not grow with depth.
+    "70b8": Shape(layers=8, dim=8192, ffn=28672, heads=64, kv_heads=8),
     "137b": Shape(layers=160, dim=8192, ffn=28672, heads=64, kv_heads=8),
 }
 

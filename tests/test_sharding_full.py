@@ -251,3 +251,14 @@ def test_the_weights_the_forward_computes_on_are_the_masters_to_8_bits():
     error = np.abs(got[0] - want).max() / np.abs(want).max()
     assert 0 < error < 1 / 255, error
     assert isinstance(state.params["stack"].sharding, NamedSharding)
+
+
+def test_4_bit_codes_train_on_2_nodes_and_are_refused_on_4():
+    _, want, _ = train("bytegrad", None, scan=True, steps=12, bits=4)
+    _, got, _ = train("bytegrad", "full", scan=True, steps=12, bits=4)
+    assert want[-1] < want[0]
+    np.testing.assert_allclose(got[-1], want[-1], rtol=0.02)
+    mesh = jax_bytegrad.make_mesh(4, 2)
+    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full", bits=4)
+    with pytest.raises(ValueError, match="at most 2 nodes, not 4; pass bits=8"):
+        strategy.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1))

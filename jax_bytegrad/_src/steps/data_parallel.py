@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.sharding import rule
 from jax_bytegrad._src.sharding.placement import (
     StateLayout,
@@ -107,7 +108,8 @@ class DataParallelStep(TrainStep):
         self._feeding = next((s for s in syncs if s.feeds_back), None)
         self._fed: dict[Any, tuple] = {}
         if self.placement.gathers_across_nodes:
-            _check_across_nodes(algorithm, self._optimizers, self._loop_syncs, accumulation)
+            nodes = int(mesh.shape[axes[0]])
+            _check_across_nodes(algorithm, self._optimizers, self._loop_syncs, accumulation, nodes)
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         taken = steps_taken
@@ -471,7 +473,7 @@ class DataParallelStep(TrainStep):
         return StepState(state.step, params, opt_state, extra), metrics
 
 
-def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation) -> None:
+def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation, nodes: int) -> None:
     """Raises where a ``shard="full"`` step cannot run: the gradient crosses between nodes in
     the loss's backward pass, so each phase needs its optimizer's sync settings (a
     ``Strategy`` of gradient_allreduce, bytegrad or qadam gives them), and what that pass
@@ -496,6 +498,12 @@ def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation) -> None
                 "the gradient's codes cross in the backward pass, which keeps no residuals or "
                 "keys; use error_feedback=False, rounding='nearest' (8 bits), or "
                 "shard='params'"
+            )
+        if sync.compressed and not integer.fits(sync.config.bits, nodes):
+            raise ValueError(
+                f"{where}: the gradient's codes are summed between nodes as integers, and "
+                f"4-bit codes fit that for at most {integer.MAX_GROUP[4]} nodes, not {nodes}; "
+                "pass bits=8"
             )
 
 
