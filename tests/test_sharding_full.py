@@ -262,3 +262,22 @@ def test_4_bit_codes_train_on_2_nodes_and_are_refused_on_4():
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full", bits=4)
     with pytest.raises(ValueError, match="at most 2 nodes, not 4; pass bits=8"):
         strategy.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1))
+
+
+def test_bfloat16_params_train_full_and_stay_bfloat16():
+    params = jax.device_get(LLAMA.init(SHAPE, jax.random.key(0), scan=True, dtype=jnp.bfloat16))
+    loss = LLAMA.loss_fn(SHAPE, scan=True, mark="inside")
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    last = {}
+    for shard in (None, "full"):
+        strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard=shard)
+        with strategy.train_step(loss, optax.adamw(3e-3)) as step:
+            state = step.init(params)
+            losses = []
+            for batch in token_batches(10):
+                state, metrics = step(state, batch)
+                losses.append(float(metrics["loss"]))
+            assert state.params["layers"]["wq"].dtype == jnp.bfloat16
+            assert losses[-1] < 0.9 * losses[0]
+            last[shard] = losses[-1]
+    np.testing.assert_allclose(last["full"], last[None], rtol=0.02)
