@@ -183,7 +183,7 @@ def test_a_full_checkpoint_resumes_exactly_and_restores_into_params(tmp_path):
     with again:
         assert_trees_all_close(jax.device_get(again.params(state)), want)
         spec = state.params["layers"]["wq"].sharding.spec
-        assert spec == P(None, ("node", "local"), None)
+        assert spec == P(None, ("local", "node"), None)
     # The same checkpoint onto the hybrid layout: each leaf as it was saved.
     hybrid, state = run("params", restored(), [])
     with hybrid:

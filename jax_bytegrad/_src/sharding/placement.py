@@ -362,8 +362,10 @@ class FullSharded(Placement):
     """``shard="full"``: params and state in blocks over every device of the mesh, nodes
     included (FSDP's FULL_SHARD, ZeRO-3 across nodes).
 
-    Each leaf is split along one dimension over ``(node, local)``, node-major, and the step
-    is manual over both axes: each device holds its block of each leaf. The loss gets the
+    Each leaf is split along one dimension over ``(local, node)``, local-major (device ``(k,
+    j)`` holds block ``j K + k``: a device's part of every node's piece lies together, so
+    neither the gather nor the reduce-scatter moves values in memory first), and the step is
+    manual over both axes: each device holds its block of each leaf. The loss gets the
     whole leaves gathered where it uses them (``loop_exchange.gatherer``: the layers marked
     ``exchange_in_loop`` at the mark, inside the scan body and the checkpoint, the rest
     before the loss), as codes between nodes where the sync compresses
@@ -386,14 +388,14 @@ class FullSharded(Placement):
         return rule.split_dims(params, self.parts)
 
     def param_specs(self, params):
-        return rule.leaf_specs(params, self.axes, self.parts)
+        return rule.leaf_specs(params, self.axes[::-1], self.parts)
 
     def update_specs(self, params):
         return self.param_specs(params)
 
     def state_specs(self, opt_state, params):
         return rule.split_state_specs(
-            opt_state, params, axis=self.axes, parts=self.parts, devices=self.axes
+            opt_state, params, axis=self.axes[::-1], parts=self.parts, devices=self.axes
         )
 
     def place(self, params):

@@ -14,8 +14,8 @@ nodes. Here the part that crosses between nodes is compressed, per layer, inside
                        the same decoded weights. The float32 master block stays with its
                        owner, unchanged.
     scatter_gradient   a device's gradient of a whole leaf, reduce-scattered within the node
-                       in float32 so that each device holds its part of every node's piece
-                       of the node's sum, coded on the integer wire's shared grid
+                       in float32 so that each device holds the node's sum of its run of
+                       blocks, one for each node, coded on the integer wire's shared grid
                        (``codecs/integer.py``: bounds, one ``pmax``, encode) and summed by one
                        integer ``psum_scatter`` over the nodes: each device decodes its own
                        block's sum, times ``weight``.
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs import Codec, dequantize_blocks, integer, quantize_blocks
+from jax_bytegrad._src.codecs import Codec, integer
 from jax_bytegrad._src.sync.config import SyncConfig, platform_of
 
 
@@ -70,28 +70,28 @@ def weight_codec(config: SyncConfig) -> Codec:
 
 def gather_weights(block: jax.Array, dim: int | None, config: SyncConfig,
                    compressed: bool) -> jax.Array:  # fmt: skip
-    """The whole leaf from every device's ``block`` (split along ``dim`` over the node and
-    local axes, node-major), in ``block``'s dtype: each device's values (or with
-    ``compressed`` its codes, which every device then decodes) gathered between nodes, then
-    within the node."""
+    """The whole leaf from every device's ``block`` (split along ``dim`` over the local and
+    node axes, local-major: device ``(k, j)`` holds block ``j K + k``), in ``block``'s dtype:
+    each device's values (or with ``compressed`` its codes, which every device then decodes)
+    gathered between nodes, then within the node."""
     axis, local_axis = config.axes
     if dim is None:
         return block
 
     def gathered(x):
-        # Between nodes, then within the node: (nodes, local, ...), in the leaf's order; each
+        # Between nodes, then within the node: (local, nodes, ...), in the leaf's order; each
         # device sends its own block across.
         x = jax.lax.all_gather(x, axis, to="invarying")
-        return jax.lax.all_gather(x, local_axis, axis=1, to="invarying")
+        return jax.lax.all_gather(x, local_axis, to="invarying")
 
     if not compressed:
         values = gathered(block)
         return _joined(values.reshape(-1, block.size), dim, block.shape)
     codec, size = weight_codec(config), config.block_size
     flat = _blocks(block.astype(jnp.float32).reshape(1, -1), size)[0]
-    codes, header = (gathered(x) for x in quantize_blocks(codec, flat))
+    codes, header = (gathered(x) for x in codec.quantize_blocks(flat))
     parts = codes.shape[0] * codes.shape[1]
-    flat = dequantize_blocks(codec, codes.reshape(-1, codes.shape[-1]), header.reshape(-1, 2))
+    flat = codec.dequantize_blocks(codes.reshape(-1, codes.shape[-1]), header.reshape(-1, 2))
     decoded = flat.reshape(parts, -1)[:, : block.size]
     return _joined(decoded, dim, block.shape).astype(block.dtype)
 
@@ -99,31 +99,31 @@ def gather_weights(block: jax.Array, dim: int | None, config: SyncConfig,
 def scatter_gradient(grad: jax.Array, dim: int, config: SyncConfig, compressed: bool,
                      weight: float) -> jax.Array:  # fmt: skip
     """This device's block of ``weight`` times the sum over every device of ``grad`` (each
-    device's gradient of a whole leaf), split along ``dim`` over the node and local axes:
-    reduce-scattered within the node in float32 (device j of a node takes part j of every
-    node's piece), then between nodes, as float32 or on the integer wire. In ``grad``'s
-    dtype."""
+    device's gradient of a whole leaf), split along ``dim`` over the local and node axes as
+    ``gather_weights`` takes it: reduce-scattered within the node in float32 (device j of a
+    node takes the j-th run of K blocks, one for each node), then between nodes, as float32
+    or on the integer wire. In ``grad``'s dtype."""
     axis, local_axis = config.axes
     nodes = jax.lax.axis_size(axis)
     local = jax.lax.axis_size(local_axis)
-    # (nodes, local, n): part j of node k's piece is the leaf's (k local + j)-th block.
-    rows = _pieces(grad.astype(jnp.float32), dim, nodes * local).reshape(nodes, local, -1)
-    pieces = jax.lax.psum_scatter(rows, local_axis, scatter_dimension=1)  # (nodes, n)
+    # (local, nodes, n): block j K + k is device (k, j)'s.
+    rows = _pieces(grad.astype(jnp.float32), dim, nodes * local).reshape(local, nodes, -1)
+    pieces = jax.lax.psum_scatter(rows, local_axis)  # (nodes, n): this device's run
     count = pieces.shape[1]
     shape = list(grad.shape)
     shape[dim] //= nodes * local
     if not compressed:
-        mine = jax.lax.psum_scatter(pieces, axis, scatter_dimension=0)
+        mine = jax.lax.psum_scatter(pieces, axis)
         return (mine * np.float32(weight)).reshape(shape).astype(grad.dtype)
     size = config.block_size
-    width = integer.allreduce_width(config.bits, nodes, platform_of())
+    width = config.codec.integer_width(nodes, platform_of())
     flat = _blocks(pieces, size).reshape(-1)
     bounds = jax.lax.pmax(integer.integer_bounds(config.codec, flat, size), axis)
     codes, _ = integer.integer_encode(
         config.codec, flat, bounds, block_size=size, width=width, seed=None, feedback=False
     )
     codes = codes.reshape(nodes, -1, codes.shape[-1])
-    mine = jax.lax.psum_scatter(codes, axis, scatter_dimension=0)  # this device's part's sum
+    mine = jax.lax.psum_scatter(codes, axis)  # this device's block's sum
     own = jnp.take(bounds.reshape(nodes, -1, 2), jax.lax.axis_index(axis), axis=0)
     factors = integer.decode_factors(
         config.codec, own, width=width, group_size=nodes, weight=weight
