@@ -281,3 +281,101 @@ def test_bfloat16_params_train_full_and_stay_bfloat16():
             assert losses[-1] < 0.9 * losses[0]
             last[shard] = losses[-1]
     np.testing.assert_allclose(last["full"], last[None], rtol=0.02)
+
+
+def _linen_loss(mark: bool):
+    """A linen stack as users write one: nn.scan over nn.remat'd blocks, the marked one's
+    params through exchange_in_loop inside the remat (``nn.map_variables``)."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(64)(h)), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            block = Block
+            if mark:  # the opt-in line, inside the remat
+                block = nn.map_variables(block, "params", exchange_in_loop, init=True)
+            blocks = nn.scan(
+                nn.remat(block), variable_axes={"params": 0}, split_rngs={"params": True},
+                length=3,
+            )  # fmt: skip
+            h, _ = blocks(name="blocks")(h, None)
+            return nn.Dense(8)(h)
+
+    model = Model()
+    x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+
+    def loss_fn(params, batch):
+        return jnp.mean((model.apply(params, batch[0]) - batch[1]) ** 2)
+
+    return loss_fn, model.init(jax.random.key(0), x[:1]), (x, np.tanh(x[:, :8]))
+
+
+def _nnx_marked(shard, steps: int):
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(64, 64, rngs=rngs)
+            self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, h):
+            return self.dropout(jnp.tanh(self.linear(h)))
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_blocks(rngs):
+                return Block(rngs)
+
+            self.blocks = make_blocks(rngs)
+            self.head = nnx.Linear(64, 8, rngs=rngs)
+
+        def __call__(self, h):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            @nnx.remat
+            def run(h, block):  # the opt-in line, inside the remat
+                nnx.update(block, exchange_in_loop(nnx.state(block, nnx.Param)))
+                return block(h)
+
+            return self.head(run(h, self.blocks))
+
+    def loss_fn(model, batch):
+        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+    x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    strategy = jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh, shard=shard)
+    model = Model(nnx.Rngs(0, dropout=1))
+    with jax_bytegrad.nnx.train_step(strategy, model, optax.sgd(0.1), loss_fn) as step:
+        losses = [float(step((x, np.tanh(x[:, :8])))["loss"]) for _ in range(steps)]
+        return losses, jax.device_get(step.train_step.params(step.state))
+
+
+@pytest.mark.slow
+def test_marked_linen_and_nnx_stacks_train_full_as_replicated():
+    loss_fn, params, batch = _linen_loss(mark=True)
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    out = {}
+    for shard in (None, "full"):
+        strategy = jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh, shard=shard)
+        with strategy.train_step(loss_fn, optax.sgd(0.1, momentum=0.9)) as step:
+            state = step.init(params)
+            losses = []
+            for _ in range(4):
+                state, metrics = step(state, batch)
+                losses.append(float(metrics["loss"]))
+            out[shard] = losses, jax.device_get(step.params(state))
+    assert out[None][0][-1] < out[None][0][0]
+    np.testing.assert_allclose(out["full"][0], out[None][0], rtol=1e-5)
+    assert_trees_all_close(out["full"][1], out[None][1], atol=1e-5)
+    want, want_params = _nnx_marked(None, 4)
+    got, got_params = _nnx_marked("full", 4)
+    assert want[-1] < want[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_trees_all_close(got_params, want_params, atol=1e-5)
