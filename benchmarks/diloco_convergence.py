@@ -57,6 +57,11 @@ for _h in (10, 50):
         "diloco",
         {"inner_steps": _h, "delay": 0, "bits": 4, "error_feedback": True},
     )
+    # Four levels per block, four codes per byte, on the scatter-gather wire.
+    VARIANTS[f"diloco H={_h} 2-bit + EF"] = (
+        "diloco",
+        {"inner_steps": _h, "delay": 0, "bits": 2, "error_feedback": True},
+    )
     # The same codes summed on the integer wire (7 levels per node: 2 nodes at most).
     VARIANTS[f"diloco H={_h} 4-bit + EF, integer wire"] = (
         "diloco",

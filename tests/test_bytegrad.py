@@ -236,7 +236,9 @@ def test_missing_axis_name_raises_clear_error():
     "kwargs,match",
     [
         (dict(block_size=100), "block_size must be a power of two"),
-        (dict(bits=2), "bits must be one of 8, 4, got 2"),
+        (dict(bits=3), "bits must be one of 8, 4, 2, got 3"),
+        (dict(bits=2, block_size=256), "power of two >= 512, got 256"),
+        (dict(bits=2, wire="allreduce"), "2-bit codes sum over at most 1 device"),
         (dict(bits=4, block_size=128), "power of two >= 256, got 128"),
         (dict(error_feedback=True), "error_feedback=True keeps residuals per device"),
         (dict(error_feedback=1, mesh=None), "error_feedback must be True or False"),
@@ -246,7 +248,20 @@ def test_missing_axis_name_raises_clear_error():
         (dict(node_axis="x", local_axis="x"), "must differ"),
         (dict(implementation="cuda"), "implementation must be"),
     ],
-    ids=["block", "bits", "4bit128", "nomesh", "ef", "rounding", "bucket", "flag", "axes", "impl"],
+    ids=[
+        "block",
+        "bits",
+        "2bit256",
+        "2bit_allreduce",
+        "4bit128",
+        "nomesh",
+        "ef",
+        "rounding",
+        "bucket",
+        "flag",
+        "axes",
+        "impl",
+    ],
 )
 def test_bytegrad_validates_at_build_time(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -325,11 +325,23 @@ def test_h100_at_4_bits_sends_over_700x_fewer_bytes_than_float32_every_step():
         (dict(inner_steps=4, delay=-1), "delay must be an int >= 0"),
         (dict(inner_steps=4, delay=4), "delay=4 must be less than inner_steps=4"),
         (dict(inner_steps=4, outer_optimizer=optax.sgd), "outer_optimizer must be an optax"),
-        (dict(inner_steps=4, bits=2), "bits must be one of 8, 4, 32"),
+        (dict(inner_steps=4, bits=16), "bits must be one of 8, 4, 2, 32"),
+        (dict(inner_steps=4, bits=2, wire="allreduce"), "2-bit codes sum over at most 1"),
         (dict(inner_steps=4, bits=32, error_feedback=True), "error_feedback=True needs bits"),
         (dict(), "missing keyword argument.*inner_steps"),
     ],
-    ids=["h0", "f_divides", "tau_ge_h", "tau_negative", "tau_h", "outer", "bits", "ef32", "no_h"],
+    ids=[
+        "h0",
+        "f_divides",
+        "tau_ge_h",
+        "tau_negative",
+        "tau_h",
+        "outer",
+        "bits",
+        "2bit_allreduce",
+        "ef32",
+        "no_h",
+    ],
 )
 def test_bad_settings_are_refused_when_the_strategy_is_built(kwargs, match):
     with pytest.raises(ValueError, match=match):

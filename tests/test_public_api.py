@@ -106,9 +106,10 @@ def test_the_index_lists_each_namespaces_names():
 
 def test_the_default_block_sizes_are_read_only():
     # Private since every default reads it: SyncConfig(bits=...).block_size is the public form.
-    from jax_bytegrad._src.sync.config import DEFAULT_BLOCK_SIZES
+    from jax_bytegrad._src.codecs.widths import DEFAULT_BLOCK_SIZES
 
     with pytest.raises(TypeError):
         DEFAULT_BLOCK_SIZES[8] = 2048
     assert jax_bytegrad.SyncConfig(bits=8).block_size == DEFAULT_BLOCK_SIZES[8] == 1024
     assert jax_bytegrad.SyncConfig(bits=4).block_size == DEFAULT_BLOCK_SIZES[4] == 512
+    assert jax_bytegrad.SyncConfig(bits=2).block_size == DEFAULT_BLOCK_SIZES[2] == 512

@@ -226,8 +226,8 @@ def test_checkpoint_restores_the_residuals_and_continues_bit_exactly(mesh, tmp_p
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"bits": 2}, "bits must be one of 8, 4, got 2"),
-        ({"bits": True}, "bits must be one of 8, 4, got True"),
+        ({"bits": 3}, "bits must be one of 8, 4, 2, got 3"),
+        ({"bits": True}, "bits must be one of 8, 4, 2, got True"),
         ({"bits": 4, "block_size": 128}, "block_size"),
         ({"error_feedback": 1}, "error_feedback must be True or False, got 1"),
         ({"error_feedback": True}, "pass mesh="),
@@ -253,6 +253,6 @@ def test_mesh_without_the_axes_raises():
 
 
 def test_strategy_rejects_bad_bits_when_built(mesh):
-    with pytest.raises(ValueError, match="bits must be one of 8, 4, got 3"):
+    with pytest.raises(ValueError, match="bits must be one of 8, 4, 2, got 3"):
         jax_bytegrad.Strategy("qadam", mesh=mesh, learning_rate=1e-2, warmup_steps=2, bits=3)
     assert {"bits", "error_feedback"} <= set(jax_bytegrad.Strategy.valid_kwargs("qadam"))

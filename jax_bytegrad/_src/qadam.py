@@ -103,14 +103,15 @@ def _check_second_moment(second_moment, where: str) -> None:
         )
 
 
-def _default_second_moment(bits: int) -> str:
-    """The rule ``second_moment=None`` picks for ``bits``-bit codes.
+def _default_second_moment(codec) -> str:
+    """The rule ``second_moment=None`` picks for ``codec``'s codes.
 
     At 8 bits, ``"gradient"``: its ``v`` is Adam's up to the codes' error over ``1 - b1``.
     At 4 bits that error is 17x larger and swells ``v`` (smaller steps than Adam's), so
-    ``"momentum"``. Measured in benchmarks/RESULTS.md, "QAdam's second moment after warm-up".
+    ``"momentum"``, as for every width the codecs call coarse (``Format.coarse``: 4 and 2
+    bits). Measured in benchmarks/RESULTS.md, "QAdam's second moment after warm-up".
     """
-    return "gradient" if bits == 8 else "momentum"
+    return "momentum" if codec.format.coarse else "gradient"
 
 
 def _bias_correction(moment, decay: float, count: jax.Array):
@@ -352,7 +353,7 @@ def scale_by_qadam(
         checks.one_of(phase, ("warmup", "compressed"), "phase", where)
     config = sync_config(sync, where)
     if second_moment is None:
-        second_moment = _default_second_moment(config.bits)
+        second_moment = _default_second_moment(config.codec)
     shape = config.mesh_shape(mesh, where)
     error_feedback = config.error_feedback
     node_axis, local_axis = config.axes

@@ -1,8 +1,13 @@
-"""The codecs: one settings object, every implementation of every op, and a choice per kernel.
+"""The codecs: one object per codec, every implementation of every op, and a choice per kernel.
 
-``Codec`` is what a codec call is told: bits, rounding and which implementation to run. It is
-the one object that travels from a ``SyncConfig`` (``SyncConfig.codec``) or the arguments of
-``quantize`` to an implementation, which reads its ``bits`` and ``stochastic``.
+``Codec`` is a codec: its width (bits, with its ``widths.Format``: packing, levels, default
+block, whether kernels exist), its rounding and which implementation runs it; its ops
+(``quantize_blocks``, ``dequantize_blocks``, ``average_requantize``), and what the wires ask
+of a width (``code_bytes``, ``auto_wire``, ``integer_width``). It is the one object that
+travels from a ``SyncConfig`` (``SyncConfig.codec``) or the arguments of ``quantize`` to an
+implementation, which reads its ``bits`` and ``stochastic``. Outside the codecs nothing tests
+a width by value: it asks the codec. A new width is a row of ``widths.FORMATS``, and its
+reference follows from the shared grid (``grid.py``) and packing (``reference.pack``).
 
 ``REGISTRY`` holds every implementation of every op, by op and then by name. Within an op,
 every implementation takes the same arguments (a ``Codec`` first) and returns the same
@@ -49,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs import integer, pallas, reference
+from jax_bytegrad._src.codecs import integer, pallas, reference, widths
 
 # Seconds one kernel's check may take, compile included: a compile takes about a second, and a
 # layout search that Mosaic GPU cannot finish would take minutes of the user's first step.
@@ -63,25 +68,87 @@ HEADER_WIDTH = 2
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """How values are coded: the settings every op of every codec reads. Frozen, hashable.
+    """A codec: how values are coded, and the ops that code them. Frozen, hashable.
 
     Attributes:
-      bits: bits per code, 8 or 4.
+      bits: bits per code, 8, 4 or 2 (``widths.FORMATS``; packed ``8 // bits`` per byte).
       stochastic: stochastic (unbiased) rounding, ``rounding="stochastic"``; the ops that
         encode then take a PRNG key.
       implementation: ``"xla"``, ``"pallas"``, ``"pallas_interpret"``, or None for the best
-        available (module docstring).
+        available (module docstring). A width without kernels (``Format.kernels``: 2 bits)
+        runs the XLA reference.
+
+    Raises:
+      ValueError: for a width not in ``widths.FORMATS``.
+      NotImplementedError: for a Pallas implementation of a width that has no kernels.
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> codes, header = quantize_blocks(Codec(bits=4), jnp.ones((2, 256)))
+      >>> codes, header = Codec(bits=4).quantize_blocks(jnp.ones((2, 256)))
       >>> codes.shape, header.shape
       ((2, 128), (2, 2))
+      >>> Codec(bits=2).code_bytes(512), Codec(bits=2).auto_wire(2)
+      (128, 'scatter_gather')
     """
 
     bits: int = 8
     stochastic: bool = False
     implementation: Implementation | None = None
+
+    def __post_init__(self) -> None:
+        fmt = widths.format_of(self.bits, "Codec")
+        if self.implementation in ("pallas", "pallas_interpret") and not fmt.kernels:
+            raise NotImplementedError(
+                f"jax_bytegrad: {self.bits}-bit codes have no Pallas kernels (their XLA "
+                f"reference is the codec); pass implementation=None or 'xla', got "
+                f"{self.implementation!r}"
+            )
+
+    @property
+    def format(self) -> widths.Format:
+        """This width's ``widths.Format``."""
+        return widths.FORMATS[self.bits]
+
+    @property
+    def block_size(self) -> int:
+        """The default values per block of this width."""
+        return self.format.block_size
+
+    def code_bytes(self, block_size: int) -> int:
+        """Bytes of packed codes per block of ``block_size`` values, its header aside."""
+        return self.format.code_bytes(block_size)
+
+    def auto_wire(self, group_size: int) -> str:
+        """The wire ``wire="auto"`` picks for ``group_size`` devices: ``"allreduce"`` while
+        this width's codes of that many devices sum on the integer wire with enough levels
+        (``Format.auto_allreduce_group``), ``"scatter_gather"`` otherwise."""
+        return "allreduce" if group_size <= self.format.auto_allreduce_group else "scatter_gather"
+
+    def check_integer(self, group_size: int, where: str = "wire='allreduce'") -> None:
+        """Raises a ``ValueError`` unless this width's codes of ``group_size`` devices can be
+        summed on the integer wire (``integer.check_fits``)."""
+        integer.check_fits(self.bits, group_size, where)
+
+    def integer_fits(self, group_size: int) -> bool:
+        """Whether this width's codes of ``group_size`` devices sum on the integer wire."""
+        return integer.fits(self.bits, group_size)
+
+    def integer_width(self, group_size: int, platform: str | None = None) -> integer.Width:
+        """The integer wire's width and levels per device for ``group_size`` devices
+        (``integer.allreduce_width``)."""
+        return integer.allreduce_width(self.bits, group_size, platform)
+
+    def quantize_blocks(self, x: jax.Array, key: jax.Array | None = None):
+        """Quantizes rows of ``x``: the module's ``quantize_blocks``."""
+        return quantize_blocks(self, x, key)
+
+    def dequantize_blocks(self, codes: jax.Array, header: jax.Array) -> jax.Array:
+        """Decodes rows of codes: the module's ``dequantize_blocks``."""
+        return dequantize_blocks(self, codes, header)
+
+    def average_requantize(self, codes, header, key=None, *, weight: float):
+        """Averages and requantizes n chunks: the module's ``average_requantize``."""
+        return average_requantize(self, codes, header, key, weight=weight)
 
 
 def _interpreted(kernel: Callable) -> Callable:
@@ -142,8 +209,8 @@ def resolve(op: str, codec: Codec, *arrays, weight: float | None = None) -> Call
     names, or for None the best available (the op's only one, or ``select``'s choice)."""
     if codec.implementation is not None:
         return lookup(op, codec.implementation)
-    if len(REGISTRY[op]) == 1:
-        return next(iter(REGISTRY[op].values()))
+    if len(REGISTRY[op]) == 1 or not codec.format.kernels:
+        return REGISTRY[op]["xla"]
     return lookup(op, select(Kernel.of(op, codec, *arrays, weight=weight)))
 
 
@@ -303,7 +370,7 @@ def sg_average(received, mean, *, weight, key, codec: Codec, block_size):
     ``mean`` error feedback's residual of the requantize, (blocks, block_size), or None.
     Returns the message to gather, (blocks, bytes), and the new ``mean`` residual.
     """
-    codes, header = _unpack(received, block_size * codec.bits // 8)
+    codes, header = _unpack(received, codec.code_bytes(block_size))
     key = _piece_keys(key)[1]
     if mean is None:
         codes, header = average_requantize(codec, codes, header, key, weight=weight)
@@ -317,7 +384,7 @@ def sg_decode(gathered, *, codec: Codec, block_size):
     """The last stage: decode the gathered averages, (peers, blocks, bytes), to float32
     values of shape (peers, blocks, block_size)."""
     peers, blocks = gathered.shape[:2]
-    codes, header = _unpack(gathered, block_size * codec.bits // 8)
+    codes, header = _unpack(gathered, codec.code_bytes(block_size))
     decoded = dequantize_blocks(
         codec, codes.reshape(peers * blocks, -1), header.reshape(peers * blocks, -1)
     )
@@ -354,7 +421,7 @@ class Kernel:
         first = arrays[0]
         if op == "quantize_blocks":
             return cls(op, codec, first.shape[-1], dtype=jnp.dtype(first.dtype).name)
-        block_size = first.shape[-1] * 8 // codec.bits
+        block_size = first.shape[-1] * codec.format.per_byte
         if op == "dequantize_blocks":
             return cls(op, codec, block_size)
         if op != "average_requantize":
@@ -415,8 +482,7 @@ class Kernel:
 
 
 def _unpacked(codes: np.ndarray, bits: int) -> np.ndarray:
-    codes = codes.astype(np.int32)
-    return codes if bits == 8 else np.concatenate([codes & 15, codes >> 4], axis=-1)
+    return np.asarray(reference.unpack(jnp.asarray(codes), bits)).astype(np.int32)
 
 
 def mismatch(kernel: Kernel, got, want) -> str | None:

@@ -1,7 +1,9 @@
-"""Block-wise 8- and 4-bit min-max quantization: ``QuantizedArray``, ``quantize``, ``dequantize``.
+"""Block-wise 8-, 4- and 2-bit min-max quantization: ``QuantizedArray``, ``quantize``,
+``dequantize``.
 
 Follows the min-max uint8 codec of Bagua's ByteGrad (Gan et al., VLDB 2022), and adds a
-4-bit grid packed two codes per byte, as ZeRO++'s qgZ sends gradients. The numeric
+4-bit grid packed two codes per byte, as ZeRO++'s qgZ sends gradients, and a 2-bit grid
+packed four per byte (the XLA reference only). The numeric
 semantics live in ``codecs/reference.py``; this module validates arguments, lays arrays out
 as blocks, and runs the block ops of ``codecs`` with one ``codecs.Codec`` (bits, rounding and
 implementation: the XLA reference, the compiled Mosaic GPU kernels or the interpreted ones,
@@ -18,15 +20,8 @@ import numpy as np
 from jax_bytegrad._src import checks
 from jax_bytegrad._src import codecs as _codecs
 from jax_bytegrad._src.codecs import HEADER_WIDTH as HEADER_WIDTH
-from jax_bytegrad._src.codecs import Codec, check_key, resolve_implementation
-from jax_bytegrad._src.sync.config import (
-    BITS,
-    ROUNDINGS,
-    Bits,
-    Implementation,
-    Rounding,
-    check_block_size,
-)
+from jax_bytegrad._src.codecs import Codec, Implementation, check_key, resolve_implementation
+from jax_bytegrad._src.codecs.widths import BITS, ROUNDINGS, Bits, Rounding, check_block_size
 
 
 @jax.tree_util.register_dataclass
@@ -36,11 +31,11 @@ class QuantizedArray:
 
     Attributes:
       codes: uint8 array of shape (num_blocks, block_size * bits // 8): one code per byte
-        at 8 bits, two per byte at 4 bits.
+        at 8 bits, two per byte at 4 bits, four at 2.
       header: float32 array of shape (num_blocks, 2): each block's [scale, zero point].
       shape: the original shape (static).
       dtype: the original dtype (static).
-      bits: bits per code, 8 or 4 (static).
+      bits: bits per code, 8, 4 or 2 (static).
     """
 
     codes: jax.Array
@@ -72,13 +67,13 @@ def quantize(
     key: jax.Array | None = None,
     implementation: Implementation | None = None,
 ) -> QuantizedArray:
-    """Quantizes an array block by block to 8- or 4-bit codes between each block's min and max.
+    """Quantizes an array block by block to 8-, 4- or 2-bit codes between each block's min and max.
 
     The array is flattened and cut into blocks of ``block_size`` elements; the tail block is
     padded with copies of its last element, which changes neither its min nor its max, and
     the padding never reaches the output of ``dequantize``. Each block's 2**bits levels span
     its [min, max], with zero kept exactly on the grid whenever min <= 0 <= max. 4-bit codes
-    are packed two per byte.
+    are packed two per byte, 2-bit codes four.
 
     Guarantees (``dequantize(quantize(x))`` as x_hat, per block with lo = min, hi = max,
     M = 2**bits - 1):
@@ -91,9 +86,9 @@ def quantize(
 
     Args:
       x: a float32, bfloat16 or float16 array of any shape, size 0 included.
-      bits: bits per code, 8 or 4.
-      block_size: elements per block; a power of two >= 128 (>= 256 for 4 bits), or None
-        for the default of ``bits`` (1024 at 8 bits, 512 at 4).
+      bits: bits per code, 8, 4 or 2 (2 bits: the XLA reference only, no kernel).
+      block_size: elements per block; a power of two >= 128 (>= 256 for 4 bits, >= 512 for
+        2), or None for the default of ``bits`` (1024 at 8 bits, 512 at 4 and 2).
       rounding: ``"nearest"`` or ``"stochastic"`` (unbiased; needs ``key``).
       key: a PRNG key, for stochastic rounding only.
       implementation: ``"xla"``, ``"pallas"`` (the kernel compiled by Mosaic GPU, for NVIDIA
@@ -112,7 +107,7 @@ def quantize(
         missing or superfluous ``key``.
       NotImplementedError: for ``implementation="pallas"`` on a GPU older than Hopper, or
         when the computation is lowered for a platform other than CUDA (running it on a
-        CPU, say).
+        CPU, say); for a Pallas implementation at 2 bits, which has no kernel.
 
     Examples:
       >>> import jax.numpy as jnp, jax_bytegrad

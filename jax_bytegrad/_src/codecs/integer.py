@@ -72,7 +72,15 @@ import numpy as np
 from jax_bytegrad._src.codecs import grid as _grid
 
 # Largest group whose sum fits each width with enough levels per device (module docstring).
-MAX_GROUP = {4: 2, 8: 8}
+# 2-bit codes have 3 levels: any group of 2 or more would leave fewer than 2 each.
+MAX_GROUP = {8: 8, 4: 2, 2: 1}
+# The width a code widens to beyond ``MAX_GROUP`` (only bytes widen: packed codes would carry).
+WIDER = {8: 16}
+# Why a width is refused on the integer wire beyond ``MAX_GROUP``.
+_LIMIT = {
+    4: "their nibbles must not carry",
+    2: "3 levels leave fewer than 2 per device for any group of 2 or more",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,21 +99,24 @@ class Width:
 def fits(bits: int, group_size: int) -> bool:
     """Whether ``bits``-bit codes of ``group_size`` devices can be summed on the integer wire:
     8-bit codes always (uint16 beyond ``MAX_GROUP[8]``), 4-bit nibbles up to ``MAX_GROUP[4]``
-    devices, whose sum must not carry from one nibble into the next."""
-    return bits != 4 or group_size <= MAX_GROUP[4]
+    devices, whose sum must not carry from one nibble into the next; 2-bit codes never in a
+    group of more than one."""
+    return bits in WIDER or group_size <= MAX_GROUP[bits]
 
 
 def check_fits(bits: int, group_size: int, where: str = "wire='allreduce'") -> None:
     """Raises unless ``fits(bits, group_size)``, naming ``where`` and what to pass instead.
 
     Raises:
-      ValueError: for 4-bit codes over more than ``MAX_GROUP[4]`` devices.
+      ValueError: for 4-bit codes over more than ``MAX_GROUP[4]`` devices, or 2-bit codes
+        over more than one.
     """
     if not fits(bits, group_size):
+        most = MAX_GROUP[bits]
         raise ValueError(
-            f"{where}: 4-bit codes sum over at most {MAX_GROUP[4]} devices on wire='allreduce' "
-            f"(their nibbles must not carry), got {group_size}; pass bits=8, or "
-            "wire='scatter_gather' for 4 bits"
+            f"{where}: {bits}-bit codes sum over at most {most} device{'s' * (most != 1)} on "
+            f"wire='allreduce' ({_LIMIT[bits]}), got {group_size}; pass "
+            f"wire='scatter_gather' (which wire='auto' picks) for {bits} bits, or bits=8"
         )
 
 
@@ -133,11 +144,8 @@ def allreduce_width(bits: int, group_size: int, platform: str | None = None) -> 
       >>> allreduce_width(8, 2), allreduce_width(8, 16), allreduce_width(4, 2)
       (Width(bits=8, levels=127), Width(bits=16, levels=4095), Width(bits=4, levels=7))
     """
-    if bits == 4:
-        check_fits(bits, group_size)  # only nibbles can carry into each other
-        width = 4
-    else:
-        width = 8 if group_size <= MAX_GROUP[8] else 16
+    check_fits(bits, group_size)
+    width = bits if group_size <= MAX_GROUP[bits] else WIDER[bits]
     levels = (2**width - 1) // group_size
     if levels < 2:
         raise ValueError(

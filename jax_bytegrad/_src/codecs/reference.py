@@ -1,4 +1,4 @@
-"""Pure-jnp block-wise 8- and 4-bit min-max quantization: the semantics, and the CPU/TPU path.
+"""Pure-jnp block-wise 8-, 4- and 2-bit min-max quantization: the semantics, the CPU/TPU path.
 
 Follows the min-max uint8 compression of Bagua's ByteGrad (Gan et al., "Bagua: Scaling up
 Distributed Learning with System Relaxations", VLDB 2022), with three changes: the grid is
@@ -12,14 +12,16 @@ implementation of the same op (``pallas.py``) takes the same arguments.
 
 Each block is coded on the grid of ``grid.py`` (its module docstring has the formulas):
 lo = min and hi = max of the block in float32, and M = 2**bits - 1 levels, the largest code
-(255 for 8 bits, 15 for 4 bits), with D = M steps for nearest rounding and M - 1 for
+(255 for 8 bits, 15 for 4 bits, 3 for 2 bits), with D = M steps for nearest rounding and M - 1 for
 stochastic rounding.
 
 8-bit codes are one uint8 per value, ``(num_blocks, block_size)``. 4-bit codes are packed two
 per byte, ``(num_blocks, block_size // 2)``: byte j of a block holds value j in its low
 nibble and value j + block_size // 2 in its high nibble. Pairing the two halves of a block,
 rather than neighbours, lets a kernel that holds a block as rows of 128 lanes pack and
-unpack with whole-row ref slices and no lane shuffles.
+unpack with whole-row ref slices and no lane shuffles. 2-bit codes go four per byte the same
+way, ``(num_blocks, block_size // 4)``: byte j holds value j + i * block_size // 4 at bit
+2 i, for i = 0..3 (the XLA reference only: no kernel).
 
 A constant block (lo == hi) is stored as scale = lo, zero = -1 and codes 0, so it decodes
 to exactly (0 + 1) * lo; an all-zero block is the case lo == 0.
@@ -52,21 +54,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src.codecs import grid as _grid
+from jax_bytegrad._src.codecs import widths
 
 
 def pack(codes: jax.Array, bits: int) -> jax.Array:
-    """Packs (..., block_size) codes < 2**bits into bytes; see the module docstring."""
-    if bits == 8:
+    """Packs (..., block_size) codes < 2**bits into bytes, ``8 // bits`` per byte: byte j
+    holds code j + i * (block_size // per_byte) at bit i * bits (module docstring)."""
+    per_byte = widths.FORMATS[bits].per_byte
+    if per_byte == 1:
         return codes
-    half = codes.shape[-1] // 2
-    return codes[..., :half] | (codes[..., half:] << 4)
+    part = codes.shape[-1] // per_byte
+    packed = codes[..., :part]
+    for i in range(1, per_byte):
+        packed = packed | (codes[..., i * part : (i + 1) * part] << (i * bits))
+    return packed
 
 
 def unpack(codes: jax.Array, bits: int) -> jax.Array:
     """Inverse of ``pack``: one uint8 code per value."""
-    if bits == 8:
+    per_byte = widths.FORMATS[bits].per_byte
+    if per_byte == 1:
         return codes
-    return jnp.concatenate([codes & 15, codes >> 4], axis=-1)
+    mask = np.uint8(2**bits - 1)
+    # The first part needs no shift and the last no mask: the same ops as ever at 4 bits.
+    parts = [codes & mask]
+    parts += [(codes >> (i * bits)) & mask for i in range(1, per_byte - 1)]
+    parts.append(codes >> ((per_byte - 1) * bits))
+    return jnp.concatenate(parts, axis=-1)
 
 
 def _block_range(x: jax.Array) -> tuple[jax.Array, jax.Array]:

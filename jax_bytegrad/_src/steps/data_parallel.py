@@ -40,7 +40,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.sharding import rule
 from jax_bytegrad._src.sharding.placement import (
     StateLayout,
@@ -499,10 +498,12 @@ def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation, nodes: 
                 "keys; use error_feedback=False, rounding='nearest' (8 bits), or "
                 "shard='params'"
             )
-        if sync.compressed and not integer.fits(sync.config.bits, nodes):
+        if sync.compressed and not sync.config.codec.integer_fits(nodes):
+            codec = sync.config.codec
+            most = max(g for g in range(1, nodes) if codec.integer_fits(g))
             raise ValueError(
                 f"{where}: the gradient's codes are summed between nodes as integers, and "
-                f"4-bit codes fit that for at most {integer.MAX_GROUP[4]} nodes, not {nodes}; "
+                f"{codec.bits}-bit codes fit that for at most {most} nodes, not {nodes}; "
                 "pass bits=8"
             )
 

@@ -61,6 +61,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.codecs.widths import BITS
 from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.runtime.programs import Dispatcher
 from jax_bytegrad._src.sharding import rule
@@ -159,7 +160,7 @@ def _check(mesh, axes, inner_steps, fragments, delay, background, outer_optimize
             f"{where}: outer_optimizer must be an optax.GradientTransformation such as "
             f"optax.sgd(0.7, momentum=0.9, nesterov=True), got {outer_optimizer!r}"
         )
-    checks.one_of(bits, (8, 4, FLOAT32), "bits", where)
+    checks.one_of(bits, (*BITS, FLOAT32), "bits", where)
 
 
 class _DiLoCo(Exchanges, TrainStep):
@@ -450,7 +451,7 @@ def diloco_step(
     Each node trains with ``optimizer`` on its devices' slices of the batch, averaging the
     gradient over its own devices only (float32). Every ``inner_steps`` steps the nodes
     average the pseudo-gradient (global params minus the node's) on the compressed wire of
-    ``bytegrad`` (``bits`` 8 or 4, with ``error_feedback`` residuals carried from one outer
+    ``bytegrad`` (``bits`` 8, 4 or 2, with ``error_feedback`` residuals carried from one outer
     step to the next; ``bits=32`` for float32), ``outer_optimizer`` updates the global params,
     and every node restarts from them. With ``fragments`` F > 1 (streaming DiLoCo) the params
     are split into F fragments (sets of whole leaves, or with more fragments than leaves runs
@@ -482,9 +483,10 @@ def diloco_step(
         refused on GPUs, where the exchange inside a step (the default) is what XLA overlaps.
       outer_optimizer: any optax transformation of the pseudo-gradient; None for DiLoCo's
         Nesterov SGD (learning rate 0.7, momentum 0.9). Each fragment keeps its own state.
-      bits: 8 or 4 (codes between nodes, as ``bytegrad``), or 32 (a float32 exchange).
+      bits: 8, 4 or 2 (codes between nodes, as ``bytegrad``; 2 on the scatter-gather
+        wire), or 32 (a float32 exchange).
       error_feedback: keep what each device's compressions left unsent and add it to the
-        next outer step's pseudo-gradient (recommended at 4 bits).
+        next outer step's pseudo-gradient (recommended at 4 bits, and at 2).
       block_size, wire, bucket_bytes, message_bytes: the wire's settings, as ``bytegrad``'s.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
       donate: donate the state's buffers to the step.
@@ -552,7 +554,8 @@ def diloco_step(
         )  # fmt: skip
         sync.mesh_shape(mesh, where)
     elif error_feedback:
-        raise ValueError(f"{where}: error_feedback=True needs bits=8 or 4; bits=32 loses nothing")
+        coded = " or ".join(map(str, BITS))
+        raise ValueError(f"{where}: error_feedback=True needs bits={coded}; bits=32 loses nothing")
     return _DiLoCo(
         loss_fn, optimizer, outer, mesh, axes=axes, inner_steps=inner_steps,
         fragments=fragments, delay=delay, background=background, sync=sync, has_aux=has_aux,

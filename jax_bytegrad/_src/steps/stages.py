@@ -151,7 +151,7 @@ def _chunks(
         parts = 1 if group.plain else min(wanted, blocks)
         return [_Chunk(b, i, s, e) for i, (s, e) in enumerate(_split(blocks, parts))]
     per_peer = size // (group.size * block)
-    pieces = patterns.message_slices(per_peer, block * sync.bits // 8, sync.message_bytes)
+    pieces = patterns.message_slices(per_peer, sync.codec.code_bytes(block), sync.message_bytes)
     chunks = []
     for i, (s, e) in enumerate(_split(len(pieces), min(wanted, len(pieces)))):
         held = tuple((j, pieces[j]) for j in range(s, e))

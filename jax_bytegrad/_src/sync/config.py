@@ -18,7 +18,6 @@ References:
 """
 
 import dataclasses
-import types
 from typing import Any, Literal
 
 import jax
@@ -33,7 +32,14 @@ from jax_bytegrad._src.codecs import (
     IntegerOps,
     resolve,
 )
-from jax_bytegrad._src.codecs.integer import Width, allreduce_width, check_fits
+from jax_bytegrad._src.codecs.integer import Width
+from jax_bytegrad._src.codecs.widths import BITS as BITS
+from jax_bytegrad._src.codecs.widths import DEFAULT_BLOCK_SIZES as DEFAULT_BLOCK_SIZES
+from jax_bytegrad._src.codecs.widths import MIN_BLOCK_SIZE as MIN_BLOCK_SIZE
+from jax_bytegrad._src.codecs.widths import ROUNDINGS as ROUNDINGS
+from jax_bytegrad._src.codecs.widths import Bits as Bits
+from jax_bytegrad._src.codecs.widths import Rounding as Rounding
+from jax_bytegrad._src.codecs.widths import check_block_size as check_block_size
 from jax_bytegrad._src.sync.buckets import Layout, make_layout
 
 # The bucket size off GPU meshes: big enough that each collective runs at link speed, small
@@ -47,35 +53,9 @@ GPU_BUCKET_BYTES = 24 * 2**20
 GPU_BUCKET_LEAVES = 2
 # Bytes per message of the exchanges between nodes (codes, per peer); see docs/performance.md.
 DEFAULT_MESSAGE_BYTES = 256 * 2**10
-BITS = (8, 4)
-# Elements per quantization block, per code width; see "4-bit block size" in RESULTS.md.
-# Read-only: every default in the library reads it, so a write would change them all at once.
-DEFAULT_BLOCK_SIZES = types.MappingProxyType({8: 1024, 4: 512})
-# Kernels tile a block's (packed) codes as whole rows of 128 bytes.
-MIN_BLOCK_SIZE = 128
-
-Rounding = Literal["nearest", "stochastic"]
-Bits = Literal[8, 4]
 Wire = Literal["auto", "scatter_gather", "allreduce", "ring"]
 BucketBytes = int | Literal["auto"] | None
-ROUNDINGS = ("nearest", "stochastic")
 WIRES = ("auto", "scatter_gather", "allreduce", "ring")
-# The largest group of devices whose 8-bit codes ``wire="auto"`` sums on the integer wire:
-# uint8 headroom leaves 255 // 8 = 31 levels each there (benchmarks/RESULTS.md, "Widths").
-AUTO_ALLREDUCE_GROUP = 8
-
-
-def check_block_size(block_size, where: str, bits: int = 8) -> int:
-    """Validates ``block_size`` for ``bits``; returns it, or the default for None."""
-    if block_size is None:
-        return DEFAULT_BLOCK_SIZES[bits]
-    smallest = MIN_BLOCK_SIZE * 8 // bits
-    if not checks.is_int(block_size) or block_size < smallest or block_size & (block_size - 1):
-        packing = "" if bits == 8 else f" for {bits}-bit codes (two per byte, 128 bytes)"
-        raise ValueError(
-            f"{where}: block_size must be a power of two >= {smallest}, got {block_size!r}{packing}"
-        )
-    return int(block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +71,12 @@ class SyncConfig:
       local_axis: mesh axis within a node (fast links): float32.
       hierarchical: reduce-scatter within the node before the compressed hop; False
         compresses over both axes as one group (L times more bytes between nodes).
-      bits: bits per code between nodes, 8 or 4 (packed two per byte).
+      bits: bits per code between nodes, 8, 4 (packed two per byte) or 2 (four per byte,
+        on the scatter-gather wires only; use it with ``error_feedback=True``). Each is a
+        ``codecs.Codec``'s width (``codecs/widths.py``).
       block_size: elements per quantization block, a power of two >= 128 (>= 256 at 4
-        bits); None is resolved to the default of ``bits``: 1024 at 8 bits, 512 at 4.
+        bits, >= 512 at 2); None is resolved to the default of ``bits``: 1024 at 8 bits,
+        512 at 4 and 2.
       bucket_bytes: float32 bytes per communication bucket, of whole leaves (a larger leaf
         gets a bucket of its own); None for a single bucket. ``"auto"`` (default): the
         platform's grain, resolved where the mesh is known (``bucket_grain``): on GPU meshes
@@ -118,14 +101,16 @@ class SyncConfig:
         (one pmax of the block bounds) with headroom, and the codes are summed by one
         integer psum per bucket, then decoded with factors agreed by one more pmax (fewer
         levels per device: 255 // g at 8 bits for a group of g <= 8, uint16 beyond; 4 bits
-        for g <= 2; one residual per device).
+        for g <= 2; never 2 bits, whose 3 levels leave fewer than 2 per device in any group,
+        a ``ValueError`` here; one residual per device).
         ``"ring"``: scatter-gather with the all_to_all as ppermute shifts; the same result.
       axes: ``(node_axis, local_axis)``. This and the next two are derived from the settings
         once, when the config is built, so that the sync never asks for them again.
       stochastic: whether codes are rounded stochastically (``rounding="stochastic"``).
-      codec: the part of these settings that the codecs' ops read, a ``codecs.Codec`` of
-        ``bits``, ``rounding`` and ``implementation``: the one object that travels from here
-        to a kernel.
+      codec: the codec these settings name, a ``codecs.Codec`` of ``bits``, ``rounding``
+        and ``implementation``: the one object that travels from here to a kernel, and
+        that the sync asks whatever depends on the width (its wire for ``"auto"``, its
+        integer width, its code bytes).
 
     Raises:
       ValueError: for a bad value, naming it and ``where`` (an init-only argument: the
@@ -137,7 +122,7 @@ class SyncConfig:
       512
       >>> SyncConfig(bits=3)
       Traceback (most recent call last):
-      ValueError: SyncConfig: bits must be one of 8, 4, got 3
+      ValueError: SyncConfig: bits must be one of 8, 4, 2, got 3
     """
 
     node_axis: str = "node"
@@ -168,6 +153,9 @@ class SyncConfig:
             checks.one_of(self.implementation, IMPLEMENTATIONS, "implementation", where)
         checks.boolean(self.error_feedback, "error_feedback", where)
         checks.one_of(self.wire, WIRES, "wire", where)
+        if self.wire == "allreduce":
+            # Refused here, before any mesh, where no group of two fits (2-bit codes).
+            Codec(bits=self.bits).check_integer(2, where)
         # Derived once, here (see Attributes): plain attributes, not fields, so that they are
         # no arguments, and ``dataclasses.fields``, ``asdict``, equality and the repr hold the
         # settings alone.
@@ -206,7 +194,7 @@ class SyncConfig:
             return None
         nodes, per_node = checks.mesh_axes(mesh, *self.axes, where)
         if self.wire == "allreduce":
-            check_fits(self.bits, self.group(nodes, per_node).size, where)
+            self.codec.check_integer(self.group(nodes, per_node).size, where)
         return nodes, per_node
 
     def group(self, nodes: int, per_node: int) -> "Group":
@@ -222,8 +210,7 @@ class SyncConfig:
         size = nodes if self.hierarchical else nodes * per_node
         wire = self.wire
         if wire == "auto":
-            allreduce = self.bits == 8 and size <= AUTO_ALLREDUCE_GROUP
-            wire = "allreduce" if allreduce else "scatter_gather"
+            wire = self.codec.auto_wire(size)
         plain = size == 1
         if not self.hierarchical:
             return Group(self.axes, self.axes, size, False, wire, plain)
@@ -368,7 +355,7 @@ def plan_sync(
         min_leaves=min_leaves,
     )
     integer = group.wire == "allreduce" and not group.plain
-    width = allreduce_width(config.bits, group.size, platform) if integer else None
+    width = codec.integer_width(group.size, platform) if integer else None
     ops = IntegerOps(*(resolve(op, codec) for op in INTEGER_OPS)) if integer else None
     plans = []
     for b, padded in enumerate(layout.padded_sizes):

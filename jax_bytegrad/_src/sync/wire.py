@@ -319,7 +319,7 @@ def sum_shard(x, plan: BucketPlan, *, key, residual):
         stages = integer_stages(plan, start=0, stop=starts[-1] // block_size, feedback=feedback)
     else:
         per_peer = x.shape[0] // (group.size * block_size)
-        pieces = message_slices(per_peer, block_size * codec.bits // 8, plan.message_bytes)
+        pieces = message_slices(per_peer, codec.code_bytes(block_size), plan.message_bytes)
         stages = scatter_gather_stages(plan, held=tuple(enumerate(pieces)), feedback=feedback)
     values = run(stages, values)
     total = values["decode"].reshape(-1)
