@@ -1,4 +1,5 @@
-"""Test accuracy and loss with 8- and 4-bit ByteGrad and QAdam, with and without error feedback.
+"""Test accuracy and loss with 8-, 4- and 2-bit ByteGrad and QAdam, with and without error
+feedback.
 
 Trains one of the examples' models (``examples/models.py``: ``--model cnn`` on scikit-learn's
 digits, ``--model transformer``, the character transformer on Python source) from the same
@@ -84,9 +85,12 @@ VARIANTS = {
     "bytegrad 8-bit + EF": _bytegrad(8, True),
     "bytegrad 4-bit": _bytegrad(4, False),
     "bytegrad 4-bit + EF": _bytegrad(4, True),
+    # Four levels per block, four codes per byte: with error feedback only.
+    "bytegrad 2-bit + EF": _bytegrad(2, True),
     "qadam 8-bit": _qadam(8, False),
     "qadam 4-bit": _qadam(4, False),
     "qadam 4-bit + EF": _qadam(4, True),
+    "qadam 2-bit + EF": _qadam(2, True),
     # The integer all-reduce wire (wire="allreduce"): 255 // nodes levels per node.
     "bytegrad allreduce 8-bit": _bytegrad(8, False, "allreduce"),
     "bytegrad allreduce 8-bit + EF": _bytegrad(8, True, "allreduce"),

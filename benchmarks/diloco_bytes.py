@@ -27,8 +27,13 @@ BASELINES = [
     ("gradient_allreduce (float32, hierarchical)", "gradient_allreduce", {"hierarchical": True}),
     ("bytegrad 8-bit", "bytegrad", {}),
     ("bytegrad 4-bit + EF", "bytegrad", {"bits": 4, "error_feedback": True}),
+    ("bytegrad 2-bit + EF", "bytegrad", {"bits": 2, "error_feedback": True}),
 ]
-OUTER = [("8-bit", {"bits": 8}), ("4-bit + EF", {"bits": 4, "error_feedback": True})]
+OUTER = [
+    ("8-bit", {"bits": 8}),
+    ("4-bit + EF", {"bits": 4, "error_feedback": True}),
+    ("2-bit + EF", {"bits": 2, "error_feedback": True}),
+]
 
 
 def _per_step(strategy, loss, params, batch) -> float:
