@@ -1,8 +1,10 @@
 """The ("node", "local") mesh, and placing params, batches and optimizer state on it.
 
-Nodes map to JAX processes by default, so the "node" axis is the slow one (Gan et al., "Bagua:
-Scaling up Distributed Learning with System Relaxations", VLDB 2022).
+Nodes map to TPU slices, or else to JAX processes, by default, so the "node" axis is the slow
+one (Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022).
 """
+
+import warnings
 
 import jax
 import numpy as np
@@ -16,26 +18,68 @@ from jax_bytegrad._src.sync.config import Residuals
 AXES = ("node", "local")
 
 
-def make_mesh(num_nodes: int | None = None, devices_per_node: int | None = None) -> Mesh:
+def _groups(devices) -> tuple[str, list[list]]:
+    """The devices split into the groups that are nodes by default: TPU slices where the
+    devices name more than one slice (or are the TPUs of one slice), processes otherwise;
+    groups in slice (process) order, each in its physical order."""
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    tpu = all(getattr(d, "platform", "") == "tpu" for d in devices)
+    if None not in slices and (len(slices) > 1 or tpu):
+        by_slice = {s: [d for d in devices if d.slice_index == s] for s in sorted(slices)}
+        return "slice", [_physical_order(group) for group in by_slice.values()]
+    processes = sorted({d.process_index for d in devices})
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    return "process", [[d for d in ordered if d.process_index == p] for p in processes]
+
+
+def _physical_order(group: list) -> list:
+    """One slice's devices in the order ``mesh_utils`` lays them on its links (a ring of the
+    chips), or by coordinates where it cannot (a subset of a slice): every slice the same."""
+    from jax.experimental import mesh_utils
+
+    try:
+        return list(mesh_utils.create_device_mesh((len(group),), group).flat)
+    except Exception:  # noqa: BLE001 - a subset mesh_utils does not lay out: by coordinates
+        return sorted(group, key=lambda d: (tuple(getattr(d, "coords", ())), d.id))
+
+
+def make_mesh(
+    num_nodes: int | None = None,
+    devices_per_node: int | None = None,
+    *,
+    devices=None,
+) -> Mesh:
     """Builds a 2-D ``Mesh`` with axes ("node", "local").
 
-    With several JAX processes, each process is a node by default and its local devices
-    form that node's row, so "node" collectives are the ones that cross hosts. A process
-    may also hold several nodes (``devices_per_node`` dividing its device count). With a
-    single process, the devices are split as asked; by default they form one node.
+    The nodes are what the slow links join: on TPUs, each slice is a node by default (its
+    chips talk over ICI, slices over DCN), however many hosts it spans; elsewhere, with
+    several JAX processes, each process is a node and its local devices form that node's
+    row, so "node" collectives are the ones that cross hosts. A group (slice or process) may
+    also hold several nodes (``devices_per_node`` dividing its devices), and a node may
+    span several processes. With a single process the devices are split as asked; by
+    default they form one node.
 
     Args:
-      num_nodes: rows of the mesh; defaults to the process count (or what the device count
-        and ``devices_per_node`` imply).
-      devices_per_node: columns of the mesh; defaults to the devices per process.
+      num_nodes: rows of the mesh; defaults to the slices (processes), or what the device
+        count and ``devices_per_node`` imply.
+      devices_per_node: columns of the mesh; defaults to the devices per slice (process).
+      devices: the devices to lay out, e.g. a subset of ``jax.devices()`` or the devices of
+        a deviceless topology (``jax.experimental.topologies.get_topology_desc``); by
+        default ``jax.devices()``. A slice's devices are ordered as ``mesh_utils`` lays them
+        on its links.
 
     Returns:
       A ``jax.sharding.Mesh`` of shape (num_nodes, devices_per_node), with Auto axis types
       so that ``jax.jit`` places inputs as ``shard_map`` expects.
 
     Raises:
-      ValueError: for non-positive sizes, more devices than exist, or (with several
-        processes) a node that would span two processes.
+      ValueError: for non-positive sizes, more devices than exist, slices (processes) of
+        different sizes, or (with several) a mesh that would leave devices out or cut a
+        node across two of them.
+
+    Warns:
+      RuntimeWarning: when the nodes asked for lie inside TPU slices
+        (``warn_if_mesh_crosses_slices``).
 
     Examples:
       >>> import jax_bytegrad
@@ -44,12 +88,20 @@ def make_mesh(num_nodes: int | None = None, devices_per_node: int | None = None)
     """
     checks.integer(num_nodes, "num_nodes", "make_mesh", or_none=True)
     checks.integer(devices_per_node, "devices_per_node", "make_mesh", or_none=True)
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    processes = jax.process_count()
-    per_process = len(devices) // processes
+    devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ValueError("make_mesh: devices=... is empty; pass the devices to lay out")
+    unit, groups = _groups(devices)
+    sizes = sorted({len(group) for group in groups})
+    if len(sizes) > 1:
+        raise ValueError(
+            f"make_mesh: the {unit}s hold different numbers of devices ({sizes}); pass "
+            "devices=... with as many devices of each"
+        )
+    per_group = sizes[0]
     if devices_per_node is None:
         if num_nodes is None:
-            devices_per_node = per_process
+            devices_per_node = per_group
         elif len(devices) % num_nodes:
             raise ValueError(
                 f"make_mesh: {len(devices)} devices do not split into {num_nodes} nodes; "
@@ -67,14 +119,77 @@ def make_mesh(num_nodes: int | None = None, devices_per_node: int | None = None)
             f'device: jax.config.update("jax_num_cpu_devices", {wanted}) at the top of the '
             f"script, or XLA_FLAGS=--xla_force_host_platform_device_count={wanted}"
         )
-    if processes > 1 and (wanted != len(devices) or per_process % devices_per_node):
+    if len(groups) > 1 and (
+        wanted != len(devices) or (per_group % devices_per_node and devices_per_node % per_group)
+    ):
         raise ValueError(
-            f"make_mesh: with {processes} processes of {per_process} devices each, a mesh of "
-            f"{num_nodes} x {devices_per_node} would leave devices out or split a node "
-            "across processes; use devices_per_node dividing the devices per process"
+            f"make_mesh: with {len(groups)} {unit}s of {per_group} devices each, a mesh of "
+            f"{num_nodes} x {devices_per_node} would leave devices out or cut a node across "
+            f"two {unit}s; use devices_per_node dividing the devices per {unit}, or a multiple "
+            "of them"
         )
-    grid = np.array(devices[:wanted], dtype=object).reshape(num_nodes, devices_per_node)
-    return Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    ordered = [d for group in groups for d in group]
+    grid = np.array(ordered[:wanted], dtype=object).reshape(num_nodes, devices_per_node)
+    mesh = Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    warn_if_mesh_crosses_slices(mesh, where="make_mesh")
+    return mesh
+
+
+def slice_crossings(mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local") -> list[str]:
+    """Where a mesh of TPUs puts its axes against the slices: the "node" axis should join
+    slices (DCN) and the "local" axis the chips of one slice (ICI).
+
+    Args:
+      mesh: a mesh whose devices may carry ``slice_index`` (TPUs); others have nothing to say.
+      node_axis: the mesh axis between nodes.
+      local_axis: the mesh axis within a node.
+
+    Returns:
+      One sentence per misplaced axis, naming it and the links it crosses; empty where the
+      mesh follows the slices (or its devices name no slice).
+    """
+    devices = np.asarray(mesh.devices)
+    slices = np.vectorize(lambda d: getattr(d, "slice_index", -1), otypes=[np.int64])(devices)
+    tpu = all(getattr(d, "platform", "") == "tpu" for d in devices.flat)
+    if (slices < 0).any() or (len(np.unique(slices)) < 2 and not tpu):
+        return []
+    out = []
+    names = list(mesh.axis_names)
+    if node_axis in names and mesh.shape[node_axis] > 1:
+        along = np.moveaxis(slices, names.index(node_axis), -1).reshape(-1, mesh.shape[node_axis])
+        shared = [row for row in along if len(set(row.tolist())) < len(row)]
+        if shared:
+            out.append(
+                f"axis {node_axis!r} joins devices of one TPU slice (slice {int(shared[0][0])}): "
+                "its compressed traffic crosses the slice's ICI links, which are fast enough "
+                "for full precision, instead of DCN between slices"
+            )
+    if local_axis in names and mesh.shape[local_axis] > 1:
+        along = np.moveaxis(slices, names.index(local_axis), -1)
+        along = along.reshape(-1, mesh.shape[local_axis])
+        mixed = [row for row in along if len(set(row.tolist())) > 1]
+        if mixed:
+            out.append(
+                f"axis {local_axis!r} spans TPU slices {sorted(set(mixed[0].tolist()))}: its "
+                "full-precision traffic crosses DCN between slices, uncompressed"
+            )
+    return out
+
+
+def warn_if_mesh_crosses_slices(
+    mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local", where: str = "mesh"
+) -> None:
+    """Warns (``RuntimeWarning``) when a mesh of TPUs puts ``node_axis`` inside slices or
+    ``local_axis`` across them (``slice_crossings``); a step built on a mesh of the user's own
+    calls it."""
+    found = slice_crossings(mesh, node_axis=node_axis, local_axis=local_axis)
+    if found:
+        warnings.warn(
+            f"{where}: " + "; ".join(found) + ". Build the mesh with jax_bytegrad.make_mesh() "
+            "(one node per slice), or lay each slice's devices along the local axis",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def replicate(tree, mesh: Mesh):
