@@ -11,6 +11,12 @@ holds the sync's settings, rewrites its trace of the loss: each mark becomes a
 node sums, inside the loop (``LoopSync``), and the optimizer's sync then skips those leaves
 (``shards.Sharded.exchanged``).
 
+With ``shard="full"`` the same mark says where the layer is gathered: each device holds a
+block of it, and the rewrite (``gatherer``) makes the mark a ``jax.custom_vjp`` that gathers
+the layer across nodes there, as codes (``sync/across_nodes.py``), and whose backward
+reduce-scatters its gradient across nodes; put inside the layer's ``jax.checkpoint``, the
+gathered layer lives for that layer only, in the forward pass and again in the backward.
+
 Why a mark the step rewrites, and not a function that reads the sync's settings: a transform
 depends only on what it is given (no ambient state), and the loss function is the user's. The
 step traces the loss anyway (``remat_order``); it finds the marks in that trace, inside
@@ -62,9 +68,12 @@ def exchange_in_loop(tree):
     stochastic rounding, each layer on its own key; with error feedback, each layer with its
     own residuals, for which the step's ``init`` needs a batch), and the sync after the
     backward pass skips them; in ``qadam``'s compressed phase what crosses is the layer's
-    momentum ``b1 m + (1 - b1) g``, on the optimizer's ``m``. Anywhere else (outside a step,
-    another ``shard=``, another algorithm) it stays an identity and the gradient crosses
-    after the backward pass, as without it.
+    momentum ``b1 m + (1 - b1) g``, on the optimizer's ``m``. Inside a ``shard="full"`` step
+    the marked params are gathered across nodes at the mark, and their gradient
+    reduce-scattered there (put the mark inside the layer's ``jax.checkpoint``; leaves the
+    loss does not mark are gathered before it). Anywhere else (outside a step, another
+    ``shard=``, another algorithm) it stays an identity and the gradient crosses after the
+    backward pass, as without it.
 
     Args:
       tree: a pytree of arrays: one layer's slices of the stacked params, as the scan body
