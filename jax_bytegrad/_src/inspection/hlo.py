@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_bytegrad._src.inspection import megascale
+
 # The collective kinds, in display and sort order.
 COLLECTIVE_KINDS = (
     "all-reduce",
@@ -27,6 +29,8 @@ _INSTRUCTION_RE = re.compile(
 # A computation header: `[ENTRY] %name (params) -> shape {`.
 _COMPUTATION_RE = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)")
 _ARRAY_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+# An array shape with its layout: `f32[8,8,128]{2,1,0:T(8,128)}`, the tiles after the colon.
+_LAYOUT_SHAPE_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\](?:\{([^{}]*)\})?")
 _IOTA_GROUPS_RE = re.compile(r"\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
 # Newer XLA names the groups by mesh axes: `mesh['node'=2,'local'=4] {'node'}`, optionally with
 # the device order as an iota (`<=[8]T(...)`) and sub-axes (`'x':(2)4`: size 4, after 2).
@@ -150,13 +154,18 @@ class Collective:
     """One collective instruction parsed from HLO text.
 
     Attributes:
-      kind: one of ``COLLECTIVE_KINDS`` (async ``-start`` forms are folded into their kind).
-      payload_bytes: per-device operand bytes.
+      kind: one of ``COLLECTIVE_KINDS`` (async ``-start`` forms are folded into their kind; a
+        Megascale ``send`` between TPU slices is the kind of its transfer type).
+      payload_bytes: per-device operand bytes, of the shapes as written.
       dtypes: the operands' element types, each once, in operand order.
       groups: the replica groups; None for one group of all devices.
       pairs: the ``(source, target)`` pairs of a collective-permute; empty for other kinds.
       computation: the name of the computation that holds it.
       name: the instruction's name (of the ``-start`` of an async collective).
+      padded_bytes: ``payload_bytes`` with each array rounded up to its layout's tiles (TPU
+        layouts such as ``T(8,128)``); ``payload_bytes`` where the layout names none.
+      target: for a Megascale ``send`` between TPU slices, its members (``groups`` and
+        ``pairs`` are then empty: its ids are not the program's); None for a collective.
     """
 
     kind: str
@@ -166,6 +175,8 @@ class Collective:
     pairs: tuple[tuple[int, int], ...] = ()
     computation: str = ""
     name: str = ""
+    padded_bytes: int = 0
+    target: megascale.Target | None = None
 
 
 def async_done(instructions: Sequence[HloInstruction]) -> dict[str, str]:
@@ -199,6 +210,32 @@ def _shape_bytes(shape: str) -> tuple[int, list[str]]:
         total += -(-int(np.prod(dims)) * bits // 8)
         dtypes.append(dtype)
     return total, dtypes
+
+
+def _padded_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string with each array rounded up to its layout's first tile.
+
+    ``f32[2,500,1]{1,2,0:T(1,128)}`` is laid out minor dimension last as ``[2, 1, 500]``, and
+    the tile ``(1, 128)`` rounds its two minor dimensions up to ``[1, 512]``: 4096 bytes.
+    """
+    total = 0
+    for dtype, dims_text, layout in _LAYOUT_SHAPE_RE.findall(shape):
+        bits = _element_bits(dtype)
+        if bits == 0:
+            continue
+        dims = [int(d.strip().lstrip("<=")) for d in dims_text.split(",") if d.strip()]
+        order, _, rest = (layout or "").partition(":")
+        minor_to_major = [int(v) for v in order.split(",") if v.strip()]
+        tile = re.match(r"T\(([\d,\s]+)\)", rest)
+        if tile is not None and sorted(minor_to_major) == list(range(len(dims))):
+            sizes = [int(v) for v in tile[1].split(",")]
+            # Major to minor, with leading 1s where the tile has more dimensions.
+            laid = [1] * (len(sizes) - len(dims)) + [dims[d] for d in reversed(minor_to_major)]
+            for j, size in enumerate(reversed(sizes), 1):
+                laid[-j] = -(-laid[-j] // size) * size
+            dims = laid
+        total += -(-int(np.prod(dims)) * bits // 8)
+    return total
 
 
 def split_top_level(text: str) -> tuple[list[str], str]:
@@ -315,13 +352,18 @@ def collectives(instructions: Sequence[HloInstruction]) -> list[Collective]:
         where, shape = instruction.computation, instruction.shape
         shapes[where, instruction.name] = shape
         kind = instruction.opcode.removesuffix("-start")
+        if kind == "send":
+            operands, attributes = split_top_level(instruction.args)
+            if megascale.is_transfer(kind, attributes):
+                found.append(_megascale_send(instruction, attributes))
+            continue
         if kind not in COLLECTIVE_KINDS:
             continue
         operands, attributes = split_top_level(instruction.args)
         if kind == "collective-permute" and len(operands) == 4:
             # The in-place form also passes the output buffer and slice offsets.
             operands = operands[:1]
-        payload, dtypes = 0, []
+        payload, padded, dtypes = 0, 0, []
         for operand in operands:
             if not _ARRAY_SHAPE_RE.search(operand):  # `%name` only: look its shape up
                 operand = shapes.get((where, operand.split()[-1].lstrip("%")), "")
@@ -332,6 +374,7 @@ def collectives(instructions: Sequence[HloInstruction]) -> list[Collective]:
                     f"{instruction.name!r}; pass the text of the whole HLO module"
                 )
             payload += nbytes
+            padded += _padded_bytes(operand)
             dtypes += types
         groups, pairs = None, ()
         if kind == "collective-permute":
@@ -350,7 +393,31 @@ def collectives(instructions: Sequence[HloInstruction]) -> list[Collective]:
             groups = parse_replica_groups(groups_text)
         found.append(
             Collective(
-                kind, payload, tuple(dict.fromkeys(dtypes)), groups, pairs, where, instruction.name
+                kind, payload, tuple(dict.fromkeys(dtypes)), groups, pairs, where,
+                instruction.name, padded,
             )
-        )
+        )  # fmt: skip
     return found
+
+
+def _megascale_send(instruction: HloInstruction, attributes: str) -> Collective:
+    """A Megascale ``send`` between TPU slices as one collective of its transfer's kind: the
+    array it sends, as written (its result's first element)."""
+    kind, target = megascale.transfer(instruction.name, attributes)
+    arrays = [
+        (dtype, dims, layout)
+        for dtype, dims, layout in _LAYOUT_SHAPE_RE.findall(instruction.shape)
+        if _element_bits(dtype)
+    ]
+    if not arrays:
+        raise ValueError(
+            f"communication_stats: Megascale send {instruction.name!r} sends no array: "
+            f"{instruction.shape!r}"
+        )
+    dtype, dims, layout = arrays[0]
+    written = f"{dtype}[{dims}]" + (f"{{{layout}}}" if layout else "")
+    payload, _ = _shape_bytes(written)
+    return Collective(
+        kind, payload, (dtype,), None, (), instruction.computation, instruction.name,
+        _padded_bytes(written), target,
+    )  # fmt: skip

@@ -21,6 +21,11 @@ between nodes when their nodes differ, within a node otherwise.
 - all-to-all: pairwise; each device sends ``B / g`` straight to each other member.
 - collective-permute: each pair sends ``B`` straight from source to target.
 
+Between TPU slices XLA writes no collective but Megascale ``send``s over DCN (``megascale``):
+each counts as one collective of its transfer's kind over the devices it joins, on the axes
+along which they differ (``"node"`` on a mesh from ``make_mesh``), with the same formulas; the
+other end's ``recv`` is not counted again.
+
 ``CollectiveTraffic.link_bytes`` and ``CommunicationStats.bytes_on`` are per device: what
 crosses an axis's links over the devices that send (times the devices per node: what each node
 sends to the others). Other algorithms (NCCL's trees, a backend that reduces within each host
@@ -43,6 +48,7 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src.inspection import hlo
+from jax_bytegrad._src.inspection.megascale import DeviceIds
 from jax_bytegrad._src.inspection.overlap import Overlap, overlap_by_axis, runs_per_call
 
 # Label of a collective whose groups all have one member, or whose pairs are all i -> i.
@@ -70,6 +76,9 @@ class CollectiveTraffic:
         links (``("node", "local")``: between nodes, then between the devices of one node),
         under the model of the module docstring. They sum to what the average sending device
         sends: ``bytes_sent`` where every device sends alike.
+      padding_bytes: what the layouts' tiles add to ``payload_bytes`` in memory (TPU tiles
+        such as ``T(8,128)``; 0 elsewhere), summed like it; not in ``payload_bytes`` or
+        ``bytes_sent``, which count the shapes as written.
     """
 
     kind: str
@@ -79,6 +88,7 @@ class CollectiveTraffic:
     payload_bytes: int
     bytes_sent: float
     link_bytes: tuple[float, ...]
+    padding_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -136,6 +146,11 @@ class CommunicationStats:
         """Per-device operand bytes over all collectives."""
         return sum(row.payload_bytes for row in self.rows)
 
+    @property
+    def padding_bytes(self) -> int:
+        """What the layouts' tiles add to ``total_payload_bytes`` (TPU layouts; else 0)."""
+        return sum(row.padding_bytes for row in self.rows)
+
     def bytes_by_axis(self) -> dict[str, float]:
         """Bytes sent per device, keyed by axes label (``"node"``, ``"local"``, ``"node+local"``).
 
@@ -182,7 +197,7 @@ class CommunicationStats:
         header = ("kind", "axes", "dtype", "count", "payload", "sent/device")
         header += tuple(f"on {name}" for name in self.axis_names)
 
-        def cells(kind, axes, dtype, count: int, payload: float, sent: float, links):
+        def cells(kind, axes, dtype, count: int, payload: float, sent: float, links, *_):
             sizes = (_format_bytes(n) for n in (payload, sent, *links))
             return (kind, axes, dtype, str(count), *sizes)
 
@@ -201,6 +216,11 @@ class CommunicationStats:
         rule = "-" * len(fmt(header))
         body = [fmt(line) for line in lines] or ["(no collectives)"]
         overlap = [f"Overlap {one}" for one in self.overlap if one.bytes_sent]
+        if self.padding_bytes:
+            overlap.append(
+                f"Tile padding: the payloads' layouts add {_format_bytes(self.padding_bytes)} "
+                "in memory (counted as written, unpadded)"
+            )
         return "\n".join(
             [
                 f"Communication per device (mesh {mesh})",
@@ -306,6 +326,8 @@ def stats_from_hlo(
     axis_names: Sequence[str],
     axis_sizes: Sequence[int],
     positions: Sequence[int] | None = None,
+    *,
+    ids: DeviceIds | None = None,
 ) -> CommunicationStats:
     """Summarises the collectives of HLO text over a mesh.
 
@@ -315,13 +337,19 @@ def stats_from_hlo(
       axis_sizes: the mesh axis sizes.
       positions: ``positions[i]`` is the flat (row-major) mesh position of HLO device id ``i``;
         None means the identity.
+      ids: instead of ``positions``, what the program's device ids name, the Megascale
+        transfers' slices and global ids included (``DeviceIds.of_devices``): needed for a
+        multi-slice TPU program, whose ids count one slice's devices.
+
+    Raises:
+      ValueError: for HLO it cannot parse, or device ids the mesh does not hold.
     """
     num_devices = int(np.prod(axis_sizes))
-    if positions is None:
-        positions = range(num_devices)
-    coords = np.stack(np.unravel_index(np.asarray(positions, dtype=np.int64), axis_sizes), -1)
+    if ids is None:
+        ids = DeviceIds(tuple(range(num_devices) if positions is None else positions))
+    coords = np.stack(np.unravel_index(np.arange(num_devices), axis_sizes), -1)
     instructions = hlo.hlo_instructions(hlo_text)
-    collectives = hlo.collectives(instructions)
+    collectives = [_in_mesh(c, ids, num_devices) for c in hlo.collectives(instructions)]
     runs = runs_per_call(instructions, collectives)
 
     def summary(selected: Iterable[hlo.Collective], **extra) -> CommunicationStats:
@@ -348,6 +376,21 @@ def stats_from_hlo(
     )
 
 
+def _in_mesh(collective: hlo.Collective, ids: DeviceIds, num_devices: int) -> hlo.Collective:
+    """The collective with its groups (pairs) as flat mesh positions, not program ids."""
+    if collective.target is not None:
+        groups, pairs = ids.members(collective.target)
+        if collective.kind == "collective-permute":
+            groups = None
+    elif collective.kind == "collective-permute":
+        groups, pairs = None, tuple((ids.position(s), ids.position(t)) for s, t in collective.pairs)
+    else:
+        members = collective.groups or (tuple(range(len(ids.program))),)
+        groups, pairs = tuple(tuple(ids.position(d) for d in g) for g in members), ()
+    _check_devices([d for group in groups or pairs for d in group], num_devices)
+    return dataclasses.replace(collective, groups=groups, pairs=pairs)
+
+
 def _summary(
     collectives: Iterable[hlo.Collective],
     coords: np.ndarray,
@@ -368,6 +411,7 @@ def _summary(
             times * collective.payload_bytes,
             times * _bytes_sent(collective, num_devices),
             tuple(times * b for b in _link_bytes(collective, coords)),
+            times * (collective.padded_bytes - collective.payload_bytes),
         )
         for collective in collectives
         for times in [runs.get(collective.name, 1)]
@@ -385,12 +429,13 @@ def _totals(
     totals: dict[tuple[str, str, str], list] = {}
     for row in rows:
         entry = totals.setdefault(
-            (row.kind, row.axes, row.dtype), [0, 0, 0.0, np.zeros(len(axis_names))]
+            (row.kind, row.axes, row.dtype), [0, 0, 0.0, np.zeros(len(axis_names)), 0]
         )
         entry[0] += row.count
         entry[1] += row.payload_bytes
         entry[2] += row.bytes_sent
         entry[3] += row.link_bytes
+        entry[4] += row.padding_bytes
     order = {name: i for i, name in enumerate(axis_names)}
 
     def sort_key(key: tuple[str, str, str]) -> tuple:
@@ -402,8 +447,8 @@ def _totals(
         )
 
     merged = tuple(
-        CollectiveTraffic(*key, count, payload, sent, tuple(float(v) for v in links))
-        for key, (count, payload, sent, links) in sorted(
+        CollectiveTraffic(*key, count, payload, sent, tuple(float(v) for v in links), padding)
+        for key, (count, payload, sent, links, padding) in sorted(
             totals.items(), key=lambda kv: sort_key(kv[0])
         )
     )
@@ -473,8 +518,11 @@ def communication_stats(
     sends ``2 * 7/8 * B`` per device, of which ``2/8`` cross between nodes (2 hops of 8).
 
     HLO device ids are positions in the executable's device assignment, which for a ``jit`` over
-    a ``Mesh`` is ``mesh.devices.flat``. Each group is labelled with the names of the mesh axes
-    along which its members differ, joined by ``"+"``: ``"node"``, ``"local"``, ``"node+local"``.
+    a ``Mesh`` is ``mesh.devices.flat``; in a multi-slice TPU program they count one slice's
+    devices, and what crosses slices is Megascale ``send``s, each counted as a collective of its
+    transfer's kind over the slices it joins (on the "node" axis of ``make_mesh``'s mesh).
+    Each group is labelled with the names of the mesh axes along which its members differ,
+    joined by ``"+"``: ``"node"``, ``"local"``, ``"node+local"``.
 
     Args:
       jitted_fn: a ``jax.jit``-wrapped function, e.g. of a ``jax.shard_map``. A
@@ -530,7 +578,7 @@ def communication_stats(
             "compiled function; pass mesh=..."
         )
     axis_names, axis_sizes = tuple(mesh.axis_names), tuple(mesh.axis_sizes)
-    positions = None
+    ids = None
     if isinstance(mesh, jax.sharding.Mesh) and assignment is not None and len(assignment) > 1:
         index = {device: i for i, device in enumerate(mesh.devices.flat)}
         missing = [device for device in assignment if device not in index]
@@ -540,5 +588,7 @@ def communication_stats(
                 f"{list(assignment)[:8]}, which the mesh {dict(mesh.shape)} does not match; "
                 "pass the mesh the function runs on as mesh=..."
             )
-        positions = [index[device] for device in assignment]
-    return stats_from_hlo(compiled.as_text(), axis_names, axis_sizes, positions)
+        ids = DeviceIds.of_devices(assignment, [index[device] for device in assignment])
+    elif isinstance(mesh, jax.sharding.Mesh):
+        ids = DeviceIds.of_devices(list(mesh.devices.flat), range(mesh.size))
+    return stats_from_hlo(compiled.as_text(), axis_names, axis_sizes, ids=ids)
