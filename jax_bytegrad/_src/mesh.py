@@ -92,10 +92,11 @@ def make_mesh(
     if not devices:
         raise ValueError("make_mesh: devices=... is empty; pass the devices to lay out")
     unit, groups = _groups(devices)
+    units = {"slice": "slices", "process": "processes"}[unit]
     sizes = sorted({len(group) for group in groups})
     if len(sizes) > 1:
         raise ValueError(
-            f"make_mesh: the {unit}s hold different numbers of devices ({sizes}); pass "
+            f"make_mesh: the {units} hold different numbers of devices ({sizes}); pass "
             "devices=... with as many devices of each"
         )
     per_group = sizes[0]
@@ -123,9 +124,9 @@ def make_mesh(
         wanted != len(devices) or (per_group % devices_per_node and devices_per_node % per_group)
     ):
         raise ValueError(
-            f"make_mesh: with {len(groups)} {unit}s of {per_group} devices each, a mesh of "
+            f"make_mesh: with {len(groups)} {units} of {per_group} devices each, a mesh of "
             f"{num_nodes} x {devices_per_node} would leave devices out or cut a node across "
-            f"two {unit}s; use devices_per_node dividing the devices per {unit}, or a multiple "
+            f"two {units}; use devices_per_node dividing the devices per {unit}, or a multiple "
             "of them"
         )
     ordered = [d for group in groups for d in group]
@@ -133,6 +134,12 @@ def make_mesh(
     mesh = Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
     warn_if_mesh_crosses_slices(mesh, where="make_mesh")
     return mesh
+
+
+def _slice_of(device) -> int:
+    """A device's TPU slice, or -1 for a device of no slice."""
+    index = getattr(device, "slice_index", None)
+    return -1 if index is None else int(index)
 
 
 def slice_crossings(mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local") -> list[str]:
@@ -149,7 +156,7 @@ def slice_crossings(mesh: Mesh, *, node_axis: str = "node", local_axis: str = "l
       mesh follows the slices (or its devices name no slice).
     """
     devices = np.asarray(mesh.devices)
-    slices = np.vectorize(lambda d: getattr(d, "slice_index", -1), otypes=[np.int64])(devices)
+    slices = np.vectorize(_slice_of, otypes=[np.int64])(devices)
     tpu = all(getattr(d, "platform", "") == "tpu" for d in devices.flat)
     if (slices < 0).any() or (len(np.unique(slices)) < 2 and not tpu):
         return []
