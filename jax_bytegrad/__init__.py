@@ -16,6 +16,17 @@ from jax_bytegrad import distributed as distributed
 from jax_bytegrad import experimental as experimental
 from jax_bytegrad import profiling as profiling
 from jax_bytegrad import sharding as sharding
+from jax_bytegrad._src.algorithms.bytegrad.pipelined import pipelined_step as pipelined_step
+from jax_bytegrad._src.algorithms.decentralized.step import consensus_params as consensus_params
+from jax_bytegrad._src.algorithms.decentralized.step import decentralized_step as decentralized_step
+from jax_bytegrad._src.algorithms.decentralized.step import (
+    low_precision_decentralized_step as low_precision_decentralized_step,
+)
+from jax_bytegrad._src.algorithms.diloco.step import diloco_step as diloco_step
+from jax_bytegrad._src.algorithms.qadam.transform import ScaleByQAdamState as ScaleByQAdamState
+from jax_bytegrad._src.algorithms.qadam.transform import qadam as qadam
+from jax_bytegrad._src.algorithms.qadam.transform import refresh_steps as refresh_steps
+from jax_bytegrad._src.algorithms.qadam.transform import scale_by_qadam as scale_by_qadam
 from jax_bytegrad._src.autotune import AutotuneResult as AutotuneResult
 from jax_bytegrad._src.autotune import autotune as autotune
 from jax_bytegrad._src.codecs.arrays import QuantizedArray as QuantizedArray
@@ -26,22 +37,11 @@ from jax_bytegrad._src.guard import SkipNonFiniteState as SkipNonFiniteState
 from jax_bytegrad._src.guard import skip_nonfinite as skip_nonfinite
 from jax_bytegrad._src.guard import skipped_steps as skipped_steps
 from jax_bytegrad._src.mesh import make_mesh as make_mesh
-from jax_bytegrad._src.qadam import ScaleByQAdamState as ScaleByQAdamState
-from jax_bytegrad._src.qadam import qadam as qadam
-from jax_bytegrad._src.qadam import refresh_steps as refresh_steps
-from jax_bytegrad._src.qadam import scale_by_qadam as scale_by_qadam
 from jax_bytegrad._src.runtime.cluster import initialize as initialize
 from jax_bytegrad._src.steps.base import LoweredPrograms as LoweredPrograms
 from jax_bytegrad._src.steps.base import StepState as StepState
 from jax_bytegrad._src.steps.base import TrainStep as TrainStep
 from jax_bytegrad._src.steps.data_parallel import data_parallel_step as data_parallel_step
-from jax_bytegrad._src.steps.decentralized import consensus_params as consensus_params
-from jax_bytegrad._src.steps.decentralized import decentralized_step as decentralized_step
-from jax_bytegrad._src.steps.decentralized import (
-    low_precision_decentralized_step as low_precision_decentralized_step,
-)
-from jax_bytegrad._src.steps.diloco import diloco_step as diloco_step
-from jax_bytegrad._src.steps.pipelined import pipelined_step as pipelined_step
 from jax_bytegrad._src.strategy import ALGORITHMS as ALGORITHMS
 from jax_bytegrad._src.strategy import Strategy as Strategy
 from jax_bytegrad._src.sync.collectives import compressed_mean as compressed_mean

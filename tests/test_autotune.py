@@ -18,7 +18,7 @@ from helpers import assert_trees_all_equal
 import jax_bytegrad
 from jax_bytegrad import SyncConfig
 from jax_bytegrad._src import autotune as autotune_module
-from jax_bytegrad._src.autotune_diloco import estimate_diloco
+from jax_bytegrad._src.algorithms.diloco.estimate import estimate_diloco
 from jax_bytegrad._src.codecs.integer import allreduce_width
 
 REPO = Path(__file__).parent.parent

@@ -1,5 +1,5 @@
 """Tests for decentralized and low-precision decentralized SGD
-(jax_bytegrad/_src/steps/decentralized.py)."""
+(jax_bytegrad/_src/algorithms/decentralized/step.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ import jax_bytegrad
 from jax_bytegrad import consensus_params, decentralized_step, low_precision_decentralized_step
 
 # The shift_one pairings, private: the tests below check the schedule itself.
-from jax_bytegrad._src.steps.decentralized import shift_one_schedule
+from jax_bytegrad._src.algorithms.decentralized.step import shift_one_schedule
 from jax_bytegrad.profiling import communication_stats
 
 DIM = 5

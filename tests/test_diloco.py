@@ -1,4 +1,4 @@
-"""DiLoCo (jax_bytegrad/_src/steps/diloco.py): equivalence at H = 1, bit-identical global
+"""DiLoCo (jax_bytegrad/_src/algorithms/diloco/step.py): equivalence at H = 1, bit-identical global
 params, streaming fragments, resume from a checkpoint, bytes between nodes, bad input."""
 
 import jax

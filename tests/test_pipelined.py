@@ -1,4 +1,4 @@
-"""Tests for the pipelined ByteGrad step (jax_bytegrad/_src/steps/pipelined.py).
+"""Tests for the pipelined ByteGrad step (jax_bytegrad/_src/algorithms/bytegrad/pipelined.py).
 
 The step cuts ``data_parallel_step(loss_fn, optax.chain(bytegrad(...), optimizer), mesh)``
 into programs at the sync's collectives and runs the wire programs on a thread of its own.
@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 import jax_bytegrad
 from jax_bytegrad import SyncConfig
+from jax_bytegrad._src.algorithms.bytegrad import pipelined
 from jax_bytegrad._src.runtime import programs
-from jax_bytegrad._src.steps import pipelined
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
 from jax_bytegrad.experimental import PipelinedMean
 from jax_bytegrad.profiling import CommunicationStats, communication_stats

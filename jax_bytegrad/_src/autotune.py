@@ -42,7 +42,7 @@ from jax.experimental import multihost_utils
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src import strategy as strategy_lib
-from jax_bytegrad._src.autotune_diloco import check_link, estimate_diloco
+from jax_bytegrad._src.algorithms.diloco.estimate import check_link, estimate_diloco
 from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult, Trial: its API
     UNCOMPRESSED,
     AutotuneResult,
@@ -485,7 +485,7 @@ def autotune(
       link_bytes_per_s: for ByteGrad, the measured link between nodes (bytes per second per
         node): the result's ``diloco`` then estimates a DiLoCo inner step at
         ``diloco_inner_steps`` (8-bit outer exchange) against the chosen step, and says
-        whether it would pay (``autotune_diloco.estimate_diloco``; docs/diloco.md).
+        whether it would pay (``algorithms/diloco/estimate.estimate_diloco``; docs/diloco.md).
       diloco_inner_steps: DiLoCo's H for that estimate.
 
     Returns:

@@ -74,7 +74,8 @@ class AutotuneResult(NamedTuple):
       fell_back: whether ``strategy`` is the uncompressed one (``prefer_uncompressed=True``
         and the best compressed step was slower); ``config`` stays the best compressed one.
       diloco: with ``link_bytes_per_s=``, the estimate of a DiLoCo inner step against the
-        chosen ByteGrad step on that link (``autotune_diloco.DiLoCoEstimate``); else None.
+        chosen ByteGrad step on that link (``algorithms/diloco/estimate.DiLoCoEstimate``);
+        else None.
     """
 
     config: dict[str, Any]

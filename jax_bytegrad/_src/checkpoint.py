@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.steps.decentralized import consensus_params
+from jax_bytegrad._src.algorithms.decentralized.step import consensus_params
 from jax_bytegrad._src.sync.config import Residuals
 
 # Private helpers ----------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Follows Bagua's strategy for PyTorch Lightning (``BaguaStrategy(algorithm=...,
 **algorithm_kwargs)``; Gan et al., "Bagua: Scaling up Distributed Learning with System
 Relaxations", VLDB 2022): one object, one string to switch algorithm, and the remaining
-keyword arguments handed to the algorithm. Each entry of the registry names the settings the
-algorithm takes (with their defaults), those ``autotune`` may change, and how to build its
-``TrainStep``::
+keyword arguments handed to the algorithm. Each algorithm's package (``algorithms/``)
+registers its entries (``algorithms/registry.py``): the settings the algorithm takes (with
+their defaults), those ``autotune`` may change, and how to build its ``TrainStep``; this
+module looks them up::
 
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh)
     with strategy.train_step(loss_fn, optax.adam(1e-3), has_aux=True) as step:
@@ -19,299 +20,26 @@ The builders stay public for users who write their own steps: ``data_parallel_st
 ``low_precision_decentralized_step`` and ``experimental.async_model_average``.
 """
 
-import dataclasses
-import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import optax
 from jax.sharding import Mesh
 
-from jax_bytegrad._src import checks, guard, qadam, transforms
+from jax_bytegrad._src import algorithms as algorithms  # registers every algorithm
+from jax_bytegrad._src import checks
 from jax_bytegrad._src import mesh as mesh_lib
-from jax_bytegrad._src.sharding.placement import check_shard
-from jax_bytegrad._src.steps import asynchronous, decentralized, diloco, pipelined
+from jax_bytegrad._src.algorithms.registry import REGISTRY as REGISTRY
+from jax_bytegrad._src.algorithms.registry import REQUIRED as REQUIRED
+from jax_bytegrad._src.algorithms.registry import Algorithm as Algorithm
+from jax_bytegrad._src.algorithms.registry import lookup as _entry
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import TrainStep
-from jax_bytegrad._src.steps.data_parallel import DataParallelStep, data_parallel_step
-from jax_bytegrad._src.steps.loop_exchange import LoopSync
-from jax_bytegrad._src.steps.model_state import ModelState, StateSync
-from jax_bytegrad._src.sync import collectives
-from jax_bytegrad._src.sync.config import SyncConfig
+from jax_bytegrad._src.steps.model_state import StateSync
 
-# Private helpers -------------------------------------------------------------------------
-
-# A setting without a default: the strategy must be given it.
-REQUIRED = object()
-
-
-def _defaults(builder, *, only=None, without=()) -> dict[str, Any]:
-    """The keyword arguments of ``builder`` (those in ``only``, if given, but those in
-    ``without``), each with its default, ``REQUIRED`` where it has none: read from the
-    signature, so the registry never restates a default."""
-    out = {}
-    for p in inspect.signature(builder).parameters.values():
-        if (only is None or p.name in only) and p.name not in without:
-            out[p.name] = REQUIRED if p.default is inspect.Parameter.empty else p.default
-    return out
-
-
-# What train_step passes itself, or the strategy decides: never a setting.
-_GIVEN = ("loss_fn", "optimizer", "mesh", "has_aux", "flatten", "phase", "phase_of")
-_GIVEN += ("model_state", "rng_seed", "state_sync")
-# The data-parallel step's own settings, besides the transform's.
-_STEP = _defaults(data_parallel_step, only=("donate", "node_axis", "local_axis", "shard"))
-_SYNC = _defaults(transforms.bytegrad, without=_GIVEN)
-_ALLREDUCE = _defaults(transforms.gradient_allreduce, without=_GIVEN)
-_QADAM = _defaults(qadam.qadam, without=_GIVEN)
-_SYNC_CONFIG = tuple(f.name for f in dataclasses.fields(SyncConfig))
-
-
-def _pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k in names}
-
-
-def _loop_sync(s: "Strategy", *, compressed: bool, reduce_dtype=None, b1=None) -> LoopSync | None:
-    """What a ``shard="params"`` step of ``s`` runs on a layer marked ``exchange_in_loop``
-    (and a ``shard="full"`` step on every layer's gradient): the sync of its optimizer, with
-    the same settings (``b1``: of the momentum, as ``LoopSync``); None for another
-    ``shard=``."""
-    if s.setting("shard") not in ("params", "full"):
-        return None
-    names = _SYNC_CONFIG if compressed else ("node_axis", "local_axis")
-    config = SyncConfig(**_pick(s.kwargs, names), where=s.algorithm)
-    average = s.setting("average") if "average" in _entry(s.algorithm).settings else True
-    return LoopSync(config, compressed, average, reduce_dtype, b1)
-
-
-def _data_parallel(s: "Strategy", loss_fn, optimizers, phase_of, has_aux, model,
-                   loop_syncs=None) -> TrainStep:  # fmt: skip
-    """The data-parallel step of ``s``, named after its algorithm."""
-    model = dict(model)
-    accumulation = model.pop("accumulation", None)
-    step = {k: s.setting(k) for k in _STEP}
-    return DataParallelStep(
-        s.algorithm,
-        loss_fn,
-        optimizers,
-        phase_of,
-        s.mesh,
-        has_aux=has_aux,
-        donate=step["donate"],
-        axes=(step["node_axis"], step["local_axis"]),
-        flatten=s.flatten,
-        model=ModelState.of(*model.values(), f"Strategy({s.algorithm!r})"),
-        shard=step["shard"],
-        accumulation=accumulation,
-        loop_syncs=loop_syncs,
-    )
-
-
-def _single(optimizer) -> tuple[dict, Callable[[int], str]]:
-    return {"step": optimizer}, lambda _: "step"
-
-
-def _build_gradient_allreduce(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    sync = transforms.gradient_allreduce(**_pick(s.kwargs, _ALLREDUCE))
-    reduce_dtype = collectives.reduce_dtype_of(s.setting("reduce_dtype"), s.algorithm)
-    loop = {"step": _loop_sync(s, compressed=False, reduce_dtype=reduce_dtype)}
-    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model, loop)
-
-
-def _refuse_model(model, where: str, why: str) -> None:
-    ModelState.of(model["model_state"], model["rng_seed"], model["state_sync"], where).refuse(
-        where, why
-    )
-
-
-def _build_bytegrad(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    if s.setting("pipeline"):
-        where = "Strategy('bytegrad', pipeline=True)"
-        if "accumulation" in model:
-            raise ValueError(f"{where} does not accumulate micro-steps; use pipeline=False")
-        _refuse_model(model, where, "its programs carry the params and optimizer state only")
-        return pipelined.PipelinedStep(
-            "bytegrad",
-            loss_fn,
-            optimizer,
-            s.mesh,
-            sync=SyncConfig(**_pick(s.kwargs, _SYNC_CONFIG), where="bytegrad"),
-            average=s.setting("average"),
-            seed=s.setting("seed"),
-            has_aux=has_aux,
-            donate=s.setting("donate"),
-            flatten=s.flatten,
-        )
-    sync = transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
-    loop = {"step": _loop_sync(s, compressed=True)}
-    return _data_parallel(s, loss_fn, *_single(optax.chain(sync, optimizer)), has_aux, model, loop)
-
-
-def _build_qadam(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    del optimizer  # QAdam is the optimizer
-    kwargs = _pick(s.kwargs, _QADAM)
-    phases = {
-        phase: qadam.qadam(mesh=s.mesh, phase=phase, **kwargs) for phase in ("warmup", "compressed")
-    }
-    if s.setting("skip_nonfinite"):
-        # The update is the same on every replica, so every replica skips the same steps.
-        phases = {phase: guard.skip_nonfinite(tx) for phase, tx in phases.items()}
-    phase_of = qadam.phase_schedule(
-        s.setting("warmup_steps"),
-        s.setting("nu_refresh_interval"),
-        s.setting("nu_refresh_growth"),
-    )
-    # The warm-up's float32 mean runs inside the loop, and so does the compressed phase's
-    # exchange of the momentum, given the optimizer's m (and, with error feedback, each
-    # marked layer's residuals, which the warm-up carries over untouched).
-    compressed = _loop_sync(s, compressed=True, b1=s.setting("b1"))
-    loop = {"warmup": _loop_sync(s, compressed=False), "compressed": compressed}
-    return _data_parallel(s, loss_fn, phases, phase_of, has_aux, model, loop)
-
-
-def _build_decentralized(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    return decentralized.decentralized_step(
-        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs, **model
-    )
-
-
-def _build_low_precision(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    return decentralized.low_precision_decentralized_step(
-        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs, **model
-    )
-
-
-def _build_async(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    why = "its processes train models of their own and average the params only"
-    _refuse_model(model, "Strategy('async')", why)
-    return asynchronous.async_model_average(
-        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs
-    )
-
-
-def _build_diloco(s: "Strategy", loss_fn, optimizer, has_aux, **model) -> TrainStep:
-    return diloco.diloco_step(
-        loss_fn, optimizer, s.mesh, has_aux=has_aux, flatten=s.flatten, **s.kwargs, **model
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Algorithm:
-    """An entry of the registry.
-
-    Attributes:
-      settings: every keyword argument the algorithm takes, with its default (``REQUIRED``
-        for none).
-      tunable: the settings ``autotune`` may change: those that change how bytes travel,
-        not what they average to, in search order (what shapes the exchanges before how
-        each is cut into messages).
-      build: ``build(strategy, loss_fn, optimizer, has_aux, *, model_state, rng_seed,
-        state_sync) -> TrainStep``.
-      takes_optimizer: whether ``train_step`` takes an optax optimizer (QAdam is one).
-      check: validates the settings at construction; raises ``ValueError``.
-    """
-
-    settings: Mapping[str, Any]
-    tunable: tuple[str, ...]
-    build: Callable[..., TrainStep]
-    takes_optimizer: bool = True
-    check: Callable[["Strategy"], Any] | None = None
-
-
-def _check_shard(s: "Strategy") -> None:
-    where = f"Strategy({s.algorithm!r})"
-    check_shard(s.setting("shard"), s.flatten, where)
-    if s.setting("shard") is None:
-        return
-    if "pipeline" in _entry(s.algorithm).settings and s.setting("pipeline"):
-        raise ValueError(
-            f"{where}: shard= is not supported with pipeline=True (its programs carry the "
-            "whole state); use pipeline=False"
-        )
-    if not s.setting("hierarchical") and s.algorithm != "gradient_allreduce":
-        raise ValueError(
-            f"{where}: shard= needs hierarchical=True: each device then sends its share of "
-            "its node's sum between nodes"
-        )
-
-
-def _check_bytegrad(s: "Strategy") -> None:
-    transforms.bytegrad(mesh=s.mesh, **_pick(s.kwargs, _SYNC))
-    checks.boolean(s.setting("pipeline"), "pipeline", "Strategy('bytegrad')")
-    _check_shard(s)
-
-
-def _check_gradient_allreduce(s: "Strategy") -> None:
-    transforms.gradient_allreduce(**_pick(s.kwargs, _ALLREDUCE))
-    _check_shard(s)
-
-
-def _check_qadam(s: "Strategy") -> None:
-    qadam.qadam(mesh=s.mesh, **_pick(s.kwargs, _QADAM))
-    checks.boolean(s.setting("skip_nonfinite"), "skip_nonfinite", "Strategy('qadam')")
-    _check_shard(s)
-
-
-# Bagua's algorithm names, in the order its documentation lists them.
-REGISTRY: dict[str, Algorithm] = {
-    "gradient_allreduce": Algorithm(
-        settings={**_ALLREDUCE, **_STEP},
-        tunable=("hierarchical",),
-        build=_build_gradient_allreduce,
-        check=_check_gradient_allreduce,
-    ),
-    "bytegrad": Algorithm(
-        # pipeline: the step as several programs, the sync's codec beside its wire
-        # (steps/pipelined.py); off, one program (data_parallel_step).
-        settings={**_SYNC, **_STEP, "pipeline": False},
-        tunable=("wire", "bucket_bytes", "hierarchical", "message_bytes"),
-        build=_build_bytegrad,
-        check=_check_bytegrad,
-    ),
-    "qadam": Algorithm(
-        # skip_nonfinite: wrap QAdam in skip_nonfinite (train_step takes no optimizer to wrap).
-        settings={**_QADAM, **_STEP, "skip_nonfinite": False},
-        tunable=("wire", "bucket_bytes", "hierarchical", "message_bytes"),
-        build=_build_qadam,
-        takes_optimizer=False,
-        check=_check_qadam,
-    ),
-    "decentralized": Algorithm(
-        settings=_defaults(decentralized.decentralized_step, without=_GIVEN),
-        tunable=("message_bytes",),
-        build=_build_decentralized,
-    ),
-    "low_precision_decentralized": Algorithm(
-        settings=_defaults(decentralized.low_precision_decentralized_step, without=_GIVEN),
-        tunable=("message_bytes",),
-        build=_build_low_precision,
-    ),
-    # Its interval changes how stale the models are, so nothing is tuned.
-    "async": Algorithm(
-        settings=_defaults(asynchronous.async_model_average, without=_GIVEN),
-        tunable=(),
-        build=_build_async,
-    ),
-    # Not Bagua's: DiLoCo's outer steps on ByteGrad's wire (steps/diloco.py). H changes
-    # what the nodes average, so nothing is tuned.
-    "diloco": Algorithm(
-        settings=_defaults(diloco.diloco_step, without=_GIVEN),
-        tunable=(),
-        build=_build_diloco,
-        check=lambda s: diloco.check_settings(s.mesh, s.kwargs, s.flatten),
-    ),
-}
 # Bagua's six, each of which the examples train and the README's tables cover; "diloco", the
 # registry's one algorithm that is not Bagua's, is built by name but not listed here.
-ALGORITHMS = tuple(name for name in REGISTRY if name != "diloco")
-
-
-def _entry(algorithm) -> Algorithm:
-    if algorithm not in REGISTRY:
-        raise ValueError(
-            f"Strategy: unknown algorithm {algorithm!r}; use one of {', '.join(REGISTRY)}"
-        )
-    return REGISTRY[algorithm]
+ALGORITHMS = tuple(name for name, entry in REGISTRY.items() if entry.bagua)
 
 
 # The entry point -------------------------------------------------------------------------
@@ -517,10 +245,11 @@ class Strategy:
             )
         accumulation = None
         if isinstance(optimizer, optax.MultiSteps):
-            if entry.build not in (_build_gradient_allreduce, _build_bytegrad):
+            if not entry.accumulates:
+                supported = [n for n, e in REGISTRY.items() if e.accumulates]
                 raise ValueError(
                     f"Strategy({name!r}): gradient accumulation (optax.MultiSteps) is supported "
-                    "by gradient_allreduce and bytegrad (and qadam through "
+                    f"by {' and '.join(supported)} (and qadam through "
                     "data_parallel_step(loss_fn, optax.MultiSteps(qadam(...), k), mesh))"
                 )
             optimizer, accumulation = Accumulation.of(optimizer, f"Strategy({name!r})")

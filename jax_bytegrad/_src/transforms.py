@@ -166,7 +166,7 @@ def sync_gradients(
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
         # (the key the state keeps, this step's rounding key): the pipelined step splits it so
-        # too (``steps/stages.py``), for the same bits.
+        # too (``algorithms/bytegrad/stages.py``), for the same bits.
         key, step_key = jax.random.split(state.key)
         sync = functools.partial(
             collectives.sync_mean,

@@ -7,7 +7,8 @@ its compute goes on: the programs that hold collectives (``"wire"``) run on one 
 thread, in the order they are submitted, the same order on every process (Gloo tags every
 operation alike); the others (``"compute"``) on the caller's thread. ``Program`` builds each
 stage as a jitted ``shard_map`` from its abstract inputs, ``Schedule`` links the stages' values
-and ``execute`` runs one step of them. The pipelined step (``steps/pipelined.py``) is built on it.
+and ``execute`` runs one step of them. The pipelined step
+(``algorithms/bytegrad/pipelined.py``) is built on it.
 """
 
 import collections
@@ -119,11 +120,12 @@ class Program:
     (``P()``). The output specs are read from each output's varying axes when the stage is
     traced, so each value keeps the type the one-program step gives it.
 
-    Values go by name (any hashable; ``steps/stages.py`` gives typed ones): ``fn(values)``
-    takes a dict of the values named by ``chains``, ``reads`` and ``inputs``, and returns a
-    dict of the chains' new values, under the chains' names, and of its outputs, under names
-    of its own. Error feedback's residuals (``chains``) are threaded through the programs that
-    read or write them, donated and updated in place; ``reads`` are chains it only reads.
+    Values go by name (any hashable; ``algorithms/bytegrad/stages.py`` gives typed ones):
+    ``fn(values)`` takes a dict of the values named by ``chains``, ``reads`` and ``inputs``,
+    and returns a dict of the chains' new values, under the chains' names, and of its
+    outputs, under names of its own. Error feedback's residuals (``chains``) are threaded
+    through the programs that read or write them, donated and updated in place; ``reads``
+    are chains it only reads.
     ``Schedule`` names each version of a chain after the order the programs run in.
 
     Args:

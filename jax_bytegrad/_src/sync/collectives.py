@@ -199,8 +199,8 @@ def bucket_keys(key: jax.Array | None, axes, buckets) -> dict:
     ``shard_map``.
 
     Every device rounds independently; the mean is gathered, so every device still ends
-    with the same values. ``sync_mean`` and the pipelined step (``steps/stages.py``) both
-    take their keys from here.
+    with the same values. ``sync_mean`` and the pipelined step
+    (``algorithms/bytegrad/stages.py``) both take their keys from here.
     """
     if key is None:
         return dict.fromkeys(buckets)

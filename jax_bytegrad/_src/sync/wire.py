@@ -6,7 +6,7 @@ starts (``config.plan_sync``): its group, wire, width and codec are decided ther
 Each wire is written once, as its stages: those of one piece of a bucket between its
 collectives (``integer_stages``, ``scatter_gather_stages``). The one-program step runs them
 inline (``sum_shard``, through ``run``); the pipelined step runs each stage as a program of its
-own (``steps/stages.py``); the GPU schedule tests count its collectives per bucket.
+own (``algorithms/bytegrad/stages.py``); the GPU schedule tests count its collectives per bucket.
 
 ``wire="scatter_gather"`` is Bagua's ByteGrad (Gan et al., VLDB 2022), per flat bucket:
 
@@ -76,7 +76,7 @@ class Stage:
 
     A wire's stages for one piece of a bucket are a tuple of these. The one-program sync
     runs them inline (``run``); the pipelined step runs each stage as a program of its own
-    (``steps/stages.py``); both read the same functions, so the bits are the same.
+    (``algorithms/bytegrad/stages.py``); both read the same functions, so the bits are the same.
 
     Attributes:
       name: what it does (``"encode"``, ``"psum"``, ...), which also names its output.

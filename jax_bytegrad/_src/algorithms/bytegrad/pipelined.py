@@ -25,7 +25,7 @@ one stage behind the one before it. A program of fewer than about 1000 flops (a 
 alone) runs inline on the thread that calls it, so the dispatch thread blocks in each
 exchange while the caller's thread goes on.
 
-The programs are built in ``steps/stages.py``: each piece's are the stages of its wire's
+The programs are built in ``stages.py``: each piece's are the stages of its wire's
 plan (``wire.integer_stages``, ``wire.scatter_gather_stages``), the same functions the
 one-program sync runs inline, with the same keys, so the step computes the same values as
 ``data_parallel_step`` with ``optax.chain(bytegrad(...), optimizer)``, bit for bit
@@ -48,6 +48,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.algorithms.bytegrad.stages import (
+    Stages,
+    Whole,
+    new_residuals,
+    residual_names,
+    residual_values,
+)
 from jax_bytegrad._src.mesh import StateSpecs
 from jax_bytegrad._src.runtime.programs import Dispatcher, Schedule, Value, aval, execute
 from jax_bytegrad._src.steps.base import (
@@ -58,13 +65,6 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
 )
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
-from jax_bytegrad._src.steps.stages import (
-    Stages,
-    Whole,
-    new_residuals,
-    residual_names,
-    residual_values,
-)
 from jax_bytegrad._src.sync.config import (
     Residuals,
     SyncConfig,

@@ -1,7 +1,7 @@
 """The pipelined step's programs: one train step (or the sync alone) cut into programs at its
 collectives, in the order the caller's thread walks them (``Stages``).
 
-``steps/pipelined.py`` schedules them, the wire programs on a dispatch thread of their own;
+``pipelined.py`` schedules them, the wire programs on a dispatch thread of their own;
 see its module docstring for why and where that overlaps. Each piece's programs are the
 stages of its wire (``wire.integer_stages``, ``wire.scatter_gather_stages``) for its
 bucket's ``config.BucketPlan``, which the one-program step runs inline, with the same keys

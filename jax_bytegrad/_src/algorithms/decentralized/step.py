@@ -87,7 +87,7 @@ def shift_one_schedule(num_peers: int) -> list[list[tuple[int, int]]]:
       ValueError: for ``num_peers < 1``.
 
     Examples:
-      >>> from jax_bytegrad._src.steps.decentralized import shift_one_schedule
+      >>> from jax_bytegrad._src.algorithms.decentralized.step import shift_one_schedule
       >>> shift_one_schedule(4)
       [[(0, 3), (1, 2)], [(1, 3), (0, 2)], [(2, 3), (0, 1)]]
     """

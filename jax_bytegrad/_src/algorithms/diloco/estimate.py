@@ -42,7 +42,7 @@ def wire_bytes_per_param(bits: int, block_size: int | None = None) -> float:
     zero point per block of ``block_size`` (None: the default for ``bits``); 4 at 32 bits.
 
     Examples:
-      >>> from jax_bytegrad._src.autotune_diloco import wire_bytes_per_param
+      >>> from jax_bytegrad._src.algorithms.diloco.estimate import wire_bytes_per_param
       >>> round(wire_bytes_per_param(8), 4), round(wire_bytes_per_param(4), 4)
       (1.0078, 0.5156)
     """
@@ -174,7 +174,7 @@ def estimate_diloco(
       ValueError: for a link that is not a positive number, fewer than 2 nodes or H < 1.
 
     Examples:
-      >>> from jax_bytegrad._src.autotune_diloco import estimate_diloco
+      >>> from jax_bytegrad._src.algorithms.diloco.estimate import estimate_diloco
       >>> e = estimate_diloco(2.5, params=25_000_000, nodes=2, link_bytes_per_s=1.25e7)
       >>> round(e.exchange_s, 2), round(e.diloco_step_s, 3), e.pays   # 100 Mbit/s
       (2.02, 0.525, True)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad._src.algorithms.diloco.schedule import LAND, START
 from jax_bytegrad._src.runtime.programs import Dispatcher
 from jax_bytegrad._src.sharding.diloco import (
     GLOBAL,
@@ -40,7 +41,6 @@ from jax_bytegrad._src.sharding.diloco import (
     merged,
 )
 from jax_bytegrad._src.steps.base import LoweredPrograms, Program, StepState
-from jax_bytegrad._src.steps.diloco_schedule import LAND, START
 from jax_bytegrad._src.steps.tracing import traced
 from jax_bytegrad._src.sync.collectives import sync_full_precision, sync_mean
 from jax_bytegrad._src.sync.config import SyncConfig

@@ -61,6 +61,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.algorithms.diloco.exchange import Exchanges, mean_over_process
+from jax_bytegrad._src.algorithms.diloco.schedule import INNER, Schedule
 from jax_bytegrad._src.codecs.widths import BITS
 from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.runtime.programs import Dispatcher
@@ -87,8 +89,6 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
     host_copy,
 )
-from jax_bytegrad._src.steps.diloco_exchange import Exchanges, mean_over_process
-from jax_bytegrad._src.steps.diloco_schedule import INNER, Schedule
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.tracing import traced
 from jax_bytegrad._src.sync.collectives import mesh_residuals
@@ -518,7 +518,7 @@ def diloco_step(
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
-      >>> from jax_bytegrad._src.steps.diloco import diloco_step
+      >>> from jax_bytegrad._src.algorithms.diloco.step import diloco_step
       >>> mesh = jax_bytegrad.make_mesh(2, 1)
       >>> step = diloco_step(lambda w, b: jnp.mean((b * w) ** 2), optax.sgd(0.1), mesh,
       ...                    inner_steps=2, delay=0)

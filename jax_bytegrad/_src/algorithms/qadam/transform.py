@@ -64,10 +64,14 @@ import optax
 from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.qadam_schedule import Phase as Phase
-from jax_bytegrad._src.qadam_schedule import check_refresh, check_warmup_steps, refresh_counter
-from jax_bytegrad._src.qadam_schedule import phase_schedule as phase_schedule
-from jax_bytegrad._src.qadam_schedule import refresh_steps as refresh_steps
+from jax_bytegrad._src.algorithms.qadam.schedule import Phase as Phase
+from jax_bytegrad._src.algorithms.qadam.schedule import (
+    check_refresh,
+    check_warmup_steps,
+    refresh_counter,
+)
+from jax_bytegrad._src.algorithms.qadam.schedule import phase_schedule as phase_schedule
+from jax_bytegrad._src.algorithms.qadam.schedule import refresh_steps as refresh_steps
 from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
