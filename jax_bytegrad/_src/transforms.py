@@ -22,6 +22,7 @@ import optax
 from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
@@ -52,8 +53,8 @@ class ByteGradState(NamedTuple):
 
 def bytegrad(
     *,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     hierarchical: bool = True,
     average: bool = True,
     bits: Bits = 8,
@@ -186,8 +187,8 @@ def sync_gradients(
 
 def gradient_allreduce(
     *,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     hierarchical: bool = False,
     average: bool = True,
     reduce_dtype: jax.typing.DTypeLike | None = None,

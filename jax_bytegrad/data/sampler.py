@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 
 
 def replica_ranks(
-    mesh, *, per_device: int = 1, node_axis: str = "node", local_axis: str = "local"
+    mesh, *, per_device: int = 1, node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS
 ) -> range:
     """The replicas this process feeds, in ``shard_batch``'s row order.
 

@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.sharding import rule
 from jax_bytegrad._src.sharding.placement import (
     StateLayout,
@@ -535,8 +536,8 @@ def data_parallel_step(
     *,
     has_aux: bool = False,
     donate: bool = True,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     phase_of: Callable[[int], str] | None = None,
     flatten: bool = False,
     model_state: Any = None,

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.codecs import (
     IMPLEMENTATIONS,
     INTEGER_OPS,
@@ -125,8 +126,8 @@ class SyncConfig:
       ValueError: SyncConfig: bits must be one of 8, 4, 2, got 3
     """
 
-    node_axis: str = "node"
-    local_axis: str = "local"
+    node_axis: str = NODE_AXIS
+    local_axis: str = LOCAL_AXIS
     hierarchical: bool = True
     bits: Bits = 8
     block_size: int | None = None

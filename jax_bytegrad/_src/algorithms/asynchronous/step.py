@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.inspection import memory, stats
 from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.steps.base import Program, StepState, TrainStep, host_copy
@@ -456,8 +457,8 @@ def async_model_average(
     sync_interval_ms: int = 500,
     warmup_steps: int = 0,
     has_aux: bool = False,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     flatten: bool = False,
 ) -> AsyncModelAverage:
     """Builds Bagua's asynchronous model averaging: local steps, averaged in the background.

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.codecs.arrays import (
     Implementation,
     dequantize,
@@ -304,8 +305,8 @@ def decentralized_step(
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     has_aux: bool = False,
     donate: bool = True,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     flatten: bool = False,
     model_state: Any = None,
     rng_seed: int | None = None,
@@ -500,8 +501,8 @@ def low_precision_decentralized_step(
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     has_aux: bool = False,
     donate: bool = True,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     flatten: bool = False,
     model_state: Any = None,
     rng_seed: int | None = None,

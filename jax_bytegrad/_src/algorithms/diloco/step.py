@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.algorithms.diloco.exchange import Exchanges, mean_over_process
 from jax_bytegrad._src.algorithms.diloco.schedule import INNER, Schedule
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.codecs.widths import BITS
 from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.runtime.programs import Dispatcher
@@ -438,8 +439,8 @@ def diloco_step(
     message_bytes: int | None = DEFAULT_MESSAGE_BYTES,
     has_aux: bool = False,
     donate: bool = True,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     flatten: bool = False,
     shard: Shard | None = None,
     model_state: Any = None,

@@ -72,6 +72,7 @@ from jax_bytegrad._src.algorithms.qadam.schedule import (
 )
 from jax_bytegrad._src.algorithms.qadam.schedule import phase_schedule as phase_schedule
 from jax_bytegrad._src.algorithms.qadam.schedule import refresh_steps as refresh_steps
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
@@ -453,8 +454,8 @@ def qadam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     mask: Any | Callable[[optax.Params], Any] | None = None,
-    node_axis: str = "node",
-    local_axis: str = "local",
+    node_axis: str = NODE_AXIS,
+    local_axis: str = LOCAL_AXIS,
     hierarchical: bool = True,
     bits: Bits = 8,
     error_feedback: bool = False,
