@@ -274,6 +274,11 @@ class ModelState:
             if exchange is not None:
                 params = make_varying(params, axes)
                 fn, marked, residuals = exchange(loss, (params, batch, model_state, key))
+            if exchange is not None:
+                # Each remat'd layer's backward releases its weight gradients with the
+                # gradient for the layer below, as with ``value_and_grad_rows``: a list of
+                # layers then peaks as a scanned stack does.
+                fn = remat_order.tie_remat_backward(fn)
             grad_fn = jax.value_and_grad(fn, has_aux=True)
             (value, (aux, model_state)), grads = grad_fn(params, batch, model_state, key)
             if self.has_state:
