@@ -334,3 +334,13 @@ def test_four_slices_grouped_by_a_sub_axis_name_their_devices():
         (row,) = jbg.profiling.communication_stats(fn, x).rows
         # The explicit form names each pair of slices: the one axis they differ on.
         assert (row.kind, row.axes, row.bytes_sent) == ("all-reduce", axis, 8 * 128 * 4)
+
+
+def test_a_strategy_on_a_users_mesh_against_the_slices_warns():
+    grid = np.array(_two_slices(), dtype=object)
+    transposed = jax.sharding.Mesh(grid.reshape(2, 8).T, AXES)
+    with pytest.warns(RuntimeWarning, match=r"Strategy\('gradient_allreduce'\): axis 'node'"):
+        jbg.Strategy("gradient_allreduce", mesh=transposed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jbg.Strategy("gradient_allreduce", mesh=jax.sharding.Mesh(grid.reshape(2, 8), AXES))

@@ -132,6 +132,14 @@ class Strategy:
         self.flatten = flatten
         if entry.check is not None:
             entry.check(self)  # bad values fail now, not at the first step
+        if mesh is not None and {"node_axis", "local_axis"} <= set(entry.settings):
+            # A mesh of the user's own whose axes cross a TPU slice's links the wrong way.
+            mesh_lib.warn_if_mesh_crosses_slices(
+                self.mesh,
+                node_axis=self.setting("node_axis"),
+                local_axis=self.setting("local_axis"),
+                where=f"Strategy({algorithm!r})",
+            )
 
     @staticmethod
     def valid_kwargs(algorithm: str) -> tuple[str, ...]:
