@@ -69,6 +69,17 @@ def _project(spec: P, keep: frozenset) -> P:
     return P(*entries)
 
 
+def _place_split(params, specs, mesh: Mesh):
+    """``params`` (host arrays) placed as ``specs`` split them, each device given its block."""
+    return jax.tree.map(
+        lambda x, s: jax.make_array_from_callback(
+            x.shape, NamedSharding(mesh, s), lambda i, x=x: x[i]
+        ),
+        params,
+        specs,
+    )
+
+
 def _project_all(tree, keep: frozenset):
     return jax.tree.map(lambda s: _project(s, keep), tree, is_leaf=lambda x: isinstance(x, P))
 
@@ -293,13 +304,7 @@ class ParamsSharded(OptimizerSharded):
         return rule.leaf_specs(params, self.axes[1], self.local)
 
     def place(self, params):
-        return jax.tree.map(
-            lambda x, s: jax.make_array_from_callback(
-                x.shape, NamedSharding(self.mesh, s), lambda i, x=x: x[i]
-            ),
-            params,
-            self.param_specs(params),
-        )
+        return _place_split(params, self.param_specs(params), self.mesh)
 
     @property
     def manual_axes(self):
@@ -399,13 +404,7 @@ class FullSharded(Placement):
         )
 
     def place(self, params):
-        return jax.tree.map(
-            lambda x, s: jax.make_array_from_callback(
-                x.shape, NamedSharding(self.mesh, s), lambda i, x=x: x[i]
-            ),
-            params,
-            self.param_specs(params),
-        )
+        return _place_split(params, self.param_specs(params), self.mesh)
 
     def value_and_grad(self, model, loss_fn, has_aux, exchange=None):
         """With ``exchange`` (``loop_exchange.gatherer``), the loss gathers this device's
