@@ -90,7 +90,7 @@ from typing import NamedTuple
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.runtime.hugepages import with_hugepages
 from jax_bytegrad._src.runtime.worker_output import NoiseFilter, pump
-from jax_bytegrad.distributed import (
+from jax_bytegrad._src.runtime.cluster import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
     FAIL_FAST_ENV,
