@@ -88,8 +88,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.runtime.hugepages import with_hugepages
-from jax_bytegrad._src.runtime.worker_output import NoiseFilter, pump
 from jax_bytegrad._src.runtime.cluster import (
     COORDINATOR_ENV,
     CPU_DEVICES_ENV,
@@ -101,6 +99,8 @@ from jax_bytegrad._src.runtime.cluster import (
     RESTART_ENV,
     ensure_cpu_threads,
 )
+from jax_bytegrad._src.runtime.hugepages import with_hugepages
+from jax_bytegrad._src.runtime.worker_output import NoiseFilter, pump
 
 EXIT_TIMEOUT = 124
 EXIT_INTERRUPTED = 130
