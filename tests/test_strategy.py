@@ -307,3 +307,27 @@ def test_flatten_trains_the_same_model_on_one_vector(name):
 def test_flatten_must_be_a_bool():
     with pytest.raises(ValueError, match="flatten must be True or False"):
         jax_bytegrad.Strategy("bytegrad", mesh=jax_bytegrad.make_mesh(2, 4), flatten="yes")
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "kwargs", "phases"),
+    [
+        ("bytegrad", {}, {"step"}),
+        ("qadam", {"learning_rate": 1e-2, "warmup_steps": 1}, {"warmup", "compressed"}),
+    ],
+    ids=["bytegrad", "qadam"],
+)
+def test_every_step_says_its_bytes_between_nodes_the_same_way(algorithm, kwargs, phases):
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, **kwargs)
+    params = {"w": np.zeros((64, 16), np.float32)}
+    batch = np.ones((16, 64), np.float32)
+    loss_fn = lambda p, x: jnp.mean((x @ p["w"] - 1.0) ** 2)  # noqa: E731
+    optimizer = () if algorithm == "qadam" else (optax.sgd(0.1),)
+    with strategy.train_step(loss_fn, *optimizer) as step:
+        state = step.init(params)
+        sent = step.bytes_between_nodes(state, batch)
+        stats = step.communication_stats(state, batch)
+    assert set(sent) == phases
+    for phase in phases:
+        assert sent[phase] == stats[phase].bytes_on("node") > 0

@@ -530,6 +530,21 @@ class TrainStep:
         compiled = self._compiled_phases(state, batch)
         return {name: _communication(one, self.mesh) for name, one in compiled.items()}
 
+    def bytes_between_nodes(self, state: StepState, batch) -> dict[str, float]:
+        """Bytes each device sends over the links between nodes per step, for each phase
+        (``communication_stats``' phases, ``bytes_on`` the node axis); compiles, runs nothing.
+        Asked the same way of every step; DiLoCo's adds ``"per_inner_step"``, the average over
+        its period of inner and outer steps. Multiply by the devices per node for what a node
+        sends.
+
+        Returns:
+          ``{phase: bytes}``.
+        """
+        node = self._axes[0]
+        return {
+            name: one.bytes_on(node) for name, one in self.communication_stats(state, batch).items()
+        }
+
     def memory_stats(self, state: StepState, batch) -> dict[str, memory.MemoryStats]:
         """Memory each device needs to run a step, per phase, from XLA's memory analysis of
         the compiled program; compiles (once with ``communication_stats``), runs nothing.

@@ -410,10 +410,7 @@ class _DiLoCo(Exchanges, TrainStep):
           ``{phase: bytes}`` for the phases of ``communication_stats`` (``"inner"``,
           ``"outer"`` or ``"outer_0"``...), and ``"per_inner_step"``: the average.
         """
-        per_phase = {
-            name: one.bytes_on(self._axes[0])
-            for name, one in self.communication_stats(state, batch).items()
-        }
+        per_phase = super().bytes_between_nodes(state, batch)
         total = sum(per_phase[self._phase(s)[0]] for s in self.schedule.period())
         return {**per_phase, "per_inner_step": total / self.inner_steps}
 
