@@ -172,6 +172,8 @@ def test_memory_stats_say_what_a_device_needs():
         ("async", {}, "shard= is supported by gradient_allreduce, bytegrad, qadam and diloco"),
         ("bytegrad", {"pipeline": True}, "not supported with pipeline=True"),
         ("bytegrad", {"hierarchical": False}, "needs hierarchical=True"),
+        # Flat by default and run hierarchically when sharded; a flat sync asked for is not.
+        ("gradient_allreduce", {"hierarchical": False}, "needs hierarchical=True"),
         ("bytegrad", {"shard": "everything"}, "shard must be one of 'optimizer', 'params'"),
     ],
 )

@@ -79,8 +79,11 @@ def check_sharded(s: Settings) -> None:
             f"{where}: shard= is not supported with pipeline=True (its programs carry the "
             "whole state); use pipeline=False"
         )
-    if not s.setting("hierarchical") and s.algorithm != "gradient_allreduce":
+    # gradient_allreduce's default is flat (hierarchical=False), and a sharded step runs it
+    # hierarchically; only a flat sync asked for in so many words is refused.
+    flat = not s.setting("hierarchical")
+    if flat and (s.algorithm != "gradient_allreduce" or "hierarchical" in s.kwargs):
         raise ValueError(
             f"{where}: shard= needs hierarchical=True: each device then sends its share of "
-            "its node's sum between nodes"
+            "its node's sum between nodes (a sharded gradient_allreduce runs so by default)"
         )
