@@ -563,3 +563,21 @@ def test_split_state_needs_elementwise_optimizers_and_unflattened_params():
                 ValueError, match=f"diloco \\(the {which} optimizer\\).*elementwise"
             ):
                 run(step, batches(2), state)
+
+
+def test_the_default_outer_step_is_the_one_measured_best_nesterov_07_06():
+    # The default and the advice of docs/diloco.md agree: a default run is a run with
+    # optax.sgd(0.7, momentum=0.6, nesterov=True) passed, to the bit.
+    data = batches(4)
+    got = {}
+    for outer in (None, optax.sgd(0.7, momentum=0.6, nesterov=True)):
+        kwargs = {} if outer is None else {"outer_optimizer": outer}
+        s = strategy(inner_steps=2, delay=0, bits=32, **kwargs)
+        with s.train_step(loss_fn, optax.adam(1e-2)) as step:
+            got[outer is None] = jax.device_get(step.params(run(step, data)))
+    assert_trees_all_equal(got[True], got[False])
+    paper = strategy(inner_steps=2, delay=0, bits=32,
+                     outer_optimizer=optax.sgd(0.7, momentum=0.9, nesterov=True))  # fmt: skip
+    with paper.train_step(loss_fn, optax.adam(1e-2)) as step:
+        other = jax.device_get(step.params(run(step, data)))
+    assert not np.array_equal(other["w1"], got[True]["w1"])
