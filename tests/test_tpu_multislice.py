@@ -344,3 +344,24 @@ def test_a_strategy_on_a_users_mesh_against_the_slices_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jbg.Strategy("gradient_allreduce", mesh=jax.sharding.Mesh(grid.reshape(2, 8), AXES))
+
+
+class _Kind:
+    """A device that is not here: its kind, and no allocator to ask."""
+
+    def __init__(self, kind):
+        self.device_kind = kind
+
+    def memory_stats(self):
+        return None
+
+
+@pytest.mark.parametrize(
+    ("kind", "gib"),
+    [("TPU v5", 95), ("TPU v5 lite", 16), ("TPU v4", 32), ("TPU v6 lite", 32), ("cpu", None)],
+)
+def test_memory_stats_know_the_tpu_kinds(kind, gib):
+    from jax_bytegrad._src.inspection import memory
+
+    got = memory._device_bytes(_Kind(kind))
+    assert got == (None if gib is None else gib * 2**30)

@@ -24,6 +24,16 @@ import jax
 from jax_bytegrad._src.gpu_mesh import GPUS
 
 _GIB = 2**30
+# High-bandwidth memory per chip of the TPU kinds, by ``Device.device_kind`` (as libtpu names
+# them in a deviceless topology), from Google Cloud's TPU system architecture pages: v4 32,
+# v5e 16, v5p 95 and v6e 32 (the pages say GB; the chips' HBM is sized in GiB, and a real
+# TPU's allocator limit, which a device that is here reports, is read first).
+TPU_MEMORY_BYTES = {
+    "TPU v4": 32 * _GIB,
+    "TPU v5 lite": 16 * _GIB,
+    "TPU v5": 95 * _GIB,
+    "TPU v6 lite": 32 * _GIB,
+}
 # XLA:GPU's share of the device it plans for, and its default slop factor, in percent.
 _XLA_GPU_SHARE, _XLA_GPU_SLOP = 80, 95
 
@@ -41,8 +51,8 @@ class MemoryStats:
       generated_code_bytes: the compiled code.
       device_bytes: the memory of the device it was compiled for: what a real device's
         allocator may hand out (``Device.memory_stats()["bytes_limit"]``), or the shipped
-        figure of a deviceless GPU (``sharding.GPUS``: 79.2 GiB for an H100); None where
-        neither is known (a CPU).
+        figure of a deviceless GPU (``sharding.GPUS``: 79.2 GiB for an H100) or TPU
+        (``TPU_MEMORY_BYTES``: 95 GiB for a v5p); None where neither is known (a CPU).
       xla_peak_bytes: the peak XLA's own buffer assignment reports for the program's
         schedule (``peak_memory_in_bytes``), when the analysis gives it.
       remat_target_bytes: the figure XLA:GPU's rematerialization aimed at for a GPU of
@@ -107,7 +117,8 @@ class MemoryStats:
         if device_bytes is None:
             raise ValueError(
                 "MemoryStats.fits: the memory of the device this step was compiled for is not "
-                "known (a CPU, or a GPU outside sharding.GPUS); pass fits(device_bytes=...)"
+                "known (a CPU, or a GPU outside sharding.GPUS, a TPU outside "
+                "TPU_MEMORY_BYTES); pass fits(device_bytes=...)"
             )
         if self.remat_fell_short:
             warnings.warn(self.remat_message(), RuntimeWarning, stacklevel=2)
@@ -142,7 +153,9 @@ def _device_bytes(device) -> int | None:
     if limit:
         return int(limit)
     spec = next((g for g in GPUS.values() if g.name == device.device_kind), None)
-    return None if spec is None else spec.memory_bytes
+    if spec is not None:
+        return spec.memory_bytes
+    return TPU_MEMORY_BYTES.get(device.device_kind)
 
 
 def _remat_target(device, argument: int, output: int, alias: int) -> int | None:
