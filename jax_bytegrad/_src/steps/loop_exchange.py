@@ -355,14 +355,14 @@ class _Gather(_Rewrite):
     def _mark(self, ins, origins) -> list:
         leaves, dims = self._marked(origins)
         moments = [self.moments[leaf] for leaf in leaves] if self.sync.b1 is not None else []
-        devices = int(np.prod([self.mesh.shape[a] for a in self.sync.config.axes]))
+        devices = _devices(self.sync, self.mesh)
         # One gather per leaf: each weight's gradient then crosses as soon as it exists, and
         # its buffer goes, instead of the layer's all waiting for the last.
-        out = []
-        for i, (x, dim) in enumerate(zip(ins, dims, strict=True)):
-            extra = moments[i : i + 1]
-            out.extend(gathering(self.sync, (dim,), devices)(x, *extra))
-        return out
+        pairs = zip(ins, dims, strict=True)
+        return [
+            gathering(self.sync, dim, devices)(x, *moments[i : i + 1])
+            for i, (x, dim) in enumerate(pairs)
+        ]
 
 
 def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, residuals: int = 0):
@@ -490,43 +490,43 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
     return rewrite
 
 
-def gathering(sync: LoopSync, dims: tuple, devices: int):
-    """For a state split over every device: ``(*blocks, *moments) -> leaves``, each device's
-    blocks of a layer (split along ``dims`` over both mesh axes) gathered whole
+def _devices(sync: LoopSync, mesh) -> int:
+    """The devices of ``mesh`` that ``sync`` averages over: both of its axes."""
+    return int(np.prod([mesh.shape[a] for a in sync.config.axes]))
+
+
+def gathering(sync: LoopSync, dim: int | None, devices: int):
+    """For a state split over every device: ``(block, *moment) -> leaf``, each device's block
+    of a leaf (split along ``dim`` over both mesh axes) gathered whole
     (``across_nodes.gather_weights``), typed as varying so that the cotangent that comes back
     is the device's own gradient. Its backward reduce-scatters that gradient, within the node
-    and then across the nodes (``across_nodes.scatter_gradient``): each device's blocks of
-    the mean over the ``devices``. A leaf kept whole (``dims[i]`` None) is neither gathered
-    nor reduced: its gradient comes back as the device's own, which the optimizer's sync
-    averages (it is not in ``Sharded.exchanged``). With ``sync.b1`` it takes the layer's
-    ``m`` (blocks, as the params) after the blocks, and its backward returns the mean
-    momentum ``b1 m + (1 - b1) g`` instead, as ``qadam``'s compressed phase takes an
-    exchanged layer (the cotangent of ``m`` is zero): the gradient's codes cross, not the
-    momentum's."""
+    and then across the nodes (``across_nodes.scatter_gradient``): the device's block of the
+    mean over the ``devices``. A leaf kept whole (``dim`` None) is neither gathered nor
+    reduced: its gradient comes back as the device's own, which the optimizer's sync averages
+    (it is not in ``Sharded.exchanged``). With ``sync.b1`` it takes the leaf's ``m`` (a
+    block, as the param) after the block, and its backward returns the mean momentum
+    ``b1 m + (1 - b1) g`` instead, as ``qadam``'s compressed phase takes an exchanged layer
+    (the cotangent of ``m`` is zero): the gradient's codes cross, not the momentum's."""
     config = sync.config
-    count = len(dims)
     weight = 1.0 / devices if sync.average else 1.0
 
     @jax.custom_vjp
-    def gather(*xs):
-        pairs = zip(xs[:count], dims, strict=True)
-        full = (across_nodes.gather_weights(x, d, config, sync.compressed) for x, d in pairs)
-        return tuple(_varying(x, config.axes) for x in full)
+    def gather(block, *moment):
+        del moment
+        leaf = across_nodes.gather_weights(block, dim, config, sync.compressed)
+        return _varying(leaf, config.axes)
 
-    def fwd(*xs):
-        return gather(*xs), xs[count:]
+    def fwd(block, *moment):
+        return gather(block, *moment), moment
 
-    def bwd(moments, cts):
-        means = []
-        for i, (ct, dim) in enumerate(zip(cts, dims, strict=True)):
-            if dim is None:  # a leaf kept whole: the optimizer's sync averages it
-                means.append(ct)
-                continue
-            mean = across_nodes.scatter_gradient(ct, dim, config, sync.compressed, weight)
-            if sync.b1 is not None:
-                mean = optax.tree.update_moment(mean, moments[i], sync.b1, 1)
-            means.append(_varying(mean, config.axes))
-        return (*means, *(jax.numpy.zeros_like(m) for m in moments))
+    def bwd(moment, ct):
+        zeros = tuple(jax.numpy.zeros_like(m) for m in moment)
+        if dim is None:  # a leaf kept whole: the optimizer's sync averages it
+            return (ct, *zeros)
+        mean = across_nodes.scatter_gradient(ct, dim, config, sync.compressed, weight)
+        if sync.b1 is not None:
+            mean = optax.tree.update_moment(mean, moment[0], sync.b1, 1)
+        return (_varying(mean, config.axes), *zeros)
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -541,7 +541,7 @@ def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
     device's blocks of the mean over every device (``gathering``); with ``sync.b1``, of the
     mean momentum on the optimizer state's ``m``."""
     moments = sync.from_state(opt_state)[0] if sync.b1 is not None else None
-    devices = int(np.prod([mesh.shape[a] for a in sync.config.axes]))
+    devices = _devices(sync, mesh)
 
     def whole(x, dim):
         # A stand-in of the gathered leaf for the trace: the loss is traced on whole shapes.
@@ -564,7 +564,7 @@ def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
             leaves = jax.tree.leaves(params)
             for i in rest:  # one gather per leaf, as at a mark
                 extra = [ms[i]] if moments is not None else []
-                (leaves[i],) = gathering(sync, (dims[i],), devices)(leaves[i], *extra)
+                leaves[i] = gathering(sync, dims[i], devices)(leaves[i], *extra)
             closed, shape = jax.make_jaxpr(fn, return_shape=True)(stand_in, *others)
             invars = closed.jaxpr.invars[:count]
             origin = {v: (i, "whole") for i, v in enumerate(invars) if marked[i]}
