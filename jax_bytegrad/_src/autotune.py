@@ -54,6 +54,7 @@ from jax_bytegrad._src.autotune_results import (  # noqa: F401 - AutotuneResult,
     read_cache,
     write_cache,
 )
+from jax_bytegrad._src.axes import LOCAL_AXIS
 from jax_bytegrad._src.codecs import integer
 from jax_bytegrad._src.sync import buckets
 from jax_bytegrad._src.sync.config import Group, SyncConfig, platform_of
@@ -112,7 +113,7 @@ def _concrete(strat, config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _default_space(strat) -> dict[str, tuple]:
-    local_axis = strat.kwargs.get("local_axis", "local")
+    local_axis = strat.kwargs.get("local_axis", LOCAL_AXIS)
     space = {}
     for name in strategy_lib.tunable_settings(strat.algorithm):
         if name == "hierarchical" and strat.mesh.shape[local_axis] == 1:

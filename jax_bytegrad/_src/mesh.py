@@ -13,9 +13,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.sync.config import Residuals
 
-AXES = ("node", "local")
+AXES = (NODE_AXIS, LOCAL_AXIS)
 
 
 def _groups(devices) -> tuple[str, list[list]]:
@@ -142,7 +143,9 @@ def _slice_of(device) -> int:
     return -1 if index is None else int(index)
 
 
-def slice_crossings(mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local") -> list[str]:
+def slice_crossings(
+    mesh: Mesh, *, node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS
+) -> list[str]:
     """Where a mesh of TPUs puts its axes against the slices: the "node" axis should join
     slices (DCN) and the "local" axis the chips of one slice (ICI).
 
@@ -184,7 +187,7 @@ def slice_crossings(mesh: Mesh, *, node_axis: str = "node", local_axis: str = "l
 
 
 def warn_if_mesh_crosses_slices(
-    mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local", where: str = "mesh"
+    mesh: Mesh, *, node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS, where: str = "mesh"
 ) -> None:
     """Warns (``RuntimeWarning``) when a mesh of TPUs puts ``node_axis`` inside slices or
     ``local_axis`` across them (``slice_crossings``); a step built on a mesh of the user's own
@@ -218,7 +221,7 @@ def _local_batch_shards(mesh: Mesh, axes: tuple[str, str]) -> int:
 
 
 def shard_batch(
-    tree, mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local", where: str = ""
+    tree, mesh: Mesh, *, node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS, where: str = ""
 ):
     """Splits this process's part of a batch over its devices along the leading axis.
 
@@ -246,7 +249,7 @@ def _per_device(node) -> bool:
     return isinstance(node, (Residuals, optax.MultiStepsState))
 
 
-def state_specs(opt_state, *, node_axis: str = "node", local_axis: str = "local"):
+def state_specs(opt_state, *, node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS):
     """``shard_map`` specs for an optimizer state: each device's own values per device, the
     rest replicated.
 
@@ -309,7 +312,7 @@ class StateSpecs:
         return self.specs
 
 
-def shard_state(opt_state, mesh: Mesh, *, node_axis: str = "node", local_axis: str = "local"):
+def shard_state(opt_state, mesh: Mesh, *, node_axis: str = NODE_AXIS, local_axis: str = LOCAL_AXIS):
     """Places an optimizer state (same value on every process) on ``mesh`` per ``state_specs``.
 
     Replicated leaves are copied to every device; each device gets its own slice of the
