@@ -265,24 +265,40 @@ def check_key(stochastic: bool, key, where: str) -> None:
         )
 
 
-def resolve_implementation(implementation: Implementation | None) -> Implementation | None:
+def resolve_implementation(
+    implementation: Implementation | None, platform: str | None = None
+) -> Implementation | None:
     """Validates ``implementation``; returns what to dispatch on.
 
     ``"xla"``, ``"pallas"`` and ``"pallas_interpret"`` come back as they are; None stays None:
     each kernel is then chosen when it is dispatched (``codecs.select``). ``"pallas"`` is
-    refused here only on a GPU that Mosaic GPU does not support; elsewhere (a CPU host
-    lowering or exporting for CUDA, say) it is lowered as asked, and lowering it for a
-    platform other than CUDA raises ``NotImplementedError`` then.
+    refused here on a mesh of another platform than GPUs (``platform``, where the caller
+    knows its mesh: a TPU mesh, say), and on a GPU that Mosaic GPU does not support;
+    elsewhere (a CPU host lowering or exporting for CUDA, say) it is lowered as asked, and
+    lowering it for a platform other than CUDA raises ``NotImplementedError`` then.
+
+    Args:
+      implementation: the name asked for, or None.
+      platform: the JAX platform of the mesh the codec runs on (``"tpu"``, ``"gpu"``,
+        ``"cpu"``), or None where no mesh is known.
 
     Raises:
       ValueError: for an unknown implementation.
-      NotImplementedError: for ``"pallas"`` where the default backend is a GPU older than
-        Hopper, or not an NVIDIA one.
+      NotImplementedError: for ``"pallas"`` on a mesh whose devices are not GPUs, or where
+        the default backend is a GPU older than Hopper, or not an NVIDIA one.
     """
     if implementation is not None and implementation not in IMPLEMENTATIONS:
         raise ValueError(
             "implementation must be 'xla', 'pallas', 'pallas_interpret' or None, "
             f"got {implementation!r}"
+        )
+    if implementation == "pallas" and platform not in (None, "gpu"):
+        raise NotImplementedError(
+            "implementation='pallas' runs compiled Mosaic GPU kernels, for NVIDIA GPUs of "
+            f"compute capability >= 9.0 (Hopper or newer), and this mesh's devices are "
+            f"{platform.upper()}s. Pass implementation=None (the best available: XLA's codec "
+            f"on {platform.upper()}) or 'xla'; 'pallas_interpret' runs the kernels' bodies in "
+            "the Pallas interpreter, for tests"
         )
     if implementation == "pallas" and jax.default_backend() == "gpu" and not pallas.is_supported():
         raise NotImplementedError(

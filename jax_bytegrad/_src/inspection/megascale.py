@@ -13,8 +13,8 @@ with ``is_host_transfer=true``, tagged by frontend attributes::
       _xla_megascale_transfer_type="ALL_REDUCE"}
 
 ``_xla_megascale_transfer_type`` names the collective (``ALL_REDUCE``, ``REDUCE_SCATTER``,
-``ALL_GATHER``, ``ALL_TO_ALL``; a ``ppermute`` has none), and ``_xla_megascale_target`` its
-members in one of three forms:
+``ALL_GATHER``, ``ALL_TO_ALL``; a ``ppermute``'s is ``ONE_TO_ONE``, or none), and
+``_xla_megascale_target`` its members in one of three forms:
 
 - ``"{1,2}x{0:7}"``: slices 1 and 2 (``slice_index + 1``), and within each the devices 0 to 7
   of the program; each device's group is itself and the devices of the same id in the other
@@ -38,6 +38,8 @@ TRANSFER_KINDS = {
     "REDUCE_SCATTER": "reduce-scatter",
     "ALL_GATHER": "all-gather",
     "ALL_TO_ALL": "all-to-all",
+    # A ppermute's (low_precision_decentralized's ring between slices); its target is pairs.
+    "ONE_TO_ONE": "collective-permute",
 }
 _TYPE_RE = re.compile(r'\b_xla_megascale_transfer_type="([A-Z_]+)"')
 _TARGET_RE = re.compile(r"\b_xla_megascale_target=")

@@ -40,6 +40,7 @@ from jax_bytegrad._src.sync.config import (
     SyncConfig,
     SyncPlan,
     plan_sync,
+    platform_of,
     sync_config,
 )
 from jax_bytegrad._src.sync.shards import Sharded
@@ -273,10 +274,11 @@ def _checked_plan(tree, key, residuals, *, config, average, within, where):
         gathers_within=within.gathers_within,
     )
     check_key(config.stochastic, key, where)
-    if config.implementation is not None:
-        # Refuses "pallas" on a GPU that Mosaic GPU does not run on, when the sync is traced
-        # (None chooses each kernel where it is dispatched: nothing to refuse).
-        resolve_implementation(config.implementation)
+    # Refuses "pallas" on a mesh of another platform than GPUs (a TPU mesh), or on a GPU
+    # that Mosaic GPU does not run on, when the sync is traced (None chooses each kernel
+    # where it is dispatched: nothing to refuse). The integer wire, which has no kernels on
+    # any platform, has refused it in its plan.
+    resolve_implementation(config.implementation, platform_of())
     if residuals is not None:
         _check_residuals(residuals, plan, (n, local), where)
     return leaves, treedef, plan

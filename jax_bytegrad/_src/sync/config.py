@@ -32,6 +32,7 @@ from jax_bytegrad._src.codecs import (
     Implementation,
     IntegerOps,
     resolve,
+    resolve_implementation,
 )
 from jax_bytegrad._src.codecs.integer import Width
 from jax_bytegrad._src.codecs.widths import BITS as BITS
@@ -185,7 +186,8 @@ class SyncConfig:
 
     def mesh_shape(self, mesh, where: str) -> tuple[int, int] | None:
         """(nodes, devices per node) of ``mesh`` along this config's axes, or None without a
-        mesh; error feedback sizes its residuals by it, so it needs one."""
+        mesh; error feedback sizes its residuals by it, so it needs one. Refuses, where the
+        step is built, an implementation the mesh's platform cannot run."""
         if self.error_feedback and mesh is None:
             raise ValueError(
                 f"{where}: error_feedback=True keeps residuals per device, sized by the mesh; "
@@ -194,6 +196,7 @@ class SyncConfig:
         if mesh is None:
             return None
         nodes, per_node = checks.mesh_axes(mesh, *self.axes, where)
+        resolve_implementation(self.implementation, platform_of(mesh))
         if self.wire == "allreduce":
             self.codec.check_integer(self.group(nodes, per_node).size, where)
         return nodes, per_node

@@ -487,7 +487,8 @@ def async_model_average(
 
     Raises:
       ValueError: for a bad ``peer_selection_mode``, ``sync_interval_ms`` or
-        ``warmup_steps``, axis names the mesh lacks, or a node spanning processes.
+        ``warmup_steps``, axis names the mesh lacks, or a node spanning processes (a TPU
+        slice of several hosts, say).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
@@ -513,13 +514,21 @@ def async_model_average(
     if mesh.axis_names.index(node_axis) != 0:
         grid = grid.T
     processes = _process_count(mesh)
-    if mesh.shape[node_axis] != processes or any(
-        len({d.process_index for d in row}) != 1 for row in grid
-    ):
+    spanning = [sorted({d.process_index for d in row}) for row in grid]
+    spanning = [row for row in spanning if len(row) > 1]
+    if mesh.shape[node_axis] != processes or spanning:
+        why = "Use jax_bytegrad.make_mesh() with its defaults"
+        if spanning and getattr(grid.flat[0], "slice_index", None) is not None:
+            # make_mesh() makes each TPU slice a node, whatever its hosts.
+            why = (
+                f"A node here spans processes {spanning[0]}: a TPU slice of several hosts. "
+                "Run async on slices of one host each, or a synchronous algorithm (bytegrad, "
+                "qadam, diloco) across slices"
+            )
         raise ValueError(
-            f"{where}: each process must be exactly one node of the mesh; got "
-            f"{mesh.shape[node_axis]} nodes for {processes} processes. Use "
-            "jax_bytegrad.make_mesh() with its defaults"
+            f"{where}: each process must be exactly one node of the mesh (each process "
+            f"trains on its own, and a thread averages the processes' models); got "
+            f"{mesh.shape[node_axis]} nodes for {processes} processes. {why}"
         )
     return AsyncModelAverage(
         loss_fn,

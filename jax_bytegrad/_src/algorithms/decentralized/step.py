@@ -54,6 +54,7 @@ from jax_bytegrad._src.sync.config import (
     DEFAULT_BLOCK_SIZES,
     DEFAULT_MESSAGE_BYTES,
     check_block_size,
+    platform_of,
 )
 from jax_bytegrad._src.sync.patterns import (
     gather_flat,
@@ -554,7 +555,8 @@ def low_precision_decentralized_step(
       ValueError: at build time for axis names the mesh lacks, a bad ``block_size`` or
         ``communication_interval``; when called, for a batch that does not split over the
         devices or integer parameters.
-      NotImplementedError: for ``implementation="pallas"`` where no supported GPU is.
+      NotImplementedError: for ``implementation="pallas"`` on a mesh of another platform
+        than GPUs (a TPU mesh), or where no supported GPU is.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jax_bytegrad
@@ -575,7 +577,7 @@ def low_precision_decentralized_step(
         mesh, axes, hierarchical, communication_interval, message_bytes, where
     )
     check_block_size(block_size, where)
-    resolve_implementation(implementation)
+    resolve_implementation(implementation, platform_of(mesh))
     return _LowPrecision(
         hierarchical=hierarchical,
         peers=n if hierarchical else n * local,
