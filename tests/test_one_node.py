@@ -1,6 +1,6 @@
 """One node sends nothing and costs nothing: on a 1 x 8 mesh the compressed syncs (ByteGrad,
-QAdam's compressed phase) compile to gradient_allreduce's collectives and train as it does;
-on 2 x 4 (and flat on 1 x 8) the compressed wire still runs."""
+pipelined or not, QAdam's compressed phase) compile to gradient_allreduce's collectives and
+train as it does; on 2 x 4 (and flat on 1 x 8) the compressed wire still runs."""
 
 import collections
 import functools
@@ -27,9 +27,12 @@ FLOAT = re.compile(r"\(?(f16|bf16|f32|f64)\[")
 INTEGER = re.compile(r"[su](8|16|32)\[")
 
 # name: (algorithm, its settings); QAdam runs one warm-up step first, then its compressed phase.
+# QAdam has no pipelined step (pipeline= is ByteGrad's only).
 CASES = {
     "bytegrad8": ("bytegrad", {}),
     "bytegrad4-ef": ("bytegrad", {"bits": 4, "error_feedback": True}),
+    "bytegrad8-pipelined": ("bytegrad", {"pipeline": True}),
+    "bytegrad4-ef-pipelined": ("bytegrad", {"bits": 4, "error_feedback": True, "pipeline": True}),
     "qadam": ("qadam", {"warmup_steps": 1, "learning_rate": LR}),
 }
 
@@ -109,13 +112,15 @@ def _reference_ops(shape, shard) -> dict[str, int]:
     [
         ("bytegrad8", None),
         ("bytegrad4-ef", None),
+        ("bytegrad8-pipelined", None),
+        ("bytegrad4-ef-pipelined", None),
         ("qadam", None),
         ("bytegrad8", "optimizer"),
         ("qadam", "optimizer"),
         ("bytegrad4-ef", "params"),
     ],
-    ids=["bytegrad8", "bytegrad4-ef", "qadam", "bytegrad8-optimizer", "qadam-optimizer",
-         "bytegrad4-ef-params"],
+    ids=["bytegrad8", "bytegrad4-ef", "bytegrad8-pipelined", "bytegrad4-ef-pipelined", "qadam",
+         "bytegrad8-optimizer", "qadam-optimizer", "bytegrad4-ef-params"],
 )  # fmt: skip
 def test_one_node_compiles_to_gradient_allreduces_collectives(name, shard):
     mesh = jax_bytegrad.make_mesh(1, 8)
@@ -126,8 +131,17 @@ def test_one_node_compiles_to_gradient_allreduces_collectives(name, shard):
         assert want == {"all-reduce": 1}, want  # the gradient's and the loss's, combined
 
 
-@pytest.mark.parametrize("name", ["bytegrad8", "bytegrad4-ef", "qadam"])
-@pytest.mark.parametrize("shard", [None, "optimizer"], ids=["replicated", "optimizer"])
+# Each name replicated and with its optimizer state split within the node, but the pipelined
+# step's, which carries the whole state (no shard=).
+TRAINED = {
+    f"{name}-{shard or 'replicated'}": (name, shard)
+    for name in CASES
+    for shard in (None, "optimizer")
+    if shard is None or "pipeline" not in CASES[name][1]
+}
+
+
+@pytest.mark.parametrize("name,shard", list(TRAINED.values()), ids=list(TRAINED))
 def test_one_node_trains_as_gradient_allreduce(name, shard):
     mesh = jax_bytegrad.make_mesh(1, 8)
     if name == "qadam":

@@ -209,6 +209,15 @@ def bucket_keys(key: jax.Array | None, axes, buckets) -> dict:
     return {b: jax.random.fold_in(device, b) for b in buckets}
 
 
+def sends_nothing(config: SyncConfig, nodes: int) -> bool:
+    """Whether a sync over ``nodes`` nodes sends nothing between them, and so compresses
+    nothing: one node, with ``hierarchical=True``. Then ``sync_mean`` is
+    ``gradient_allreduce``'s one all-reduce within the node, and the pipelined step is the
+    one-program step. With ``hierarchical=False`` the codes are every device's, whatever the
+    mesh's shape, so they still run (and give the same bits on 1 x 8 as on 2 x 4)."""
+    return nodes == 1 and config.hierarchical
+
+
 def sync_mean(
     tree,
     config: SyncConfig,
@@ -235,20 +244,18 @@ def sync_mean(
     shard would, with the same sizes, wire and residuals, and the result is the mean in the
     same blocks (whole leaves whole).
 
-    On one node (a node axis of size 1) with ``hierarchical=True`` nothing crosses between
-    nodes, so nothing is compressed: the mean is ``sync_full_precision``'s, one all-reduce
-    within the node per leaf as ``gradient_allreduce``'s (blocks of a ``sharded`` step's leaves
-    as its), with no buckets, and ``residuals`` come back as they were (zero: what a
-    compression leaves unsent). The arguments are checked as on the compressed path. With
-    ``hierarchical=False`` the codes are every device's, whatever the mesh's shape, so they
-    still run (and give the same bits on 1 x 8 as on 2 x 4).
+    Where nothing crosses between nodes (``sends_nothing``: one node, hierarchical), nothing
+    is compressed: the mean is ``sync_full_precision``'s, one all-reduce within the node per
+    leaf as ``gradient_allreduce``'s (blocks of a ``sharded`` step's leaves as its), with no
+    buckets, and ``residuals`` come back as they were (zero: what a compression leaves
+    unsent). The arguments are checked as on the compressed path.
 
     Returns the pair (the mean, or sum, pytree; the new ``Residuals``, empty without
     ``residuals``).
     """
     within = shards.layout_of(sharded)
     n, _ = axis_sizes(config.node_axis, config.local_axis, where)
-    if n == 1 and config.hierarchical:
+    if sends_nothing(config, n):
         _checked_plan(tree, key, residuals, config=config, average=average, within=within,
                       where=where)  # fmt: skip
         mean = sync_full_precision(tree, config, average=average, order=order, sharded=sharded)

@@ -65,6 +65,7 @@ from jax_bytegrad._src.steps.base import (
     global_batch,
 )
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
+from jax_bytegrad._src.sync.collectives import sends_nothing
 from jax_bytegrad._src.sync.config import (
     Residuals,
     SyncConfig,
@@ -162,7 +163,10 @@ class PipelinedStep(TrainStep):
     collective of this step is in flight when the caller's code runs; the last program (the
     optimizer update) may still be computing. ``lower(state, batch)`` gives a
     ``LoweredPrograms`` (each program's ``Lowered`` in ``.programs``, in dispatch order);
-    ``communication_stats`` sums their collectives as ``{"step": ...}``.
+    ``communication_stats`` sums their collectives as ``{"step": ...}``. On one node
+    (``hierarchical=True``) nothing crosses between nodes and nothing is compressed, so it
+    runs the one-program step (``data_parallel_step``), whose sync is ``gradient_allreduce``'s:
+    ``lower`` then gives that program's ``jax.stages.Lowered``.
     """
 
     def __init__(self, algorithm, loss_fn, optimizer, mesh, *, sync, average, seed, has_aux,
@@ -202,6 +206,14 @@ class PipelinedStep(TrainStep):
 
     def _state_shapes(self, params) -> StepState:
         return self._one_program._state_shapes(params)
+
+    def program(self, state: StepState) -> Program:
+        # On one node nothing crosses between nodes, so there is no codec to run beside a
+        # wire: the one-program step, whose sync is then gradient_allreduce's one all-reduce
+        # within the node (``collectives.sync_mean``), with no buckets.
+        if sends_nothing(self.sync, self.mesh.shape[self.sync.node_axis]):
+            return self._one_program.program(state)
+        return super().program(state)
 
     def _build(self, key) -> Program:
         return Program(_Scheduled(self), self._inputs, self._outputs)
@@ -321,7 +333,9 @@ def pipelined_step(
     call ``close()``, to stop the thread.
 
     It overlaps where each process has one device (one process per host); see the module
-    docstring. ``Strategy("bytegrad", pipeline=True)`` builds it.
+    docstring. On one node (``hierarchical=True``), where nothing crosses between nodes, it
+    is the one-program step, whose sync is ``gradient_allreduce``'s one all-reduce.
+    ``Strategy("bytegrad", pipeline=True)`` builds it.
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with ``has_aux``),
