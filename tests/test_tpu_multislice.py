@@ -386,6 +386,8 @@ def test_implementation_none_takes_xlas_codec_on_tpu(monkeypatch):
         chosen.append(select(kernel))
         return chosen[-1]
 
+    # As on a host whose own GPU runs the kernels: the TPU mesh being traced still takes XLA.
+    monkeypatch.setattr(pallas, "is_supported", lambda: True)
     monkeypatch.setattr(codecs, "check", check)
     monkeypatch.setattr(codecs, "select", spy)
     mesh = jbg.make_mesh(devices=_topology_devices())
@@ -396,10 +398,12 @@ def test_implementation_none_takes_xlas_codec_on_tpu(monkeypatch):
     with strategy.train_step(loss_fn, optax.sgd(0.1)) as step:
         assert step.lower(step.state_shapes(params), batch).compile().as_text()
     assert chosen and set(chosen) == {"xla"}
-    # On a TPU host the default backend is the TPU, where Mosaic GPU is not supported either.
+
+
+def test_mosaic_gpu_is_not_supported_on_a_tpu_host(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert not pallas.is_supported()
-    assert select(codecs.Kernel("quantize_blocks", Codec(), 256)) == "xla"
+    assert codecs.select(codecs.Kernel("quantize_blocks", Codec(), 256)) == "xla"
 
 
 _PALLAS_ON_TPU = r"this mesh's devices are TPUs\. Pass implementation=None"

@@ -35,12 +35,12 @@ structure as its ``"xla"`` one, and the functions here of the op's name dispatch
   kernel where none can run does: an explicit implementation never falls back silently.
 
 ``implementation=None`` asks for the best implementation: an op's only one, or for the block
-codec the one ``select`` chooses per kernel: the XLA reference where no compiled kernel can
-run; on a supported GPU, the compiled kernel once it has reproduced the reference on a small
-input. That check runs once per process, device kind and kernel (an op with everything static
-about its call), with a time bound. A kernel that fails it or runs out of time is replaced by
-the XLA path for that kernel alone, with one warning that names the kernel and why; the other
-kernels keep their compiled versions.
+codec the one ``select`` chooses per kernel: the XLA reference where no compiled kernel can run
+(a mesh of TPUs or CPUs, or no supported GPU); on a supported GPU, the compiled kernel once it
+has reproduced the reference on a small input. That check runs once per process, device kind
+and kernel (an op with everything static about its call), with a time bound. A kernel that
+fails it or runs out of time is replaced by the XLA path for that kernel alone, with one
+warning that names the kernel and why; the other kernels keep their compiled versions.
 """
 
 import dataclasses
@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src.codecs import integer, pallas, reference, widths
+from jax_bytegrad._src.platforms import platform_of
 
 # Seconds one kernel's check may take, compile included: a compile takes about a second, and a
 # layout search that Mosaic GPU cannot finish would take minutes of the user's first step.
@@ -608,10 +609,13 @@ CHECKS = KernelChecks()
 def select(kernel: Kernel) -> str:
     """The implementation that runs ``kernel`` for ``implementation=None``.
 
-    The XLA reference unless the default backend is a GPU that Mosaic GPU supports and the
-    compiled kernel passed its check on every kind of local device (see ``check``).
+    The XLA reference unless the default backend is a GPU that Mosaic GPU supports, the mesh
+    being traced is of that backend (``platform_of``; outside ``shard_map``, the backend
+    itself), and the compiled kernel passed its check on every kind of local device (see
+    ``check``). So a TPU or CPU mesh takes XLA's codec even on a host with a Hopper GPU.
     """
-    if pallas.is_supported() and CHECKS.works(kernel):
+    on_this_backend = platform_of() == jax.default_backend()
+    if on_this_backend and pallas.is_supported() and CHECKS.works(kernel):
         return "pallas"
     return "xla"
 

@@ -42,6 +42,7 @@ from jax_bytegrad._src.codecs.widths import ROUNDINGS as ROUNDINGS
 from jax_bytegrad._src.codecs.widths import Bits as Bits
 from jax_bytegrad._src.codecs.widths import Rounding as Rounding
 from jax_bytegrad._src.codecs.widths import check_block_size as check_block_size
+from jax_bytegrad._src.platforms import platform_of as platform_of
 from jax_bytegrad._src.sync.buckets import Layout, make_layout
 
 # The bucket size off GPU meshes: big enough that each collective runs at link speed, small
@@ -388,19 +389,6 @@ def plan_sync(
             )
         )
     return SyncPlan(layout, tuple(plans))
-
-
-def platform_of(mesh=None) -> str:
-    """The JAX platform (``"cpu"``, ``"gpu"``, ...) of ``mesh``'s devices: a ``Mesh``, or an
-    abstract mesh; None for the mesh being traced (``jax.sharding.get_abstract_mesh()``
-    inside ``shard_map`` knows it, deviceless meshes included, on JAX 0.10.2 and 0.12); the
-    default backend's where an abstract mesh names no device (outside any ``shard_map``)."""
-    if mesh is None:
-        mesh = jax.sharding.get_abstract_mesh()
-    if isinstance(mesh, jax.sharding.Mesh):
-        return mesh.devices.flat[0].platform
-    device = getattr(mesh, "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
 
 
 def sync_config(sync: SyncConfig | None, where: str) -> SyncConfig:
