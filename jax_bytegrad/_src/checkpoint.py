@@ -176,6 +176,33 @@ def _stored_shape(leaf) -> tuple:
     return tuple(leaf.shape)
 
 
+def _empty(x) -> bool:
+    """Whether ``x`` is an array (or its shape) of no values."""
+    shape = getattr(x, "shape", None)
+    return shape is not None and 0 in tuple(shape)
+
+
+def _without_empty(tree):
+    """``tree`` with each array of no values as None: orbax refuses to save one ("Cannot save
+    arrays with zero size"), and error feedback keeps such residuals where the integer wire
+    codes once (the empty ``mean``)."""
+    return jax.tree.map(lambda x: None if _empty(x) else x, tree)
+
+
+def _refilled(restored, target):
+    """``restored`` (restored onto ``_without_empty(target)``) with ``target``'s arrays of no
+    values put back, placed where ``target`` says."""
+    leaves, treedef = jax.tree.flatten(target)
+    got = iter(jax.tree.leaves(restored))
+
+    def empty(t):
+        return jax.make_array_from_callback(
+            t.shape, t.sharding, lambda i: np.zeros(t.shape, t.dtype)[i]
+        )
+
+    return jax.tree.unflatten(treedef, [empty(t) if _empty(t) else next(got) for t in leaves])
+
+
 def _other_shapes(saved, target) -> list[str]:
     """The leaves that the saved tree (orbax's metadata) and `target` both have, by name, but
     with other shapes: ``"['w'] is [8, 4] in the checkpoint, [8, 5] in the state"``. Empty when
@@ -375,7 +402,8 @@ class Checkpointer:
         # collective still running on another thread (DiLoCo's exchange in the background:
         # Gloo cannot tell the two apart). The save copies every array to the host anyway.
         jax.block_until_ready(state)
-        return bool(self._manager.save(step, args=ocp.args.StandardSave(state), force=True))
+        saved = ocp.args.StandardSave(_without_empty(state))
+        return bool(self._manager.save(step, args=saved, force=True))
 
     def restore(self, step: int, init_fn: Callable[[], Any], shardings, *, relayout=False):
         """Restores the checkpoint of `step` onto `shardings`, shaped like ``init_fn()``.
@@ -402,15 +430,24 @@ class Checkpointer:
             places), a leaf has another shape (naming it, with the saved and the expected
             shape), or with ``relayout``, its leaves differ.
         """
-        ocp = _ocp()
         abstract = jax.eval_shape(init_fn)
         target = jax.tree.map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
             abstract,
             _target_shardings(abstract, shardings),
         )
+        # Arrays of no values are not saved (``save``): made again here.
+        bare = _without_empty(target)
         if relayout:
-            return self._relayout(step, target)
+            restored = self._relayout(step, bare)
+        else:
+            restored = self._restore(step, bare, abstract)
+        return _refilled(restored, target)
+
+    def _restore(self, step: int, target, abstract):
+        """``restore`` onto ``target`` (shapes placed as they will be), with ``init_fn()``'s
+        ``abstract`` state for the errors' hints."""
+        ocp = _ocp()
         # Checked here, not left to orbax: its error for a leaf of another shape names neither
         # the leaf nor a remedy that Checkpointer offers (it advises strict=False, padding or
         # truncating the array), and comes with a long traceback through its coroutines.
