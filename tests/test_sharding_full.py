@@ -72,9 +72,11 @@ def test_bytegrad_full_ends_within_a_percent_of_replicated():
     assert abs(tail(got) / tail(want) - 1) < 0.01, (tail(got), tail(want))
 
 
-def _compiled(algorithm: str, shard, *, width: int = 256, layers: int = 4, mark: bool = True):
-    """The compiled step of a scanned stack of ``layers`` square layers of ``width`` under
-    jax.checkpoint (marked inside it), plus a head, and its state."""
+def _compiled(algorithm: str, shard, *, width: int = 256, layers: int = 4, mark: bool = True,
+              learning_rate: float = 0.1, **settings):  # fmt: skip
+    """The compiled step (SGD) of a scanned stack of ``layers`` square layers of ``width``
+    under jax.checkpoint (marked inside it), plus a head, and its state; ``settings``: the
+    sync's, beyond ``SETTINGS``."""
 
     def loss_fn(params, batch):
         x, y = batch
@@ -93,8 +95,9 @@ def _compiled(algorithm: str, shard, *, width: int = 256, layers: int = 4, mark:
     }
     batch = (np.ones((16, width), np.float32), np.zeros((16, 8), np.float32))
     mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
-    strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard=shard, **SETTINGS[algorithm])
-    step = strategy.train_step(loss_fn, optax.sgd(0.1))
+    kwargs = {**SETTINGS[algorithm], **settings}
+    strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard=shard, **kwargs)
+    step = strategy.train_step(loss_fn, optax.sgd(learning_rate))
     state = step.init(params)
     return step, state, batch, params
 
@@ -204,19 +207,10 @@ def test_nnx_stacked_blocks_with_dropout_train_full_as_replicated():
         assert kernel.addressable_shards[0].data.shape == (4, 2, 16)
 
 
-@pytest.mark.parametrize(
-    ("algorithm", "settings", "match"),
-    [
-        ("bytegrad", {"error_feedback": True, "bits": 4}, "error_feedback"),
-        ("bytegrad", {"rounding": "stochastic"}, "stochastic"),
-        ("diloco", {"inner_steps": 4}, "whole model on each node"),
-    ],
-    ids=["error-feedback", "stochastic", "diloco"],
-)
-def test_what_full_cannot_run_is_refused_clearly(algorithm, settings, match):
+def test_diloco_is_refused_clearly_with_full():
     mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
-    with pytest.raises(ValueError, match=match):
-        strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard="full", **settings)
+    with pytest.raises(ValueError, match="whole model on each node"):
+        strategy = jax_bytegrad.Strategy("diloco", mesh=mesh, shard="full", inner_steps=4)
         strategy.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1))
 
 
@@ -262,6 +256,101 @@ def test_4_bit_codes_train_on_2_nodes_and_are_refused_on_4():
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full", bits=4)
     with pytest.raises(ValueError, match="at most 2 nodes, not 4; pass bits=8"):
         strategy.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1))
+
+
+def _scattered(grads, residuals, key=None):
+    """``across_nodes.scatter_gradient`` on the 2 x 4 mesh of each device's gradient of a
+    (64, 40) leaf (split along 0) and its residual, at 4 bits with error feedback: every
+    device's block of the sum, and its new residual, one row per device in mesh order."""
+    from jax_bytegrad._src.sync import across_nodes
+
+    config = jax_bytegrad.SyncConfig(bits=4, error_feedback=True, rounding="nearest")
+    if key is not None:
+        config = jax_bytegrad.SyncConfig(bits=4, error_feedback=True, rounding="stochastic")
+
+    def scatter(grad, residual, key):
+        block, kept = across_nodes.scatter_gradient(
+            grad[0], 0, config, True, 1.0, key=key, residual=residual[0]
+        )
+        return block[None], kept[None]
+
+    devices = P(("node", "local"))
+    fn = jax.shard_map(
+        scatter, mesh=jax_bytegrad.make_mesh(*MESH_SHAPE), in_specs=(devices, devices, P()),
+        out_specs=(devices, devices),
+    )  # fmt: skip
+    return [np.asarray(x) for x in jax.jit(fn)(grads, residuals, key)]
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_full_error_feedback_keeps_what_the_codes_missed(stochastic):
+    nodes, local = MESH_SHAPE
+    rng = np.random.default_rng(0)
+    grads = rng.normal(size=(nodes * local, 64, 40)).astype(np.float32)
+    residuals = rng.normal(scale=0.1, size=(nodes * local, 64 * 40 // local)).astype(np.float32)
+    key = jax.random.key(1) if stochastic else None
+    blocks, kept = _scattered(grads, residuals, key)
+    # Device (node m, local k) owns piece k K + m of the summed leaf, and each device (i, k)
+    # codes row m of its run for it: the decoded sum and the residuals left over add up to
+    # the sum plus the residuals that went in.
+    pieces = grads.sum(0).reshape(nodes * local, -1)
+    went_in = residuals.reshape(nodes, local, nodes, -1).sum(0)  # (local k, piece m, n)
+    left = kept.reshape(nodes, local, nodes, -1).sum(0)
+    for m in range(nodes):
+        for k in range(local):
+            got = blocks[m * local + k].reshape(-1) + left[k, m]
+            np.testing.assert_allclose(got, pieces[k * nodes + m] + went_in[k, m], atol=2e-5)
+    assert np.abs(kept).max() > 1e-3  # 4-bit codes miss something
+    if stochastic:  # the codes differ from nearest rounding's, and with the key
+        assert not np.array_equal(blocks, _scattered(grads, residuals)[0])
+        assert not np.array_equal(blocks, _scattered(grads, residuals, jax.random.key(2))[0])
+
+
+@pytest.mark.slow
+def test_4_bit_error_feedback_trains_full_as_replicated_and_resumes_exactly(tmp_path):
+    settings = {"bits": 4, "error_feedback": True}
+    _, want, _ = train("bytegrad", None, scan=True, steps=12, **settings)
+    _, got, state = train("bytegrad", "full", scan=True, steps=12, **settings)
+    assert want[-1] < want[0]
+    np.testing.assert_allclose(got[-1], want[-1], rtol=0.02)
+    # Each split leaf's residual is its device's own, kept in the optimizer state.
+    residuals = optax.tree.get(state.opt_state, "residuals")
+    sends = [np.asarray(send) for send, _ in residuals]
+    assert len(sends) == len(jax.tree.leaves(state.params))
+    assert all(np.abs(x).max() > 0 for x in sends)
+    assert residuals[0][0].sharding.spec == P(("node", "local"))
+    # A checkpoint restores them exactly, into the layout state_shapes gives.
+    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    params = jax.device_get(LLAMA.init(SHAPE, jax.random.key(0), scan=True))
+    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full", **settings)
+    step = strategy.train_step(LLAMA.loss_fn(SHAPE, scan=True, mark="inside"), optax.adamw(3e-3))
+    with step, Checkpointer(tmp_path, every=1) as ckpt:
+        ckpt.save(12, state)
+        ckpt.wait()
+        shapes = step.state_shapes(params)
+        restored = ckpt.restore(12, lambda: shapes, shapes)
+    got = optax.tree.get(restored.opt_state, "residuals")
+    assert_trees_all_close(jax.device_get(got), jax.device_get(residuals))
+    assert [x.sharding for x in jax.tree.leaves(got)] == [
+        x.sharding for x in jax.tree.leaves(residuals)
+    ]
+
+
+def test_stochastic_rounding_trains_full_and_differs_from_nearest():
+    losses = {}
+    for rounding in ("nearest", "stochastic"):
+        step, state, batch, _ = _compiled("bytegrad", "full", width=64, layers=2,
+                                          learning_rate=1e-3, rounding=rounding)  # fmt: skip
+        with step:
+            losses[rounding] = []
+            for _ in range(4):
+                state, metrics = step(state, batch)
+                losses[rounding].append(float(metrics["loss"]))
+    got, want = losses["stochastic"], losses["nearest"]
+    assert got[-1] < 0.5 * got[0]
+    # The same weights at the first step; the gradient's codes differ from the second on.
+    assert got[0] == want[0] and all(g != w for g, w in zip(got[1:], want[1:], strict=True))
+    np.testing.assert_allclose(got, want, rtol=0.02)
 
 
 def test_bfloat16_params_train_full_and_stay_bfloat16():

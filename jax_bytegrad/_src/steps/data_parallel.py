@@ -131,12 +131,21 @@ class DataParallelStep(TrainStep):
         init = next(iter(self._optimizers.values())).init
 
         def init_fn(params):
-            state, calls = init(params), self._fed.get(shapes_key(params))
+            state = init(params)
+            if self._feeding is None:
+                return state
+            config = self._feeding.config
+            if self.placement.gathers_across_nodes:
+                # Each split leaf's gradient crosses in the backward pass, marked or not: its
+                # residual is laid out from the params' shapes alone, after the sync's own.
+                dims = self.placement.dims(params)
+                residuals = loop_marks.gathered_residuals(params, dims, config, self.mesh)
+                return optax.tree.set(state, residuals=residuals)
+            calls = self._fed.get(shapes_key(params))
             if calls is None:
                 return state
             # The sync after the backward pass keeps the unmarked leaves' residuals, the loop
             # each marked layer's (``loop_marks.fed_residuals``).
-            config = self._feeding.config
             residuals = loop_marks.initial_residuals(params, calls, config, self.mesh)
             return optax.tree.set(state, residuals=residuals)
 
@@ -146,8 +155,8 @@ class DataParallelStep(TrainStep):
         """``state`` (of ``shapes`` only, or arrays) with its residuals laid out for the
         loss's marks on ``batch``, where the loop's exchange keeps error feedback
         (``loop_marks.fed_residuals``)."""
-        if self._feeding is None:
-            return state
+        if self._feeding is None or self.placement.gathers_across_nodes:
+            return state  # (``shard="full"``: laid out by ``init`` alone)
         if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(batch)):
             batch = global_batch(batch, self.mesh, self._axes)
         calls = self._mark_calls(
@@ -477,7 +486,8 @@ def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation, nodes: 
     """Raises where a ``shard="full"`` step cannot run: the gradient crosses between nodes in
     the loss's backward pass, so each phase needs its optimizer's sync settings (a
     ``Strategy`` of gradient_allreduce, bytegrad or qadam gives them), and what that pass
-    cannot carry yet (error feedback, stochastic rounding, accumulation) is refused."""
+    cannot carry (accumulation, codes whose sum over the nodes does not fit the integer
+    wire) is refused."""
     where = f"{algorithm} (shard='full')"
     if accumulation is not None:
         raise ValueError(
@@ -492,13 +502,6 @@ def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation, nodes: 
             "Strategy('gradient_allreduce' | 'bytegrad' | 'qadam', shard='full')"
         )
     for sync in loop_syncs.values():
-        if sync.feeds_back or sync.takes_key:
-            raise ValueError(
-                f"{where}: error_feedback=True and rounding='stochastic' are not supported: "
-                "the gradient's codes cross in the backward pass, which keeps no residuals or "
-                "keys; use error_feedback=False, rounding='nearest' (8 bits), or "
-                "shard='params'"
-            )
         if sync.compressed and not sync.config.codec.integer_fits(nodes):
             codec = sync.config.codec
             most = max(g for g in range(1, nodes) if codec.integer_fits(g))

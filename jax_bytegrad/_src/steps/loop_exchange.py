@@ -350,19 +350,18 @@ class _Rewrite:
 class _Gather(_Rewrite):
     """A rewrite for a state split across nodes (``shard="full"``): each mark gathers its
     layer's blocks across the nodes where the loss uses them, and its backward reduce-scatters
-    the layer's gradient across the nodes (``gathering``)."""
+    the layer's gradient across the nodes (``gathering``). Its keys and residuals are per
+    leaf, not per call: each leaf crosses on its own."""
 
     def _mark(self, ins, origins) -> list:
         leaves, dims = self._marked(origins)
-        moments = [self.moments[leaf] for leaf in leaves] if self.sync.b1 is not None else []
-        devices = _devices(self.sync, self.mesh)
         # One gather per leaf: each weight's gradient then crosses as soon as it exists, and
         # its buffer goes, instead of the layer's all waiting for the last.
-        pairs = zip(ins, dims, strict=True)
-        return [
-            gathering(self.sync, dim, devices)(x, *moments[i : i + 1])
-            for i, (x, dim) in enumerate(pairs)
-        ]
+        out = []
+        for x, leaf, dim in zip(ins, leaves, dims, strict=True):
+            extra = (self.moments.get(leaf), self.keys.get(leaf), self.residuals.get(leaf))
+            out.append(_gather_leaf(self.sync, self.mesh, x, dim, *extra))
+        return out
 
 
 def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, residuals: int = 0):
@@ -495,53 +494,98 @@ def _devices(sync: LoopSync, mesh) -> int:
     return int(np.prod([mesh.shape[a] for a in sync.config.axes]))
 
 
-def gathering(sync: LoopSync, dim: int | None, devices: int):
-    """For a state split over every device: ``(block, *moment) -> leaf``, each device's block
+def gathering(sync: LoopSync, dim: int | None, devices: int, *, moment: bool = False,
+              impl=None, fed: bool = False):  # fmt: skip
+    """For a state split over every device: ``(block, *extra) -> leaf``, each device's block
     of a leaf (split along ``dim`` over both mesh axes) gathered whole
     (``across_nodes.gather_weights``), typed as varying so that the cotangent that comes back
     is the device's own gradient. Its backward reduce-scatters that gradient, within the node
     and then across the nodes (``across_nodes.scatter_gradient``): the device's block of the
     mean over the ``devices``. A leaf kept whole (``dim`` None) is neither gathered nor
     reduced: its gradient comes back as the device's own, which the optimizer's sync averages
-    (it is not in ``Sharded.exchanged``). With ``sync.b1`` it takes the leaf's ``m`` (a
-    block, as the param) after the block, and its backward returns the mean momentum
-    ``b1 m + (1 - b1) g`` instead, as ``qadam``'s compressed phase takes an exchanged layer
-    (the cotangent of ``m`` is zero): the gradient's codes cross, not the momentum's."""
+    (it is not in ``Sharded.exchanged``).
+
+    ``extra``, in this order: with ``moment``, the leaf's ``m`` (a block, as the param), and
+    the backward returns the mean momentum ``b1 m + (1 - b1) g`` instead, as ``qadam``'s
+    compressed phase takes an exchanged layer (the gradient's codes cross, not the
+    momentum's); given the key implementation ``impl``, the data of the leaf's rounding key;
+    with ``fed`` (a split leaf only), this device's error-feedback residual
+    (``across_nodes.residual_size``). The cotangents of ``m`` and the key are zero; that of
+    the residual is the new residual, as ``_exchanging``'s."""
     config = sync.config
     weight = 1.0 / devices if sync.average else 1.0
+    keyed = impl is not None
 
     @jax.custom_vjp
-    def gather(block, *moment):
-        del moment
+    def gather(block, *extra):
+        del extra
         leaf = across_nodes.gather_weights(block, dim, config, sync.compressed)
         return _varying(leaf, config.axes)
 
-    def fwd(block, *moment):
-        return gather(block, *moment), moment
+    def fwd(block, *extra):
+        return gather(block, *extra), extra
 
-    def bwd(moment, ct):
-        zeros = tuple(jax.numpy.zeros_like(m) for m in moment)
-        if dim is None:  # a leaf kept whole: the optimizer's sync averages it
+    def bwd(extra, ct):
+        rest = list(extra)
+        m = rest.pop(0) if moment else None
+        key_data = rest.pop(0) if keyed else None
+        residual = rest.pop(0) if fed else None
+        zeros = [jax.numpy.zeros_like(m)] if moment else []
+        if keyed:  # an integer input's cotangent
+            zeros.append(np.zeros(np.shape(key_data), jax.dtypes.float0))
+        if dim is None:  # a leaf kept whole: the optimizer's sync averages it (no residual)
             return (ct, *zeros)
-        mean = across_nodes.scatter_gradient(ct, dim, config, sync.compressed, weight)
-        if sync.b1 is not None:
-            mean = optax.tree.update_moment(mean, moment[0], sync.b1, 1)
-        return (_varying(mean, config.axes), *zeros)
+        key = jax.random.wrap_key_data(key_data, impl=impl) if keyed else None
+        mean, kept = across_nodes.scatter_gradient(
+            ct, dim, config, sync.compressed, weight, key=key,
+            residual=None if residual is None else residual.reshape(-1),
+        )  # fmt: skip
+        if moment:
+            mean = optax.tree.update_moment(mean, m, sync.b1, 1)
+        kept = [kept.reshape(residual.shape)] if fed else []
+        return (_varying(mean, config.axes), *zeros, *kept)
 
     gather.defvjp(fwd, bwd)
     return gather
 
 
+def _gather_leaf(sync: LoopSync, mesh, block, dim, moment=None, key=None, residual=None):
+    """``block`` gathered whole by ``gathering``, given what its backward also takes: the
+    leaf's ``moment`` (with ``sync.b1``), its rounding ``key`` and its error-feedback
+    ``residual`` (each None where the sync takes none, or the leaf is kept whole)."""
+    keyed = key is not None and dim is not None
+    fed = residual is not None and dim is not None
+    extra = [moment] if moment is not None else []
+    extra += [jax.random.key_data(key)] if keyed else []
+    extra += [residual] if fed else []
+    impl = jax.random.key_impl(key) if keyed else None
+    gather = gathering(
+        sync, dim, _devices(sync, mesh), moment=moment is not None, impl=impl, fed=fed
+    )
+    return gather(block, *extra)
+
+
 def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
-    """``(fn, args) -> (fn rewritten, (), None)``, for ``ModelState.value_and_grad`` of a
-    state split over every device: ``fn`` takes each device's blocks of the params
+    """``(fn, args) -> (fn rewritten, (), residuals)``, for ``ModelState.value_and_grad`` of
+    a state split over every device: ``fn`` takes each device's blocks of the params
     (``args[0]``), and the rewritten ``fn`` gathers them whole where the loss uses them: the
     layers it marks with ``exchange_in_loop`` at the mark (inside the scan body, inside the
     checkpoint), the other leaves before the loss. The gradient that comes back is each
     device's blocks of the mean over every device (``gathering``); with ``sync.b1``, of the
-    mean momentum on the optimizer state's ``m``."""
-    moments = sync.from_state(opt_state)[0] if sync.b1 is not None else None
+    mean momentum on the optimizer state's ``m``.
+
+    With ``sync.takes_key`` each split leaf rounds on its own key, drawn from ``bytegrad``'s
+    (a scanned stack's split into one per layer). With ``sync.feeds_back``, ``residuals``
+    are the split leaves' (``loop_marks.gathered_residuals``, the last of the state's): the
+    rewritten ``fn`` then takes ``(params, residuals)`` first, and each leaf's new residual
+    is its cotangent (``jax.grad`` returns them); else None."""
+    moments, key, state_residuals = sync.from_state(opt_state)
     devices = _devices(sync, mesh)
+    split = [i for i, d in enumerate(dims) if d is not None]
+    keys = {}
+    if sync.takes_key:
+        base = jax.random.fold_in(key, _LOOP_KEYS)
+        keys = {i: jax.random.fold_in(base, i) for i in split}
 
     def whole(x, dim):
         # A stand-in of the gathered leaf for the trace: the loss is traced on whole shapes.
@@ -557,23 +601,37 @@ def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
         stand_in = jax.tree.unflatten(treedef, wholes)
         calls = loop_marks.mark_calls(fn, count, stand_in, *args[1:])
         marked = loop_marks.marked_leaves(calls, count)
-        rest = [i for i, m in enumerate(marked) if not m]
         ms = {i: m for i, m in enumerate(moments)} if moments is not None else {}
+        residuals = None
+        if sync.feeds_back:
+            sizes = loop_marks.gathered_sizes(wholes, dims, mesh.shape[sync.config.local_axis])
+            residuals = loop_marks.fed_residuals(state_residuals, sizes, 1)
+        # A leaf a loop slices keeps its residual as one row per layer, for the loop to slice.
+        lengths = {leaf: call.length for call in calls for leaf in call.leaves}
 
-        def gathered(params, *others):
+        def gathered(first, *others):
+            params, fed = (first, None) if residuals is None else first
             leaves = jax.tree.leaves(params)
-            for i in rest:  # one gather per leaf, as at a mark
-                extra = [ms[i]] if moments is not None else []
-                leaves[i] = gathering(sync, dims[i], devices)(leaves[i], *extra)
+            own = {}
+            if fed is not None:
+                own = {
+                    i: send if lengths.get(i) is None else send.reshape(lengths[i], -1)
+                    for i, (send, _) in zip(split, fed, strict=True)
+                }
+            for i, done in enumerate(marked):  # one gather per leaf, as at a mark
+                if not done:
+                    leaves[i] = _gather_leaf(
+                        sync, mesh, leaves[i], dims[i], ms.get(i), keys.get(i), own.get(i)
+                    )
             closed, shape = jax.make_jaxpr(fn, return_shape=True)(stand_in, *others)
             invars = closed.jaxpr.invars[:count]
             origin = {v: (i, "whole") for i, v in enumerate(invars) if marked[i]}
-            marks = {i: m for i, m in ms.items() if marked[i]}
-            gather = _Gather(sync, mesh, dims, moments=marks)
+            gather = _Gather(sync, mesh, dims, *({i: x for i, x in d.items() if marked[i]}
+                                                 for d in (ms, keys, own)))  # fmt: skip
             args = [*leaves, *jax.tree.leaves(others)]
             outs = gather.eval(closed.jaxpr, closed.consts, args, origin)
             return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
-        return gathered, (), None
+        return gathered, (), residuals
 
     return rewrite

@@ -3,7 +3,8 @@
 A step whose sync runs inside the backward loop (``loop_exchange``) reads here which param
 leaves the loss marks, call by call, with the length of the loop that slices them
 (``mark_calls``), and lays out each marked layer's error-feedback residuals in the optimizer
-state's ``residuals``, after the sync's own (``initial_residuals``, ``fed_residuals``): as
+state's ``residuals``, after the sync's own (``initial_residuals``, ``fed_residuals``; with
+the state split across nodes, each split leaf's, ``gathered_residuals``): as
 1-bit Adam's per-worker errors (Tang et al., "1-bit Adam", ICML 2021), one per device, here
 per layer, stacked as the layers are.
 """
@@ -14,7 +15,7 @@ import jax
 import jax.extend as jex
 import optax
 
-from jax_bytegrad._src.sync import collectives
+from jax_bytegrad._src.sync import across_nodes, collectives
 from jax_bytegrad._src.sync.config import Residuals, SyncConfig, platform_of
 
 MARK = "jax_bytegrad_exchange_in_loop"
@@ -134,10 +135,43 @@ def initial_residuals(params, calls: tuple[Call, ...], config: SyncConfig, mesh)
     rest = [x for x, done in zip(shapes, marked, strict=True) if not done]
     own = collectives.residual_sizes(rest, config, mesh_shape, platform)
     loop = residual_sizes(calls, shapes, config, mesh_shape, platform)
+    return _zeros((*own, *(pair for pairs in loop for pair in pairs)), mesh_shape)
+
+
+def gathered_sizes(shapes: list, dims, local: int) -> tuple:
+    """Error feedback's per-device residual lengths for a state split across nodes
+    (``shard="full"``): per leaf split over every device (``dims`` not None), one ``(send,
+    mean)`` pair: its run of pieces (``across_nodes.residual_size``) and no ``mean`` (its
+    gradient is coded once, as on the integer wire), in the ``sizes`` form
+    ``fed_residuals`` takes. ``shapes``: the params' whole shapes, one per leaf."""
+    return tuple(
+        ((across_nodes.residual_size(x.shape, local), 0),)
+        for x, dim in zip(shapes, dims, strict=True)
+        if dim is not None
+    )
+
+
+def gathered_residuals(params, dims, config: SyncConfig, mesh) -> Residuals:
+    """Zero error-feedback residuals of every device of ``mesh`` for a state split across
+    nodes (``shard="full"``): the sync's own for the leaves of ``params`` kept whole
+    (``dims`` None), then each split leaf's (``gathered_sizes``), as ``fed_residuals`` splits
+    them. Every split leaf's gradient crosses in the loss's backward pass, wherever the loss
+    marks it, so the params' shapes alone lay them out."""
+    mesh_shape, platform = tuple(mesh.shape[a] for a in config.axes), platform_of(mesh)
+    shapes = jax.tree.leaves(params)
+    rest = [x for x, dim in zip(shapes, dims, strict=True) if dim is None]
+    own = collectives.residual_sizes(rest, config, mesh_shape, platform) if rest else ()
+    gathered = gathered_sizes(shapes, dims, mesh_shape[1])
+    return _zeros((*own, *(pair for pairs in gathered for pair in pairs)), mesh_shape)
+
+
+def _zeros(sizes, mesh_shape: tuple[int, int]) -> Residuals:
+    """Zero residuals of per-device ``(send, mean)`` lengths ``sizes``, each vector the
+    concatenation of every device's own (``collectives.mesh_residuals``)."""
     devices, f32 = mesh_shape[0] * mesh_shape[1], jax.numpy.float32
     return Residuals(
         (jax.numpy.zeros(devices * send, f32), jax.numpy.zeros(devices * mean, f32))
-        for send, mean in (*own, *(pair for pairs in loop for pair in pairs))
+        for send, mean in sizes
     )
 
 

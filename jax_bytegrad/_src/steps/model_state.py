@@ -264,7 +264,7 @@ class ModelState:
         ``loop_exchange.gatherer``), ``params`` are this device's blocks, which the rewritten
         loss gathers where it uses them; ``grads`` are then this device's blocks of the mean,
         and the run returns ``(outputs, grads, marked, residuals)`` as ``value_and_grad_rows``
-        does."""
+        does (``residuals``: with error feedback, the gathered leaves' new ones)."""
         loss = self._loss(loss_fn, has_aux)
 
         def run(params, batch, *inputs):
@@ -279,8 +279,13 @@ class ModelState:
                 # gradient for the layer below, as with ``value_and_grad_rows``: a list of
                 # layers then peaks as a scanned stack does.
                 fn = remat_order.tie_remat_backward(fn)
+            # The gathered leaves' residuals go in beside the params: their cotangents are the
+            # new residuals (``loop_exchange.gatherer``).
+            first = params if residuals is None else (params, residuals)
             grad_fn = jax.value_and_grad(fn, has_aux=True)
-            (value, (aux, model_state)), grads = grad_fn(params, batch, model_state, key)
+            (value, (aux, model_state)), grads = grad_fn(first, batch, model_state, key)
+            if residuals is not None:
+                grads, residuals = grads
             if self.has_state:
                 model_state = jax.tree.map(lambda x: _sync_leaf(x, axes, self.sync), model_state)
             if exchange is not None:

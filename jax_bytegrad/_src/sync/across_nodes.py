@@ -18,7 +18,10 @@ nodes. Here the part that crosses between nodes is compressed, per layer, inside
                        blocks, one for each node, coded on the integer wire's shared grid
                        (``codecs/integer.py``: bounds, one ``pmax``, encode) and summed by one
                        integer ``psum_scatter`` over the nodes: each device decodes its own
-                       block's sum, times ``weight``.
+                       block's sum, times ``weight``. With error feedback each device adds
+                       its residual to its run before coding it and keeps what its codes
+                       missed, as the integer wire does (1-bit Adam's per-worker error);
+                       with stochastic rounding each device rounds on its own key.
 
 With ``compressed=False`` both are float32 (``all_gather`` and ``psum_scatter``): FSDP's
 exact baseline. A leaf kept whole (``dim`` None: a scalar, a leaf no dimension of which the
@@ -34,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_bytegrad._src.codecs import Codec, integer
+from jax_bytegrad._src.sync import collectives
 from jax_bytegrad._src.sync.config import SyncConfig, platform_of
 
 
@@ -96,13 +100,34 @@ def gather_weights(block: jax.Array, dim: int | None, config: SyncConfig,
     return _joined(decoded, dim, block.shape).astype(block.dtype)
 
 
-def scatter_gradient(grad: jax.Array, dim: int, config: SyncConfig, compressed: bool,
-                     weight: float) -> jax.Array:  # fmt: skip
+def residual_size(shape: tuple[int, ...], local: int) -> int:
+    """The length of one device's error-feedback residual for a leaf of ``shape`` (split over
+    every device, ``local`` of them per node): its run of pieces, one for each node, that
+    ``scatter_gradient`` codes."""
+    return int(np.prod(shape, dtype=np.int64)) // local
+
+
+def scatter_gradient(
+    grad: jax.Array,
+    dim: int,
+    config: SyncConfig,
+    compressed: bool,
+    weight: float,
+    *,
+    key: jax.Array | None = None,
+    residual: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """This device's block of ``weight`` times the sum over every device of ``grad`` (each
     device's gradient of a whole leaf), split along ``dim`` over the local and node axes as
     ``gather_weights`` takes it: reduce-scattered within the node in float32 (device j of a
     node takes the j-th run of K blocks, one for each node), then between nodes, as float32
-    or on the integer wire. In ``grad``'s dtype."""
+    or on the integer wire. In ``grad``'s dtype.
+
+    With ``compressed``, ``key`` (the leaf's rounding key, the same on every device: each
+    device rounds on its own fold of it) rounds stochastically, and ``residual`` (this
+    device's error feedback, ``residual_size`` values) is added to the run before it is
+    coded. Returns the block and the new residual, what this device's codes missed (None
+    without ``residual``; uncompressed, ``residual`` as it is)."""
     axis, local_axis = config.axes
     nodes = jax.lax.axis_size(axis)
     local = jax.lax.axis_size(local_axis)
@@ -114,14 +139,19 @@ def scatter_gradient(grad: jax.Array, dim: int, config: SyncConfig, compressed: 
     shape[dim] //= nodes * local
     if not compressed:
         mine = jax.lax.psum_scatter(pieces, axis)
-        return (mine * np.float32(weight)).reshape(shape).astype(grad.dtype)
+        return (mine * np.float32(weight)).reshape(shape).astype(grad.dtype), residual
+    if residual is not None:
+        pieces = pieces + residual.reshape(pieces.shape)
     size = config.block_size
     width = config.codec.integer_width(nodes, platform_of())
     flat = _blocks(pieces, size).reshape(-1)
     bounds = jax.lax.pmax(integer.integer_bounds(config.codec, flat, size), axis)
-    codes, _ = integer.integer_encode(
-        config.codec, flat, bounds, block_size=size, width=width, seed=None, feedback=False
-    )
+    device_key = collectives.bucket_keys(key, config.axes, (0,))[0]
+    seed = None if device_key is None else integer.dither_seed(device_key)
+    codes, kept = integer.integer_encode(
+        config.codec, flat, bounds, block_size=size, width=width, seed=seed,
+        feedback=residual is not None,
+    )  # fmt: skip
     codes = codes.reshape(nodes, -1, codes.shape[-1])
     mine = jax.lax.psum_scatter(codes, axis)  # this device's block's sum
     own = jnp.take(bounds.reshape(nodes, -1, 2), jax.lax.axis_index(axis), axis=0)
@@ -129,4 +159,6 @@ def scatter_gradient(grad: jax.Array, dim: int, config: SyncConfig, compressed: 
         config.codec, own, width=width, group_size=nodes, weight=weight
     )
     decoded = integer.integer_decode(config.codec, mine, factors, width=width)[:count]
-    return decoded.reshape(shape).astype(grad.dtype)
+    if kept is not None:  # the padding's residual is 0: 0 is on every grid
+        kept = kept.reshape(nodes, -1)[:, :count].reshape(-1)
+    return decoded.reshape(shape).astype(grad.dtype), kept
