@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import test_sharding_models
 from helpers import assert_trees_all_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_exchange_in_loop import nnx_train
 from test_sharding_models import LLAMA, SHAPE, _nnx_run, token_batches
 
 import jax_bytegrad
@@ -20,28 +22,15 @@ from jax_bytegrad.checkpoint import Checkpointer
 from jax_bytegrad.sharding import exchange_in_loop
 
 MESH_SHAPE = (2, 4)
-# SGD with momentum keeps the float32 runs within rounding of each other (see
-# test_sharding_models.OPTIMIZERS); AdamW for the compressed ones.
-OPTIMIZERS = {
-    "gradient_allreduce": optax.sgd(0.1, momentum=0.9),
-    "bytegrad": optax.adamw(3e-3),
-}
 SETTINGS = {"gradient_allreduce": {"hierarchical": True}, "bytegrad": {}}
 
 
 def train(algorithm: str, shard, *, scan: bool, steps: int, mark="inside", **settings):
-    params = jax.device_get(LLAMA.init(SHAPE, jax.random.key(0), scan=scan))
-    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
-    kwargs = {**SETTINGS[algorithm], **settings}
-    strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard=shard, **kwargs)
-    loss = LLAMA.loss_fn(SHAPE, scan=scan, mark=mark)
-    with strategy.train_step(loss, OPTIMIZERS[algorithm]) as step:
-        state = step.init(params)
-        losses = []
-        for batch in token_batches(steps):
-            state, metrics = step(state, batch)
-            losses.append(float(metrics["loss"]))
-        return jax.device_get(step.params(state)), losses, state
+    """``test_sharding_models.train`` with ``SETTINGS``, each layer marked inside its remat."""
+    settings = {**SETTINGS[algorithm], **settings}
+    return test_sharding_models.train(
+        algorithm, shard, scan=scan, steps=steps, mark=mark, **settings
+    )
 
 
 @pytest.mark.slow
@@ -404,48 +393,6 @@ def _linen_loss(mark: bool):
     return loss_fn, model.init(jax.random.key(0), x[:1]), (x, np.tanh(x[:, :8]))
 
 
-def _nnx_marked(shard, steps: int):
-    nnx = pytest.importorskip("flax.nnx")
-
-    class Block(nnx.Module):
-        def __init__(self, rngs):
-            self.linear = nnx.Linear(64, 64, rngs=rngs)
-            self.dropout = nnx.Dropout(0.1, rngs=rngs)
-
-        def __call__(self, h):
-            return self.dropout(jnp.tanh(self.linear(h)))
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            @nnx.split_rngs(splits=3)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make_blocks(rngs):
-                return Block(rngs)
-
-            self.blocks = make_blocks(rngs)
-            self.head = nnx.Linear(64, 8, rngs=rngs)
-
-        def __call__(self, h):
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            @nnx.remat
-            def run(h, block):  # the opt-in line, inside the remat
-                nnx.update(block, exchange_in_loop(nnx.state(block, nnx.Param)))
-                return block(h)
-
-            return self.head(run(h, self.blocks))
-
-    def loss_fn(model, batch):
-        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
-
-    x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
-    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
-    strategy = jax_bytegrad.Strategy("gradient_allreduce", mesh=mesh, shard=shard)
-    model = Model(nnx.Rngs(0, dropout=1))
-    with jax_bytegrad.nnx.train_step(strategy, model, optax.sgd(0.1), loss_fn) as step:
-        losses = [float(step((x, np.tanh(x[:, :8])))["loss"]) for _ in range(steps)]
-        return losses, jax.device_get(step.train_step.params(step.state))
-
-
 @pytest.mark.slow
 def test_marked_linen_and_nnx_stacks_train_full_as_replicated():
     loss_fn, params, batch = _linen_loss(mark=True)
@@ -463,8 +410,8 @@ def test_marked_linen_and_nnx_stacks_train_full_as_replicated():
     assert out[None][0][-1] < out[None][0][0]
     np.testing.assert_allclose(out["full"][0], out[None][0], rtol=1e-5)
     assert_trees_all_close(out["full"][1], out[None][1], atol=1e-5)
-    want, want_params = _nnx_marked(None, 4)
-    got, got_params = _nnx_marked("full", 4)
+    want, _, _, want_params = nnx_train(True, 4, shard=None)
+    got, _, _, got_params = nnx_train(True, 4, shard="full")
     assert want[-1] < want[0]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert_trees_all_close(got_params, want_params, atol=1e-5)
