@@ -239,8 +239,10 @@ def test_the_weights_the_forward_computes_on_are_the_masters_to_8_bits():
 def test_4_bit_codes_train_on_2_nodes_and_are_refused_on_4():
     _, want, _ = train("bytegrad", None, scan=True, steps=12, bits=4)
     _, got, _ = train("bytegrad", "full", scan=True, steps=12, bits=4)
-    assert want[-1] < want[0]
-    np.testing.assert_allclose(got[-1], want[-1], rtol=0.02)
+    assert want[-1] < want[0] and got[-1] < got[0]
+    # No worse than 2% above: the two sum their 4-bit codes on different wires (an all-reduce,
+    # a reduce-scatter), so their rounding differs, and "full" gathers 8-bit weights.
+    assert got[-1] <= want[-1] * 1.02, (got[-1], want[-1])
     mesh = jax_bytegrad.make_mesh(4, 2)
     strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full", bits=4)
     with pytest.raises(ValueError, match="at most 2 nodes, not 4; pass bits=8"):
