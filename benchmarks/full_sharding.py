@@ -14,6 +14,7 @@ params of each step, as ``|decoded - master| / |master|`` (Frobenius) over every
 Usage:
   python benchmarks/full_sharding.py                       # 300 steps, seed 0
   python benchmarks/full_sharding.py --steps 100 --seeds 0,1
+  python benchmarks/full_sharding.py --runs bytegrad_4bit_ef   # 4-bit codes, error feedback
 """
 
 import argparse
@@ -44,6 +45,7 @@ SEQ, ROWS = 32, 16
 RUNS = {
     "gradient_allreduce": ("gradient_allreduce", {"hierarchical": True}),
     "bytegrad": ("bytegrad", {}),
+    "bytegrad_4bit_ef": ("bytegrad", {"bits": 4, "error_feedback": True}),
 }
 
 
@@ -86,8 +88,9 @@ def run(name: str, shard, steps: int, seed: int, every: int) -> dict:
         state = step.init(params)
         data = batches(steps, seed)
         for i, batch in enumerate(data):
-            if shard == "full" and name == "bytegrad" and i % every == 0:
-                errors.append(weights_error(step.params(state), 8, jbg.SyncConfig()))
+            if shard == "full" and algorithm == "bytegrad" and i % every == 0:
+                config = jbg.SyncConfig(bits=settings.get("bits", 8))
+                errors.append(weights_error(step.params(state), 8, config))
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         node = step.communication_stats(state, data[0])["step"].bytes_on("node")
@@ -99,6 +102,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--every", type=int, default=50, help="steps between weight errors")
+    parser.add_argument("--runs", default=",".join(RUNS), help="which of " + ", ".join(RUNS))
     args = parser.parse_args()
     print(f"JAX {jax.__version__}; 2 x 4 CPU devices; {SHAPE}; {args.steps} steps")
     print(
@@ -106,7 +110,7 @@ def main() -> None:
         f"{'B/node None':>12s} {'B/node full':>12s} weights error (every {args.every} steps)"
     )
     for seed in map(int, args.seeds.split(",")):
-        for name in RUNS:
+        for name in args.runs.split(","):
             base = run(name, None, args.steps, seed, args.every)
             full = run(name, "full", args.steps, seed, args.every)
             tail = lambda r: float(np.mean(r["losses"][-10:]))  # noqa: E731
