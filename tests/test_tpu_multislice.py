@@ -2,7 +2,8 @@
 transfers XLA writes between slices.
 
 The tests that compile for a deviceless 2-slice v5e topology need libtpu (``pip install
-'jax[tpu]'`` on Python 3.12), which CI does not install: they skip without it. The same logic
+'jax[tpu]'`` on Python 3.12): CI runs this file in a leg of its own that installs it (.ci/run's
+leg 3, which fails if they skip), and they skip without it elsewhere. The same logic
 runs everywhere on HLO text copied from such a compiled program, and on fake devices that carry
 ``slice_index``, ``process_index``, ``id`` and ``coords``.
 """
