@@ -371,7 +371,7 @@ class FullSharded(Placement):
     j)`` holds block ``j K + k``: a device's part of every node's piece lies together, so
     neither the gather nor the reduce-scatter moves values in memory first), and the step is
     manual over both axes: each device holds its block of each leaf. The loss gets the
-    whole leaves gathered where it uses them (``loop_exchange.gatherer``: the layers marked
+    whole leaves gathered where it uses them (``loop_gather.gatherer``: the layers marked
     ``exchange_in_loop`` at the mark, inside the scan body and the checkpoint, the rest
     before the loss), as codes between nodes where the sync compresses
     (``sync/across_nodes.py``), and their gradient comes back reduce-scattered within the
@@ -407,7 +407,7 @@ class FullSharded(Placement):
         return _place_split(params, self.param_specs(params), self.mesh)
 
     def value_and_grad(self, model, loss_fn, has_aux, exchange=None):
-        """With ``exchange`` (``loop_exchange.gatherer``), the loss gathers this device's
+        """With ``exchange`` (``loop_gather.gatherer``), the loss gathers this device's
         blocks where it uses them, and the run returns ``(outputs, grads, marked,
         residuals)``; without it, ``(outputs, grads)`` of the blocks as they are (a trace
         that only reads the loss's marks)."""

@@ -50,7 +50,7 @@ from jax_bytegrad._src.sharding.placement import (
 )
 from jax_bytegrad._src.sharding.rule import Shard
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
-from jax_bytegrad._src.steps import loop_exchange, loop_marks
+from jax_bytegrad._src.steps import loop_exchange, loop_gather, loop_marks
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import (
     Program,
@@ -269,7 +269,7 @@ class DataParallelStep(TrainStep):
             if loop is not None:
                 rewriter = loop_exchange.rewriter
                 if placement.gathers_across_nodes:
-                    rewriter = loop_exchange.gatherer
+                    rewriter = loop_gather.gatherer
                 rewrite = rewriter(loop, self.mesh, layout.dims, opt_state)
                 run = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
 

@@ -11,11 +11,7 @@ holds the sync's settings, rewrites its trace of the loss: each mark becomes a
 node sums, inside the loop (``LoopSync``), and the optimizer's sync then skips those leaves
 (``shards.Sharded.exchanged``).
 
-With ``shard="full"`` the same mark says where the layer is gathered: each device holds a
-block of it, and the rewrite (``gatherer``) makes the mark a ``jax.custom_vjp`` that gathers
-the layer across nodes there, as codes (``sync/across_nodes.py``), and whose backward
-reduce-scatters its gradient across nodes; put inside the layer's ``jax.checkpoint``, the
-gathered layer lives for that layer only, in the forward pass and again in the backward.
+With ``shard="full"`` the same mark says where the layer is gathered (``loop_gather``).
 
 Why a mark the step rewrites, and not a function that reads the sync's settings: a transform
 depends only on what it is given (no ambient state), and the loss function is the user's. The
@@ -44,14 +40,14 @@ from jax_bytegrad._src.steps.loop_marks import (
     origin_of,
     scan_counts,
 )
-from jax_bytegrad._src.sync import across_nodes, collectives, shards
+from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import Residuals, SyncConfig
 from jax_bytegrad._src.transforms import ByteGradState
 
 # Folded into the step's rounding key for the marked layers' keys ("loop"), so that they
 # draw apart from the keys of the sync after the backward pass (the split of the state's key
 # in ``transforms.py``).
-_LOOP_KEYS = 0x6C6F6F70
+LOOP_KEYS = 0x6C6F6F70
 
 
 def exchange_in_loop(tree):
@@ -97,7 +93,7 @@ def exchange_in_loop(tree):
         # the layer here hands it over unvaried, so that the gradient's sum over the nodes is
         # this call's own (a no-op outside shard_map). The barrier keeps JAX from forwarding
         # the inputs past the call, so the step finds it.
-        return jax.lax.optimization_barrier(tuple(_varying(x) for x in leaves))
+        return jax.lax.optimization_barrier(tuple(varying(x) for x in leaves))
 
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
@@ -106,7 +102,7 @@ def exchange_in_loop(tree):
     return jax.tree.unflatten(treedef, list(out))
 
 
-def _varying(x, axes=None):
+def varying(x, axes=None):
     """``x`` typed as varying over ``axes`` (None: the manual axes being traced)."""
     if axes is None:
         mesh = jax.sharding.get_abstract_mesh()
@@ -208,7 +204,7 @@ def _has_mark(jaxpr) -> bool:
     return False
 
 
-class _Rewrite:
+class Rewrite:
     """One rewrite of a loss's trace: the marks become the exchange (``LoopSync``)."""
 
     def __init__(self, sync: LoopSync, mesh, dims, moments: dict | None = None,
@@ -347,24 +343,7 @@ class _Rewrite:
         return list(exchanging(*ins, *moments, *key, *residuals))
 
 
-class _Gather(_Rewrite):
-    """A rewrite for a state split across nodes (``shard="full"``): each mark gathers its
-    layer's blocks across the nodes where the loss uses them, and its backward reduce-scatters
-    the layer's gradient across the nodes (``gathering``). Its keys and residuals are per
-    leaf, not per call: each leaf crosses on its own."""
-
-    def _mark(self, ins, origins) -> list:
-        leaves, dims = self._marked(origins)
-        # One gather per leaf: each weight's gradient then crosses as soon as it exists, and
-        # its buffer goes, instead of the layer's all waiting for the last.
-        out = []
-        for x, leaf, dim in zip(ins, leaves, dims, strict=True):
-            extra = (self.moments.get(leaf), self.keys.get(leaf), self.residuals.get(leaf))
-            out.append(_gather_leaf(self.sync, self.mesh, x, dim, *extra))
-        return out
-
-
-def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, residuals: int = 0):
+def _exchanging(rewrite: Rewrite, dims: tuple, moments: int = 0, impl=None, residuals: int = 0):
     """The mark of a layer whose split dimensions are ``dims``: an identity whose backward
     averages the layer's gradient between nodes. After the layer's leaves it takes
     ``moments`` of them, which its backward exchanges with the gradient (``LoopSync.b1``),
@@ -403,7 +382,7 @@ def _exchanging(rewrite: _Rewrite, dims: tuple, moments: int = 0, impl=None, res
     # the cotangent that comes back is this node's own sum, and the mean goes on unvaried.
     @jax.custom_vjp
     def mark(*xs):
-        return tuple(_varying(x, (node_axis,)) for x in xs[:count])
+        return tuple(varying(x, (node_axis,)) for x in xs[:count])
 
     def fwd(*xs):
         return mark(*xs), xs[count:]
@@ -449,7 +428,7 @@ def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=Non
         origin = {v: (i, "whole") for i, v in enumerate(invars)}
         local = mesh.shape[sync.config.local_axis]
         residuals = None if fed is None else loop_marks.per_layer(carried, *fed, local)
-        rewrite = _Rewrite(sync, mesh, dims, moments, keys, residuals)
+        rewrite = Rewrite(sync, mesh, dims, moments, keys, residuals)
         outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), origin)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
@@ -476,7 +455,7 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
         if sync.b1 is not None:
             ms = {i: m for i, (m, done) in enumerate(zip(moments, marked, strict=True)) if done}
         if sync.takes_key:
-            base = jax.random.fold_in(key, _LOOP_KEYS)
+            base = jax.random.fold_in(key, LOOP_KEYS)
             keys = {i: jax.random.fold_in(base, i) for i, done in enumerate(marked) if done}
         if sync.feeds_back:
             config = sync.config
@@ -485,153 +464,5 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
             fed = (calls, loop_marks.residual_sizes(calls, shapes, config, (n, local)))
             residuals = loop_marks.fed_residuals(state_residuals, fed[1], local)
         return with_exchange(fn, sync, mesh, dims, count, ms, keys, fed), marked, residuals
-
-    return rewrite
-
-
-def _devices(sync: LoopSync, mesh) -> int:
-    """The devices of ``mesh`` that ``sync`` averages over: both of its axes."""
-    return int(np.prod([mesh.shape[a] for a in sync.config.axes]))
-
-
-def gathering(sync: LoopSync, dim: int | None, devices: int, *, moment: bool = False,
-              impl=None, fed: bool = False):  # fmt: skip
-    """For a state split over every device: ``(block, *extra) -> leaf``, each device's block
-    of a leaf (split along ``dim`` over both mesh axes) gathered whole
-    (``across_nodes.gather_weights``), typed as varying so that the cotangent that comes back
-    is the device's own gradient. Its backward reduce-scatters that gradient, within the node
-    and then across the nodes (``across_nodes.scatter_gradient``): the device's block of the
-    mean over the ``devices``. A leaf kept whole (``dim`` None) is neither gathered nor
-    reduced: its gradient comes back as the device's own, which the optimizer's sync averages
-    (it is not in ``Sharded.exchanged``).
-
-    ``extra``, in this order: with ``moment``, the leaf's ``m`` (a block, as the param), and
-    the backward returns the mean momentum ``b1 m + (1 - b1) g`` instead, as ``qadam``'s
-    compressed phase takes an exchanged layer (the gradient's codes cross, not the
-    momentum's); given the key implementation ``impl``, the data of the leaf's rounding key;
-    with ``fed`` (a split leaf only), this device's error-feedback residual
-    (``across_nodes.residual_size``). The cotangents of ``m`` and the key are zero; that of
-    the residual is the new residual, as ``_exchanging``'s."""
-    config = sync.config
-    weight = 1.0 / devices if sync.average else 1.0
-    keyed = impl is not None
-
-    @jax.custom_vjp
-    def gather(block, *extra):
-        del extra
-        leaf = across_nodes.gather_weights(block, dim, config, sync.compressed)
-        return _varying(leaf, config.axes)
-
-    def fwd(block, *extra):
-        return gather(block, *extra), extra
-
-    def bwd(extra, ct):
-        rest = list(extra)
-        m = rest.pop(0) if moment else None
-        key_data = rest.pop(0) if keyed else None
-        residual = rest.pop(0) if fed else None
-        zeros = [jax.numpy.zeros_like(m)] if moment else []
-        if keyed:  # an integer input's cotangent
-            zeros.append(np.zeros(np.shape(key_data), jax.dtypes.float0))
-        if dim is None:  # a leaf kept whole: the optimizer's sync averages it (no residual)
-            return (ct, *zeros)
-        key = jax.random.wrap_key_data(key_data, impl=impl) if keyed else None
-        mean, kept = across_nodes.scatter_gradient(
-            ct, dim, config, sync.compressed, weight, key=key,
-            residual=None if residual is None else residual.reshape(-1),
-        )  # fmt: skip
-        if moment:
-            mean = optax.tree.update_moment(mean, m, sync.b1, 1)
-        kept = [kept.reshape(residual.shape)] if fed else []
-        return (_varying(mean, config.axes), *zeros, *kept)
-
-    gather.defvjp(fwd, bwd)
-    return gather
-
-
-def _gather_leaf(sync: LoopSync, mesh, block, dim, moment=None, key=None, residual=None):
-    """``block`` gathered whole by ``gathering``, given what its backward also takes: the
-    leaf's ``moment`` (with ``sync.b1``), its rounding ``key`` and its error-feedback
-    ``residual`` (each None where the sync takes none, or the leaf is kept whole)."""
-    keyed = key is not None and dim is not None
-    fed = residual is not None and dim is not None
-    extra = [moment] if moment is not None else []
-    extra += [jax.random.key_data(key)] if keyed else []
-    extra += [residual] if fed else []
-    impl = jax.random.key_impl(key) if keyed else None
-    gather = gathering(
-        sync, dim, _devices(sync, mesh), moment=moment is not None, impl=impl, fed=fed
-    )
-    return gather(block, *extra)
-
-
-def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
-    """``(fn, args) -> (fn rewritten, (), residuals)``, for ``ModelState.value_and_grad`` of
-    a state split over every device: ``fn`` takes each device's blocks of the params
-    (``args[0]``), and the rewritten ``fn`` gathers them whole where the loss uses them: the
-    layers it marks with ``exchange_in_loop`` at the mark (inside the scan body, inside the
-    checkpoint), the other leaves before the loss. The gradient that comes back is each
-    device's blocks of the mean over every device (``gathering``); with ``sync.b1``, of the
-    mean momentum on the optimizer state's ``m``.
-
-    With ``sync.takes_key`` each split leaf rounds on its own key, drawn from ``bytegrad``'s
-    (a scanned stack's split into one per layer). With ``sync.feeds_back``, ``residuals``
-    are the split leaves' (``loop_marks.gathered_residuals``, the last of the state's): the
-    rewritten ``fn`` then takes ``(params, residuals)`` first, and each leaf's new residual
-    is its cotangent (``jax.grad`` returns them); else None."""
-    moments, key, state_residuals = sync.from_state(opt_state)
-    devices = _devices(sync, mesh)
-    split = [i for i, d in enumerate(dims) if d is not None]
-    keys = {}
-    if sync.takes_key:
-        base = jax.random.fold_in(key, _LOOP_KEYS)
-        keys = {i: jax.random.fold_in(base, i) for i in split}
-
-    def whole(x, dim):
-        # A stand-in of the gathered leaf for the trace: the loss is traced on whole shapes.
-        shape = list(np.shape(x))
-        if dim is not None:
-            shape[dim] *= devices
-        return _varying(jax.numpy.zeros(shape, x.dtype), sync.config.axes)
-
-    def rewrite(fn, args):
-        count = len(dims)
-        leaves, treedef = jax.tree.flatten(args[0])
-        wholes = [whole(x, d) for x, d in zip(leaves, dims, strict=True)]
-        stand_in = jax.tree.unflatten(treedef, wholes)
-        calls = loop_marks.mark_calls(fn, count, stand_in, *args[1:])
-        marked = loop_marks.marked_leaves(calls, count)
-        ms = {i: m for i, m in enumerate(moments)} if moments is not None else {}
-        residuals = None
-        if sync.feeds_back:
-            sizes = loop_marks.gathered_sizes(wholes, dims, mesh.shape[sync.config.local_axis])
-            residuals = loop_marks.fed_residuals(state_residuals, sizes, 1)
-        # A leaf a loop slices keeps its residual as one row per layer, for the loop to slice.
-        lengths = {leaf: call.length for call in calls for leaf in call.leaves}
-
-        def gathered(first, *others):
-            params, fed = (first, None) if residuals is None else first
-            leaves = jax.tree.leaves(params)
-            own = {}
-            if fed is not None:
-                own = {
-                    i: send if lengths.get(i) is None else send.reshape(lengths[i], -1)
-                    for i, (send, _) in zip(split, fed, strict=True)
-                }
-            for i, done in enumerate(marked):  # one gather per leaf, as at a mark
-                if not done:
-                    leaves[i] = _gather_leaf(
-                        sync, mesh, leaves[i], dims[i], ms.get(i), keys.get(i), own.get(i)
-                    )
-            closed, shape = jax.make_jaxpr(fn, return_shape=True)(stand_in, *others)
-            invars = closed.jaxpr.invars[:count]
-            origin = {v: (i, "whole") for i, v in enumerate(invars) if marked[i]}
-            gather = _Gather(sync, mesh, dims, *({i: x for i, x in d.items() if marked[i]}
-                                                 for d in (ms, keys, own)))  # fmt: skip
-            args = [*leaves, *jax.tree.leaves(others)]
-            outs = gather.eval(closed.jaxpr, closed.consts, args, origin)
-            return jax.tree.unflatten(jax.tree.structure(shape), outs)
-
-        return gathered, (), residuals
 
     return rewrite

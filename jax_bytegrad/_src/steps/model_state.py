@@ -261,7 +261,7 @@ class ModelState:
         without state).
 
         With ``exchange`` (``(fn, args) -> (fn, marked, residuals)``,
-        ``loop_exchange.gatherer``), ``params`` are this device's blocks, which the rewritten
+        ``loop_gather.gatherer``), ``params`` are this device's blocks, which the rewritten
         loss gathers where it uses them; ``grads`` are then this device's blocks of the mean,
         and the run returns ``(outputs, grads, marked, residuals)`` as ``value_and_grad_rows``
         does (``residuals``: with error feedback, the gathered leaves' new ones)."""
@@ -280,7 +280,7 @@ class ModelState:
                 # layers then peaks as a scanned stack does.
                 fn = remat_order.tie_remat_backward(fn)
             # The gathered leaves' residuals go in beside the params: their cotangents are the
-            # new residuals (``loop_exchange.gatherer``).
+            # new residuals (``loop_gather.gatherer``).
             first = params if residuals is None else (params, residuals)
             grad_fn = jax.value_and_grad(fn, has_aux=True)
             (value, (aux, model_state)), grads = grad_fn(first, batch, model_state, key)
