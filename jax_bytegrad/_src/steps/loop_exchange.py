@@ -29,7 +29,6 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jax_bytegrad._src import checks
 from jax_bytegrad._src.sharding import rule
 from jax_bytegrad._src.steps import interpret, loop_marks
 from jax_bytegrad._src.steps.loop_marks import (
@@ -42,6 +41,7 @@ from jax_bytegrad._src.steps.loop_marks import (
 )
 from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import Residuals, SyncConfig
+from jax_bytegrad._src.sync.patterns import make_varying
 from jax_bytegrad._src.transforms import ByteGradState
 
 # Folded into the step's rounding key for the marked layers' keys ("loop"), so that they
@@ -93,7 +93,7 @@ def exchange_in_loop(tree):
         # the layer here hands it over unvaried, so that the gradient's sum over the nodes is
         # this call's own (a no-op outside shard_map). The barrier keeps JAX from forwarding
         # the inputs past the call, so the step finds it.
-        return jax.lax.optimization_barrier(tuple(varying(x) for x in leaves))
+        return jax.lax.optimization_barrier(tuple(_varying(x) for x in leaves))
 
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
@@ -102,13 +102,12 @@ def exchange_in_loop(tree):
     return jax.tree.unflatten(treedef, list(out))
 
 
-def varying(x, axes=None):
+def _varying(x, axes=None):
     """``x`` typed as varying over ``axes`` (None: the manual axes being traced)."""
     if axes is None:
         mesh = jax.sharding.get_abstract_mesh()
         axes = tuple(getattr(mesh, "manual_axes", ()) or ())
-    missing = tuple(a for a in axes if a not in checks.varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return make_varying(x, axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,7 +381,7 @@ def _exchanging(rewrite: Rewrite, dims: tuple, moments: int = 0, impl=None, resi
     # the cotangent that comes back is this node's own sum, and the mean goes on unvaried.
     @jax.custom_vjp
     def mark(*xs):
-        return tuple(varying(x, (node_axis,)) for x in xs[:count])
+        return tuple(_varying(x, (node_axis,)) for x in xs[:count])
 
     def fwd(*xs):
         return mark(*xs), xs[count:]

@@ -15,8 +15,9 @@ import numpy as np
 import optax
 
 from jax_bytegrad._src.steps import loop_marks
-from jax_bytegrad._src.steps.loop_exchange import LOOP_KEYS, LoopSync, Rewrite, varying
+from jax_bytegrad._src.steps.loop_exchange import LOOP_KEYS, LoopSync, Rewrite
 from jax_bytegrad._src.sync import across_nodes
+from jax_bytegrad._src.sync.patterns import make_varying
 
 
 class _Gather(Rewrite):
@@ -67,7 +68,7 @@ def gathering(sync: LoopSync, dim: int | None, devices: int, *, moment: bool = F
     def gather(block, *extra):
         del extra
         leaf = across_nodes.gather_weights(block, dim, config, sync.compressed)
-        return varying(leaf, config.axes)
+        return make_varying(leaf, config.axes)
 
     def fwd(block, *extra):
         return gather(block, *extra), extra
@@ -90,7 +91,7 @@ def gathering(sync: LoopSync, dim: int | None, devices: int, *, moment: bool = F
         if moment:
             mean = optax.tree.update_moment(mean, m, sync.b1, 1)
         kept = [kept.reshape(residual.shape)] if fed else []
-        return (varying(mean, config.axes), *zeros, *kept)
+        return (make_varying(mean, config.axes), *zeros, *kept)
 
     gather.defvjp(fwd, bwd)
     return gather
@@ -139,7 +140,7 @@ def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
         shape = list(np.shape(x))
         if dim is not None:
             shape[dim] *= devices
-        return varying(jax.numpy.zeros(shape, x.dtype), sync.config.axes)
+        return make_varying(jax.numpy.zeros(shape, x.dtype), sync.config.axes)
 
     def rewrite(fn, args):
         count = len(dims)
