@@ -49,9 +49,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, Sharding
 from jax.sharding import PartitionSpec as P
 
+from jax_bytegrad._src import checkpoint_mismatch as mismatch
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.algorithms.decentralized.step import consensus_params
-from jax_bytegrad._src.sync.config import Residuals
 
 # Private helpers ----------------------------------------------------------------------------------
 
@@ -103,79 +103,6 @@ def _target_shardings(abstract, shardings):
     )
 
 
-def _residuals_hint(abstract) -> str:
-    """What to check when a state with error feedback's residuals does not restore: they are
-    sized per bucket, and the default buckets differ between GPU meshes and others."""
-    found = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, Residuals))
-    if not any(isinstance(x, Residuals) and len(x) for x in found):
-        return ""
-    return (
-        ". The state keeps error feedback's residuals, one pair per bucket: build the "
-        "optimizer with the bucket_bytes the checkpoint was saved with (one saved with the "
-        "default off a GPU mesh restores on a GPU mesh with bucket_bytes=32 * 2**20; "
-        "docs/gpu.md, 'The bucket grain')"
-    )
-
-
-def _order(path) -> tuple:
-    """A key path as a sort key that a tuple saved as a list, or a NamedTuple saved as a dict,
-    share: names in alphabetical order, sequence positions in numeric order."""
-    out = []
-    for key in path:
-        name = getattr(key, "name", getattr(key, "key", None))
-        if name is None:
-            out.append((0, getattr(key, "idx", 0), ""))
-        elif isinstance(name, str) and name.isdigit():
-            out.append((0, int(name), ""))
-        else:
-            out.append((1, 0, str(name)))
-    return tuple(out)
-
-
-def _differing_leaves(saved, target) -> str:
-    """How the saved leaves (orbax's metadata tree) and the state's differ, for a structure
-    error: the leaves one has and the other lacks, by name; ``relayout=True`` is advised only
-    where it can help, every leaf's shape and dtype agreeing in order."""
-    have = dict(sorted(jax.tree.flatten_with_path(saved)[0], key=lambda kv: _order(kv[0])))
-    want = dict(sorted(jax.tree.flatten_with_path(target)[0], key=lambda kv: _order(kv[0])))
-
-    def described(leaves) -> list[str]:
-        return [f"{jax.tree_util.keystr(p)} ({x.dtype}{list(x.shape)})" for p, x in leaves.items()]
-
-    def kinds(leaves) -> list[tuple]:
-        return [(str(x.dtype), tuple(x.shape)) for x in leaves.values()]
-
-    if kinds(have) == kinds(want):
-        return (
-            "the same leaves, in order, at other places. If only where the leaves sit changed "
-            "(a state saved by an earlier release), pass relayout=True"
-        )
-    names = {_order(p): p for p in have} | {_order(p): p for p in want}
-    only_saved = [names[k] for k in sorted({_order(p) for p in have} - {_order(p) for p in want})]
-    only_state = [names[k] for k in sorted({_order(p) for p in want} - {_order(p) for p in have})]
-    parts = []
-    if only_saved:
-        leaves = described({p: have[p] for p in only_saved[:3]})
-        parts.append(f"the checkpoint holds {', '.join(leaves)}, which the state lacks")
-    if only_state:
-        leaves = described({p: want[p] for p in only_state[:3]})
-        parts.append(f"the state has {', '.join(leaves)}, which the checkpoint lacks")
-    if not parts:
-        parts.append("the same leaf names with other shapes or dtypes")
-    return (
-        f"{'; '.join(parts)} ({len(have)} saved arrays, {len(want)} in the state). "
-        "relayout=True cannot help: restore with init_fn of the model and optimizer that saved "
-        "it"
-    )
-
-
-def _stored_shape(leaf) -> tuple:
-    """The shape orbax stores for a leaf of the target: a typed PRNG key's as its key data."""
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        return jax.eval_shape(jax.random.key_data, leaf).shape
-    return tuple(leaf.shape)
-
-
 def _empty(x) -> bool:
     """Whether ``x`` is an array (or its shape) of no values."""
     shape = getattr(x, "shape", None)
@@ -201,27 +128,6 @@ def _refilled(restored, target):
         )
 
     return jax.tree.unflatten(treedef, [empty(t) if _empty(t) else next(got) for t in leaves])
-
-
-def _other_shapes(saved, target) -> list[str]:
-    """The leaves that the saved tree (orbax's metadata) and `target` both have, by name, but
-    with other shapes: ``"['w'] is [8, 4] in the checkpoint, [8, 5] in the state"``. Empty when
-    the names differ too, which orbax's own structure check names (see `_differing_leaves`)."""
-    have = {_order(p): x for p, x in jax.tree.flatten_with_path(saved)[0]}
-    want = {_order(p): (p, x) for p, x in jax.tree.flatten_with_path(target)[0]}
-    if have.keys() != want.keys():
-        return []
-    out = []
-    for key in sorted(want):
-        path, leaf = want[key]
-        shape = getattr(have[key], "shape", None)
-        if shape is None or tuple(shape) in (tuple(leaf.shape), _stored_shape(leaf)):
-            continue
-        out.append(
-            f"{jax.tree_util.keystr(path)} is {list(shape)} in the checkpoint, "
-            f"{list(leaf.shape)} in the state"
-        )
-    return out
 
 
 def _async_options(ocp):
@@ -452,7 +358,7 @@ class Checkpointer:
         # the leaf nor a remedy that Checkpointer offers (it advises strict=False, padding or
         # truncating the array), and comes with a long traceback through its coroutines.
         saved = self._manager.item_metadata(step)
-        other = _other_shapes(getattr(saved, "tree", saved), target)
+        other = mismatch.other_shapes(getattr(saved, "tree", saved), target)
         if other:
             listed = "; ".join(other[:3]) + (
                 f"; and {len(other) - 3} more" if len(other) > 3 else ""
@@ -461,7 +367,7 @@ class Checkpointer:
                 f"Checkpointer: the checkpoint of step {step} in {self.directory} holds leaves "
                 f"of other shapes than the state to restore: {listed}. Restore with init_fn of "
                 "the model and optimizer that saved it, or start the changed model in another "
-                f"directory{_residuals_hint(abstract)}"
+                f"directory{mismatch.residuals_hint(abstract)}"
             )
         try:
             return self._manager.restore(step, args=ocp.args.StandardRestore(target))
@@ -469,10 +375,10 @@ class Checkpointer:
             if "structure" not in str(e).lower():
                 raise
             saved = self._manager.item_metadata(step)
-            differs = _differing_leaves(getattr(saved, "tree", saved), target)
+            differs = mismatch.differing_leaves(getattr(saved, "tree", saved), target)
             raise ValueError(
                 f"Checkpointer: the checkpoint of step {step} has another structure than the "
-                f"state to restore: {differs}{_residuals_hint(abstract)}"
+                f"state to restore: {differs}{mismatch.residuals_hint(abstract)}"
             ) from None
 
     def _relayout(self, step: int, target):
@@ -481,9 +387,9 @@ class Checkpointer:
         ocp = _ocp()
         saved = self._manager.item_metadata(step)
         saved = getattr(saved, "tree", saved)
-        have = sorted(jax.tree.flatten_with_path(saved)[0], key=lambda kv: _order(kv[0]))
+        have = sorted(jax.tree.flatten_with_path(saved)[0], key=lambda kv: mismatch.path_key(kv[0]))
         want, treedef = jax.tree.flatten_with_path(target)
-        ranks = sorted(range(len(want)), key=lambda i: _order(want[i][0]))
+        ranks = sorted(range(len(want)), key=lambda i: mismatch.path_key(want[i][0]))
         if len(have) != len(want):
             raise ValueError(
                 f"Checkpointer: the checkpoint of step {step} holds {len(have)} arrays, the "
@@ -504,7 +410,8 @@ class Checkpointer:
             lambda path, _: shardings[jax.tree_util.keystr(path)], saved
         )
         restored = self._manager.restore(step, args=ocp.args.StandardRestore(saved_target))
-        got = sorted(jax.tree.flatten_with_path(restored)[0], key=lambda kv: _order(kv[0]))
+        got = jax.tree.flatten_with_path(restored)[0]
+        got = sorted(got, key=lambda kv: mismatch.path_key(kv[0]))
         leaves = [None] * len(want)
         for (_, value), i in zip(got, ranks, strict=True):
             leaves[i] = value
