@@ -38,7 +38,7 @@ from jax_bytegrad._src.guard import skip_nonfinite as skip_nonfinite
 from jax_bytegrad._src.guard import skipped_steps as skipped_steps
 from jax_bytegrad._src.mesh import make_mesh as make_mesh
 from jax_bytegrad._src.runtime.cluster import initialize as initialize
-from jax_bytegrad._src.steps.base import LoweredPrograms as LoweredPrograms
+from jax_bytegrad._src.runtime.programs import LoweredPrograms as LoweredPrograms
 from jax_bytegrad._src.steps.base import StepState as StepState
 from jax_bytegrad._src.steps.base import TrainStep as TrainStep
 from jax_bytegrad._src.steps.data_parallel import data_parallel_step as data_parallel_step

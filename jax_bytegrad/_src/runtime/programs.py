@@ -8,7 +8,8 @@ thread, in the order they are submitted, the same order on every process (Gloo t
 operation alike); the others (``"compute"``) on the caller's thread. ``Program`` builds each
 stage as a jitted ``shard_map`` from its abstract inputs, ``Schedule`` links the stages' values
 and ``execute`` runs one step of them. The pipelined step
-(``algorithms/bytegrad/pipelined.py``) is built on it.
+(``algorithms/bytegrad/pipelined.py``) is built on it. A step of several programs lowers to
+``LoweredPrograms``, which compiles to ``CompiledPrograms``.
 """
 
 import collections
@@ -295,3 +296,46 @@ def execute(schedule: Schedule, values: dict, wire: Dispatcher, keep) -> dict:
         concurrent.futures.wait(pending)
         raise
     return out
+
+
+# A step of several programs, lowered and compiled ---------------------------------------------
+
+
+class CompiledPrograms:
+    """The compiled programs of one step of several (``LoweredPrograms.compile()``).
+
+    Attributes:
+      programs: ``{program name: jax.stages.Compiled}``, in dispatch order.
+    """
+
+    def __init__(self, programs: dict[str, jax.stages.Compiled]):
+        self.programs = programs
+
+    def as_text(self) -> str:
+        """Every program's optimized HLO, in dispatch order, each under a ``// name`` line."""
+        return "\n".join(f"// {name}\n{p.as_text()}" for name, p in self.programs.items())
+
+
+class LoweredPrograms:
+    """``lower`` of a step that runs several programs per step (``pipelined_step``).
+
+    It answers where a ``jax.stages.Lowered`` is used: ``.compile()`` (every program, for
+    the programs' mesh, whose devices need not be here) and ``.as_text()``;
+    ``jax_bytegrad.profiling.communication_stats`` takes each of ``.programs``.
+
+    Attributes:
+      programs: ``{program name: jax.stages.Lowered}``, in the order the step dispatches
+        them (``pipelined_step``: ``"grad"``, each bucket piece's codec and wire programs,
+        ``"update"``).
+    """
+
+    def __init__(self, programs: dict[str, jax.stages.Lowered]):
+        self.programs = programs
+
+    def compile(self) -> CompiledPrograms:
+        """Compiles every program; runs nothing."""
+        return CompiledPrograms({name: p.compile() for name, p in self.programs.items()})
+
+    def as_text(self) -> str:
+        """Every program's lowered module, in dispatch order, each under a ``// name`` line."""
+        return "\n".join(f"// {name}\n{p.as_text()}" for name, p in self.programs.items())

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jax_bytegrad._src import checks, guard
 from jax_bytegrad._src.inspection import memory, stats
 from jax_bytegrad._src.mesh import shard_batch
+from jax_bytegrad._src.runtime.programs import CompiledPrograms, LoweredPrograms
 from jax_bytegrad._src.steps.model_state import ModelState, step_key
 
 
@@ -119,46 +120,6 @@ class StepsInFlight:
         if self.enabled:
             leaves = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
             self._last = leaves[-1] if leaves else None
-
-
-class CompiledPrograms:
-    """The compiled programs of one step of several (``LoweredPrograms.compile()``).
-
-    Attributes:
-      programs: ``{program name: jax.stages.Compiled}``, in dispatch order.
-    """
-
-    def __init__(self, programs: dict[str, jax.stages.Compiled]):
-        self.programs = programs
-
-    def as_text(self) -> str:
-        """Every program's optimized HLO, in dispatch order, each under a ``// name`` line."""
-        return "\n".join(f"// {name}\n{p.as_text()}" for name, p in self.programs.items())
-
-
-class LoweredPrograms:
-    """``lower`` of a step that runs several programs per step (``pipelined_step``).
-
-    It answers where a ``jax.stages.Lowered`` is used: ``.compile()`` (every program, for
-    the programs' mesh, whose devices need not be here) and ``.as_text()``;
-    ``jax_bytegrad.profiling.communication_stats`` takes each of ``.programs``.
-
-    Attributes:
-      programs: ``{program name: jax.stages.Lowered}``, in the order the step dispatches
-        them (``pipelined_step``: ``"grad"``, each bucket piece's codec and wire programs,
-        ``"update"``).
-    """
-
-    def __init__(self, programs: dict[str, jax.stages.Lowered]):
-        self.programs = programs
-
-    def compile(self) -> CompiledPrograms:
-        """Compiles every program; runs nothing."""
-        return CompiledPrograms({name: p.compile() for name, p in self.programs.items()})
-
-    def as_text(self) -> str:
-        """Every program's lowered module, in dispatch order, each under a ``// name`` line."""
-        return "\n".join(f"// {name}\n{p.as_text()}" for name, p in self.programs.items())
 
 
 def _communication(compiled, mesh: Mesh | None) -> stats.CommunicationStats:

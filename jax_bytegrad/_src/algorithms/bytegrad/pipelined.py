@@ -56,9 +56,15 @@ from jax_bytegrad._src.algorithms.bytegrad.stages import (
     residual_values,
 )
 from jax_bytegrad._src.mesh import StateSpecs
-from jax_bytegrad._src.runtime.programs import Dispatcher, Schedule, Value, aval, execute
-from jax_bytegrad._src.steps.base import (
+from jax_bytegrad._src.runtime.programs import (
+    Dispatcher,
     LoweredPrograms,
+    Schedule,
+    Value,
+    aval,
+    execute,
+)
+from jax_bytegrad._src.steps.base import (
     Program,
     StepState,
     TrainStep,

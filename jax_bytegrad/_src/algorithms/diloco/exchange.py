@@ -30,7 +30,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src.algorithms.diloco.schedule import LAND, START
-from jax_bytegrad._src.runtime.programs import Dispatcher
+from jax_bytegrad._src.runtime.programs import Dispatcher, LoweredPrograms
 from jax_bytegrad._src.sharding.diloco import (
     GLOBAL,
     LANDING,
@@ -40,7 +40,7 @@ from jax_bytegrad._src.sharding.diloco import (
     STARTED,
     merged,
 )
-from jax_bytegrad._src.steps.base import LoweredPrograms, Program, StepState
+from jax_bytegrad._src.steps.base import Program, StepState
 from jax_bytegrad._src.steps.tracing import traced
 from jax_bytegrad._src.sync.collectives import sync_full_precision, sync_mean
 from jax_bytegrad._src.sync.config import SyncConfig
