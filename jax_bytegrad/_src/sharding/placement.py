@@ -152,13 +152,9 @@ class Placement:
         return state_specs(opt_state, node_axis=self.axes[0], local_axis=self.axes[1])
 
     def accumulator_specs(self, params):
-        """The accumulator's spec per leaf: a leading axis of one row per device."""
+        """The accumulator's spec per leaf, with a leading axis of rows (the rows are what
+        that axis is split over): here one row per device."""
         return jax.tree.map(lambda _: P(self.axes), params)
-
-    @property
-    def accumulator_rows(self) -> int:
-        """The accumulator's rows: one per device."""
-        return int(self.mesh.shape[self.axes[0]]) * self.local
 
     def place(self, params):
         """``params`` (host arrays) placed where they rest."""
@@ -220,6 +216,10 @@ class Placement:
         del in_specs, out_specs
         return update(*trees)
 
+    def check_step(self, algorithm: str, optimizers: dict, loop_syncs: dict) -> None:
+        """Raises ``ValueError`` where a step of ``optimizers`` (by phase) whose backward
+        loop exchanges on ``loop_syncs`` (``LoopSync`` by phase) cannot run here."""
+
     def compiler_options(self) -> dict | None:
         return None
 
@@ -248,10 +248,6 @@ class OptimizerSharded(Placement):
             lambda x, s: P(self.axes[0], *s), params, self.update_specs(params),
             is_leaf=lambda x: isinstance(x, P),
         )  # fmt: skip
-
-    @property
-    def accumulator_rows(self):
-        return int(self.mesh.shape[self.axes[0]])
 
     def accumuland(self, grads, dims):
         # The accumulator is split within the node too (ZeRO-2): the node's sum, in blocks.
@@ -413,6 +409,15 @@ class FullSharded(Placement):
         that only reads the loss's marks)."""
         return model.value_and_grad(loss_fn, has_aux, self.axes, exchange)
 
+    def accumulator_specs(self, params):
+        """A split leaf's gradient comes as this device's block of the mean over every
+        device, each micro-step: one row, split as the param; a leaf kept whole comes as each
+        device's own, one row per device, as the replicated step's."""
+        return jax.tree.map(
+            lambda s: P(self.axes) if s == P() else P(None, *s), self.param_specs(params),
+            is_leaf=lambda x: isinstance(x, P),
+        )  # fmt: skip
+
     def sharded(self, dims, accumulating, exchanged=()):
         # A split leaf's gradient is every device's mean already, in its block, which the
         # sync passes on; a leaf kept whole comes as each device's own, which the sync
@@ -428,6 +433,28 @@ class FullSharded(Placement):
 
     def check_update(self, closed, where):
         shards.check_elementwise(closed.jaxpr, where)
+
+    def check_step(self, algorithm, optimizers, loop_syncs):
+        # The gradient crosses between nodes in the loss's backward pass: each phase needs
+        # its optimizer's sync settings (a Strategy of gradient_allreduce, bytegrad or qadam
+        # gives them), and codes whose sum over the nodes overflows the integer wire are
+        # refused.
+        where, nodes = f"{algorithm} (shard='full')", int(self.mesh.shape[self.axes[0]])
+        if any(phase not in loop_syncs for phase in optimizers):
+            raise ValueError(
+                f"{where}: the gradient crosses between nodes inside the loss's backward pass, "
+                "on the optimizer's sync settings, which this step was not given; build it "
+                "with Strategy('gradient_allreduce' | 'bytegrad' | 'qadam', shard='full')"
+            )
+        for sync in loop_syncs.values():
+            codec = sync.config.codec
+            if sync.compressed and not codec.integer_fits(nodes):
+                most = max(g for g in range(1, nodes) if codec.integer_fits(g))
+                raise ValueError(
+                    f"{where}: the gradient's codes are summed between nodes as integers, and "
+                    f"{codec.bits}-bit codes fit that for at most {most} nodes, not {nodes}; "
+                    "pass bits=8"
+                )
 
 
 PLACEMENTS = {

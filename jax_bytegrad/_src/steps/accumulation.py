@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 ACCUMULATED = "accumulated"
 
@@ -104,13 +105,20 @@ class Accumulation:
         return jax.tree.map(one, acc, grads)
 
 
-def shapes(params, mesh: Mesh, accumulation: Accumulation, specs, rows: int) -> dict:
-    """``extra["accumulated"]`` as placed ``ShapeDtypeStruct``s: ``rows`` rows of each leaf
-    (one per device, or per node where the state is split within it), each leaf placed as
-    ``specs`` says (the placement's ``accumulator_specs``)."""
+def shapes(params, mesh: Mesh, accumulation: Accumulation, specs) -> dict:
+    """``extra["accumulated"]`` as placed ``ShapeDtypeStruct``s: rows of each leaf, placed
+    as ``specs`` (the placement's ``accumulator_specs``) say, as many as the devices their
+    first entry splits them over (one per device, one per node where the state is split
+    within it, one where it is split over every device)."""
+
+    def rows(spec: P) -> int:
+        axes = spec[0] if len(spec) else None
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        return int(np.prod([mesh.shape[a] for a in axes]))
+
     return jax.tree.map(
         lambda x, spec: jax.ShapeDtypeStruct(
-            (rows, *np.shape(x)), accumulation.dtype, sharding=NamedSharding(mesh, spec)
+            (rows(spec), *np.shape(x)), accumulation.dtype, sharding=NamedSharding(mesh, spec)
         ),
         params,
         specs,

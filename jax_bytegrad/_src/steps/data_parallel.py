@@ -5,27 +5,11 @@ System Relaxations", VLDB 2022): parameters and optimizer state are replicated, 
 computes the gradient of its slice of the batch, and the optimizer's first transformation
 (``bytegrad``, ``gradient_allreduce``, ``qadam``) averages what must be averaged.
 
-With ``shard=`` the state is split within each node (ZeRO within the node, as HSDP), and
-where it lives is one placement object (``placement.py``) that gives the step its specs, its
-gradient, the frame of its update and its compiler options:
-
-    shard="optimizer": params whole, optimizer state in blocks (manual over both axes)
-        grads = grad of the loss at the whole params (each device its own batch slice)
-        update = optimizer(grads, state blocks): the sync reduce-scatters each bucket within
-            the node, in rows of this device's blocks, then crosses between nodes
-        params = all_gather within the node of (block + update)
-    shard="params": params in blocks too (manual over the node axis only)
-        grads = grad of the node's loss, each device's rows under jax.vmap: XLA's partitioner
-            gathers each layer within the node where the model uses it (inside its remat,
-            inside a scan body) and reduce-scatters its gradient, the node's sum in blocks
-        update = optimizer(node sums, state blocks), in a shard_map over the local axis:
-            the sync only crosses between nodes
-        params = block + update
-
-Leaves that the node's devices cannot split stay whole. The optimizer's sync (``bytegrad``,
-``gradient_allreduce``, ``qadam``) is told the layout by the extra argument ``sharded``
-(``shards.Sharded``): its rows have the sizes, wires and residuals of the replicated step's
-shards.
+With ``shard=`` the state is split (within each node, or over every device with ``"full"``),
+and where it lives is one placement object (``sharding/placement.py``) that gives the step its
+specs, its gradient, the frame of its update and its compiler options; the step never
+branches on the setting. The optimizer's sync (``bytegrad``, ``gradient_allreduce``,
+``qadam``) is told the layout by the extra argument ``sharded`` (``shards.Sharded``).
 """
 
 import functools
@@ -95,9 +79,13 @@ class DataParallelStep(TrainStep):
         self._layouts: dict[Any, StateLayout] = {}
         # Per phase, what the sync does to a layer marked ``exchange_in_loop`` inside the
         # backward loop (``loop_exchange.LoopSync``); a phase without one, and any phase of a
-        # placement that cannot exchange in the loop or of a step that accumulates, leaves
-        # marks as identities.
-        in_loop = self.placement.exchanges_in_loop and accumulation is None
+        # placement that cannot exchange in the loop, leaves marks as identities. A step that
+        # accumulates exchanges once per k micro-steps, after the loop; but where the state is
+        # split across nodes, only the loop can: each micro-step's gradient crosses there,
+        # and the accumulator holds this device's blocks of the mean (``_micro_exchange``).
+        gathers = self.placement.gathers_across_nodes
+        self._micro_exchange = gathers and accumulation is not None
+        in_loop = self.placement.exchanges_in_loop and (accumulation is None or gathers)
         self._loop_syncs = {
             k: s for k, s in (loop_syncs or {}).items() if s is not None and in_loop
         }
@@ -107,22 +95,21 @@ class DataParallelStep(TrainStep):
         syncs = self._loop_syncs.values()
         self._feeding = next((s for s in syncs if s.feeds_back), None)
         self._fed: dict[Any, tuple] = {}
-        if self.placement.gathers_across_nodes:
-            nodes = int(mesh.shape[axes[0]])
-            _check_across_nodes(algorithm, self._optimizers, self._loop_syncs, accumulation, nodes)
+        self.placement.check_step(algorithm, self._optimizers, self._loop_syncs)
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
-        taken = steps_taken
+        taken, micro, k = steps_taken, 0, 1
         if self.accumulation is not None:
             taken, micro, k = self.accumulation.position(steps_taken)
-            if micro < k - 1:
-                return ACCUMULATE, ACCUMULATE
         name = self._phase_of(taken)
         if name not in self._optimizers:
             raise ValueError(
                 f"{self.algorithm}: phase_of({taken}) gave {name!r}, which is not one of "
                 f"the optimizers' phases {tuple(self._optimizers)}"
             )
+        if micro < k - 1:
+            # A micro-step that exchanges crosses on the sync of the step it belongs to.
+            return ACCUMULATE, (ACCUMULATE, name) if self._micro_exchange else ACCUMULATE
         return name, name
 
     # Where the state lives. ---------------------------------------------------------------
@@ -194,9 +181,8 @@ class DataParallelStep(TrainStep):
         """``extra``'s accumulator as placed ``ShapeDtypeStruct``s; empty without one."""
         if self.accumulation is None:
             return {}
-        placement = self.placement
-        specs, rows = placement.accumulator_specs(params), placement.accumulator_rows
-        acc = accumulation_lib.shapes(params, self.mesh, self.accumulation, specs, rows)
+        specs = self.placement.accumulator_specs(params)
+        acc = accumulation_lib.shapes(params, self.mesh, self.accumulation, specs)
         return {accumulation_lib.ACCUMULATED: acc}
 
     def _expected_opt_state(self, params):
@@ -262,15 +248,16 @@ class DataParallelStep(TrainStep):
         loop = self._loop_syncs.get(phase)
         grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
 
-        def gradient(params, batch, *model_inputs, opt_state=None):
+        def gradient(params, batch, *model_inputs, opt_state=None, micro=None):
             """``opt_state``: the optimizer's state, from which an exchange in the loop takes
-            what it needs (``LoopSync.from_state``)."""
+            what it needs (``LoopSync.from_state``); ``micro``: the micro-step's index, that
+            each micro-step's exchange rounds on keys of its own."""
             exchange, marked = grad_fn, []
             if loop is not None:
-                rewriter = loop_exchange.rewriter
                 if placement.gathers_across_nodes:
-                    rewriter = loop_gather.gatherer
-                rewrite = rewriter(loop, self.mesh, layout.dims, opt_state)
+                    rewrite = loop_gather.gatherer(loop, self.mesh, layout.dims, opt_state, micro)
+                else:
+                    rewrite = loop_exchange.rewriter(loop, self.mesh, layout.dims, opt_state)
                 run = placement.value_and_grad(self.model, self.loss_fn, self.has_aux, rewrite)
 
                 def exchange(*args):
@@ -344,14 +331,19 @@ class DataParallelStep(TrainStep):
         and returns the synced model state last. A step that accumulates takes the
         accumulator (its row) and the micro-step's index (uint32) after ``opt_state`` and
         returns the new accumulator after the new ``opt_state``; its ``"accumulate"`` phase
-        takes and returns no ``opt_state``, and leaves the params as they are. With
+        takes and returns no ``opt_state`` (but for ``shard="full"``, whose micro-steps
+        exchange: it takes it first after the params, returns it first, and exchanges on the
+        first optimizer's sync), and leaves the params as they are. With
         ``shard="params"`` the function is per node (``shard_map`` manual over the node
         axis only): use ``sharded``.
         """
         return self._per_device(self._phase_name(phase), self._layout_of(params, None))
 
     def _phase_name(self, phase):
-        return phase if phase is not None else next(iter(self._optimizers))
+        first = next(iter(self._optimizers))
+        if phase == ACCUMULATE and self._micro_exchange:
+            return ACCUMULATE, first
+        return phase if phase is not None else first
 
     def _layout_of(self, params, opt_state) -> StateLayout:
         """``params``' layout; without them (a replicated step), the one ``opt_state`` gives."""
@@ -365,19 +357,30 @@ class DataParallelStep(TrainStep):
         specs = None if opt_state is None else self.placement.state_specs(opt_state, None)
         return StateLayout(None, None, P(), specs, None, None)
 
-    def _per_device(self, phase: str, layout: StateLayout) -> Callable:
-        gradient, placement = self._gradient(layout, phase), self.placement
+    def _per_device(self, phase, layout: StateLayout) -> Callable:
         accumulation = self.accumulation
         accumulating = accumulation is not None
-        if phase == ACCUMULATE:
+        gradient = self._gradient(layout, _gradient_phase(phase))
+        placement, dims = self.placement, layout.dims
 
-            def accumulate(params, acc, micro, *rest):
-                *model_inputs, batch = rest
-                (loss, aux, model_state), grads, *_ = gradient(params, batch, *model_inputs)
-                grads = placement.accumuland(grads, layout.dims)
-                acc = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
-                acc = jax.tree.map(lambda a: a[None], acc)
-                return (acc, *self._metrics(loss, aux, model_state))
+        def fold(acc, grads, micro):
+            grads = placement.accumuland(grads, dims)
+            return accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
+
+        if _accumulates(phase):
+            # Only a micro-step that exchanges takes the optimizer state, for its keys and
+            # error-feedback residuals, and returns it with the new residuals.
+            exchanging = self._micro_exchange
+
+            def accumulate(params, *rest):
+                opt_state, rest = (rest[0], rest[1:]) if exchanging else (None, rest)
+                acc, micro, *model_inputs, batch = rest
+                (loss, aux, model_state), grads, *_, fed = gradient(
+                    params, batch, *model_inputs, opt_state=opt_state, micro=micro
+                )
+                acc = jax.tree.map(lambda a: a[None], fold(acc, grads, micro))
+                kept = (loop_marks.with_fed(opt_state, fed),) if exchanging else ()
+                return (*kept, acc, *self._metrics(loss, aux, model_state))
 
             return accumulate
         optimizer = optax.with_extra_args_support(self._optimizers[phase])
@@ -386,12 +389,10 @@ class DataParallelStep(TrainStep):
             *inputs, batch = rest
             acc, micro, *model_inputs = inputs if accumulating else (None, None, *inputs)
             (loss, aux, model_state), grads, order, exchanged, fed = gradient(
-                params, batch, *model_inputs, opt_state=opt_state
+                params, batch, *model_inputs, opt_state=opt_state, micro=micro
             )
             if accumulating:
-                grads_in = placement.accumuland(grads, layout.dims)
-                total = accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads_in, micro)
-                grads = optax.tree.cast_like(total, grads)
+                grads = optax.tree.cast_like(fold(acc, grads, micro), grads)
                 acc = (jax.tree.map(jnp.zeros_like, acc),)
             params, opt_state = self._update(
                 optimizer, grads, opt_state, params, order, layout, accumulating, exchanged, fed
@@ -408,8 +409,9 @@ class DataParallelStep(TrainStep):
         if self.accumulation is None:
             return (params, specs, *model, P(self._axes)), (params, specs, *metrics)
         acc = layout.accumulated
-        if phase == ACCUMULATE:
-            return (params, acc, P(), *model, P(self._axes)), (acc, *metrics)
+        if _accumulates(phase):
+            state = (specs,) if self._micro_exchange else ()
+            return (params, *state, acc, P(), *model, P(self._axes)), (*state, acc, *metrics)
         return (params, specs, acc, P(), *model, P(self._axes)), (params, specs, acc, *metrics)
 
     def sharded(self, opt_state, phase: str | None = None, params=None) -> Callable:
@@ -435,8 +437,8 @@ class DataParallelStep(TrainStep):
         # The params (unless the phase leaves them as they are), the optimizer state, the
         # accumulator and the model state: the step returns their new values in their
         # buffers.
-        if phase == ACCUMULATE:
-            donated = (1,)  # the accumulator: the params stay as they are
+        if _accumulates(phase):  # the accumulator (and state): the params stay as they are
+            donated = (1, 2) if self._micro_exchange else (1,)
         else:
             donated = tuple(range(2 + (self.accumulation is not None)))
         model_state = len(in_specs) - 1 - self.model.num_inputs()
@@ -462,14 +464,16 @@ class DataParallelStep(TrainStep):
             return (state.params, state.opt_state, *model, batch)
         acc = state.extra[accumulation_lib.ACCUMULATED]
         micro = np.uint32(self.accumulation.position(int(state.step))[1])
-        if phase == ACCUMULATE:
-            return (state.params, acc, micro, *model, batch)
+        if _accumulates(phase):
+            kept = (state.opt_state,) if self._micro_exchange else ()
+            return (state.params, *kept, acc, micro, *model, batch)
         return (state.params, state.opt_state, acc, micro, *model, batch)
 
     def _outputs(self, state, out, *, phase):
         out = list(out)
-        if phase == ACCUMULATE:
-            params, opt_state = state.params, state.opt_state
+        if _accumulates(phase):
+            params = state.params
+            opt_state = out.pop(0) if self._micro_exchange else state.opt_state
         else:
             params, opt_state = out.pop(0), out.pop(0)
         extra = {}
@@ -482,34 +486,15 @@ class DataParallelStep(TrainStep):
         return StepState(state.step, params, opt_state, extra), metrics
 
 
-def _check_across_nodes(algorithm, optimizers, loop_syncs, accumulation, nodes: int) -> None:
-    """Raises where a ``shard="full"`` step cannot run: the gradient crosses between nodes in
-    the loss's backward pass, so each phase needs its optimizer's sync settings (a
-    ``Strategy`` of gradient_allreduce, bytegrad or qadam gives them), and what that pass
-    cannot carry (accumulation, codes whose sum over the nodes does not fit the integer
-    wire) is refused."""
-    where = f"{algorithm} (shard='full')"
-    if accumulation is not None:
-        raise ValueError(
-            f"{where}: optax.MultiSteps is not supported: each micro-step would reduce-scatter "
-            "its gradient across nodes; use shard='params', or a larger batch"
-        )
-    missing = [phase for phase in optimizers if phase not in loop_syncs]
-    if missing:
-        raise ValueError(
-            f"{where}: the gradient crosses between nodes inside the loss's backward pass, on "
-            "the optimizer's sync settings, which this step was not given; build it with "
-            "Strategy('gradient_allreduce' | 'bytegrad' | 'qadam', shard='full')"
-        )
-    for sync in loop_syncs.values():
-        if sync.compressed and not sync.config.codec.integer_fits(nodes):
-            codec = sync.config.codec
-            most = max(g for g in range(1, nodes) if codec.integer_fits(g))
-            raise ValueError(
-                f"{where}: the gradient's codes are summed between nodes as integers, and "
-                f"{codec.bits}-bit codes fit that for at most {most} nodes, not {nodes}; "
-                "pass bits=8"
-            )
+def _accumulates(phase) -> bool:
+    """Whether a program's phase is a micro-step that only accumulates: ``ACCUMULATE``, or
+    ``(ACCUMULATE, phase it exchanges on)`` (``DataParallelStep._phase``)."""
+    return phase == ACCUMULATE or (isinstance(phase, tuple) and phase[0] == ACCUMULATE)
+
+
+def _gradient_phase(phase):
+    """The optimizer phase whose sync a program's backward pass exchanges on (None: none)."""
+    return phase[1] if isinstance(phase, tuple) else phase
 
 
 def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int], str]]:

@@ -113,7 +113,7 @@ def _gather_leaf(sync: LoopSync, mesh, block, dim, moment=None, key=None, residu
     return gather(block, *extra)
 
 
-def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
+def gatherer(sync: LoopSync, mesh, dims, opt_state=None, micro=None):
     """``(fn, args) -> (fn rewritten, (), residuals)``, for ``ModelState.value_and_grad`` of
     a state split over every device: ``fn`` takes each device's blocks of the params
     (``args[0]``), and the rewritten ``fn`` gathers them whole where the loss uses them: the
@@ -123,7 +123,8 @@ def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
     mean momentum on the optimizer state's ``m``.
 
     With ``sync.takes_key`` each split leaf rounds on its own key, drawn from ``bytegrad``'s
-    (a scanned stack's split into one per layer). With ``sync.feeds_back``, ``residuals``
+    (a scanned stack's split into one per layer), and on one of its own per micro-step
+    ``micro`` (an index, traced) of a step that accumulates. With ``sync.feeds_back``, ``residuals``
     are the split leaves' (``loop_marks.gathered_residuals``, the last of the state's): the
     rewritten ``fn`` then takes ``(params, residuals)`` first, and each leaf's new residual
     is its cotangent (``jax.grad`` returns them); else None."""
@@ -133,6 +134,8 @@ def gatherer(sync: LoopSync, mesh, dims, opt_state=None):
     keys = {}
     if sync.takes_key:
         base = jax.random.fold_in(key, LOOP_KEYS)
+        if micro is not None:
+            base = jax.random.fold_in(base, micro)
         keys = {i: jax.random.fold_in(base, i) for i in split}
 
     def whole(x, dim):

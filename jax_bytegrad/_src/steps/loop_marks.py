@@ -227,3 +227,13 @@ def feeding(update, fed: Residuals | None):
         return updates, optax.tree.set(opt_state, residuals=residuals)
 
     return run
+
+
+def with_fed(opt_state, fed: Residuals | None):
+    """``opt_state`` with its last residuals, the marked layers' (or a ``shard="full"``
+    step's split leaves'), replaced by ``fed``, their new ones; as it is for None."""
+    if fed is None:
+        return opt_state
+    residuals = optax.tree.get(opt_state, "residuals")
+    kept = residuals[: len(residuals) - len(fed)]
+    return optax.tree.set(opt_state, residuals=Residuals((*kept, *fed)))
