@@ -170,10 +170,11 @@ def _table(stdout: str) -> dict[str, list[str]]:
     return rows
 
 
-# Every algorithm on 2 processes x 2 devices, 100 steps of a global batch of 32: 88.6-92.2% test
-# accuracy here (gradient_allreduce 88.9%, async 92.2%), against the tests' bar of 80%.
+# Every algorithm on 2 processes x 2 devices, 60 steps of a global batch of 32: 89.1-92.5% test
+# accuracy here (low_precision_decentralized 89.1%, async 92.5%; 88.6-92.2% at 100 steps), against
+# the tests' bar of 80%. 60 steps give QAdam 12 warm-up steps, above configs.QADAM_MIN_WARMUP.
 TWO_PROCESSES = ["-m", "jax_bytegrad.launch", "--nproc", "2", "--devices-per-proc", "2"]
-TWO_PROCESSES += ["--timeout", "540", os.path.join(EXAMPLES, "multihost.py"), "--steps", "100"]
+TWO_PROCESSES += ["--timeout", "540", os.path.join(EXAMPLES, "multihost.py"), "--steps", "60"]
 TWO_PROCESSES += ["--no-progress", "--batch-size", "32"]
 
 
@@ -229,7 +230,7 @@ def test_sharded_state_across_two_processes_trains_as_the_replicated_one(six_alg
     # Compressed: each device's blocks group other values than the replicated buckets, so the
     # codes differ by up to a step and the runs drift apart by Adam's steps. Measured: at 150
     # steps (ByteGrad and QAdam) final train loss 3% apart, test loss 6%, the same accuracy; at
-    # 100 (QAdam) 0.1%, 0.1% and 0.8 points.
+    # 100 (QAdam) 0.1%, 0.1% and 0.8 points; at 60 (QAdam) 0.7%, 0.2% and 0.3 points.
     assert abs(accuracy - accuracy0) <= 1.5, (row, replicated)
     assert test_loss == pytest.approx(test_loss0, rel=0.15), (row, replicated)
     assert train_loss == pytest.approx(train_loss0, rel=0.1), (row, replicated)
@@ -250,8 +251,9 @@ def test_a_sharded_run_resumes_from_its_checkpoint(tmp_path):
         algorithm="bytegrad", shard="params", steps=4, batch_size=32, nodes=2,
         devices_per_node=4, progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=2,
     )  # fmt: skip
-    first = train.train_and_evaluate(config)
-    again = train.train_and_evaluate(dataclasses.replace(config, steps=6))
+    # baseline: gradient_allreduce's bytes, which this does not check, so its step is not compiled.
+    first = train.train_and_evaluate(config, baseline=1.0)
+    again = train.train_and_evaluate(dataclasses.replace(config, steps=6), baseline=1.0)
     assert (len(first.losses), len(again.losses)) == (4, 2)  # resumed after step 4
     assert sorted(p.name for p in (tmp_path / "bytegrad").iterdir()) == ["2", "4", "6"]
     # It went on from the trained state, not from the start.
