@@ -18,16 +18,10 @@ from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad._src.codecs import reference as _reference
 
 SM90_GPU = _pallas.is_supported()  # where the compiled Mosaic GPU kernels can run
-MODES = [
-    pytest.param(True, id="interpret"),
-    pytest.param(
-        False,
-        id="compiled",
-        marks=pytest.mark.skipif(
-            not SM90_GPU, reason="compiled Mosaic GPU kernels need an NVIDIA GPU of sm_90 or newer"
-        ),
-    ),
-]
+COMPILED = pytest.mark.skipif(
+    not SM90_GPU, reason="compiled Mosaic GPU kernels need an NVIDIA GPU of sm_90 or newer"
+)
+MODES = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=COMPILED)]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 DTYPE_IDS = ["f32", "bf16", "f16"]
 # (num_blocks, block_size, tiles): a tile that divides the blocks, one that does not (the
@@ -40,9 +34,9 @@ LAYOUTS = [
 ]
 LAYOUT_IDS = ["even", "halved", "odd", "single"]
 BITS = [pytest.param(8, id="8bit"), pytest.param(4, id="4bit")]
-# Every layout in float32, and the 16-bit loads and stores on the two layouts that tile
-# unevenly (halved rows, a padded block): the dtype and the tiling are separate paths in the
-# kernels, so their full cross product only repeated these.
+# Every layout in float32, and the 16-bit loads on the two layouts that tile unevenly (halved
+# rows, a padded block): the dtype and the tiling are separate paths in the kernels, so their
+# full cross product only repeated these.
 DTYPE_LAYOUTS = [
     (layout, jnp.float32, f"{name}-f32") for layout, name in zip(LAYOUTS, LAYOUT_IDS, strict=True)
 ]
@@ -50,6 +44,45 @@ DTYPE_LAYOUTS += [
     (LAYOUTS[i], dtype, f"{LAYOUT_IDS[i]}-{dtype_id}")
     for dtype, dtype_id in zip(DTYPES[1:], DTYPE_IDS[1:], strict=True)
     for i in (1, 2)
+]
+
+
+def by_mode(cases):
+    """pytest params of ``cases``, tuples of values, an id and whether to interpret the case:
+    every case compiled on a GPU, where Mosaic lowers each one separately, and the marked ones
+    in the interpreter, where one case of each path is enough. The last value is ``interpret``.
+    """
+    params = [pytest.param(*c[:-2], True, id=f"{c[-2]}-interpret") for c in cases if c[-1]]
+    params += [pytest.param(*c[:-2], False, id=f"{c[-2]}-compiled", marks=COMPILED) for c in cases]
+    return params
+
+
+def rounding_id(stochastic):
+    return "stochastic" if stochastic else "nearest"
+
+
+# Interpreted: every layout with nearest rounding in float32, and stochastic rounding on the
+# two layouts that tile unevenly, where its uniforms are padded and tiled as x is, in every
+# dtype. Stochastic rounding adds the uniforms before the floor whatever the dtype, and the
+# kernel sees only its tile's rows (_plan picks them on the host), so the rest repeated these.
+CODEC_CASES = [
+    (
+        layout,
+        dtype,
+        stochastic,
+        f"{name}-{rounding_id(stochastic)}",
+        layout in LAYOUTS[1:3] if stochastic else dtype == jnp.float32,
+    )
+    for layout, dtype, name in DTYPE_LAYOUTS
+    for stochastic in (False, True)
+]
+# Interpreted, each layout with one chunk count: the chunks are a leading dimension the kernel
+# sums over, apart from the tiling of the blocks.
+AVERAGE_CASES = [
+    (*layout, n, stochastic, f"{name}-{n}-{rounding_id(stochastic)}", n == interpreted_n)
+    for layout, name, interpreted_n in zip(LAYOUTS[:3], LAYOUT_IDS[:3], [2, 4, 2], strict=True)
+    for n in (2, 4)
+    for stochastic in (False, True)
 ]
 
 _ref_quantize = jax.jit(_reference.quantize_blocks, static_argnames="codec")
@@ -78,11 +111,10 @@ def _blocks(num_blocks, block_size, dtype, seed):
     return jnp.asarray(x, dtype)
 
 
-@pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize(
-    ("layout", "dtype"), [c[:2] for c in DTYPE_LAYOUTS], ids=[c[2] for c in DTYPE_LAYOUTS]
+    ("layout", "dtype", "stochastic", "interpret"),
+    by_mode(CODEC_CASES),
 )
 def test_quantize_and_dequantize_match_reference(layout, dtype, stochastic, bits, interpret):
     num_blocks, block_size, tiles = layout
@@ -98,11 +130,11 @@ def test_quantize_and_dequantize_match_reference(layout, dtype, stochastic, bits
     assert_trees_all_equal(decoded, _ref_dequantize(codec, *want))
 
 
-@pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize(("num_blocks", "block_size", "tiles"), LAYOUTS[:3], ids=LAYOUT_IDS[:3])
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size", "tiles", "n", "stochastic", "interpret"),
+    by_mode(AVERAGE_CASES),
+)
 def test_average_requantize_matches_reference(
     num_blocks, block_size, tiles, n, stochastic, bits, interpret
 ):
@@ -226,11 +258,30 @@ CHECKED_KERNELS = [
         ),
     )
 ]
+# Interpreted, each op and rounding at one width, the widths alternating: the check's example
+# and its comparison follow the op and the rounding; the width changes only the packing, which
+# the tests above compare bit for bit in both widths.
+INTERPRETED_WIDTH = {
+    ("quantize_blocks", False): 8,
+    ("quantize_blocks", True): 4,
+    ("dequantize_blocks", False): 8,
+    ("average_requantize", False): 4,
+    ("average_requantize", True): 8,
+}
 
 
-@pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize(
-    "kernel", CHECKED_KERNELS, ids=[str(k).replace(" ", "") for k in CHECKED_KERNELS]
+    ("kernel", "interpret"),
+    by_mode(
+        [
+            (
+                k,
+                str(k).replace(" ", ""),
+                INTERPRETED_WIDTH[k.op, k.codec.stochastic] == k.codec.bits,
+            )
+            for k in CHECKED_KERNELS
+        ]
+    ),
 )
 def test_kernels_pass_the_automatic_check(kernel, interpret, monkeypatch):
     if interpret:
