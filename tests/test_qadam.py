@@ -218,12 +218,20 @@ def compile_step(mesh, tx):
     return JitStep(loss_fn, tx, mesh).lower(params, state, batch).compile()
 
 
+@pytest.fixture(scope="module")
+def frozen_step(mesh):
+    """The compiled step of qadam without a refresh, shared by the tests below."""
+    return compile_step(mesh, qadam(1e-2, warmup_steps=5, wire="scatter_gather"))
+
+
 @pytest.fixture(scope="module", params=[None, 2], ids=["frozen-nu", "nu-refresh"])
 def compiled_step(mesh, request):
     """The compiled ``data_parallel_step`` of qadam: both phases in one program.
 
     With a refresh, a refresh step takes the warm-up branch: still one conditional.
     """
+    if request.param is None:
+        return request.getfixturevalue("frozen_step")
     return compile_step(
         mesh, qadam(1e-2, warmup_steps=5, nu_refresh_interval=request.param, wire="scatter_gather")
     )
@@ -293,17 +301,13 @@ def test_communication_stats_show_uint8_between_nodes(compiled_step, mesh):
 
 
 @pytest.mark.parametrize("growth", [1.0, 2.0], ids=["fixed", "doubling"])
-def test_refresh_adds_no_collective_to_the_step(mesh, growth):
+def test_refresh_adds_no_collective_to_the_step(mesh, frozen_step, growth):
     """A refresh reuses the warm-up branch: the program's traffic rows are unchanged.
 
     With the branch test above (the compressed branch holds no all-reduce and no float32
     beyond block headers between nodes), the steps that do not refresh send no float32.
     """
-    from jax_bytegrad.profiling import communication_stats
-
-    frozen = communication_stats(
-        compile_step(mesh, qadam(1e-2, warmup_steps=5, wire="scatter_gather")), mesh=mesh
-    )
+    frozen = communication_stats(frozen_step, mesh=mesh)
     refresh = communication_stats(
         compile_step(
             mesh,
@@ -376,20 +380,28 @@ def test_weight_decay_applies_in_both_phases_with_the_lr_schedule(mesh, schedule
 # --- second-moment refresh --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("growth", [1.0, 2.0], ids=["fixed", "doubling"])
-def test_refresh_beyond_the_run_is_bit_identical_to_no_refresh(mesh, growth):
-    """Until the first refresh, the refresh machinery changes no bit of any step."""
+REFRESH_KWARGS = dict(warmup_steps=3, weight_decay=0.01)
+
+
+@pytest.fixture(scope="module")
+def frozen_run(mesh):
+    """(params, state) of 10 steps without a refresh; the default is checked to be that."""
     batches = make_batches(10)
-    kwargs = dict(warmup_steps=3, weight_decay=0.01)
-    frozen = run(mesh, qadam(1e-2, **kwargs, nu_refresh_interval=None), batches)
-    default = run(mesh, qadam(1e-2, **kwargs), batches)
+    frozen = run(mesh, qadam(1e-2, **REFRESH_KWARGS, nu_refresh_interval=None), batches)
+    default = run(mesh, qadam(1e-2, **REFRESH_KWARGS), batches)
+    assert_trees_all_equal(frozen[:2], default[:2])
+    return frozen[:2]
+
+
+@pytest.mark.parametrize("growth", [1.0, 2.0], ids=["fixed", "doubling"])
+def test_refresh_beyond_the_run_is_bit_identical_to_no_refresh(mesh, frozen_run, growth):
+    """Until the first refresh, the refresh machinery changes no bit of any step."""
     late = run(
         mesh,
-        qadam(1e-2, **kwargs, nu_refresh_interval=100, nu_refresh_growth=growth),
-        batches,
+        qadam(1e-2, **REFRESH_KWARGS, nu_refresh_interval=100, nu_refresh_growth=growth),
+        make_batches(10),
     )
-    assert_trees_all_equal(frozen[:2], default[:2])
-    assert_trees_all_equal(late[:2], frozen[:2])
+    assert_trees_all_equal(late[:2], frozen_run)
 
 
 @pytest.mark.parametrize(
