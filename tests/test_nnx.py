@@ -48,6 +48,15 @@ def _device_grad(model, x, y, key):
     return loss, grad
 
 
+@nnx.jit(static_argnames="state_sync")
+def _update(optimizer, model, grads, stats, state_sync):
+    # One program, not op by op: eagerly, each of the optimizer's ops compiles on its own, and
+    # that took most of this file's time.
+    mean = lambda *xs: sum(xs) / len(xs)  # noqa: E731
+    optimizer.update(model, jax.tree.map(mean, *grads))
+    nnx.update(model, jax.tree.map(mean, *stats) if state_sync == "mean" else stats[0])
+
+
 def _reference(batches, steps, tx, state_sync="mean"):
     """Plain NNX on one device: each device's rows with its own dropout key (the device's key
     at that step, as docs/strategy.md writes it and ``TrainStep.device_key`` computes it), the
@@ -67,9 +76,7 @@ def _reference(batches, steps, tx, state_sync="mean"):
             grads.append(grad)
             stats.append(nnx.state(local, nnx.BatchStat))
             shard_losses.append(loss)
-        mean = lambda *xs: sum(xs) / len(xs)  # noqa: E731
-        optimizer.update(model, jax.tree.map(mean, *grads))
-        nnx.update(model, jax.tree.map(mean, *stats) if state_sync == "mean" else stats[0])
+        _update(optimizer, model, grads, stats, state_sync)
         losses.append(float(np.mean(shard_losses)))
     return model, losses
 
