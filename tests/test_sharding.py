@@ -1,6 +1,8 @@
 """State split within each node (shard="optimizer" and "params"): the same training, 1/L of the
 state per device, the same bytes between nodes, and clear refusals."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,16 +64,23 @@ def train(algorithm, shard, steps, mesh=None, optimizer=None):
         return step, state, losses
 
 
+@functools.cache
+def replicated_run(algorithm):
+    """The replicated run's params and losses: each shard= case compares with the same one."""
+    step, state, losses = train(algorithm, None, 40)
+    return jax.device_get(step.params(state)), losses
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", SHARDS)
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_the_sharded_step_trains_as_the_replicated_one(algorithm, shard):
-    _, replicated, want = train(algorithm, None, 40)
+    replicated, want = replicated_run(algorithm)
     step, state, got = train(algorithm, shard, 40)
     assert want[-1] < 0.8 * want[0], "the model did not learn"
     if algorithm == "gradient_allreduce":
         for k, v in jax.device_get(step.params(state)).items():
-            np.testing.assert_allclose(v, jax.device_get(replicated.params[k]), atol=1e-5)
+            np.testing.assert_allclose(v, replicated[k], atol=1e-5)
     if algorithm != "bytegrad_4bit_feedback":
         # Compressed: the blocks group other values than the replicated buckets' (the codes
         # differ by up to a step), so the runs drift apart by Adam's steps, not by more.
@@ -88,8 +97,9 @@ def test_one_step_of_the_compressed_mean_is_within_a_code_step_of_the_exact_mean
     one code step of the exact mean of the devices' gradients."""
     mesh = jax_bytegrad.make_mesh(2, 4)
     batch = batches(1)[0]
+    grad = jax.jit(jax.grad(loss_fn))  # one compile, not one per op as eagerly
     per_device = [
-        jax.grad(loss_fn)(params0(), (batch[0][i * 8 : (i + 1) * 8], batch[1][i * 8 : (i + 1) * 8]))
+        grad(params0(), (batch[0][i * 8 : (i + 1) * 8], batch[1][i * 8 : (i + 1) * 8]))
         for i in range(8)
     ]
     exact = jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *per_device)
