@@ -203,12 +203,10 @@ def test_diloco_is_refused_clearly_with_full():
         strategy.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1))
 
 
-def test_multisteps_and_a_bare_step_are_refused_with_full():
+def test_a_bare_step_is_refused_with_full():
+    # (optax.MultiSteps is taken: tests/test_full_accumulation.py.)
     mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
     loss = lambda p, b: jnp.sum(p["w"] * b)  # noqa: E731
-    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full")
-    with pytest.raises(ValueError, match="MultiSteps"):
-        strategy.train_step(loss, optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2))
     tx = optax.chain(jax_bytegrad.bytegrad(), optax.sgd(0.1))
     with pytest.raises(ValueError, match="Strategy"):
         jax_bytegrad.data_parallel_step(loss, tx, mesh, shard="full")
