@@ -17,15 +17,16 @@ import numpy as np
 
 IN_DIM, HIDDEN, OUT_DIM = 48, 96, 10
 GLOBAL_BATCH = 64
-# name -> steps. "bytegrad_flat" is ByteGrad with hierarchical=False: no float32 sum between
-# devices at all, only codes exchanged and averaged in a fixed order. "bytegrad_128" and
-# "bytegrad_128_split" differ only in the message size between nodes (one per peer, or one
-# 128-value block per message), which must not change a bit. "bytegrad4_ef_flat" is the flat
+# name -> steps. "bytegrad_128" is hierarchical 8-bit ByteGrad with 128-value blocks (the
+# default blocks take the same path, only longer). "bytegrad_flat" is ByteGrad with
+# hierarchical=False: no float32 sum between devices at all, only codes exchanged and
+# averaged in a fixed order. "bytegrad_128" and "bytegrad_128_split" differ only in the
+# message size between nodes (one per peer, or one 128-value block per message), which must
+# not change a bit. "bytegrad4_ef_flat" is the flat
 # one with 4-bit codes and error feedback, whose residuals are per-device state;
 # "bytegrad4_ef" and "qadam4_ef" are hierarchical ByteGrad and QAdam with 4-bit codes and
 # error feedback, over 20 steps.
 ALGORITHMS = {
-    "bytegrad": 4,
     "bytegrad_flat": 4,
     "qadam": 5,
     "bytegrad_128": 4,
