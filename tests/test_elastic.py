@@ -2,9 +2,9 @@
 
 The multi-process tests run ``tests/_mp_scripts/elastic_worker.py`` on 2 processes x 4 CPU
 devices over Gloo on loopback, as tests/test_multiprocess.py does. One uninterrupted run of every
-algorithm, saving every 2 of 6 steps, is the reference; a run whose worker is killed (SIGKILL) or
-stopped (SIGSTOP) on its first attempt must end with the same bits, and the reference's
-checkpoints are resumed in this process (8 CPU devices) on other meshes.
+algorithm, saving every 2 of 6 steps, is the reference; a run whose worker is killed (SIGKILL),
+once in each of three algorithms, or stopped (SIGSTOP) must end with the same bits, and the
+reference's checkpoints are resumed in this process (8 CPU devices) on other meshes.
 """
 
 import os
@@ -41,13 +41,13 @@ sys.path.remove(str(SCRIPTS))
 HANG_GUARD = 600
 
 
-def _launch(out_dir: Path, *launcher_args: str, worker_args=()):
+def _launch(out_dir: Path, *launcher_args: str, worker_args=(), timeout=HANG_GUARD):
     marker = f"elastic-{os.getpid()}-{time.monotonic_ns()}"
     # The device count comes from --devices-per-proc.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     code, out = run_launcher(
         "--nproc", "2", "--devices-per-proc", "4", "--grace", "2", *launcher_args, str(WORKER),
-        str(out_dir), "--marker", marker, *worker_args, env=env, timeout=HANG_GUARD,
+        str(out_dir), "--marker", marker, *worker_args, env=env, timeout=timeout,
     )  # fmt: skip
     assert processes_with(marker) == [], out  # no process of the run is left
     return code, out
@@ -91,53 +91,81 @@ def test_checkpoints_come_with_the_plain_install():
 # Restarts of real 2 x 4 runs over Gloo ------------------------------------------------------------
 
 
+# One run kills rank 1 (SIGKILL) once in each of three algorithms, one attempt after another.
+# ByteGrad dies right after starting the asynchronous save of step 4: that checkpoint may be
+# half-written, and must then not be the one resumed. DiLoCo dies after step 2: the restart
+# resumes the saved period and crosses the delayed 4-bit exchange (global params, outer
+# momentum, residuals). DiLoCo in the background dies after step 4: the checkpoint holds the
+# exchange in flight. One run instead of one per algorithm saves two attempts' start-ups.
+KILLS = {"bytegrad": 4, "diloco": 2, "diloco_background": 4}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """(out_dir, exit code, output) of the run that KILLS kills, with a restart per kill."""
+    out_dir = tmp_path_factory.mktemp("elastic_killed")
+    code, out = _launch(
+        out_dir,
+        "--max-restarts",
+        str(len(KILLS)),
+        worker_args=[
+            "--algorithms",
+            ",".join(KILLS),
+            "--kill-step",
+            ",".join(map(str, KILLS.values())),
+        ],
+        timeout=2 * HANG_GUARD,  # four attempts, where the other runs have one or two
+    )
+    return out_dir, code, out
+
+
+def _starts(out: str, name: str, rank: int) -> list[int]:
+    """The steps `rank` started `name` at, one per attempt that reached it."""
+    prefix = f"[rank {rank}] {name}: starts at step "
+    return [int(line.removeprefix(prefix)) for line in out.splitlines() if line.startswith(prefix)]
+
+
+def _assert_resumed(out: str, name: str) -> None:
+    """`name` started at 0 on the attempt that killed it, resumed from the last finalized
+    checkpoint on the next, and on any later attempt found itself done."""
+    k, kill = list(KILLS).index(name), KILLS[name]
+    for rank in (0, 1):
+        starts = _starts(out, name, rank)
+        assert len(starts) == len(KILLS) + 1 - k, out  # the attempts from its own kill on
+        assert starts[0] == 0 and starts[1] in (kill - 2, kill), out
+        assert starts[2:] == [worker.STEPS] * (len(KILLS) - 1 - k), out
+
+
 @pytest.mark.slow
 @requires_gloo
-def test_a_killed_worker_is_restarted_and_ends_bit_identical(reference, tmp_path):
-    # Rank 1 dies by SIGKILL right after starting the asynchronous save of step 4: that
-    # checkpoint may be half-written, and must then not be the one resumed.
-    code, out = _launch(
-        tmp_path,
-        "--max-restarts",
-        "1",
-        worker_args=["--algorithms", "bytegrad", "--kill-step", "4"],
-    )
+def test_a_killed_worker_is_restarted_and_ends_bit_identical(reference, killed):
+    out_dir, code, out = killed
     assert code == 0, out
-    assert "[rank 1] killing myself after step 4" in out
-    assert "[launch] rank 1 was killed by signal 9; stopped all 2 processes; restart 1 of 1" in out
-    assert "[launch] all 2 processes exited 0; 1 of 1 restart(s) used" in out
+    kills = [line for line in out.splitlines() if "killing myself" in line]
+    assert kills == [f"[rank 1] killing myself after step {s}" for s in KILLS.values()], out
+    launcher_lines = [line for line in out.splitlines() if line.startswith("[launch]")]
+    n = len(KILLS)
+    assert launcher_lines == [
+        f"[launch] rank 1 was killed by signal 9; stopped all 2 processes; restart {k} of {n}"
+        for k in range(1, n + 1)
+    ] + [f"[launch] all 2 processes exited 0; {n} of {n} restart(s) used"], out
     _assert_readable(out)
-    resumed = [line for line in out.splitlines() if "bytegrad: starts at step" in line]
-    assert len(resumed) == 4, out  # two ranks, two attempts
-    assert resumed[-1].endswith(("step 2", "step 4")), out  # the last finalized checkpoint
+    _assert_resumed(out, "bytegrad")
     want = _final_params(reference, "bytegrad")
-    for got in _final_params(tmp_path, "bytegrad"):
+    for got in _final_params(out_dir, "bytegrad"):
         assert_trees_all_equal(got, want[0])
 
 
 @pytest.mark.slow
 @requires_gloo
-@pytest.mark.parametrize("name, kill", [("diloco", 2), ("diloco_background", 4)])
-def test_a_killed_diloco_worker_resumes_its_outer_state_bit_identical(reference, tmp_path, name,
-                                                                      kill):  # fmt: skip
-    # Killed after step 2: the restart resumes the saved period, crosses the delayed 4-bit
-    # exchange (global params, outer momentum, residuals) and ends as the uninterrupted run.
-    # In the background, killed after step 4: the checkpoint holds the exchange in flight.
-    code, out = _launch(
-        tmp_path,
-        "--max-restarts",
-        "1",
-        worker_args=["--algorithms", name, "--kill-step", str(kill)],
-    )
+@pytest.mark.parametrize("name", ["diloco", "diloco_background"])
+def test_a_killed_diloco_worker_resumes_its_outer_state_bit_identical(reference, killed, name):
+    out_dir, code, out = killed
     assert code == 0, out
-    assert f"[rank 1] killing myself after step {kill}" in out
-    resumed = [line for line in out.splitlines() if f"{name}: starts at step" in line]
-    assert len(resumed) == 4, out  # two ranks, two attempts
-    # The last finalized checkpoint.
-    assert resumed[-1].endswith(tuple(f"step {s}" for s in (kill - 2, kill))), out
+    _assert_resumed(out, name)
     want = _final_params(reference, name)
     assert not np.array_equal(want[0]["w1"], worker.train_worker.init_params()["w1"])
-    for got in _final_params(tmp_path, name):
+    for got in _final_params(out_dir, name):
         assert_trees_all_equal(got, want[0])
 
 
@@ -462,7 +490,7 @@ def test_a_checkpoint_half_written_by_a_killed_process_is_never_restored(tmp_pat
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_GUARD,
     )
     assert proc.returncode == -9, proc.stderr
     half = tmp_path / "2.orbax-checkpoint-tmp"
@@ -506,7 +534,7 @@ def _run_scripts(script: str, dirs: list[Path]) -> list[tuple[int, str, str]]:
         for d in dirs
     ]
     try:
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = [p.communicate(timeout=HANG_GUARD) for p in procs]
     finally:
         for p in procs:
             p.kill()

@@ -13,7 +13,9 @@ it has one), or stops itself with SIGSTOP after step ``--stop-step`` (once the l
 finalized), and with ``--outage S`` is continued S seconds later by a child process of its own:
 silent meanwhile, no heartbeat and no collective, as behind a network partition that heals.
 ``--heartbeat-timeout N`` is passed to `jax_bytegrad.initialize`. With ``--kill-always`` it
-kills itself on every attempt. Each extra argument
+kills itself on every attempt. A list, ``--kill-step 4,2,4``, kills once in each algorithm:
+on attempt k, in the k-th algorithm, after the k-th step listed; with one restart per step
+listed, one run then restarts into each algorithm's checkpoints in turn. Each extra argument
 lands on the command line, where the test finds the processes of its run by ``--marker``.
 
 With ``--heartbeat S`` a thread also marks the progress file as fresh every S seconds, from
@@ -167,7 +169,7 @@ def main(argv) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS))
     parser.add_argument("--fail-rank", type=int, default=1)
-    parser.add_argument("--kill-step", type=int, default=None)
+    parser.add_argument("--kill-step", default="", help="a step, or one per algorithm: 4,2")
     parser.add_argument("--kill-always", action="store_true")
     parser.add_argument("--stop-step", type=int, default=None)
     parser.add_argument("--outage", type=float, default=None)
@@ -189,14 +191,17 @@ def main(argv) -> int:
     mesh = jax_bytegrad.make_mesh()
     attempt = restart_count()
     first = attempt == 0 or args.kill_always
+    kill_steps = [int(s) for s in args.kill_step.split(",") if s]
+    training = [0]  # the index of the algorithm that on_step hears from
 
     def on_step(step, ckpt):
-        if info.process_id != args.fail_rank or not first:
+        if info.process_id != args.fail_rank:
             return
-        if step == args.kill_step:
+        k = training[0]
+        if k < len(kill_steps) and step == kill_steps[k] and (attempt == k or args.kill_always):
             print(f"killing myself after step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        if step == args.stop_step:
+        if first and step == args.stop_step:
             ckpt.wait()  # so that what a hang loses is the steps since the last checkpoint
             print(f"stopping myself after step {step}", flush=True)
             if args.outage is not None:  # in this process's group: the launcher stops it too
@@ -205,7 +210,8 @@ def main(argv) -> int:
             os.kill(os.getpid(), signal.SIGSTOP)
 
     out = Path(args.out_dir)
-    for name in args.algorithms.split(","):
+    for k, name in enumerate(args.algorithms.split(",")):
+        training[0] = k
         _, params = train(
             name,
             mesh,
