@@ -1,20 +1,25 @@
 """Worker for tests/test_multiprocess_pipelined.py: the pipelined ByteGrad step over Gloo.
 
 Run it under ``python -m jax_bytegrad.launch --nproc 2 --devices-per-proc D
-pipelined_worker.py OUT_DIR STEPS``. Each process feeds its own rows of every global batch.
-For each config of ``CONFIGS`` it trains ``data_parallel_step`` with ``optax.chain(bytegrad(
-...), adam)`` and ``pipelined_step`` with the same settings, from the same parameters, on the
-same batches, and checks that both give the same state bit for bit (params, PRNG key,
-residuals, Adam's moments) and the same metrics, and that every device of the process holds
-the same params. It writes the pipelined params to ``OUT_DIR/<config>_rank<k>.npz``.
+pipelined_worker.py OUT_DIR STEPS [load] [CONFIG ...]``. Each process feeds its own rows of
+every global batch. For each config of ``CONFIGS`` (or those named) it trains
+``data_parallel_step`` with ``optax.chain(bytegrad(...), adam)`` and ``pipelined_step`` with
+the same settings, from the same parameters, on the same batches, and checks that both give
+the same state bit for bit (params, PRNG key, residuals, Adam's moments) and the same
+metrics, and that every device of the process holds the same params. It writes the
+pipelined params to ``OUT_DIR/<config>_rank<k>.npz``.
 
 Then a loop of the user's raises in the middle of the pipelined steps: the error reaches the
 worker, the step's thread stops, and the next step built afterwards still trains (no
 collective was left in flight).
 
+With ``load``, each process runs a busy loop beside the ``STEPS`` steps of each config and
+step kind (``_load.busy_loop``), once a step on a state then thrown away has compiled them.
+
 `train` and `CONFIGS` are imported by the test, which runs the same steps in one process.
 """
 
+import contextlib
 import sys
 import threading
 from pathlib import Path
@@ -72,9 +77,13 @@ def _leaves(tree):
     return out
 
 
-def train(name: str, mesh, steps: int, rank: int = 0, nproc: int = 1, *, check: bool = True):
+def train(
+    name: str, mesh, steps: int, rank: int = 0, nproc: int = 1, *, check: bool = True, load=None
+):
     """The pipelined step's params after ``steps`` steps (on this process's first device);
-    with ``check``, also the one-program step's, compared bit for bit."""
+    with ``check``, also the one-program step's, compared bit for bit. With ``load`` (a
+    context manager), the steps run inside it, after a step on a state then thrown away
+    compiled their programs."""
     import jax
     import optax
 
@@ -90,9 +99,13 @@ def train(name: str, mesh, steps: int, rank: int = 0, nproc: int = 1, *, check: 
     out = {}
     for kind, step in steps_of.items():
         with step:
+            if load is not None:
+                step(step.init(init_params()), batch(0, rank, nproc))
             state = step.init(init_params())
-            for t in range(steps):
-                state, metrics = step(state, batch(t, rank, nproc))
+            with load() if load is not None else contextlib.nullcontext():
+                for t in range(steps):
+                    state, metrics = step(state, batch(t, rank, nproc))
+                jax.block_until_ready((state.params, metrics))
             for leaf in jax.tree.leaves(state.params):
                 shards = [np.asarray(s.data) for s in leaf.addressable_shards]
                 for other in shards[1:]:
@@ -137,7 +150,9 @@ def users_loop_raises(mesh, rank: int, nproc: int) -> None:
         assert np.isfinite(float(metrics["loss"]))
 
 
-def main(out_dir: str, steps: int) -> int:
+def main(out_dir: str, steps: int, load: bool, names: list[str]) -> int:
+    from _load import busy_loop
+
     from jax_bytegrad import initialize
 
     info = initialize()  # before any JAX computation
@@ -147,8 +162,9 @@ def main(out_dir: str, steps: int) -> int:
 
     mesh = jax_bytegrad.make_mesh()
     assert mesh.shape["node"] == info.num_processes, mesh.shape
-    for name in CONFIGS:
-        params = train(name, mesh, steps, info.process_id, info.num_processes)
+    for name in names:
+        params = train(name, mesh, steps, info.process_id, info.num_processes,
+                       load=busy_loop if load else None)  # fmt: skip
         np.savez(Path(out_dir) / f"{name}_rank{info.process_id}.npz", **params)
         print(f"{name}: the pipelined step gave the one-program step's bits", flush=True)
     users_loop_raises(mesh, info.process_id, info.num_processes)
@@ -159,4 +175,6 @@ def main(out_dir: str, steps: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], int(sys.argv[2])))
+    rest = sys.argv[3:]
+    sys.exit(main(sys.argv[1], int(sys.argv[2]), "load" in rest,
+                  [n for n in rest if n != "load"] or list(CONFIGS)))  # fmt: skip
