@@ -25,10 +25,10 @@ BLOCK = 128
 SPLITS = [None, BLOCK, 3 * BLOCK + 1]
 
 
-def _grads(devices: int, seed: int):
+def _grads(devices: int, seed: int, size: int = 5000):
     rng = np.random.default_rng(seed)
     return [
-        jnp.asarray(rng.standard_normal((devices, 5000)) * 0.1, jnp.float32),
+        jnp.asarray(rng.standard_normal((devices, size)) * 0.1, jnp.float32),
         jnp.asarray(rng.standard_normal((devices, 40, 25)) * 10.0, jnp.float32),
     ]
 
@@ -85,7 +85,7 @@ def test_message_size_changes_no_result_and_no_bytes(shape, hierarchical):
 
 def test_stochastic_rounding_split_keeps_replicas_identical_and_close():
     mesh = jax_bytegrad.make_mesh(2, 4)
-    grads = _grads(8, seed=3)
+    grads = _grads(8, seed=3, size=1500)  # 3 blocks per peer: 3 messages
 
     def body(tree):
         mean = jax_bytegrad.compressed_mean(
@@ -111,7 +111,7 @@ def test_stochastic_rounding_split_keeps_replicas_identical_and_close():
 
 def test_qadam_compressed_phase_does_not_depend_on_the_split():
     mesh = jax_bytegrad.make_mesh(2, 4)
-    grads = _grads(8, seed=5)
+    grads = _grads(8, seed=5, size=1500)  # 3 blocks per peer: 3 messages
     params = [g[0] for g in grads]
     results = []
     for message_bytes in (None, BLOCK):
