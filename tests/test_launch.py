@@ -22,6 +22,7 @@ from jax_bytegrad import distributed
 
 # initialize()'s record of this process's run, which the tests reset and read: no public form.
 from jax_bytegrad._src.runtime import cluster as run_record
+from jax_bytegrad._src.runtime import launcher
 from jax_bytegrad.launch import launch, main
 
 SCRIPTS = Path(__file__).parent / "_mp_scripts"
@@ -363,6 +364,25 @@ def test_the_first_process_to_end_is_the_one_named(tmp_path):
     text = (tmp_path / "out").read_text()
     assert code == 128 + 9, text
     assert "[launch] rank 1 was killed by signal 9; stopped all 2 processes" in text, text
+
+
+def test_the_blame_waits_for_every_ended_process_and_puts_a_signal_first():
+    # Under load the exit threads run in any order: rank 0's error exit is appended first, and
+    # rank 1 (SIGKILLed, its thread not yet run) a moment later.
+    attempt = launcher._Attempt()
+    attempt.procs = [subprocess.Popen(["true"]), subprocess.Popen(["sleep", "60"])]
+    attempt.procs[1].kill()
+    while not launcher._ended(attempt.procs[1]):
+        time.sleep(0.01)
+    attempt.exits.append((0, attempt.procs[0].wait()))
+    late = threading.Timer(0.3, lambda: attempt.exits.append((1, attempt.procs[1].wait())))
+    late.start()
+    attempt.exits[0] = (0, 1)  # as a peer failing in a collective would exit
+    assert launcher._blamed(attempt) == (1, -9)
+    late.join()
+    # Two error exits: the first appended.
+    attempt.exits[:] = [(1, 3), (0, 1)]
+    assert launcher._blamed(attempt) == (1, 3)
 
 
 @pytest.mark.parametrize(

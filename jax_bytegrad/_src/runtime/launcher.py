@@ -204,10 +204,10 @@ class _Attempt:
     """The processes of one attempt, and what their threads report.
 
     Each process has a thread that copies its output (`pump`) and one that waits for it and
-    appends ``(rank, exit code)`` to `exits`, so that `exits` is in the order the processes
-    ended: the first failure is the one to blame, not the lowest rank among those that were
-    found dead at the same look (a process killed with SIGKILL, then its peer failing in a
-    collective a moment later).
+    appends ``(rank, exit code)`` to `exits`, in the order those threads get to run once their
+    processes ended: near enough the order the processes ended, but not under load, where a
+    process killed with SIGKILL and its peer failing in a collective a moment later may be
+    appended either way round (`_blamed` sorts that out).
     """
 
     procs: list[subprocess.Popen] = dataclasses.field(default_factory=list)
@@ -249,6 +249,32 @@ def _start(run: _Run, attempt_number: int, progress_dir: Path, attempt: _Attempt
         attempt.spawn(lambda rank, p: attempt.exits.append((rank, p.wait())), rank, p)
 
 
+def _ended(p: subprocess.Popen) -> bool:
+    """Whether ``p`` has ended, without reaping it (its thread does): a zombie, or reaped."""
+    try:
+        return os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _blamed(attempt: _Attempt, settle_s: float = 5.0) -> tuple[int, int]:
+    """``(rank, exit code)`` of the failure an attempt is blamed on, once `exits` holds one.
+
+    Every process that has ended by now is waited for in `exits` (up to ``settle_s``): its
+    thread may not have run yet. Then a process killed by a signal is blamed before one that
+    exited with an error, whatever order the threads appended them in: a signal comes from
+    outside the script (a kill, the OOM killer), and an error exit at the same moment is what
+    its peers do when a collective loses it. Among the rest, the first appended.
+    """
+    if hasattr(os, "waitid"):  # (not on macOS: there, the order appended)
+        ended = {rank for rank, p in enumerate(attempt.procs) if _ended(p)}
+        deadline = time.monotonic() + settle_s
+        while not ended <= {r for r, _ in attempt.exits} and time.monotonic() < deadline:
+            time.sleep(0.01)
+    failed = [(r, c) for r, c in list(attempt.exits) if c != 0]
+    return min(failed, key=lambda rc: (rc[1] >= 0, failed.index(rc)))
+
+
 def _watch(run: _Run, attempt: _Attempt, progress_dir: Path, started: float) -> _Outcome:
     """Waits until the attempt ends: all exited 0, one failed or hung, a signal, or the timeout.
 
@@ -259,10 +285,9 @@ def _watch(run: _Run, attempt: _Attempt, progress_dir: Path, started: float) -> 
             sig = run.received[0]
             code = EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + sig
             return _Outcome(code, f"got {signal.Signals(sig).name}", False)
-        exits = list(attempt.exits)  # in the order the processes ended
-        failed = [(r, c) for r, c in exits if c != 0]
-        if failed:
-            rank, c = failed[0]
+        exits = list(attempt.exits)
+        if any(c != 0 for _, c in exits):
+            rank, c = _blamed(attempt)
             if c == EXIT_USAGE:
                 reason = f"rank {rank} {_describe(c)}, a usage error that no restart can cure"
                 return _Outcome(c, reason, False)
