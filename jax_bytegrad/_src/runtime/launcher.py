@@ -272,7 +272,7 @@ def _blamed(attempt: _Attempt, settle_s: float = 5.0) -> tuple[int, int]:
         while not ended <= {r for r, _ in attempt.exits} and time.monotonic() < deadline:
             time.sleep(0.01)
     failed = [(r, c) for r, c in list(attempt.exits) if c != 0]
-    return min(failed, key=lambda rc: (rc[1] >= 0, failed.index(rc)))
+    return min(failed, key=lambda rc: rc[1] >= 0)  # min keeps the first of equals
 
 
 def _watch(run: _Run, attempt: _Attempt, progress_dir: Path, started: float) -> _Outcome:

@@ -494,7 +494,9 @@ def _accumulates(phase) -> bool:
 
 def _gradient_phase(phase):
     """The optimizer phase whose sync a program's backward pass exchanges on (None: none)."""
-    return phase[1] if isinstance(phase, tuple) else phase
+    if isinstance(phase, tuple):
+        return phase[1]
+    return None if phase == ACCUMULATE else phase
 
 
 def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int], str]]:
