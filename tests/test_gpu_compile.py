@@ -19,7 +19,7 @@ from helpers import gpu_plugin_error, load_script, needs_gpu_plugin
 
 import jax_bytegrad as jbg
 from jax_bytegrad import SyncConfig
-from jax_bytegrad._src import codecs
+from jax_bytegrad._src.codecs import selection
 from jax_bytegrad._src.inspection import hlo
 from jax_bytegrad._src.sync import collectives, config, wire
 from jax_bytegrad.sharding import GPUS, gpu_mesh
@@ -136,7 +136,7 @@ def test_implementation_none_runs_no_check_on_a_deviceless_mesh(monkeypatch):
     def check(kernel, device):
         raise AssertionError(f"checked {kernel} on {device}, which does not exist")
 
-    monkeypatch.setattr(codecs, "check", check)
+    monkeypatch.setattr(selection, "check", check)
     mesh = gpu_mesh(2, 4)
     params, loss_fn = _mlp(256, 2)
     batch = (jax.ShapeDtypeStruct((64, 256), jnp.float32),) * 2

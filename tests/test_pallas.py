@@ -16,6 +16,7 @@ from jax_bytegrad._src.codecs import Codec
 from jax_bytegrad._src.codecs import grid as _grid
 from jax_bytegrad._src.codecs import pallas as _pallas
 from jax_bytegrad._src.codecs import reference as _reference
+from jax_bytegrad._src.codecs import selection as _selection
 
 SM90_GPU = _pallas.is_supported()  # where the compiled Mosaic GPU kernels can run
 COMPILED = pytest.mark.skipif(
@@ -249,11 +250,11 @@ CHECKED_KERNELS = [
     kernel
     for bits in (8, 4)
     for kernel in (
-        _codecs.Kernel("quantize_blocks", Codec(bits), 1024),
-        _codecs.Kernel("quantize_blocks", Codec(bits, stochastic=True), 512, dtype="bfloat16"),
-        _codecs.Kernel("dequantize_blocks", Codec(bits), 2048),
-        _codecs.Kernel("average_requantize", Codec(bits), 1024, chunks=2, weight=0.5),
-        _codecs.Kernel(
+        _selection.Kernel("quantize_blocks", Codec(bits), 1024),
+        _selection.Kernel("quantize_blocks", Codec(bits, stochastic=True), 512, dtype="bfloat16"),
+        _selection.Kernel("dequantize_blocks", Codec(bits), 2048),
+        _selection.Kernel("average_requantize", Codec(bits), 1024, chunks=2, weight=0.5),
+        _selection.Kernel(
             "average_requantize", Codec(bits, stochastic=True), 256, chunks=4, weight=0.25
         ),
     )
@@ -289,8 +290,8 @@ def test_kernels_pass_the_automatic_check(kernel, interpret, monkeypatch):
         monkeypatch.setitem(registered, "pallas", registered["pallas_interpret"])
         # The bound is for a GPU's compile; the interpreter's took over 20 s on a loaded
         # 2-core machine.
-        monkeypatch.setattr(_codecs, "CHECK_TIMEOUT_S", 600.0)
-    assert _codecs.check(kernel, jax.devices()[0]) is None
+        monkeypatch.setattr(_selection, "CHECK_TIMEOUT_S", 600.0)
+    assert _selection.check(kernel, jax.devices()[0]) is None
 
 
 def test_is_supported_is_false_off_gpu():

@@ -18,6 +18,7 @@ from jax_bytegrad._src.codecs import (
     quantize_blocks,
 )
 from jax_bytegrad._src.codecs import pallas as _pallas
+from jax_bytegrad._src.codecs import selection as _selection
 from jax_bytegrad._src.codecs.arrays import resolve_implementation
 
 pytestmark = pytest.mark.usefixtures("strict_dtypes")
@@ -366,14 +367,14 @@ def test_default_is_xla_where_no_kernel_can_run(monkeypatch):
         raise AssertionError(f"{kernel} was checked where no compiled kernel can run")
 
     monkeypatch.setattr(_pallas, "is_supported", lambda: False)
-    monkeypatch.setattr(_codecs, "check", no_check)
+    monkeypatch.setattr(_selection, "check", no_check)
     assert resolve_implementation(None) is None  # chosen per kernel, at dispatch
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         q = jax_bytegrad.quantize(jnp.ones(300), bits=4)
         jax_bytegrad.dequantize(q)
-    kernel = _codecs.Kernel("quantize_blocks", Codec(), 1024)
-    assert _codecs.select(kernel) == "xla"
+    kernel = _selection.Kernel("quantize_blocks", Codec(), 1024)
+    assert _selection.select(kernel) == "xla"
 
 
 @pytest.mark.parametrize("op", list(_codecs.REGISTRY))
@@ -458,26 +459,26 @@ def candidate(monkeypatch):
     monkeypatch.setattr(_pallas, "is_supported", lambda: True)
     # A check's bound is for a GPU's compile; here it compiles the interpreter's kernels, which
     # took over 20 s on a loaded 2-core machine and fell back. The bound's own test sets it.
-    monkeypatch.setattr(_codecs, "CHECK_TIMEOUT_S", 600.0)
+    monkeypatch.setattr(_selection, "CHECK_TIMEOUT_S", 600.0)
     for op in ("quantize_blocks", "dequantize_blocks", "average_requantize"):
         registered = _codecs.REGISTRY[op]
         monkeypatch.setitem(registered, "pallas", registered["pallas_interpret"])
     checked = []
-    real_check = _codecs.check
+    real_check = _selection.check
 
     def counting_check(kernel, device):
         checked.append((kernel.op, device.device_kind))
         return real_check(kernel, device)
 
-    monkeypatch.setattr(_codecs, "check", counting_check)
-    _codecs.clear_checks()
+    monkeypatch.setattr(_selection, "check", counting_check)
+    _selection.clear_checks()
 
     def replace(**ops):
         for op, fn in ops.items():
             monkeypatch.setitem(_codecs.REGISTRY[op], "pallas", fn)
 
     yield replace, checked
-    _codecs.clear_checks()
+    _selection.clear_checks()
 
 
 def quantize_roundtrip(x, **kwargs):
@@ -551,8 +552,8 @@ def test_a_failing_kernel_alone_falls_back_with_one_warning(candidate):
         else:
             assert caught == []  # decided once per process and device kind
     assert sorted(op for op, _ in checked) == ["dequantize_blocks", "quantize_blocks"]
-    assert _codecs.select(_codecs.Kernel("quantize_blocks", Codec(), 256)) == "xla"
-    assert _codecs.select(_codecs.Kernel("dequantize_blocks", Codec(), 256)) == "pallas"
+    assert _selection.select(_selection.Kernel("quantize_blocks", Codec(), 256)) == "xla"
+    assert _selection.select(_selection.Kernel("dequantize_blocks", Codec(), 256)) == "pallas"
     want_q, want_x = quantize_roundtrip(x, implementation="xla")
     np.testing.assert_array_equal(np.asarray(q.codes), np.asarray(want_q.codes))
     np.testing.assert_array_equal(np.asarray(x_hat), np.asarray(want_x))
@@ -582,7 +583,7 @@ def test_a_wrong_kernel_falls_back(candidate, op, wrong, why):
 
 def test_a_slow_kernel_falls_back_after_the_time_bound(candidate, monkeypatch):
     replace, _ = candidate
-    monkeypatch.setattr(_codecs, "CHECK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(_selection, "CHECK_TIMEOUT_S", 0.5)
     release = threading.Event()
     interpreted = _codecs.REGISTRY["average_requantize"]["pallas"]
 
@@ -623,7 +624,7 @@ def test_checks_are_cached_per_device_kind(candidate, monkeypatch):
     x = random_input((2, 256), jnp.float32, seed=8)
     kinds = {}
     for kind in ["GPU kind A", "GPU kind A", "GPU kind B", "GPU kind A"]:
-        monkeypatch.setattr(_codecs, "_device_kinds", lambda kind=kind: {kind: device})
+        monkeypatch.setattr(_selection, "_device_kinds", lambda kind=kind: {kind: device})
         _, caught = all_warnings(lambda: quantize_roundtrip(x))
         kinds.setdefault(kind, []).extend(caught)
     assert [len(kinds[k]) for k in kinds] == [1, 1]

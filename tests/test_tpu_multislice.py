@@ -22,8 +22,7 @@ import pytest
 from helpers import load_script
 
 import jax_bytegrad as jbg
-from jax_bytegrad._src import codecs
-from jax_bytegrad._src.codecs import Codec, pallas
+from jax_bytegrad._src.codecs import Codec, pallas, selection
 from jax_bytegrad._src.inspection import hlo
 from jax_bytegrad._src.inspection.megascale import DeviceIds
 from jax_bytegrad._src.inspection.stats import stats_from_hlo
@@ -381,7 +380,7 @@ def test_implementation_none_takes_xlas_codec_on_tpu(monkeypatch):
         raise AssertionError(f"checked {kernel} on {device}: no Mosaic GPU kernel runs on TPU")
 
     chosen = []
-    select = codecs.select
+    select = selection.select
 
     def spy(kernel):
         chosen.append(select(kernel))
@@ -389,8 +388,8 @@ def test_implementation_none_takes_xlas_codec_on_tpu(monkeypatch):
 
     # As on a host whose own GPU runs the kernels: the TPU mesh being traced still takes XLA.
     monkeypatch.setattr(pallas, "is_supported", lambda: True)
-    monkeypatch.setattr(codecs, "check", check)
-    monkeypatch.setattr(codecs, "select", spy)
+    monkeypatch.setattr(selection, "check", check)
+    monkeypatch.setattr(selection, "select", spy)
     mesh = jbg.make_mesh(devices=_topology_devices())
     params, loss_fn, _ = _MLP(2, 256)
     batch = (jax.ShapeDtypeStruct((128, 256), jnp.float32),) * 2
@@ -404,7 +403,7 @@ def test_implementation_none_takes_xlas_codec_on_tpu(monkeypatch):
 def test_mosaic_gpu_is_not_supported_on_a_tpu_host(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert not pallas.is_supported()
-    assert codecs.select(codecs.Kernel("quantize_blocks", Codec(), 256)) == "xla"
+    assert selection.select(selection.Kernel("quantize_blocks", Codec(), 256)) == "xla"
 
 
 _PALLAS_ON_TPU = r"this mesh's devices are TPUs\. Pass implementation=None"

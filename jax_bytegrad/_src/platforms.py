@@ -1,5 +1,6 @@
 """The JAX platform a mesh's devices are, or the mesh being traced: what the sync's buckets
-and integer widths, and the codec's automatic implementation (``codecs.select``), depend on.
+and integer widths, and the codec's automatic implementation (``codecs.selection.select``),
+depend on.
 
 It sits below both, so that the codecs ask the same question as the sync without importing it.
 """

@@ -50,7 +50,7 @@ contract multiply-adds, so even the eager and jitted reference can differ by an 
 scale. The compiled kernel divides with IEEE ``div.rn`` and rounds each operation, so against
 XLA on a GPU a scale may differ by an ulp, and a value within one float rounding of a code
 boundary may get a code one apart. Both are the documented semantics up to float rounding;
-the per-kernel check in ``codecs/__init__.py`` allows exactly that much.
+the per-kernel check in ``selection.py`` allows exactly that much.
 """
 
 import dataclasses
