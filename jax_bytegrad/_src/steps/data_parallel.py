@@ -9,7 +9,8 @@ With ``shard=`` the state is split (within each node, or over every device with 
 and where it lives is one placement object (``sharding/placement.py``) that gives the step its
 specs, its gradient, the frame of its update and its compiler options; the step never
 branches on the setting. The optimizer's sync (``bytegrad``, ``gradient_allreduce``,
-``qadam``) is told the layout by the extra argument ``sharded`` (``shards.Sharded``).
+``qadam``) is told the layout by the extra argument ``sharded`` (``shards.Sharded``). Which
+program a step runs, its phase, is ``phases.py``'s.
 """
 
 import functools
@@ -26,12 +27,7 @@ from jax.sharding import PartitionSpec as P
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.sharding import rule
-from jax_bytegrad._src.sharding.placement import (
-    StateLayout,
-    check_shard,
-    placement_of,
-    shapes_key,
-)
+from jax_bytegrad._src.sharding.placement import StateLayout, check_shard, placement_of, shapes_key
 from jax_bytegrad._src.sharding.rule import Shard
 from jax_bytegrad._src.steps import accumulation as accumulation_lib
 from jax_bytegrad._src.steps import loop_exchange, loop_gather, loop_marks
@@ -46,11 +42,9 @@ from jax_bytegrad._src.steps.base import (
     host_copy,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
+from jax_bytegrad._src.steps.phases import Phases, accumulates, gradient_phase, optimizers_of
 from jax_bytegrad._src.steps.tracing import traced, traced_gradient
 from jax_bytegrad._src.sync.patterns import make_varying
-
-# The phase of the micro-steps that only accumulate (``accumulation.py``).
-ACCUMULATE = "accumulate"
 
 
 class DataParallelStep(TrainStep):
@@ -66,15 +60,10 @@ class DataParallelStep(TrainStep):
             donate=donate, model=model,
         )  # fmt: skip
         self._optimizers = dict(optimizers)
-        self._phase_of = phase_of
         self.shard = shard
         self.placement = placement_of(shard, mesh, axes)
         self.accumulation = accumulation
-        self.phases = tuple(self._optimizers)
         if accumulation is not None:
-            if ACCUMULATE in self._optimizers:
-                raise ValueError(f"{algorithm}: a phase may not be named {ACCUMULATE!r}")
-            self.phases = (ACCUMULATE, *self.phases)
             self._extra_keys = (accumulation_lib.ACCUMULATED,)
         self._layouts: dict[Any, StateLayout] = {}
         # Per phase, what the sync does to a layer marked ``exchange_in_loop`` inside the
@@ -85,6 +74,10 @@ class DataParallelStep(TrainStep):
         # and the accumulator holds this device's blocks of the mean (``_micro_exchange``).
         gathers = self.placement.gathers_across_nodes
         self._micro_exchange = gathers and accumulation is not None
+        self._phases = Phases(
+            self._optimizers, phase_of, accumulation, self._micro_exchange, algorithm
+        )
+        self.phases = self._phases.names
         in_loop = self.placement.exchanges_in_loop and (accumulation is None or gathers)
         self._loop_syncs = {
             k: s for k, s in (loop_syncs or {}).items() if s is not None and in_loop
@@ -98,19 +91,7 @@ class DataParallelStep(TrainStep):
         self.placement.check_step(algorithm, self._optimizers, self._loop_syncs)
 
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
-        taken, micro, k = steps_taken, 0, 1
-        if self.accumulation is not None:
-            taken, micro, k = self.accumulation.position(steps_taken)
-        name = self._phase_of(taken)
-        if name not in self._optimizers:
-            raise ValueError(
-                f"{self.algorithm}: phase_of({taken}) gave {name!r}, which is not one of "
-                f"the optimizers' phases {tuple(self._optimizers)}"
-            )
-        if micro < k - 1:
-            # A micro-step that exchanges crosses on the sync of the step it belongs to.
-            return ACCUMULATE, (ACCUMULATE, name) if self._micro_exchange else ACCUMULATE
-        return name, name
+        return self._phases.of(steps_taken)
 
     # Where the state lives. ---------------------------------------------------------------
 
@@ -337,13 +318,7 @@ class DataParallelStep(TrainStep):
         ``shard="params"`` the function is per node (``shard_map`` manual over the node
         axis only): use ``sharded``.
         """
-        return self._per_device(self._phase_name(phase), self._layout_of(params, None))
-
-    def _phase_name(self, phase):
-        first = next(iter(self._optimizers))
-        if phase == ACCUMULATE and self._micro_exchange:
-            return ACCUMULATE, first
-        return phase if phase is not None else first
+        return self._per_device(self._phases.program(phase), self._layout_of(params, None))
 
     def _layout_of(self, params, opt_state) -> StateLayout:
         """``params``' layout; without them (a replicated step), the one ``opt_state`` gives."""
@@ -360,14 +335,14 @@ class DataParallelStep(TrainStep):
     def _per_device(self, phase, layout: StateLayout) -> Callable:
         accumulation = self.accumulation
         accumulating = accumulation is not None
-        gradient = self._gradient(layout, _gradient_phase(phase))
+        gradient = self._gradient(layout, gradient_phase(phase))
         placement, dims = self.placement, layout.dims
 
         def fold(acc, grads, micro):
             grads = placement.accumuland(grads, dims)
             return accumulation.fold(jax.tree.map(lambda a: a[0], acc), grads, micro)
 
-        if _accumulates(phase):
+        if accumulates(phase):
             # Only a micro-step that exchanges takes the optimizer state, for its keys and
             # error-feedback residuals, and returns it with the new residuals.
             exchanging = self._micro_exchange
@@ -409,7 +384,7 @@ class DataParallelStep(TrainStep):
         if self.accumulation is None:
             return (params, specs, *model, P(self._axes)), (params, specs, *metrics)
         acc = layout.accumulated
-        if _accumulates(phase):
+        if accumulates(phase):
             state = (specs,) if self._micro_exchange else ()
             return (params, *state, acc, P(), *model, P(self._axes)), (*state, acc, *metrics)
         return (params, specs, acc, P(), *model, P(self._axes)), (params, specs, acc, *metrics)
@@ -418,7 +393,7 @@ class DataParallelStep(TrainStep):
         """The step as one ``jax.shard_map`` over the mesh, not jitted: call it inside a
         ``jax.jit`` of your own. ``opt_state`` (or its ``jax.eval_shape``) gives the specs;
         with ``shard=`` or accumulation, pass ``params`` (or their shapes) too."""
-        return self._mapped(self._phase_name(phase), self._layout_of(params, opt_state))
+        return self._mapped(self._phases.program(phase), self._layout_of(params, opt_state))
 
     def _mapped(self, phase: str, layout: StateLayout) -> Callable:
         in_specs, out_specs = self._specs_of(phase, layout)
@@ -437,7 +412,7 @@ class DataParallelStep(TrainStep):
         # The params (unless the phase leaves them as they are), the optimizer state, the
         # accumulator and the model state: the step returns their new values in their
         # buffers.
-        if _accumulates(phase):  # the accumulator (and state): the params stay as they are
+        if accumulates(phase):  # the accumulator (and state): the params stay as they are
             donated = (1, 2) if self._micro_exchange else (1,)
         else:
             donated = tuple(range(2 + (self.accumulation is not None)))
@@ -464,14 +439,14 @@ class DataParallelStep(TrainStep):
             return (state.params, state.opt_state, *model, batch)
         acc = state.extra[accumulation_lib.ACCUMULATED]
         micro = np.uint32(self.accumulation.position(int(state.step))[1])
-        if _accumulates(phase):
+        if accumulates(phase):
             kept = (state.opt_state,) if self._micro_exchange else ()
             return (state.params, *kept, acc, micro, *model, batch)
         return (state.params, state.opt_state, acc, micro, *model, batch)
 
     def _outputs(self, state, out, *, phase):
         out = list(out)
-        if _accumulates(phase):
+        if accumulates(phase):
             params = state.params
             opt_state = out.pop(0) if self._micro_exchange else state.opt_state
         else:
@@ -484,37 +459,6 @@ class DataParallelStep(TrainStep):
             metrics["aux"] = out.pop(0)
         extra.update(self.model.carried(state, out.pop(0) if self.model.has_state else None))
         return StepState(state.step, params, opt_state, extra), metrics
-
-
-def _accumulates(phase) -> bool:
-    """Whether a program's phase is a micro-step that only accumulates: ``ACCUMULATE``, or
-    ``(ACCUMULATE, phase it exchanges on)`` (``DataParallelStep._phase``)."""
-    return phase == ACCUMULATE or (isinstance(phase, tuple) and phase[0] == ACCUMULATE)
-
-
-def _gradient_phase(phase):
-    """The optimizer phase whose sync a program's backward pass exchanges on (None: none)."""
-    if isinstance(phase, tuple):
-        return phase[1]
-    return None if phase == ACCUMULATE else phase
-
-
-def optimizers_of(optimizer, phase_of, where: str) -> tuple[dict, Callable[[int], str]]:
-    """``{phase: transformation}`` and ``phase_of`` from ``data_parallel_step``'s
-    ``optimizer`` and ``phase_of``; raises a ``ValueError`` for anything else."""
-    if isinstance(optimizer, optax.GradientTransformation):
-        if phase_of is not None:
-            raise ValueError(f"{where}: phase_of needs one optimizer per phase, {{name: tx}}")
-        return {"step": optimizer}, lambda _: "step"
-    optimizers = dict(optimizer) if isinstance(optimizer, Mapping) else {}
-    bad = [k for k, v in optimizers.items() if not isinstance(v, optax.GradientTransformation)]
-    if not optimizers or bad or phase_of is None:
-        raise ValueError(
-            f"{where}: optimizer must be an optax.GradientTransformation, or a non-empty "
-            "{phase name: transformation} mapping with phase_of=...; got "
-            f"{type(optimizer).__name__}"
-        )
-    return optimizers, phase_of
 
 
 def data_parallel_step(
