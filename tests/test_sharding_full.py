@@ -1,7 +1,8 @@
 """shard="full" on 2 x 4 CPU devices: the state split over every device, nodes included, the
 weights gathered across nodes as codes where the model uses them and the gradient
-reduce-scattered across nodes on the integer wire. Each model trains as with shard=None, a
-checkpoint resumes exactly (into another layout too), and what crosses between nodes is codes."""
+reduce-scattered across nodes as codes (the integer wire's sums, or an all-to-all). Each
+model trains as with shard=None, a checkpoint resumes exactly (into another layout too), and
+what crosses between nodes is codes."""
 
 import re
 
@@ -62,7 +63,7 @@ def test_bytegrad_full_ends_within_a_percent_of_replicated():
 
 
 def _compiled(algorithm: str, shard, *, width: int = 256, layers: int = 4, mark: bool = True,
-              learning_rate: float = 0.1, **settings):  # fmt: skip
+              learning_rate: float = 0.1, mesh_shape=MESH_SHAPE, **settings):  # fmt: skip
     """The compiled step (SGD) of a scanned stack of ``layers`` square layers of ``width``
     under jax.checkpoint (marked inside it), plus a head, and its state; ``settings``: the
     sync's, beyond ``SETTINGS``."""
@@ -83,7 +84,7 @@ def _compiled(algorithm: str, shard, *, width: int = 256, layers: int = 4, mark:
         "head": rng.normal(size=(width, 8)).astype(np.float32),
     }
     batch = (np.ones((16, width), np.float32), np.zeros((16, 8), np.float32))
-    mesh = jax_bytegrad.make_mesh(*MESH_SHAPE)
+    mesh = jax_bytegrad.make_mesh(*mesh_shape)
     kwargs = {**SETTINGS[algorithm], **settings}
     strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard=shard, **kwargs)
     step = strategy.train_step(loss_fn, optax.sgd(learning_rate))
@@ -234,28 +235,57 @@ def test_the_weights_the_forward_computes_on_are_the_masters_to_8_bits():
     assert isinstance(state.params["stack"].sharding, NamedSharding)
 
 
-def test_4_bit_codes_train_on_2_nodes_and_are_refused_on_4():
-    _, want, _ = train("bytegrad", None, scan=True, steps=12, bits=4)
-    _, got, _ = train("bytegrad", "full", scan=True, steps=12, bits=4)
+def test_4_bit_codes_train_on_the_integer_wire_of_2_nodes():
+    # wire="allreduce" (wire="auto" takes the scatter-gather wire for 4 bits): on 2 nodes
+    # 4-bit codes sum on the integer wire, 7 levels a node.
+    _, want, _ = train("bytegrad", None, scan=True, steps=12, bits=4, wire="allreduce")
+    _, got, _ = train("bytegrad", "full", scan=True, steps=12, bits=4, wire="allreduce")
     assert want[-1] < want[0] and got[-1] < got[0]
-    # No worse than 2% above: the two sum their 4-bit codes on different wires (an all-reduce,
-    # a reduce-scatter), so their rounding differs, and "full" gathers 8-bit weights.
+    # No worse than 2% above: the two sum their codes in different collectives (an
+    # all-reduce, a reduce-scatter), so their rounding differs, and "full" gathers 8-bit
+    # weights.
     assert got[-1] <= want[-1] * 1.02, (got[-1], want[-1])
-    mesh = jax_bytegrad.make_mesh(4, 2)
-    strategy = jax_bytegrad.Strategy("bytegrad", mesh=mesh, shard="full", bits=4)
-    with pytest.raises(ValueError, match="at most 2 nodes, not 4; pass bits=8"):
-        strategy.train_step(lambda p, b: jnp.sum(p["w"]), optax.sgd(0.1))
 
 
-def _scattered(grads, residuals, key=None):
+@pytest.mark.slow
+def test_4_and_2_bit_codes_cross_4_nodes_on_the_scatter_gather_wire():
+    # Beyond 2 nodes 4-bit codes no longer sum on the integer wire (their nibbles would
+    # carry), nor 2-bit ones on any: wire="auto" reduce-scatters them as an all-to-all.
+    shape, settings = (4, 2), {"error_feedback": True}
+    _, want, _ = train("bytegrad", None, scan=True, steps=12, bits=4, mesh_shape=shape, **settings)
+    for bits in (4, 2):
+        _, got, state = train(
+            "bytegrad", "full", scan=True, steps=12, bits=bits, mesh_shape=shape, **settings
+        )
+        assert got[-1] < 0.95 * got[0]
+        assert got[-1] <= want[-1] * 1.02, (bits, got[-1], want[-1])
+    # The weights' 8-bit codes are gathered; the gradient's codes cross as an all-to-all.
+    step, state, batch, _ = _compiled("bytegrad", "full", mesh_shape=shape, bits=4, **settings)
+    with step:
+        rows = step.communication_stats(state, batch)["step"].rows
+    assert {r.kind for r in rows if r.axes == "node" and r.dtype == "u8"} == {
+        "all-gather",
+        "all-to-all",
+    }
+    mesh = jax_bytegrad.make_mesh(*shape)
+    refusals = [("allreduce", "4-bit codes sum over at most 2"), ("ring", "not wire='ring'")]
+    for wire, says in refusals:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            jax_bytegrad.Strategy(
+                "bytegrad", mesh=mesh, shard="full", bits=4, error_feedback=True, wire=wire
+            ).train_step(LLAMA.loss_fn(SHAPE, scan=True, mark="inside"), optax.sgd(0.1))
+
+
+def _scattered(grads, residuals, key=None, wire="allreduce", bits=4):
     """``across_nodes.scatter_gradient`` on the 2 x 4 mesh of each device's gradient of a
-    (64, 40) leaf (split along 0) and its residual, at 4 bits with error feedback: every
+    (64, 80) leaf (split along 0) and its residual, with error feedback on ``wire``: every
     device's block of the sum, and its new residual, one row per device in mesh order."""
     from jax_bytegrad._src.sync import across_nodes
 
-    config = jax_bytegrad.SyncConfig(bits=4, error_feedback=True, rounding="nearest")
-    if key is not None:
-        config = jax_bytegrad.SyncConfig(bits=4, error_feedback=True, rounding="stochastic")
+    rounding = "nearest" if key is None else "stochastic"
+    config = jax_bytegrad.SyncConfig(
+        bits=bits, error_feedback=True, rounding=rounding, wire=wire, block_size=1024 // bits
+    )  # pieces of 640 values: 2 blocks of 512 at 2 bits, 3 of 256 at 4 (the last padded)
 
     def scatter(grad, residual, key):
         block, kept = across_nodes.scatter_gradient(
@@ -271,14 +301,19 @@ def _scattered(grads, residuals, key=None):
     return [np.asarray(x) for x in jax.jit(fn)(grads, residuals, key)]
 
 
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-def test_full_error_feedback_keeps_what_the_codes_missed(stochastic):
+@pytest.mark.parametrize(
+    ("stochastic", "wire", "bits"),
+    [(False, "allreduce", 4), (True, "allreduce", 4), (False, "scatter_gather", 4),
+     (True, "scatter_gather", 2)],
+    ids=["nearest", "stochastic", "scatter-gather-nearest", "scatter-gather-2-bit-stochastic"],
+)  # fmt: skip
+def test_full_error_feedback_keeps_what_the_codes_missed(stochastic, wire, bits):
     nodes, local = MESH_SHAPE
     rng = np.random.default_rng(0)
-    grads = rng.normal(size=(nodes * local, 64, 40)).astype(np.float32)
-    residuals = rng.normal(scale=0.1, size=(nodes * local, 64 * 40 // local)).astype(np.float32)
+    grads = rng.normal(size=(nodes * local, 64, 80)).astype(np.float32)
+    residuals = rng.normal(scale=0.1, size=(nodes * local, 64 * 80 // local)).astype(np.float32)
     key = jax.random.key(1) if stochastic else None
-    blocks, kept = _scattered(grads, residuals, key)
+    blocks, kept = _scattered(grads, residuals, key, wire, bits)
     # Device (node m, local k) owns piece k K + m of the summed leaf, and each device (i, k)
     # codes row m of its run for it: the decoded sum and the residuals left over add up to
     # the sum plus the residuals that went in.
@@ -289,10 +324,11 @@ def test_full_error_feedback_keeps_what_the_codes_missed(stochastic):
         for k in range(local):
             got = blocks[m * local + k].reshape(-1) + left[k, m]
             np.testing.assert_allclose(got, pieces[k * nodes + m] + went_in[k, m], atol=2e-5)
-    assert np.abs(kept).max() > 1e-3  # 4-bit codes miss something
+    assert np.abs(kept).max() > 1e-3  # the codes miss something
     if stochastic:  # the codes differ from nearest rounding's, and with the key
-        assert not np.array_equal(blocks, _scattered(grads, residuals)[0])
-        assert not np.array_equal(blocks, _scattered(grads, residuals, jax.random.key(2))[0])
+        again = lambda key: _scattered(grads, residuals, key, wire, bits)[0]  # noqa: E731
+        assert not np.array_equal(blocks, again(None))
+        assert not np.array_equal(blocks, again(jax.random.key(2)))
 
 
 @pytest.mark.slow
@@ -300,8 +336,11 @@ def test_4_bit_error_feedback_trains_full_as_replicated_and_resumes_exactly(tmp_
     settings = {"bits": 4, "error_feedback": True}
     _, want, _ = train("bytegrad", None, scan=True, steps=12, **settings)
     _, got, state = train("bytegrad", "full", scan=True, steps=12, **settings)
-    assert want[-1] < want[0]
-    np.testing.assert_allclose(got[-1], want[-1], rtol=0.02)
+    assert want[-1] < want[0] and got[-1] < got[0]
+    # No worse than 2% above. It ends lower here (0.97x): both take the scatter-gather wire,
+    # where "full" codes each device's gradient once and its owner sums the decoded codes,
+    # and the replicated wire codes it twice (each device's, then each owner's mean).
+    assert got[-1] <= want[-1] * 1.02, (got[-1], want[-1])
     # Each split leaf's residual is its device's own, kept in the optimizer state.
     residuals = optax.tree.get(state.opt_state, "residuals")
     sends = [np.asarray(send) for send, _ in residuals]

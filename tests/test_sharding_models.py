@@ -39,11 +39,13 @@ def token_batches(steps: int, rows: int = 16) -> list[np.ndarray]:
 OPTIMIZERS = {"gradient_allreduce": optax.sgd(0.1, momentum=0.9), "bytegrad": optax.adamw(3e-3)}
 
 
-def train(algorithm: str, shard, *, scan: bool, steps: int, mark=False, **settings):
-    """The Llama decoder trained on 2 x 4 for ``steps`` steps (``mark``: ``LLAMA.loss_fn``'s,
-    ``settings``: the Strategy's); returns its params, losses and last state."""
+def train(algorithm: str, shard, *, scan: bool, steps: int, mark=False, mesh_shape=(2, 4),
+          **settings):  # fmt: skip
+    """The Llama decoder trained on ``mesh_shape`` (nodes, devices per node) for ``steps``
+    steps (``mark``: ``LLAMA.loss_fn``'s, ``settings``: the Strategy's); returns its params,
+    losses and last state."""
     params = jax.device_get(LLAMA.init(SHAPE, jax.random.key(0), scan=scan))
-    mesh = jax_bytegrad.make_mesh(2, 4)
+    mesh = jax_bytegrad.make_mesh(*mesh_shape)
     strategy = jax_bytegrad.Strategy(algorithm, mesh=mesh, shard=shard, **settings)
     loss = LLAMA.loss_fn(SHAPE, scan=scan, mark=mark)
     with strategy.train_step(loss, OPTIMIZERS[algorithm]) as step:

@@ -21,7 +21,7 @@ Four placements, each the whole answer for its setting (``placement_of``):
                                  ``shard_map`` over "local" on those blocks.
     FullSharded ("full")         as "params", with each leaf split across the nodes too: the
                                  loss gets each layer gathered across the nodes as codes, and
-                                 its gradient reduce-scattered across them as integer codes,
+                                 its gradient reduce-scattered across them as codes,
                                  both where the loss marks the layer (``exchange_in_loop``),
                                  else before and after the loss.
 
@@ -44,7 +44,7 @@ from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate, state_specs
 from jax_bytegrad._src.sharding import rule
 from jax_bytegrad._src.sharding.rule import Shard
-from jax_bytegrad._src.sync import shards
+from jax_bytegrad._src.sync import across_nodes, shards
 from jax_bytegrad._src.sync.config import platform_of
 from jax_bytegrad._src.sync.shards import Sharded
 
@@ -437,8 +437,8 @@ class FullSharded(Placement):
     def check_step(self, algorithm, optimizers, loop_syncs):
         # The gradient crosses between nodes in the loss's backward pass: each phase needs
         # its optimizer's sync settings (a Strategy of gradient_allreduce, bytegrad or qadam
-        # gives them), and codes whose sum over the nodes overflows the integer wire are
-        # refused.
+        # gives them), and its codes a wire that reduce-scatters them: the integer wire
+        # where their sum over the nodes fits it, else the scatter-gather wire.
         where, nodes = f"{algorithm} (shard='full')", int(self.mesh.shape[self.axes[0]])
         if any(phase not in loop_syncs for phase in optimizers):
             raise ValueError(
@@ -447,14 +447,17 @@ class FullSharded(Placement):
                 "with Strategy('gradient_allreduce' | 'bytegrad' | 'qadam', shard='full')"
             )
         for sync in loop_syncs.values():
-            codec = sync.config.codec
-            if sync.compressed and not codec.integer_fits(nodes):
-                most = max(g for g in range(1, nodes) if codec.integer_fits(g))
+            wire = across_nodes.gradient_wire(sync.config, nodes)
+            if not sync.compressed:
+                continue
+            if wire == "ring":
                 raise ValueError(
-                    f"{where}: the gradient's codes are summed between nodes as integers, and "
-                    f"{codec.bits}-bit codes fit that for at most {most} nodes, not {nodes}; "
-                    "pass bits=8"
+                    f"{where}: the gradient's codes are reduce-scattered between nodes on "
+                    "wire='allreduce' (integer sums) or wire='scatter_gather', not "
+                    "wire='ring'; pass one of them, or wire='auto'"
                 )
+            if wire == "allreduce":
+                sync.config.codec.check_integer(nodes, f"{where}, {nodes} nodes")
 
 
 PLACEMENTS = {

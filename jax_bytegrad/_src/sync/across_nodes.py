@@ -1,5 +1,5 @@
 """The wire of a state split across nodes (``shard="full"``): weights gathered as codes,
-gradients reduce-scattered as integer codes.
+gradients reduce-scattered as codes.
 
 Follows ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant
 Model Training", 2023): with the state split over every device (FSDP's FULL_SHARD), each step
@@ -15,13 +15,18 @@ nodes. Here the part that crosses between nodes is compressed, per layer, inside
                        owner, unchanged.
     scatter_gradient   a device's gradient of a whole leaf, reduce-scattered within the node
                        in float32 so that each device holds the node's sum of its run of
-                       blocks, one for each node, coded on the integer wire's shared grid
-                       (``codecs/integer.py``: bounds, one ``pmax``, encode) and summed by one
-                       integer ``psum_scatter`` over the nodes: each device decodes its own
-                       block's sum, times ``weight``. With error feedback each device adds
-                       its residual to its run before coding it and keeps what its codes
-                       missed, as the integer wire does (1-bit Adam's per-worker error);
-                       with stochastic rounding each device rounds on its own key.
+                       blocks, one for each node, then coded on the sync's wire between
+                       nodes (``gradient_wire``). On the integer wire (``"allreduce"``) the
+                       run is coded on a shared grid (``codecs/integer.py``: bounds, one
+                       ``pmax``, encode) and summed by one integer ``psum_scatter`` over the
+                       nodes: each device decodes its own block's sum, times ``weight``. On
+                       ``"scatter_gather"`` (any width, any node count: what ``"auto"``
+                       picks for 4 and 2 bits) each piece is coded min-max, one
+                       ``all_to_all`` hands each node its pieces, and each device decodes
+                       and sums them. With error feedback each device adds its residual to
+                       its run before coding it and keeps what its codes missed (1-bit
+                       Adam's per-worker error); with stochastic rounding each device rounds
+                       on its own key.
 
 With ``compressed=False`` both are float32 (``all_gather`` and ``psum_scatter``): FSDP's
 exact baseline. A leaf kept whole (``dim`` None: a scalar, a leaf no dimension of which the
@@ -123,7 +128,7 @@ def scatter_gradient(
     device's gradient of a whole leaf), split along ``dim`` over the local and node axes as
     ``gather_weights`` takes it: reduce-scattered within the node in float32 (device j of a
     node takes the j-th run of K blocks, one for each node), then between nodes, as float32
-    or on the integer wire. In ``grad``'s dtype.
+    or as codes on ``gradient_wire``. In ``grad``'s dtype.
 
     With ``compressed``, ``key`` (the leaf's rounding key, the same on every device: each
     device rounds on its own fold of it) rounds stochastically, and ``residual`` (this
@@ -144,11 +149,14 @@ def scatter_gradient(
         return (mine * np.float32(weight)).reshape(shape).astype(grad.dtype), residual
     if residual is not None:
         pieces = pieces + residual.reshape(pieces.shape)
+    device_key = collectives.bucket_keys(key, config.axes, (0,))[0]
+    if gradient_wire(config, nodes) == "scatter_gather":
+        block, kept = _scattered(pieces, config, weight, device_key, residual is not None)
+        return block.reshape(shape).astype(grad.dtype), kept
     size = config.block_size
     width = config.codec.integer_width(nodes, platform_of())
     flat = _blocks(pieces, size).reshape(-1)
     bounds = jax.lax.pmax(integer.integer_bounds(config.codec, flat, size), axis)
-    device_key = collectives.bucket_keys(key, config.axes, (0,))[0]
     seed = None if device_key is None else integer.dither_seed(device_key)
     codes, kept = integer.integer_encode(
         config.codec, flat, bounds, block_size=size, width=width, seed=seed,
@@ -164,3 +172,31 @@ def scatter_gradient(
     if kept is not None:  # the padding's residual is 0: 0 is on every grid
         kept = kept.reshape(nodes, -1)[:, :count].reshape(-1)
     return decoded.reshape(shape).astype(grad.dtype), kept
+
+
+def gradient_wire(config: SyncConfig, nodes: int) -> str:
+    """The wire the gradient's codes cross between ``nodes`` nodes on: the sync's ``wire``,
+    ``"auto"`` resolved for that many nodes (``Codec.auto_wire``)."""
+    return config.codec.auto_wire(nodes) if config.wire == "auto" else config.wire
+
+
+def _scattered(pieces, config, weight, key, feedback):
+    """The scatter-gather form of ``scatter_gradient``'s step between nodes, for any width
+    and node count: this device's run of ``pieces`` (one per node) is coded block-wise, each
+    node's piece sent to it (one ``all_to_all``), and the pieces received, every node's codes
+    of this device's block, decoded and summed, times ``weight``. Returns the block and, with
+    ``feedback``, what this device's codes missed (the padding's share dropped)."""
+    axis = config.axes[0]
+    codec, size = config.codec, config.block_size
+    nodes, count = pieces.shape
+    flat = _blocks(pieces, size).reshape(-1, size)
+    codes, header = codec.quantize_blocks(flat, key)
+    per_node = lambda x: x.reshape(nodes, -1, x.shape[-1])  # noqa: E731
+    received = [jax.lax.all_to_all(per_node(x), axis, 0, 0) for x in (codes, header)]
+    decoded = codec.dequantize_blocks(*(x.reshape(-1, x.shape[-1]) for x in received))
+    mine = decoded.reshape(nodes, -1)[:, :count].sum(axis=0) * np.float32(weight)
+    kept = None
+    if feedback:
+        sent = codec.dequantize_blocks(codes, header).reshape(nodes, -1)[:, :count]
+        kept = (pieces - sent).reshape(-1)
+    return mine, kept
