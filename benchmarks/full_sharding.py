@@ -1,4 +1,4 @@
-"""``shard="full"`` against ``shard=None`` on a small Llama-style decoder, 2 x 4 CPU devices:
+"""``shard="full"`` against ``shard=None`` on a small Llama-style decoder, 8 CPU devices:
 the loss each reaches, how far the weights the forward computes on are from the master
 weights at each step, and the bytes each device sends between nodes per step.
 
@@ -15,6 +15,7 @@ Usage:
   python benchmarks/full_sharding.py                       # 300 steps, seed 0
   python benchmarks/full_sharding.py --steps 100 --seeds 0,1
   python benchmarks/full_sharding.py --runs bytegrad_4bit_ef   # 4-bit codes, error feedback
+  python benchmarks/full_sharding.py --runs bytegrad_2bit_ef --nodes 4   # 4 x 2 devices
 """
 
 import argparse
@@ -46,6 +47,11 @@ RUNS = {
     "gradient_allreduce": ("gradient_allreduce", {"hierarchical": True}),
     "bytegrad": ("bytegrad", {}),
     "bytegrad_4bit_ef": ("bytegrad", {"bits": 4, "error_feedback": True}),
+    "bytegrad_4bit_ef_integer": (
+        "bytegrad",
+        {"bits": 4, "error_feedback": True, "wire": "allreduce"},
+    ),
+    "bytegrad_2bit_ef": ("bytegrad", {"bits": 2, "error_feedback": True}),
 }
 
 
@@ -77,9 +83,9 @@ def weights_error(params, parts: int, config: jbg.SyncConfig) -> float:
     return float(np.sqrt(num / den))
 
 
-def run(name: str, shard, steps: int, seed: int, every: int) -> dict:
+def run(name: str, shard, steps: int, seed: int, every: int, nodes: int = 2) -> dict:
     algorithm, settings = RUNS[name]
-    mesh = jbg.make_mesh(2, 4)
+    mesh = jbg.make_mesh(nodes, 8 // nodes)
     params = jax.device_get(_llama.init(SHAPE, jax.random.key(seed), scan=True))
     loss = _llama.loss_fn(SHAPE, scan=True, mark="inside")
     strategy = jbg.Strategy(algorithm, mesh=mesh, shard=shard, **settings)
@@ -103,16 +109,18 @@ def main() -> None:
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--every", type=int, default=50, help="steps between weight errors")
     parser.add_argument("--runs", default=",".join(RUNS), help="which of " + ", ".join(RUNS))
+    parser.add_argument("--nodes", type=int, default=2, choices=(2, 4, 8), help="of 8 devices")
     args = parser.parse_args()
-    print(f"JAX {jax.__version__}; 2 x 4 CPU devices; {SHAPE}; {args.steps} steps")
+    mesh = f"{args.nodes} x {8 // args.nodes}"
+    print(f"JAX {jax.__version__}; {mesh} CPU devices; {SHAPE}; {args.steps} steps")
     print(
         f"{'algorithm':18s} {'seed':>4s} {'loss None':>10s} {'loss full':>10s} {'ratio':>7s} "
         f"{'B/node None':>12s} {'B/node full':>12s} weights error (every {args.every} steps)"
     )
     for seed in map(int, args.seeds.split(",")):
         for name in args.runs.split(","):
-            base = run(name, None, args.steps, seed, args.every)
-            full = run(name, "full", args.steps, seed, args.every)
+            base = run(name, None, args.steps, seed, args.every, args.nodes)
+            full = run(name, "full", args.steps, seed, args.every, args.nodes)
             tail = lambda r: float(np.mean(r["losses"][-10:]))  # noqa: E731
             errors = " ".join(f"{e:.2e}" for e in full["errors"]) or "-"
             print(

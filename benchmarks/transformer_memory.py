@@ -54,6 +54,11 @@ ALGORITHMS = {
     "bytegrad": ("bytegrad", {}),
     "gradient_allreduce": ("gradient_allreduce", {"hierarchical": True}),
     "bytegrad-4bit-ef": ("bytegrad", {"bits": 4, "error_feedback": True}),
+    "bytegrad-4bit": ("bytegrad", {"bits": 4}),
+    "bytegrad-4bit-ef-integer": (
+        "bytegrad",
+        {"bits": 4, "error_feedback": True, "wire": "allreduce"},
+    ),
 }
 
 
