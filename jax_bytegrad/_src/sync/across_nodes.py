@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs import Codec, integer
+from jax_bytegrad._src.codecs import Codec, average_blocks, integer
 from jax_bytegrad._src.sync import collectives
 from jax_bytegrad._src.sync.config import SyncConfig, platform_of
 
@@ -184,8 +184,10 @@ def _scattered(pieces, config, weight, key, feedback):
     """The scatter-gather form of ``scatter_gradient``'s step between nodes, for any width
     and node count: this device's run of ``pieces`` (one per node) is coded block-wise, each
     node's piece sent to it (one ``all_to_all``), and the pieces received, every node's codes
-    of this device's block, decoded and summed, times ``weight``. Returns the block and, with
-    ``feedback``, what this device's codes missed (the padding's share dropped)."""
+    of this device's block, decoded and summed, times ``weight`` (``average_blocks``: the
+    weight folded into each piece's scale, so the sum between nodes does not overflow where
+    the mean would not). Returns the block and, with ``feedback``, what this device's codes missed (the
+    padding's share dropped)."""
     axis = config.axes[0]
     codec, size = config.codec, config.block_size
     nodes, count = pieces.shape
@@ -193,8 +195,7 @@ def _scattered(pieces, config, weight, key, feedback):
     codes, header = codec.quantize_blocks(flat, key)
     per_node = lambda x: x.reshape(nodes, -1, x.shape[-1])  # noqa: E731
     received = [jax.lax.all_to_all(per_node(x), axis, 0, 0) for x in (codes, header)]
-    decoded = codec.dequantize_blocks(*(x.reshape(-1, x.shape[-1]) for x in received))
-    mine = decoded.reshape(nodes, -1)[:, :count].sum(axis=0) * np.float32(weight)
+    mine = average_blocks(codec, *received, weight=weight).reshape(-1)[:count]
     kept = None
     if feedback:
         sent = codec.dequantize_blocks(codes, header).reshape(nodes, -1)[:, :count]
