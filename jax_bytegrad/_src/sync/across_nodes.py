@@ -186,8 +186,8 @@ def _scattered(pieces, config, weight, key, feedback):
     node's piece sent to it (one ``all_to_all``), and the pieces received, every node's codes
     of this device's block, decoded and summed, times ``weight`` (``average_blocks``: the
     weight folded into each piece's scale, so the sum between nodes does not overflow where
-    the mean would not). Returns the block and, with ``feedback``, what this device's codes missed (the
-    padding's share dropped)."""
+    the mean would not). Returns the block and, with ``feedback``, what this device's codes
+    missed (the padding's share dropped)."""
     axis = config.axes[0]
     codec, size = config.codec, config.block_size
     nodes, count = pieces.shape
