@@ -150,7 +150,7 @@ def _interpreted(kernel: Callable) -> Callable:
     return functools.partial(kernel, interpret=True)
 
 
-_BLOCK_OPS = ("quantize_blocks", "dequantize_blocks", "average_requantize")
+BLOCK_OPS = ("quantize_blocks", "dequantize_blocks", "average_requantize")
 INTEGER_OPS = ("integer_bounds", "integer_encode", "decode_factors", "integer_decode")
 # Every implementation of every op: op -> implementation name -> function (module docstring).
 REGISTRY: dict[str, dict[str, Callable]] = {

@@ -59,7 +59,7 @@ class Kernel:
         if op == "dequantize_blocks":
             return cls(op, codec, block_size)
         if op != "average_requantize":
-            raise ValueError(f"{op!r} is not a block op; expected one of {codecs._BLOCK_OPS}")
+            raise ValueError(f"{op!r} is not a block op; expected one of {codecs.BLOCK_OPS}")
         return cls(op, codec, block_size, chunks=first.shape[0], weight=float(weight))
 
     @property

@@ -44,7 +44,7 @@ from jax_bytegrad._src import checks
 from jax_bytegrad._src.mesh import replicate, state_specs
 from jax_bytegrad._src.sharding import rule
 from jax_bytegrad._src.sharding.rule import Shard
-from jax_bytegrad._src.sync import across_nodes, shards
+from jax_bytegrad._src.sync import shards
 from jax_bytegrad._src.sync.config import platform_of
 from jax_bytegrad._src.sync.shards import Sharded
 
@@ -447,9 +447,9 @@ class FullSharded(Placement):
                 "with Strategy('gradient_allreduce' | 'bytegrad' | 'qadam', shard='full')"
             )
         for sync in loop_syncs.values():
-            wire = across_nodes.gradient_wire(sync.config, nodes)
             if not sync.compressed:
                 continue
+            wire = sync.config.wire_for(nodes)
             if wire == "ring":
                 raise ValueError(
                     f"{where}: the gradient's codes are reduce-scattered between nodes on "

@@ -16,8 +16,8 @@ nodes. Here the part that crosses between nodes is compressed, per layer, inside
     scatter_gradient   a device's gradient of a whole leaf, reduce-scattered within the node
                        in float32 so that each device holds the node's sum of its run of
                        blocks, one for each node, then coded on the sync's wire between
-                       nodes (``gradient_wire``). On the integer wire (``"allreduce"``) the
-                       run is coded on a shared grid (``codecs/integer.py``: bounds, one
+                       nodes (``SyncConfig.wire_for``). On the integer wire (``"allreduce"``)
+                       the run is coded on a shared grid (``codecs/integer.py``: bounds, one
                        ``pmax``, encode) and summed by one integer ``psum_scatter`` over the
                        nodes: each device decodes its own block's sum, times ``weight``. On
                        ``"scatter_gather"`` (any width, any node count: what ``"auto"``
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_bytegrad._src.codecs import Codec, average_blocks, integer
+from jax_bytegrad._src.codecs import Codec, average_blocks, integer, quantize_with_feedback
 from jax_bytegrad._src.sync import collectives
 from jax_bytegrad._src.sync.config import SyncConfig, platform_of
 
@@ -128,7 +128,7 @@ def scatter_gradient(
     device's gradient of a whole leaf), split along ``dim`` over the local and node axes as
     ``gather_weights`` takes it: reduce-scattered within the node in float32 (device j of a
     node takes the j-th run of K blocks, one for each node), then between nodes, as float32
-    or as codes on ``gradient_wire``. In ``grad``'s dtype.
+    or as codes on the sync's wire (``SyncConfig.wire_for`` the nodes). In ``grad``'s dtype.
 
     With ``compressed``, ``key`` (the leaf's rounding key, the same on every device: each
     device rounds on its own fold of it) rounds stochastically, and ``residual`` (this
@@ -147,12 +147,12 @@ def scatter_gradient(
     if not compressed:
         mine = jax.lax.psum_scatter(pieces, axis)
         return (mine * np.float32(weight)).reshape(shape).astype(grad.dtype), residual
+    device_key = collectives.bucket_keys(key, config.axes, (0,))[0]
+    if config.wire_for(nodes) == "scatter_gather":
+        block, kept = _scattered(pieces, config, weight, device_key, residual)
+        return block.reshape(shape).astype(grad.dtype), kept
     if residual is not None:
         pieces = pieces + residual.reshape(pieces.shape)
-    device_key = collectives.bucket_keys(key, config.axes, (0,))[0]
-    if gradient_wire(config, nodes) == "scatter_gather":
-        block, kept = _scattered(pieces, config, weight, device_key, residual is not None)
-        return block.reshape(shape).astype(grad.dtype), kept
     size = config.block_size
     width = config.codec.integer_width(nodes, platform_of())
     flat = _blocks(pieces, size).reshape(-1)
@@ -174,30 +174,27 @@ def scatter_gradient(
     return decoded.reshape(shape).astype(grad.dtype), kept
 
 
-def gradient_wire(config: SyncConfig, nodes: int) -> str:
-    """The wire the gradient's codes cross between ``nodes`` nodes on: the sync's ``wire``,
-    ``"auto"`` resolved for that many nodes (``Codec.auto_wire``)."""
-    return config.codec.auto_wire(nodes) if config.wire == "auto" else config.wire
-
-
-def _scattered(pieces, config, weight, key, feedback):
+def _scattered(pieces, config, weight, key, residual):
     """The scatter-gather form of ``scatter_gradient``'s step between nodes, for any width
     and node count: this device's run of ``pieces`` (one per node) is coded block-wise, each
     node's piece sent to it (one ``all_to_all``), and the pieces received, every node's codes
     of this device's block, decoded and summed, times ``weight`` (``average_blocks``: the
     weight folded into each piece's scale, so the sum between nodes does not overflow where
-    the mean would not). Returns the block and, with ``feedback``, what this device's codes
-    missed (the padding's share dropped)."""
+    the mean would not). With ``residual`` (this device's error feedback) the run is coded
+    with it added (``quantize_with_feedback``). Returns the block and the new residual, what
+    this device's codes missed (the padding's share dropped; None without ``residual``)."""
     axis = config.axes[0]
     codec, size = config.codec, config.block_size
     nodes, count = pieces.shape
     flat = _blocks(pieces, size).reshape(-1, size)
-    codes, header = codec.quantize_blocks(flat, key)
+    kept = None
+    if residual is None:
+        codes, header = codec.quantize_blocks(flat, key)
+    else:
+        fed = _blocks(residual.reshape(pieces.shape), size).reshape(-1, size)
+        codes, header, kept = quantize_with_feedback(codec, flat, fed, key)
+        kept = kept.reshape(nodes, -1)[:, :count].reshape(-1)
     per_node = lambda x: x.reshape(nodes, -1, x.shape[-1])  # noqa: E731
     received = [jax.lax.all_to_all(per_node(x), axis, 0, 0) for x in (codes, header)]
     mine = average_blocks(codec, *received, weight=weight).reshape(-1)[:count]
-    kept = None
-    if feedback:
-        sent = codec.dequantize_blocks(codes, header).reshape(nodes, -1)[:, :count]
-        kept = (pieces - sent).reshape(-1)
     return mine, kept

@@ -202,6 +202,11 @@ class SyncConfig:
             self.codec.check_integer(self.group(nodes, per_node).size, where)
         return nodes, per_node
 
+    def wire_for(self, size: int) -> str:
+        """The wire between ``size`` devices (or nodes): ``wire``, with ``"auto"`` resolved
+        for that many (``Codec.auto_wire``)."""
+        return self.codec.auto_wire(size) if self.wire == "auto" else self.wire
+
     def group(self, nodes: int, per_node: int) -> "Group":
         """The ``Group`` that compresses on a mesh of ``nodes`` x ``per_node``: the nodes
         (hierarchical: one device per node), or every device (flat), over ``wire`` with
@@ -213,9 +218,7 @@ class SyncConfig:
           ('allreduce', 'scatter_gather')
         """
         size = nodes if self.hierarchical else nodes * per_node
-        wire = self.wire
-        if wire == "auto":
-            wire = self.codec.auto_wire(size)
+        wire = self.wire_for(size)
         plain = size == 1
         if not self.hierarchical:
             return Group(self.axes, self.axes, size, False, wire, plain)
