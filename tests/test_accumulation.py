@@ -152,6 +152,21 @@ def test_qadam_accumulates_through_data_parallel_step():
         np.testing.assert_allclose(got[k], want[k], atol=5e-3)
 
 
+def test_qadam_strategy_accumulates_as_the_larger_batch():
+    # Strategy("qadam") takes no optimizer to wrap: every_k_schedule is its setting.
+    mesh = jax_bytegrad.make_mesh(2, 4)
+    settings = {"mesh": mesh, "learning_rate": 1e-2, "warmup_steps": 2}
+    batches = micro_batches(4 * 2)
+    accumulating = jax_bytegrad.Strategy("qadam", every_k_schedule=2, **settings)
+    state, got, _ = run(accumulating.train_step(loss_fn), batches)
+    assert int(state.step) == 8
+    _, want, _ = run(jax_bytegrad.Strategy("qadam", **settings).train_step(loss_fn),
+                     large(batches, k=2))  # fmt: skip
+    for k in want:  # warm-up, then the 8-bit momentum codes: the same codes, near enough
+        np.testing.assert_allclose(got[k], want[k], atol=5e-3)
+        assert not np.allclose(got[k], params0()[k], atol=1e-3), k  # it trained
+
+
 def test_a_schedule_of_k_is_followed():
     mesh = jax_bytegrad.make_mesh(2, 4)
     schedule = lambda gradient_step: 1 + gradient_step  # noqa: E731 - 1, 2, 3 micro-steps

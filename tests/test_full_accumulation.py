@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import assert_trees_all_close
-from test_sharding import batches, loss_fn, params0, strategy
+from test_sharding import ALGORITHMS, batches, loss_fn, params0, strategy
 
 import jax_bytegrad
 from jax_bytegrad.checkpoint import Checkpointer
@@ -22,9 +22,11 @@ def run(algorithm, shard, steps, *, k=K, state=None, start=0, **settings):
     """``steps`` micro-steps (from ``start``, on ``state`` if given) of ``test_sharding``'s
     model with ``optax.MultiSteps(adam, k)`` (no accumulation for ``k`` None); returns the
     step (open), its state and the losses."""
+    if algorithm == "qadam" and k is not None:  # QAdam is the optimizer: a setting
+        settings["every_k_schedule"] = k
     s = strategy(algorithm, jax_bytegrad.make_mesh(2, 4), shard, **settings)
     tx = None if algorithm == "qadam" else optax.adam(1e-2)
-    if k is not None:
+    if k is not None and tx is not None:
         tx = optax.MultiSteps(tx, every_k_schedule=k)
     step = s.train_step(loss_fn, tx)
     state = step.init(params0()) if state is None else state(step)
@@ -45,6 +47,29 @@ def test_qadam_trains_full_as_replicated():
         np.testing.assert_allclose(got, want, rtol=0.01)
         # Every device rests with an eighth of w1, and of its moments.
         assert state.params["w1"].addressable_shards[0].data.shape == (8, 32)
+
+
+def test_qadam_accumulates_full_as_replicated():
+    # Warm-up and compressed phases count gradient steps; every micro-step of "full" crosses
+    # on its gradient step's phase (the compressed one's gradient codes, then the momentum).
+    ref, _, want = run("qadam", None, 32)
+    step, state, got = run("qadam", "full", 32)
+    with ref, step:
+        assert step.phase_counts(state) == {"accumulate": 16, "warmup": 8, "compressed": 8}
+        assert want[-1] < 0.8 * want[0], "the model did not learn"
+        np.testing.assert_allclose(got, want, rtol=0.01)
+        acc = state.extra["accumulated"]
+        assert acc["w1"].addressable_shards[0].data.shape == (1, 8, 32)
+
+
+def test_qadam_takes_its_accumulation_as_a_setting():
+    settings = {"mesh": jax_bytegrad.make_mesh(2, 4), **ALGORITHMS["qadam"]}
+    for bad in (0, 1.5, "2", True):
+        with pytest.raises(ValueError, match="every_k_schedule must be an int >= 1"):
+            jax_bytegrad.Strategy("qadam", every_k_schedule=bad, **settings)
+    s = jax_bytegrad.Strategy("qadam", **settings)
+    with pytest.raises(ValueError, match="every_k_schedule=k to accumulate"):
+        s.train_step(loss_fn, optax.MultiSteps(optax.adam(1e-2), every_k_schedule=K))
 
 
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad"])

@@ -250,15 +250,17 @@ class Strategy:
                 f"Strategy({name!r}): {name} is the optimizer itself (Adam with an 8-bit "
                 "momentum exchange), so train_step takes optimizer=None; pass its settings to "
                 f"the strategy: Strategy({name!r}, learning_rate=1e-3, warmup_steps=100, ...)"
-            )
+                + (", and every_k_schedule=k to accumulate micro-steps as optax.MultiSteps does"
+                   if isinstance(optimizer, optax.MultiSteps) else "")
+            )  # fmt: skip
         accumulation = None
         if isinstance(optimizer, optax.MultiSteps):
             if not entry.accumulates:
                 supported = [n for n, e in REGISTRY.items() if e.accumulates]
                 raise ValueError(
                     f"Strategy({name!r}): gradient accumulation (optax.MultiSteps) is supported "
-                    f"by {' and '.join(supported)} (and qadam through "
-                    "data_parallel_step(loss_fn, optax.MultiSteps(qadam(...), k), mesh))"
+                    f"by {' and '.join(supported)} (and by Strategy('qadam', "
+                    "every_k_schedule=k))"
                 )
             optimizer, accumulation = Accumulation.of(optimizer, f"Strategy({name!r})")
         if entry.takes_optimizer and not isinstance(optimizer, optax.GradientTransformation):

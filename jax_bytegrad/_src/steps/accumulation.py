@@ -78,6 +78,22 @@ class Accumulation:
             )
         return multi_steps.inner_opt, cls(every_k, bool(mean), np.dtype(dtype))
 
+    @classmethod
+    def every(cls, every_k_schedule, where: str):
+        """The mean over ``every_k_schedule`` micro-steps, as ``optax.MultiSteps`` takes it:
+        an int k, or ``gradient_step -> k``; for a step whose optimizer is not the user's to
+        wrap (``Strategy("qadam", every_k_schedule=k)``). Raises ``ValueError`` for
+        anything else."""
+        if callable(every_k_schedule):
+            return cls(every_k_schedule)
+        k = every_k_schedule
+        if isinstance(k, (int, np.integer)) and not isinstance(k, bool) and k >= 1:
+            return cls(lambda _: int(k))
+        raise ValueError(
+            f"{where}: every_k_schedule must be an int >= 1 or a function of the gradient "
+            f"step giving one, as optax.MultiSteps takes it; got {k!r}"
+        )
+
     def k_of(self, gradient_step: int) -> int:
         k = int(np.asarray(self.every_k(np.int32(gradient_step))))
         if k < 1:

@@ -9,6 +9,7 @@ from jax_bytegrad._src import checks, guard
 from jax_bytegrad._src.algorithms import data_parallel, registry
 from jax_bytegrad._src.algorithms.qadam import transform
 from jax_bytegrad._src.algorithms.registry import Algorithm, Settings, pick
+from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import TrainStep
 
 QADAM = registry.defaults(transform.qadam)
@@ -16,6 +17,9 @@ QADAM = registry.defaults(transform.qadam)
 
 def _build_qadam(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainStep:
     del optimizer  # QAdam is the optimizer
+    every_k = s.setting("every_k_schedule")
+    if every_k is not None:
+        model["accumulation"] = Accumulation.every(every_k, "Strategy('qadam')")
     kwargs = pick(s.kwargs, QADAM)
     phases = {
         phase: transform.qadam(mesh=s.mesh, phase=phase, **kwargs)
@@ -40,14 +44,22 @@ def _build_qadam(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainStep
 def _check_qadam(s: Settings) -> None:
     transform.qadam(mesh=s.mesh, **pick(s.kwargs, QADAM))
     checks.boolean(s.setting("skip_nonfinite"), "skip_nonfinite", "Strategy('qadam')")
+    if s.setting("every_k_schedule") is not None:
+        Accumulation.every(s.setting("every_k_schedule"), "Strategy('qadam')")
     data_parallel.check_sharded(s)
 
 
 registry.register(
     Algorithm(
         name="qadam",
-        # skip_nonfinite: wrap QAdam in skip_nonfinite (train_step takes no optimizer to wrap).
-        settings={**QADAM, **data_parallel.STEP, "skip_nonfinite": False},
+        # skip_nonfinite: wrap QAdam in skip_nonfinite; every_k_schedule: accumulate k
+        # micro-steps, as optax.MultiSteps would (train_step takes no optimizer to wrap).
+        settings={
+            **QADAM,
+            **data_parallel.STEP,
+            "skip_nonfinite": False,
+            "every_k_schedule": None,
+        },
         tunable=("wire", "bucket_bytes", "hierarchical", "message_bytes"),
         build=_build_qadam,
         takes_optimizer=False,
