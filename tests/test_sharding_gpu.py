@@ -10,6 +10,8 @@ skip, and tests/test_sharding.py checks the same bytes and state on the CPU mesh
 
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from helpers import load_script, needs_gpu_plugin
@@ -70,3 +72,33 @@ def test_sharded_steps_need_less_memory_and_send_the_same_bytes_between_nodes(na
         assert sent[None][phase] > 0
         for shard in ("optimizer", "params"):
             assert sent[shard][phase] == pytest.approx(sent[None][phase], rel=0.01), (shard, phase)
+
+
+LLAMA = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "_llama.py")
+
+
+def _full_memory(settings):
+    """``memory_stats`` of a scanned Llama decoder's ``shard="full"`` bytegrad step (each
+    layer marked inside its checkpoint), compiled for 2 x 4 H100s."""
+    shape = LLAMA.Shape(layers=8, dim=256, ffn=512, heads=4, vocab=256)
+    mesh = gpu_mesh(2, 4)
+    strategy = jbg.Strategy("bytegrad", mesh=mesh, shard="full", bits=4, **settings)
+    batch = jax.ShapeDtypeStruct((8, 33), jnp.int32)
+    loss = LLAMA.loss_fn(shape, scan=True, mark="inside")
+    with strategy.train_step(loss, optax.adamw(1e-4)) as step:
+        state = step.state_shapes(LLAMA.param_shapes(shape, scan=True), batch)
+        return step.memory_stats(state, batch)["step"], shape
+
+
+@needs_plugin
+def test_full_error_feedback_holds_its_residuals_once():
+    # Each layer's backward reads its residual row and overwrites it in place (a jax.Ref):
+    # the residuals sit in the step's arguments, and its temporaries are the step's without
+    # feedback. Passed in beside the params instead, the new residuals came back as a
+    # cotangent, a second stack written while the first was read (temp + the residuals).
+    plain, shape = _full_memory({})
+    fed, _ = _full_memory({"error_feedback": True})
+    residuals = fed.argument_bytes - plain.argument_bytes
+    # 1/L of the model in float32 per device (L = 4 devices per node).
+    assert residuals >= 0.9 * shape.parameters() * 4 / 4, (residuals, shape.parameters())
+    assert fed.temp_bytes - plain.temp_bytes < 0.1 * residuals, (fed, plain)

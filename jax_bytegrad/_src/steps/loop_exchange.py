@@ -203,6 +203,29 @@ def _has_mark(jaxpr) -> bool:
     return False
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A layer's error-feedback residual, held in a ``jax.Ref`` that the backward pass reads
+    and writes in place: ``ref[index]``, the row of each loop the layer is in (``()`` for
+    none). A residual passed in beside the params instead comes back as a cotangent, a new
+    stack written while the old one is read: twice the memory (``loop_gather``). A pytree,
+    so that a ``jax.custom_vjp`` takes it as an argument."""
+
+    ref: Any
+    index: tuple = ()
+
+    def at(self, i) -> "Slot":
+        """The slot of iteration ``i`` of a loop over this slot's rows."""
+        return Slot(self.ref, (*self.index, i))
+
+    def read(self):
+        return self.ref[self.index] if self.index else self.ref[...]
+
+    def write(self, value) -> None:
+        self.ref[self.index if self.index else ...] = value
+
+
 class Rewrite:
     """One rewrite of a loss's trace: the marks become the exchange (``LoopSync``)."""
 
@@ -265,7 +288,8 @@ class Rewrite:
         whole = [None if o is None else (o[0], "const") for o in origins[:nc]]
         inner_origin = inner_origins(body.jaxpr, [*whole, *[None] * nk, *sliced])
         # The moments and residuals of the leaves the loop slices are sliced with them, and
-        # their keys split into one per iteration, as extra xs.
+        # their keys split into one per iteration, as extra xs (a residual in a ``Slot``: the
+        # iteration's row index).
         outer, outer_keys, outer_fed = self.moments, self.keys, self.residuals
         leaves = {o[0] for o in sliced if o is not None}
         slid = sorted(leaves & set(outer))
@@ -276,7 +300,11 @@ class Rewrite:
             x, extra, keys, residuals = x
             self.moments = {**outer, **dict(zip(slid, extra, strict=True))}
             self.keys = {**outer_keys, **dict(zip(keyed, keys, strict=True))}
-            self.residuals = {**outer_fed, **dict(zip(fed, residuals, strict=True))}
+            self.residuals = {
+                **outer_fed,
+                **{leaf: outer_fed[leaf].at(r) if isinstance(outer_fed[leaf], Slot) else r
+                   for leaf, r in zip(fed, residuals, strict=True)},
+            }  # fmt: skip
             try:
                 outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], dict(inner_origin))
             finally:
@@ -286,6 +314,8 @@ class Rewrite:
         extra = [outer[leaf] for leaf in slid]
         keys = [jax.random.split(outer_keys[leaf], p["length"]) for leaf in keyed]
         residuals = [outer_fed[leaf] for leaf in fed]
+        residuals = [jax.numpy.arange(p["length"]) if isinstance(r, Slot) else r
+                     for r in residuals]  # fmt: skip
         carry, ys = jax.lax.scan(
             step, list(init), (list(xs), extra, keys, residuals), length=p["length"],
             reverse=p["reverse"], unroll=p["unroll"],

@@ -260,32 +260,30 @@ class ModelState:
         ``inputs`` as ``inputs`` gives them, ``model_state`` synced over ``axes`` (None
         without state).
 
-        With ``exchange`` (``(fn, args) -> (fn, marked, residuals)``,
+        With ``exchange`` (``(fn, args) -> (fn, marked, fed)``,
         ``loop_gather.gatherer``), ``params`` are this device's blocks, which the rewritten
         loss gathers where it uses them; ``grads`` are then this device's blocks of the mean,
         and the run returns ``(outputs, grads, marked, residuals)`` as ``value_and_grad_rows``
-        does (``residuals``: with error feedback, the gathered leaves' new ones)."""
+        does (``residuals``: with error feedback, the gathered leaves' new ones, ``fed()``
+        after the gradient)."""
         loss = self._loss(loss_fn, has_aux)
 
         def run(params, batch, *inputs):
             model_state, rng = self._split_inputs(inputs)
             key = None if rng is None else step_key(*rng, jax.lax.axis_index(axes))
-            fn, marked, residuals = loss, (), None
+            fn, marked, fed = loss, (), None
             if exchange is not None:
                 params = make_varying(params, axes)
-                fn, marked, residuals = exchange(loss, (params, batch, model_state, key))
+                fn, marked, fed = exchange(loss, (params, batch, model_state, key))
             if exchange is not None:
                 # Each remat'd layer's backward releases its weight gradients with the
                 # gradient for the layer below, as with ``value_and_grad_rows``: a list of
                 # layers then peaks as a scanned stack does.
                 fn = remat_order.tie_remat_backward(fn)
-            # The gathered leaves' residuals go in beside the params: their cotangents are the
-            # new residuals (``loop_gather.gatherer``).
-            first = params if residuals is None else (params, residuals)
             grad_fn = jax.value_and_grad(fn, has_aux=True)
-            (value, (aux, model_state)), grads = grad_fn(first, batch, model_state, key)
-            if residuals is not None:
-                grads, residuals = grads
+            (value, (aux, model_state)), grads = grad_fn(params, batch, model_state, key)
+            # The backward wrote the gathered leaves' new residuals where it read the old.
+            residuals = None if fed is None else fed()
             if self.has_state:
                 model_state = jax.tree.map(lambda x: _sync_leaf(x, axes, self.sync), model_state)
             if exchange is not None:
