@@ -77,28 +77,30 @@ def test_sharded_steps_need_less_memory_and_send_the_same_bytes_between_nodes(na
 LLAMA = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "_llama.py")
 
 
-def _full_memory(settings):
-    """``memory_stats`` of a scanned Llama decoder's ``shard="full"`` bytegrad step (each
-    layer marked inside its checkpoint), compiled for 2 x 4 H100s."""
+def _scanned_memory(shard, settings):
+    """``memory_stats`` of a scanned Llama decoder's 4-bit bytegrad step, each layer marked
+    with ``exchange_in_loop`` (inside its checkpoint for ``"full"``), compiled for 2 x 4
+    H100s."""
     shape = LLAMA.Shape(layers=8, dim=256, ffn=512, heads=4, vocab=256)
     mesh = gpu_mesh(2, 4)
-    strategy = jbg.Strategy("bytegrad", mesh=mesh, shard="full", bits=4, **settings)
+    strategy = jbg.Strategy("bytegrad", mesh=mesh, shard=shard, bits=4, **settings)
     batch = jax.ShapeDtypeStruct((8, 33), jnp.int32)
-    loss = LLAMA.loss_fn(shape, scan=True, mark="inside")
+    loss = LLAMA.loss_fn(shape, scan=True, mark="inside" if shard == "full" else True)
     with strategy.train_step(loss, optax.adamw(1e-4)) as step:
         state = step.state_shapes(LLAMA.param_shapes(shape, scan=True), batch)
         return step.memory_stats(state, batch)["step"], shape
 
 
 @needs_plugin
-def test_full_error_feedback_holds_its_residuals_once():
-    # Each layer's backward reads its residual row and overwrites it in place (a jax.Ref):
-    # the residuals sit in the step's arguments, and its temporaries are the step's without
+@pytest.mark.parametrize("shard", ["full", "params"])
+def test_error_feedback_in_the_loop_holds_its_residuals_once(shard):
+    # Each marked layer's backward reads its residuals and overwrites them in place (a
+    # jax.Ref): they sit in the step's arguments, and its temporaries are the step's without
     # feedback. Passed in beside the params instead, the new residuals came back as a
     # cotangent, a second stack written while the first was read (temp + the residuals).
-    plain, shape = _full_memory({})
-    fed, _ = _full_memory({"error_feedback": True})
+    plain, shape = _scanned_memory(shard, {})
+    fed, _ = _scanned_memory(shard, {"error_feedback": True})
     residuals = fed.argument_bytes - plain.argument_bytes
-    # 1/L of the model in float32 per device (L = 4 devices per node).
+    # At least 1/L of the model in float32 per device (L = 4 devices per node).
     assert residuals >= 0.9 * shape.parameters() * 4 / 4, (residuals, shape.parameters())
     assert fed.temp_bytes - plain.temp_bytes < 0.1 * residuals, (fed, plain)

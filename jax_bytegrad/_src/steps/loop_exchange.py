@@ -34,6 +34,7 @@ from jax_bytegrad._src.steps import interpret, loop_marks
 from jax_bytegrad._src.steps.loop_marks import (
     MARK,
     PASS,
+    at_row,
     inner_origins,
     is_mark,
     origin_of,
@@ -203,29 +204,6 @@ def _has_mark(jaxpr) -> bool:
     return False
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Slot:
-    """A layer's error-feedback residual, held in a ``jax.Ref`` that the backward pass reads
-    and writes in place: ``ref[index]``, the row of each loop the layer is in (``()`` for
-    none). A residual passed in beside the params instead comes back as a cotangent, a new
-    stack written while the old one is read: twice the memory (``loop_gather``). A pytree,
-    so that a ``jax.custom_vjp`` takes it as an argument."""
-
-    ref: Any
-    index: tuple = ()
-
-    def at(self, i) -> "Slot":
-        """The slot of iteration ``i`` of a loop over this slot's rows."""
-        return Slot(self.ref, (*self.index, i))
-
-    def read(self):
-        return self.ref[self.index] if self.index else self.ref[...]
-
-    def write(self, value) -> None:
-        self.ref[self.index if self.index else ...] = value
-
-
 class Rewrite:
     """One rewrite of a loss's trace: the marks become the exchange (``LoopSync``)."""
 
@@ -233,9 +211,9 @@ class Rewrite:
                  keys: dict | None = None, residuals: dict | None = None):  # fmt: skip
         self.sync, self.mesh, self.dims = sync, mesh, dims
         # Per marked leaf, what its exchange also takes (``LoopSync.b1``'s ``m``, a rounding
-        # key; per call, by its first leaf, the residual vectors), as the current scope sees
-        # it: outside a loop whole (one key), inside a loop's body its slice (this
-        # iteration's key, this layer's residuals).
+        # key; per call, by its first leaf, the ``Slot``s of its residual vectors; per leaf,
+        # ``loop_gather``'s), as the current scope sees it: outside a loop whole (one key),
+        # inside a loop's body its slice (this iteration's key, this layer's residuals).
         self.moments = dict(moments or {})
         self.keys = dict(keys or {})
         self.residuals = dict(residuals or {})
@@ -287,9 +265,9 @@ class Rewrite:
         ]
         whole = [None if o is None else (o[0], "const") for o in origins[:nc]]
         inner_origin = inner_origins(body.jaxpr, [*whole, *[None] * nk, *sliced])
-        # The moments and residuals of the leaves the loop slices are sliced with them, and
-        # their keys split into one per iteration, as extra xs (a residual in a ``Slot``: the
-        # iteration's row index).
+        # The moments of the leaves the loop slices are sliced with them and their keys split
+        # into one per iteration, as extra xs; their residuals' slots take the iteration's
+        # row.
         outer, outer_keys, outer_fed = self.moments, self.keys, self.residuals
         leaves = {o[0] for o in sliced if o is not None}
         slid = sorted(leaves & set(outer))
@@ -297,14 +275,10 @@ class Rewrite:
         fed = sorted(leaves & set(outer_fed))
 
         def step(carry, x):
-            x, extra, keys, residuals = x
+            x, extra, keys, row = x
             self.moments = {**outer, **dict(zip(slid, extra, strict=True))}
             self.keys = {**outer_keys, **dict(zip(keyed, keys, strict=True))}
-            self.residuals = {
-                **outer_fed,
-                **{leaf: outer_fed[leaf].at(r) if isinstance(outer_fed[leaf], Slot) else r
-                   for leaf, r in zip(fed, residuals, strict=True)},
-            }  # fmt: skip
+            self.residuals = {**outer_fed, **{leaf: at_row(outer_fed[leaf], row) for leaf in fed}}
             try:
                 outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], dict(inner_origin))
             finally:
@@ -313,11 +287,9 @@ class Rewrite:
 
         extra = [outer[leaf] for leaf in slid]
         keys = [jax.random.split(outer_keys[leaf], p["length"]) for leaf in keyed]
-        residuals = [outer_fed[leaf] for leaf in fed]
-        residuals = [jax.numpy.arange(p["length"]) if isinstance(r, Slot) else r
-                     for r in residuals]  # fmt: skip
+        row = jax.numpy.arange(p["length"]) if fed else ()
         carry, ys = jax.lax.scan(
-            step, list(init), (list(xs), extra, keys, residuals), length=p["length"],
+            step, list(init), (list(xs), extra, keys, row), length=p["length"],
             reverse=p["reverse"], unroll=p["unroll"],
         )  # fmt: skip
         return [*carry, *ys]
@@ -376,9 +348,10 @@ def _exchanging(rewrite: Rewrite, dims: tuple, moments: int = 0, impl=None, resi
     """The mark of a layer whose split dimensions are ``dims``: an identity whose backward
     averages the layer's gradient between nodes. After the layer's leaves it takes
     ``moments`` of them, which its backward exchanges with the gradient (``LoopSync.b1``),
-    then, given the key implementation ``impl``, its rounding key's data, then ``residuals``
-    error-feedback vectors, each the node's devices' own as ``(local, n)``. The cotangents of
-    the moments and the key are zero; those of the residuals are the new residuals."""
+    then, given the key implementation ``impl``, its rounding key's data, then the ``Slot``s
+    of ``residuals`` error-feedback vectors, each the node's devices' own as ``(local, n)``,
+    which its backward reads and overwrites with the new ones. The cotangents of all but the
+    layer's leaves are zero."""
     sync, mesh, local_axis = rewrite.sync, rewrite.mesh, rewrite.sync.config.local_axis
     node_axis = sync.config.node_axis
     count = len(dims)
@@ -417,11 +390,14 @@ def _exchanging(rewrite: Rewrite, dims: tuple, moments: int = 0, impl=None, resi
         return mark(*xs), xs[count:]
 
     def bwd(extra, cts):
-        out = mean(cts, extra)
+        slots = extra[len(extra) - residuals :]
+        out = mean(cts, (*extra[: len(extra) - residuals], *(s.read() for s in slots)))
+        for slot, kept in zip(slots, out[count:], strict=True):
+            slot.write(kept)
         zeros = [jax.numpy.zeros_like(m) for m in extra[:moments]]
         if keyed:  # an integer input's cotangent
             zeros.append(np.zeros(np.shape(extra[moments]), jax.dtypes.float0))
-        return (*out[:count], *zeros, *out[count:])
+        return (*out[:count], *zeros, *[None] * residuals)
 
     mark.defvjp(fwd, bwd)
     return mark
@@ -436,7 +412,7 @@ def _consts(closed):
 
 
 def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=None, keys=None,
-                  fed=None):  # fmt: skip
+                  slots=None):  # fmt: skip
     """``fn`` (whose first ``params_count`` leaves are the params, one array over the node,
     each split along ``dims``) with each ``exchange_in_loop`` mark it calls replaced by the
     exchange of ``sync``. The marked leaves (``marked_leaves``) come unvaried over the nodes,
@@ -444,20 +420,14 @@ def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=Non
     and split as the leaf; ``keys``: with ``sync.takes_key``, per marked leaf index, its
     rounding key (a scanned stack's is split into one per layer).
 
-    ``fed``: with ``sync.feeds_back``, the ``(calls, sizes)`` of the marked layers' residuals
-    (``residual_sizes``); the function then takes ``(params, residuals)`` first, the
-    residuals as the optimizer state holds them (``fed_residuals``), and each layer's new
-    residuals are their cotangent: ``jax.grad`` returns them."""
+    ``slots``: with ``sync.feeds_back``, per marked call, the ``Slot``s of its residuals
+    (``loop_marks.slots``), which each layer's backward reads and overwrites."""
 
-    def rewritten(first, *rest):
-        params, carried = (first, None) if fed is None else first
-        args = (params, *rest)
+    def rewritten(*args):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
         invars = closed.jaxpr.invars[:params_count]
         origin = {v: (i, "whole") for i, v in enumerate(invars)}
-        local = mesh.shape[sync.config.local_axis]
-        residuals = None if fed is None else loop_marks.per_layer(carried, *fed, local)
-        rewrite = Rewrite(sync, mesh, dims, moments, keys, residuals)
+        rewrite = Rewrite(sync, mesh, dims, moments, keys, slots)
         outs = rewrite.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args), origin)
         return jax.tree.unflatten(jax.tree.structure(shape), outs)
 
@@ -465,13 +435,13 @@ def with_exchange(fn, sync: LoopSync, mesh, dims, params_count: int, moments=Non
 
 
 def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
-    """``(fn, args) -> (fn rewritten, marked, residuals)``, for
+    """``(fn, args) -> (fn rewritten, marked, fed)``, for
     ``ModelState.value_and_grad_rows``: ``fn``'s marks found on ``args`` (the params varying
     first) and replaced by ``sync``'s exchange; ``fn`` itself where it marks nothing.
     ``opt_state``: the optimizer's state, from which the exchange takes what it needs
-    (``LoopSync.from_state``). ``residuals``: with error feedback and marks, the marked
-    layers' (``fed_residuals``), which the rewritten ``fn`` takes beside the params (its
-    first argument is then the pair); else None."""
+    (``LoopSync.from_state``). ``fed``: with error feedback and marks, ``fed()`` gives the
+    marked layers' new residuals (``loop_marks.slots``) once the gradient is taken; else
+    None."""
     moments, key, state_residuals = sync.from_state(opt_state)
 
     def rewrite(fn, args):
@@ -480,7 +450,7 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
         marked = loop_marks.marked_leaves(calls, count)
         if not any(marked):
             return fn, marked, None
-        ms = keys = fed = residuals = None
+        ms = keys = slots = fed = None
         if sync.b1 is not None:
             ms = {i: m for i, (m, done) in enumerate(zip(moments, marked, strict=True)) if done}
         if sync.takes_key:
@@ -490,8 +460,9 @@ def rewriter(sync: LoopSync, mesh, dims, opt_state=None):
             config = sync.config
             n, local = (mesh.shape[a] for a in config.axes)
             shapes = jax.tree.leaves(args[0])
-            fed = (calls, loop_marks.residual_sizes(calls, shapes, config, (n, local)))
-            residuals = loop_marks.fed_residuals(state_residuals, fed[1], local)
-        return with_exchange(fn, sync, mesh, dims, count, ms, keys, fed), marked, residuals
+            sizes = loop_marks.residual_sizes(calls, shapes, config, (n, local))
+            carried = loop_marks.fed_residuals(state_residuals, sizes, local)
+            slots, fed = loop_marks.slots(carried, calls, sizes, local)
+        return with_exchange(fn, sync, mesh, dims, count, ms, keys, slots), marked, fed
 
     return rewrite

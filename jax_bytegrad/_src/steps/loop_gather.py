@@ -15,7 +15,8 @@ import numpy as np
 import optax
 
 from jax_bytegrad._src.steps import loop_marks
-from jax_bytegrad._src.steps.loop_exchange import LOOP_KEYS, LoopSync, Rewrite, Slot
+from jax_bytegrad._src.steps.loop_exchange import LOOP_KEYS, LoopSync, Rewrite
+from jax_bytegrad._src.steps.loop_marks import Slot
 from jax_bytegrad._src.sync import across_nodes
 from jax_bytegrad._src.sync.config import Residuals
 from jax_bytegrad._src.sync.patterns import make_varying

@@ -6,10 +6,13 @@ leaves the loss marks, call by call, with the length of the loop that slices the
 state's ``residuals``, after the sync's own (``initial_residuals``, ``fed_residuals``; with
 the state split across nodes, each split leaf's, ``gathered_residuals``): as
 1-bit Adam's per-worker errors (Tang et al., "1-bit Adam", ICML 2021), one per device, here
-per layer, stacked as the layers are.
+per layer, stacked as the layers are. In the step they sit in ``jax.Ref``s (``Slot``), whose
+rows each layer's backward reads and overwrites in place.
 """
 
-from typing import NamedTuple
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend as jex
@@ -175,21 +178,59 @@ def _zeros(sizes, mesh_shape: tuple[int, int]) -> Residuals:
     )
 
 
-def per_layer(carried, calls, sizes, local: int) -> dict:
-    """Per marked call (by its first leaf), its residual vectors, each device's shaped as the
-    loop slices them: ``(length, local, n)`` for a loop's call, ``(local, n)`` for a whole
-    one. ``carried``: the flat pairs, each the concatenation of the node's ``local``
-    devices' own."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A marked layer's error-feedback residual, in a ``jax.Ref`` that the layer's backward
+    reads and overwrites in place: ``ref[(:,) * axes + index]``, ``index`` the row of each
+    loop the layer is in (``()`` for none) after ``axes`` whole leading axes (the node's
+    devices', for the replicated step's). A residual passed in beside the params instead
+    comes back as a cotangent: a second stack, written while the first is read. A pytree,
+    so that a ``jax.custom_vjp`` takes it as an argument."""
+
+    ref: Any
+    index: tuple = ()
+    axes: int = dataclasses.field(default=0, metadata={"static": True})
+
+    def at(self, i) -> "Slot":
+        """The slot of iteration ``i`` of a loop over this slot's rows."""
+        return Slot(self.ref, (*self.index, i), self.axes)
+
+    def _key(self):
+        key = (slice(None),) * self.axes + self.index
+        return key if key else ...
+
+    def read(self):
+        return self.ref[self._key()]
+
+    def write(self, value) -> None:
+        self.ref[self._key()] = value
+
+
+def at_row(tree, i):
+    """``tree``'s slots (``Slot.at``) for iteration ``i`` of a loop."""
+    return jax.tree.map(lambda s: s.at(i), tree, is_leaf=lambda x: isinstance(x, Slot))
+
+
+def slots(carried, calls, sizes, local: int) -> tuple[dict, Callable[[], Residuals]]:
+    """Per marked call (by its first leaf), its residual vectors in ``Slot``s, each vector
+    (the node's ``local`` devices' own, concatenated) in a ``jax.Ref`` shaped ``(local,
+    length, n)`` for a loop's call (read at ``[:, i]``) or ``(local, n)``; and ``fed()``,
+    which gives them back as ``carried`` holds them, once the backward has overwritten
+    them."""
     flat = iter(x for pair in carried for x in pair)
-    out = {}
+    out, refs = {}, []
     for call, pairs in zip(calls, sizes, strict=True):
-        vectors = [next(flat) for _ in range(2 * len(pairs))]
-        if call.length is None:
-            out[call.leaves[0]] = [x.reshape(local, -1) for x in vectors]
-        else:
-            shaped = [x.reshape(local, call.length, -1) for x in vectors]
-            out[call.leaves[0]] = [jax.numpy.swapaxes(x, 0, 1) for x in shaped]
-    return out
+        shape = (local, -1) if call.length is None else (local, call.length, -1)
+        made = [jax.new_ref(next(flat).reshape(shape)) for _ in range(2 * len(pairs))]
+        out[call.leaves[0]] = [Slot(ref, axes=int(call.length is not None)) for ref in made]
+        refs += made
+
+    def fed() -> Residuals:
+        vectors = [jax.ref.freeze(ref).reshape(-1) for ref in refs]
+        return Residuals(zip(vectors[::2], vectors[1::2], strict=True))
+
+    return out, fed
 
 
 def fed_residuals(residuals, sizes, local: int, where: str = MARK) -> Residuals:

@@ -305,10 +305,11 @@ class ModelState:
         unrolled list of layers then peaks as a scanned stack does.
 
         ``params`` come unvaried over the node axis. With ``exchange`` (``(fn, args) -> (fn,
-        marked, residuals)``, ``loop_exchange.rewriter``), the leaves the loss marks with
+        marked, fed)``, ``loop_exchange.rewriter``), the leaves the loss marks with
         ``exchange_in_loop`` stay so and ``exchange`` rewrites the marks; ``grads`` holds
         their means over every device then, and the run returns ``marked`` (per leaf; empty
-        without marks) and the marked layers' new error-feedback residuals (None without)."""
+        without marks) and the marked layers' new error-feedback residuals (``fed()`` after
+        the gradient; None without)."""
         loss = self._loss(loss_fn, has_aux)
 
         def total(params, rows, model_state, keys):
@@ -324,23 +325,20 @@ class ModelState:
                 first = jax.lax.axis_index(axes[0]) * local
                 keys = jax.vmap(lambda j: step_key(*rng, first + j))(jnp.arange(local))
             varying = make_varying(params, axes[:1])
-            loss, marked, residuals = total, (), None
+            loss, marked, fed = total, (), None
             if exchange is not None:
-                loss, marked, residuals = exchange(total, (varying, rows, model_state, keys))
+                loss, marked, fed = exchange(total, (varying, rows, model_state, keys))
             if any(marked):
                 leaves, treedef = jax.tree.flatten(params)
                 mixed = [x if m else v for x, v, m in
                          zip(leaves, jax.tree.leaves(varying), marked, strict=True)]  # fmt: skip
                 varying = jax.tree.unflatten(treedef, mixed)
-            # The marked layers' residuals go in beside the params: their cotangents are the
-            # new residuals (``loop_exchange.with_exchange``).
-            first = varying if residuals is None else (varying, residuals)
             # Over all of the node's rows at once: a layer's weight gradients are then the
             # node's sums, split as the params are, when the barrier holds them.
             grad_fn = jax.value_and_grad(remat_order.tie_remat_backward(loss), has_aux=True)
-            (_, (values, aux, model_state)), grads = grad_fn(first, rows, model_state, keys)
-            if residuals is not None:
-                grads, residuals = grads
+            (_, (values, aux, model_state)), grads = grad_fn(varying, rows, model_state, keys)
+            # The backward wrote the marked layers' new residuals where it read the old.
+            residuals = None if fed is None else fed()
             mean = lambda x: jnp.mean(x, axis=0)  # noqa: E731
             aux = None if aux is None else jax.tree.map(mean, aux)
             if self.has_state:
