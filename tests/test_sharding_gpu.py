@@ -77,18 +77,19 @@ def test_sharded_steps_need_less_memory_and_send_the_same_bytes_between_nodes(na
 LLAMA = load_script(Path(__file__).resolve().parent.parent / "benchmarks" / "_llama.py")
 
 
-def _scanned_memory(shard, settings):
-    """``memory_stats`` of a scanned Llama decoder's 4-bit bytegrad step, each layer marked
-    with ``exchange_in_loop`` (inside its checkpoint for ``"full"``), compiled for 2 x 4
-    H100s."""
+def _scanned(shard, settings):
+    """``memory_stats`` and the exchanges between nodes (``overlap_on``) of a scanned Llama
+    decoder's bytegrad step, each layer marked with ``exchange_in_loop`` (inside its
+    checkpoint for ``"full"``), compiled for 2 x 4 H100s; and the decoder's shape."""
     shape = LLAMA.Shape(layers=8, dim=256, ffn=512, heads=4, vocab=256)
-    mesh = gpu_mesh(2, 4)
-    strategy = jbg.Strategy("bytegrad", mesh=mesh, shard=shard, bits=4, **settings)
+    strategy = jbg.Strategy("bytegrad", mesh=gpu_mesh(2, 4), shard=shard, **settings)
     batch = jax.ShapeDtypeStruct((8, 33), jnp.int32)
     loss = LLAMA.loss_fn(shape, scan=True, mark="inside" if shard == "full" else True)
     with strategy.train_step(loss, optax.adamw(1e-4)) as step:
         state = step.state_shapes(LLAMA.param_shapes(shape, scan=True), batch)
-        return step.memory_stats(state, batch)["step"], shape
+        memory = step.memory_stats(state, batch)["step"]
+        overlap = step.communication_stats(state, batch)["step"].overlap_on("node")
+        return memory, overlap, shape
 
 
 @needs_plugin
@@ -98,9 +99,19 @@ def test_error_feedback_in_the_loop_holds_its_residuals_once(shard):
     # jax.Ref): they sit in the step's arguments, and its temporaries are the step's without
     # feedback. Passed in beside the params instead, the new residuals came back as a
     # cotangent, a second stack written while the first was read (temp + the residuals).
-    plain, shape = _scanned_memory(shard, {})
-    fed, _ = _scanned_memory(shard, {"error_feedback": True})
+    plain, _, shape = _scanned(shard, {"bits": 4})
+    fed, _, _ = _scanned(shard, {"bits": 4, "error_feedback": True})
     residuals = fed.argument_bytes - plain.argument_bytes
     # At least 1/L of the model in float32 per device (L = 4 devices per node).
     assert residuals >= 0.9 * shape.parameters() * 4 / 4, (residuals, shape.parameters())
     assert fed.temp_bytes - plain.temp_bytes < 0.1 * residuals, (fed, plain)
+
+
+@needs_plugin
+def test_full_gathers_the_next_layer_beside_this_ones_gemms():
+    # XLA's collective pipeliner, which the "full" step turns on: the forward loop issues the
+    # next layer's 8-bit weight gather across nodes in this layer's iteration (one iteration
+    # fewer), beside its gemms. Without it each gather ran alone, before its layer.
+    _, overlap, shape = _scanned("full", {})
+    gathers = [e for e in overlap.exchanges if e.kind == "all-gather" and e.runs]
+    assert any(e.runs == shape.layers - 1 and e.gemms_beside > 0 for e in gathers), gathers
