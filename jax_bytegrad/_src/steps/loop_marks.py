@@ -212,24 +212,34 @@ def at_row(tree, i):
     return jax.tree.map(lambda s: s.at(i), tree, is_leaf=lambda x: isinstance(x, Slot))
 
 
+def held(carried, shapes) -> tuple[list, Callable[[], Residuals]]:
+    """Each vector of ``carried``'s pairs in a ``jax.Ref`` of its shape in ``shapes`` (one per
+    vector, in order), and ``fed()``, which gives them back as ``carried`` holds them once
+    the backward has overwritten them."""
+    vectors = (x for pair in carried for x in pair)
+    refs = [jax.new_ref(x.reshape(s)) for x, s in zip(vectors, shapes, strict=True)]
+
+    def fed() -> Residuals:
+        kept = [jax.ref.freeze(ref).reshape(-1) for ref in refs]
+        return Residuals(zip(kept[::2], kept[1::2], strict=True))
+
+    return refs, fed
+
+
 def slots(carried, calls, sizes, local: int) -> tuple[dict, Callable[[], Residuals]]:
     """Per marked call (by its first leaf), its residual vectors in ``Slot``s, each vector
     (the node's ``local`` devices' own, concatenated) in a ``jax.Ref`` shaped ``(local,
-    length, n)`` for a loop's call (read at ``[:, i]``) or ``(local, n)``; and ``fed()``,
-    which gives them back as ``carried`` holds them, once the backward has overwritten
-    them."""
-    flat = iter(x for pair in carried for x in pair)
-    out, refs = {}, []
+    length, n)`` for a loop's call (read at ``[:, i]``) or ``(local, n)``; and ``fed()``
+    (``held``)."""
+    shapes = []
     for call, pairs in zip(calls, sizes, strict=True):
         shape = (local, -1) if call.length is None else (local, call.length, -1)
-        made = [jax.new_ref(next(flat).reshape(shape)) for _ in range(2 * len(pairs))]
-        out[call.leaves[0]] = [Slot(ref, axes=int(call.length is not None)) for ref in made]
-        refs += made
-
-    def fed() -> Residuals:
-        vectors = [jax.ref.freeze(ref).reshape(-1) for ref in refs]
-        return Residuals(zip(vectors[::2], vectors[1::2], strict=True))
-
+        shapes += [shape] * (2 * len(pairs))
+    refs, fed = held(carried, shapes)
+    made, out = iter(refs), {}
+    for call, pairs in zip(calls, sizes, strict=True):
+        axes = int(call.length is not None)
+        out[call.leaves[0]] = [Slot(next(made), axes=axes) for _ in range(2 * len(pairs))]
     return out, fed
 
 
