@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
@@ -91,6 +92,13 @@ def host_copy(tree):
     """A host copy of ``tree``: a donating step must not consume the caller's buffers
     (``device_put`` of a host array may alias it)."""
     return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+
+
+@jax.jit
+def device_mean(tree):
+    """Each leaf's mean over its leading axis: the per-device losses (and aux) a step with a
+    row per device (decentralized) or per node (DiLoCo) returns, as one number each."""
+    return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
 
 
 class StepsInFlight:
@@ -204,10 +212,11 @@ class TrainStep:
                  model: ModelState | None = None):  # fmt: skip
         for name, value in (("has_aux", has_aux), ("flatten", flatten), ("donate", donate)):
             checks.boolean(value, name, algorithm)
-        checks.mesh_axes(mesh, *axes, algorithm)
+        nodes, local = checks.mesh_axes(mesh, *axes, algorithm)
         self.model = ModelState() if model is None else model
         self.algorithm, self.mesh, self.has_aux, self.flatten = algorithm, mesh, has_aux, flatten
         self._axes, self._donate = axes, donate
+        self._devices = nodes * local  # over both axes: a row each of a per-device state
         self._unravel = None
         self.loss_fn = self._flat_loss(loss_fn) if flatten else loss_fn
         self._programs: dict[Any, Program] = {}
@@ -302,10 +311,9 @@ class TrainStep:
         )
         if key in self._checked:
             return
-        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
         checks.same_state(
             state, self._expected_opt_state(state.params), self._extra_keys, self.model,
-            where=self.algorithm, devices=devices,
+            where=self.algorithm, devices=self._devices,
         )  # fmt: skip
         self._checked.add(key)
 
@@ -423,8 +431,8 @@ class TrainStep:
                 f"{self.algorithm}: device_key needs a state of arrays (init's, a step's or a "
                 f"restored one), got state.rng of type {type(state.rng).__name__}"
             )
-        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
-        device = checks.integer(device, "device", self.algorithm, minimum=0, maximum=devices - 1)
+        last = self._devices - 1
+        device = checks.integer(device, "device", self.algorithm, minimum=0, maximum=last)
         # Every process holds the whole key: fold it on this one, without a collective.
         rng = state.rng.addressable_data(0)
         return step_key(rng, int(state.step), device)

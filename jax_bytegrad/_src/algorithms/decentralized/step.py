@@ -46,6 +46,7 @@ from jax_bytegrad._src.steps.base import (
     TrainStep,
     abstract,
     count,
+    device_mean,
     global_batch,
 )
 from jax_bytegrad._src.steps.model_state import ModelState, StateSync
@@ -123,31 +124,6 @@ def _pair_mean(tree, pairs, axis, num_peers, message_bytes):
     )
 
 
-def _stack_per_device(tree, mesh: Mesh, axes, rows=None):
-    """Places one value per device, stacked on a new leading axis sharded over ``axes``.
-
-    Every process passes the same ``tree``. ``rows(value, device_index) -> row`` picks what
-    a device holds (default: the value itself).
-    """
-    sharding = NamedSharding(mesh, P(axes))
-    devices = int(np.prod([mesh.shape[a] for a in axes]))
-    flat_devices = np.asarray(mesh.devices).reshape(-1)
-    mine = [i for i, d in enumerate(flat_devices) if d.process_index == jax.process_index()]
-
-    def place(x):
-        x = np.asarray(x)
-        local = np.stack([x if rows is None else rows(x, i) for i in mine])
-        return jax.make_array_from_process_local_data(sharding, local, (devices, *local.shape[1:]))
-
-    return jax.tree.map(place, tree)
-
-
-@jax.jit
-def _device_mean(tree):
-    """Mean over the leading (device) axis: the per-device losses as one number."""
-    return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
-
-
 def consensus_params(stacked_params):
     """Mean over devices of per-device parameters: the model to evaluate or checkpoint.
 
@@ -189,40 +165,47 @@ class _PeerStep(TrainStep):
         """One device's ``_extra``, as ``ShapeDtypeStruct`` leaves."""
         return {}
 
-    def _state_shapes(self, params):
-        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
-        sharding = NamedSharding(self.mesh, P(self._axes))
-
-        def stacked(tree):
-            return abstract(
-                jax.tree.map(lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype), tree),
-                sharding,
-            )
-
-        opt_state = jax.eval_shape(self.optimizer.init, params)
-        return StepState(
-            count(0), stacked(params), stacked(opt_state), stacked(self._extra_shapes(params))
+    def _stacked(self, tree):
+        """``tree``'s leaves as ``ShapeDtypeStruct``, one per device stacked on a leading axis."""
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((self._devices, *x.shape), x.dtype), tree
         )
+
+    def _per_device_rows(self, tree, rows=None):
+        """Places one value per device, stacked on a new leading axis sharded over the axes.
+
+        Every process passes the same ``tree``. ``rows(value, device_index) -> row`` picks what
+        a device holds (default: the value itself).
+        """
+        sharding = NamedSharding(self.mesh, P(self._axes))
+        flat_devices = np.asarray(self.mesh.devices).reshape(-1)
+        mine = [i for i, d in enumerate(flat_devices) if d.process_index == jax.process_index()]
+
+        def place(x):
+            local = np.stack([x if rows is None else rows(x, i) for i in mine])
+            shape = (self._devices, *local.shape[1:])
+            return jax.make_array_from_process_local_data(sharding, local, shape)
+
+        return jax.tree.map(lambda x: place(np.asarray(x)), tree)
+
+    def _state_shapes(self, params):
+        sharding = NamedSharding(self.mesh, P(self._axes))
+        trees = (params, jax.eval_shape(self.optimizer.init, params), self._extra_shapes(params))
+        return StepState(count(0), *(abstract(self._stacked(t), sharding) for t in trees))
 
     def _expected_opt_state(self, params):
-        devices = int(np.prod([self.mesh.shape[a] for a in self._axes]))
         for path, leaf in jax.tree.leaves_with_path(params):
-            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != devices:
+            if np.ndim(leaf) == 0 or np.shape(leaf)[0] != self._devices:
                 return (
                     f"its parameter {jax.tree_util.keystr(path)} has shape {np.shape(leaf)}, "
-                    f"not one copy per device stacked on a leading axis of {devices}"
+                    f"not one copy per device stacked on a leading axis of {self._devices}"
                 )
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), params)
-        opt_state = jax.eval_shape(self.optimizer.init, one)
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct((devices, *x.shape), x.dtype), opt_state)
+        return self._stacked(jax.eval_shape(self.optimizer.init, one))
 
     def _init(self, params):
-        return StepState(
-            count(0),
-            _stack_per_device(params, self.mesh, self._axes),
-            _stack_per_device(self.optimizer.init(params), self.mesh, self._axes),
-            self._extra(params),
-        )
+        trees = (params, self.optimizer.init(params))
+        return StepState(count(0), *map(self._per_device_rows, trees), self._extra(params))
 
     def _per_device(self, choice: int) -> Callable:
         """``(params, updates, extra) -> (params, extra)``: the exchange of round ``choice``
@@ -263,9 +246,9 @@ class _PeerStep(TrainStep):
         return (state.params, state.opt_state, extra, *self.model.inputs(state), batch)
 
     def _outputs(self, state, out):
-        metrics = {"loss": _device_mean(out[3])}
+        metrics = {"loss": device_mean(out[3])}
         if self.has_aux:
-            metrics["aux"] = _device_mean(out[4])
+            metrics["aux"] = device_mean(out[4])
         extra = {**out[2], **self.model.carried(state, out[-1] if self.model.has_state else None)}
         return StepState(state.step, out[0], out[1], extra), metrics
 
@@ -375,26 +358,20 @@ def decentralized_step(
     checks.one_of(peer_selection_mode, ("all", "shift_one"), "peer_selection_mode", where)
     gossip_axis, peers = (node_axis, n) if hierarchical else (axes, n * local)
 
-    def node_mean(x):
-        return jax.lax.pmean(x, local_axis) if hierarchical else x
+    def mix(pairs):
+        """The mix of a round: the node's mean, then the mean over every peer (``pairs``
+        None) or with each one's partner in ``pairs`` (none: a local step)."""
 
-    def mix_all(x):
-        return make_varying(jax.lax.pmean(node_mean(x), gossip_axis), axes)
+        def mixed(x):
+            x = jax.lax.pmean(x, local_axis) if hierarchical else x
+            if pairs is None:
+                return make_varying(jax.lax.pmean(x, gossip_axis), axes)
+            return make_varying(_pair_mean(x, pairs, gossip_axis, peers, message_bytes), axes)
 
-    def local_only(x):
-        return make_varying(node_mean(x), axes)
+        return mixed
 
-    mixes = [local_only]
-    if peer_selection_mode == "all":
-        mixes.append(mix_all)
-    else:
-        for pairs in shift_one_schedule(peers):
-
-            def mix_pairs(x, pairs=pairs):
-                mixed = _pair_mean(node_mean(x), pairs, gossip_axis, peers, message_bytes)
-                return make_varying(mixed, axes)
-
-            mixes.append(mix_pairs)
+    rounds = [None] if peer_selection_mode == "all" else shift_one_schedule(peers)
+    mixes = [mix([]), *map(mix, rounds)]
     return _Decentralized(
         mixes,
         algorithm="decentralized",
@@ -443,7 +420,7 @@ class _LowPrecision(_PeerStep):
             part = device % local if self._parts > 1 else 0
             return x[part * shard : (part + 1) * shard]
 
-        return {key: _stack_per_device(flat, self.mesh, self._axes, rows) for key in _RING_KEYS}
+        return {key: self._per_device_rows(flat, rows) for key in _RING_KEYS}
 
     def _exchange(self, own, w, left, right):
         """One ring round: sends ``Q(z)`` to both neighbours and applies the codes it sent
@@ -536,16 +513,8 @@ def low_precision_decentralized_step(
       communication_interval: exchange every k steps (Bagua's op takes the same option).
       block_size: quantization block size, a power of two >= 128.
       implementation: quantization kernels (see ``quantize``).
-      message_bytes: bytes per message of the exchanges with neighbours; None for one
-        message each. It changes the speed, never the result.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      donate: donate the state's buffers to the step.
-      node_axis: the mesh axis between nodes.
-      local_axis: the mesh axis within a node.
-      flatten: keep the params and optimizer state as one float32 vector.
-      model_state, rng_seed, state_sync: the model's state that is not trained and the
-        per-device keys, as for ``data_parallel_step``; the model state is replicated (one
-        copy for every device, synced after each step), not stacked like the params.
+      message_bytes, has_aux, donate, node_axis, local_axis, flatten, model_state, rng_seed,
+        state_sync: as for ``decentralized_step`` (messages to the neighbours).
 
     Returns:
       A ``TrainStep``. ``state.extra`` holds ``weight``, ``left_peer_weight`` and

@@ -87,6 +87,7 @@ from jax_bytegrad._src.steps.base import (
     StepState,
     TrainStep,
     count,
+    device_mean,
     global_batch,
     host_copy,
 )
@@ -115,12 +116,6 @@ def default_outer_optimizer() -> optax.GradientTransformation:
     task (benchmarks/RESULTS.md, "One outer step for both tasks"). DiLoCo's paper uses
     momentum 0.9 (gain 7), tuned for H in the hundreds over long runs."""
     return optax.sgd(0.7, momentum=0.6, nesterov=True)
-
-
-@jax.jit
-def _mean_over_devices(tree):
-    """The per-device losses (stacked on a leading axis) as one number each."""
-    return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
 
 
 def _check(mesh, axes, inner_steps, fragments, delay, background, outer_optimizer, bits,
@@ -363,7 +358,7 @@ class _DiLoCo(Exchanges, TrainStep):
         process per node), since a mean between processes would be a collective on the
         caller's thread beside the exchange's on the dispatch thread, which Gloo cannot tell
         apart."""
-        mean = mean_over_process if self.background else _mean_over_devices
+        mean = mean_over_process if self.background else device_mean
         metrics = {"loss": mean(out[0])}
         if self.has_aux:
             metrics["aux"] = mean(out[1])
