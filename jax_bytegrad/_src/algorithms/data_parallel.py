@@ -60,14 +60,6 @@ def single(optimizer) -> tuple[dict, Callable[[int], str]]:
     return {"step": optimizer}, lambda _: "step"
 
 
-def refuse_model(model, where: str, why: str) -> None:
-    """Raises ``ValueError`` if ``model`` (``train_step``'s model arguments) asks for a model
-    state or a key, which the step at ``where`` does not carry (``why``)."""
-    ModelState.of(model["model_state"], model["rng_seed"], model["state_sync"], where).refuse(
-        where, why
-    )
-
-
 def check_sharded(s: Settings) -> None:
     """Validates ``shard=`` (and what it needs) for ``s``; raises ``ValueError``."""
     where = f"Strategy({s.algorithm!r})"

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from jax.sharding import Mesh
 
 from jax_bytegrad._src.steps.base import TrainStep
+from jax_bytegrad._src.steps.model_state import ModelState
 
 # A setting without a default: the strategy must be given it.
 REQUIRED = object()
@@ -100,3 +101,29 @@ def defaults(builder, *, only=None, without=GIVEN) -> dict[str, Any]:
 def pick(kwargs: Mapping[str, Any], names) -> dict[str, Any]:
     """The items of ``kwargs`` named in ``names``."""
     return {k: v for k, v in kwargs.items() if k in names}
+
+
+def refuse_model(model, where: str, why: str) -> None:
+    """Raises ``ValueError`` if ``model`` (``train_step``'s model arguments) asks for a model
+    state or a key, which the step at ``where`` does not carry (``why``)."""
+    ModelState.of(model["model_state"], model["rng_seed"], model["state_sync"], where).refuse(
+        where, why
+    )
+
+
+def register_factory(name: str, factory, *, tunable, refuse: str | None = None, **entry):
+    """Registers the algorithm ``name`` whose step one factory makes, ``factory(loss_fn,
+    optimizer, mesh, *, has_aux, flatten, **settings, **model)``: its settings are the
+    factory's keywords (``defaults``), and its build calls it with the strategy's and
+    ``train_step``'s model arguments, or with ``refuse`` (why the step carries no model state
+    or key) refuses those. ``entry``: the rest of its ``Algorithm``."""
+
+    def build(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainStep:
+        if refuse is not None:
+            refuse_model(model, f"Strategy({s.algorithm!r})", refuse)
+            model = {}
+        kwargs = dict(has_aux=has_aux, flatten=s.flatten, **s.kwargs, **model)
+        return factory(loss_fn, optimizer, s.mesh, **kwargs)
+
+    settings = defaults(factory)
+    return register(Algorithm(name, settings, tunable, build, **entry))

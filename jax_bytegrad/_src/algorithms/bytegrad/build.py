@@ -34,7 +34,7 @@ def _build_bytegrad(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainS
         if "accumulation" in model:
             raise ValueError(f"{where} does not accumulate micro-steps; use pipeline=False")
         why = "its programs carry the params and optimizer state only"
-        data_parallel.refuse_model(model, where, why)
+        registry.refuse_model(model, where, why)
         return pipelined.PipelinedStep(
             "bytegrad",
             loss_fn,
