@@ -12,6 +12,7 @@ import socket
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
 # The dtypes the codec quantizes and the collectives average; other leaves pass through.
@@ -93,6 +94,15 @@ def boolean(value, name: str, where: str) -> None:
     """Raises unless ``value`` is ``True`` or ``False`` (a truthy 1 or "yes" is a mistake)."""
     if not isinstance(value, bool):
         raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
+
+
+def transformation(value, name: str, where: str, example: str = "optax.adam(1e-3)") -> None:
+    """Raises unless ``value`` is an optax transformation (``example``: one to suggest)."""
+    if not isinstance(value, optax.GradientTransformation):
+        raise ValueError(
+            f"{where}: {name} must be an optax.GradientTransformation such as {example}, "
+            f"got {value!r}"
+        )
 
 
 def distinct_axes(node_axis, local_axis, where: str) -> None:

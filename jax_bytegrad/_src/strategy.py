@@ -263,11 +263,9 @@ class Strategy:
                     "every_k_schedule=k))"
                 )
             optimizer, accumulation = Accumulation.of(optimizer, f"Strategy({name!r})")
-        if entry.takes_optimizer and not isinstance(optimizer, optax.GradientTransformation):
-            raise ValueError(
-                f"Strategy({name!r}): optimizer must be an optax.GradientTransformation such "
-                f"as optax.adam(1e-3) (or an optax.MultiSteps of one), got {optimizer!r}"
-            )
+        if entry.takes_optimizer:
+            example = "optax.adam(1e-3) (or an optax.MultiSteps of one)"
+            checks.transformation(optimizer, "optimizer", f"Strategy({name!r})", example)
         model = dict(model_state=model_state, rng_seed=rng_seed, state_sync=state_sync)
         if accumulation is not None:
             model["accumulation"] = accumulation

@@ -177,11 +177,7 @@ class PipelinedStep(TrainStep):
 
     def __init__(self, algorithm, loss_fn, optimizer, mesh, *, sync, average, seed, has_aux,
                  donate, flatten):  # fmt: skip
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise ValueError(
-                f"{algorithm}: optimizer must be an optax.GradientTransformation such as "
-                f"optax.adam(1e-3), got {type(optimizer).__name__}"
-            )
+        checks.transformation(optimizer, "optimizer", algorithm)
         sync = sync_config(sync, algorithm)
         checks.boolean(average, "average", algorithm)
         checks.integer(seed, "seed", algorithm, minimum=0)

@@ -154,11 +154,8 @@ def _check(mesh, axes, inner_steps, fragments, delay, background, outer_optimize
             f"{where}: delay={delay} must be less than inner_steps={h} (an exchange must land "
             f"before its fragment's next one starts); use delay <= {h - 1}"
         )
-    if not isinstance(outer_optimizer, optax.GradientTransformation):
-        raise ValueError(
-            f"{where}: outer_optimizer must be an optax.GradientTransformation such as "
-            f"optax.sgd(0.7, momentum=0.6, nesterov=True), got {outer_optimizer!r}"
-        )
+    example = "optax.sgd(0.7, momentum=0.6, nesterov=True)"
+    checks.transformation(outer_optimizer, "outer_optimizer", where, example)
     checks.one_of(bits, (*BITS, FLOAT32), "bits", where)
 
 
