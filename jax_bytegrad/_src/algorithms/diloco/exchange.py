@@ -1,8 +1,8 @@
 """DiLoCo's exchanges between nodes and its outer step: inside a step's program, or in the
 background, in a program of its own beside the next inner steps.
 
-``Exchanges`` is mixed into the DiLoCo ``TrainStep`` (``diloco.py``), whose layout
-(``sharding/diloco.py``), schedule (``diloco_schedule.py``), placement and settings it reads.
+``Exchanges`` is mixed into the DiLoCo ``TrainStep`` (``step.py``), whose layout
+(``sharding/diloco.py``), schedule (``schedule.py``), placement and settings it reads.
 Per device, in the placement's update frame (``sharding/placement.py``), an exchange of fragment f:
 
     delta = global_f - x_f                 the pseudo-gradient of the node's pieces x_f
@@ -60,7 +60,7 @@ def mean_over_process(tree):
 
 
 class Exchanges:
-    """The exchanges and outer steps of the DiLoCo ``TrainStep`` (``diloco._DiLoCo``), which
+    """The exchanges and outer steps of the DiLoCo ``TrainStep`` (``step._DiLoCo``), which
     mixes them in: the update of a step that exchanges inside its program, and the programs
     of an exchange in the background."""
 
@@ -210,44 +210,33 @@ class Exchanges:
         landing = tuple(map(jnp.subtract, jax.tree.leaves(fresh), started))
         return extra, landing
 
-    def _pieces_specs(self, f: int, stacked: bool):
+    def _pieces_specs(self, f: int):
         """The specs of fragment ``f``'s pieces of a node's params in the update frame (as
-        their leaves'), ``stacked`` over nodes as the state keeps them, or one node's."""
-        if stacked:
-            return self._layout.extra[LANDING][f]
+        their leaves'): one node's, and stacked over nodes as the state keeps them."""
         update = jax.tree.leaves(self._layout.extra[GLOBAL], is_leaf=lambda x: isinstance(x, P))
-        return tuple(update[p.leaf] for p in self._layout.fragments[f])
+        one = tuple(update[p.leaf] for p in self._layout.fragments[f])
+        return one, self._layout.extra[LANDING][f]
 
     def _build_background(self, events) -> Program:
         """The program of a step that starts or lands an exchange in the background: the
         inner step, and with a start the exchange's own program, on the dispatch thread."""
-        layout = self._layout
         start = next((f for f, what in events if what == START), None)
         land = [f for f, what in events if what == LAND]
-        update_in = (layout.params, layout.opt_state, layout.params)
-        update_in += tuple(self._pieces_specs(f, False) for f in land)
-        update_out = (layout.params, layout.opt_state)
-        update_out += () if start is None else (self._pieces_specs(start, False),)
+        held = [self._pieces_specs(f) for f in land]
+        given = [] if start is None else [self._pieces_specs(start)]
         update = functools.partial(self._background_update, events)
-        per_device = self._per_device(update, update_in, update_out, len(land), True)
-        state_specs = layout.stacked(self._axes)
-        started = () if start is None else (self._pieces_specs(start, True),)
-        out_specs = (*state_specs, *started, *self._metric_specs())
-        landing_specs = tuple(self._pieces_specs(f, True) for f in land)
-        inputs = (*landing_specs, *(P(),) * self.model.num_inputs(), P(self._axes))
-        step = self._jit(per_device, (*state_specs, *inputs), out_specs, 2)
+        step = self._step_fn(update, held, given, rows=True, donated=2)
         if start is None:
-            return Program(step, self._background_inputs(land, None), self._outputs_of(start))
-        exchange = self._build_exchange(start)
-        return Program(_Started(step, exchange, self._dispatcher, len(land)),
-                       self._background_inputs(land, start), self._outputs_of(start))  # fmt: skip
+            return Program(step, self._inputs(land), self._outputs_of(start))
+        started = _Started(step, self._build_exchange(start), self._dispatcher, len(land))
+        return Program(started, self._inputs(land, self._exchanged_keys), self._outputs_of(start))
 
     def _build_exchange(self, f: int):
         """The jitted exchange of fragment ``f`` in the background: ``(extra, started) ->
         (extra, landing)``, ``extra`` the global params, outer states and residuals."""
         placement = self.placement
         specs = {k: self._layout.extra[k] for k in self._exchanged_keys}
-        one, stacked = self._pieces_specs(f, False), self._pieces_specs(f, True)
+        one, stacked = self._pieces_specs(f)
 
         def per_device(extra, started):
             started = jax.tree.map(lambda x: x[0], started)
@@ -263,18 +252,6 @@ class Exchanges:
     def _exchanged_keys(self) -> tuple[str, ...]:
         """The keys of ``state.extra`` that an exchange in the background reads and writes."""
         return (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
-
-    def _background_inputs(self, land, start):
-        def inputs(state, batch):
-            batch = self._placed_batch(state, batch)
-            landing = tuple(state.extra[LANDING][f] for f in land)
-            exchanged = () if start is None else (
-                {k: state.extra[k] for k in self._exchanged_keys},
-            )  # fmt: skip
-            return (state.params, state.opt_state, *landing, *exchanged,
-                    *self.model.inputs(state), batch)  # fmt: skip
-
-        return inputs
 
     def _outputs_of(self, start):
         def outputs(state, out):

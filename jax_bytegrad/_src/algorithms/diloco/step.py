@@ -19,24 +19,18 @@ outer step to the next), or a float32 ``full_precision_mean`` with ``bits=32``. 
 decodes the same codes and runs the same outer update, so the global params are bit-identical
 everywhere.
 
-The params are split into F fragments, as even in bytes as possible: sets of whole leaves, or
-with more fragments than leaves runs of rows (a scanned stack's layers); fragment
-p is exchanged after inner steps (p + 1) H / F, then every H steps. With ``delay=0`` the
-exchange runs in the program of that step, after its inner update (exact, no overlap). With
-``delay=1`` it runs in the next step's program, from that step's inputs: nothing in the inner
-update waits for it, so XLA can schedule it beside the compute (on GPU; XLA:CPU runs a
-program's collectives one after another), and it is applied one step late: the fragment
-restarts from the new global params plus that one inner step's own update. With ``delay=tau``
-> 1 the fragment is split into tau chunks as even in bytes as its rows allow (runs of rows
-of a leaf, ``diloco_schedule.py``), and chunk k is exchanged inside the program of the k-th
-step after the fragment's H steps: each step carries a tau-th of the exchange beside its
-compute. The pseudo-gradient of every chunk is taken from the node's params when the exchange
-started, the means wait in the state until the last chunk has crossed, and the fragment lands
-tau steps late: the new global params plus the node's own tau steps since the start.
-
-With ``background=True`` (tau >= 1) the exchange is a program of its own instead, run by a
-thread of the step's beside the next tau inner steps, and lands in the tau-th of them as above
-(``diloco_exchange.py``, where the exchanges and the outer step live).
+The params are split into F fragments, as even in bytes as possible (sets of whole leaves, or
+with more fragments than leaves runs of rows: a scanned stack's layers), each exchanged every
+H steps, staggered by H / F; which step's program carries which exchange is ``schedule.py``'s.
+With ``delay=0`` an exchange runs in the step that ends its H steps, after the inner update
+(exact). With ``delay`` tau >= 1 it runs inside the next steps' programs, from their inputs (in
+tau chunks of rows, one a step, whose means wait in the state for the last): nothing in the
+inner update waits for it, so XLA can schedule it beside the compute (on GPU; XLA:CPU runs a
+program's collectives one after another), and the fragment lands tau steps late, restarting
+from the new global params plus the node's own steps since the exchange started. With
+``background=True`` the exchange is a program of its own instead, run by a thread of the
+step's beside the next tau inner steps (``exchange.py``, where the exchanges and the outer
+step live).
 
 The state: ``state.params`` holds each node's params (stacked on a leading axis of the node
 count, sharded over "node"), ``state.opt_state`` each node's inner optimizer state laid out
@@ -290,51 +284,49 @@ class _DiLoCo(Exchanges, TrainStep):
     def _build(self, key) -> Program:
         if self.background and key != INNER:
             return self._build_background(key)
-        layout = self._layout
         inner = key == INNER
-        extra_specs = () if inner else (layout.extra,)  # the outer state: an inner step's not
+        # The outer state, as the update frame and the state hold it: an inner step's not.
+        extra = () if inner else ((self._layout.extra,) * 2,)
         update = functools.partial(self._update, None if inner else key)
-        update_in = (layout.params, layout.opt_state, layout.params, *extra_specs)
-        update_out = (layout.params, layout.opt_state, *extra_specs)
-        per_device = self._per_device(update, update_in, update_out, len(extra_specs), False)
-        state_specs = (*layout.stacked(self._axes), *extra_specs)
-        out_specs = (*state_specs, *self._metric_specs())
-        in_specs = (*state_specs, *(P(),) * self.model.num_inputs(), P(self._axes))
-        fn = self._jit(per_device, in_specs, out_specs, len(state_specs))
-        return Program(fn, self._inputs(inner), self._outputs(inner))
+        fn = self._step_fn(update, extra, extra, rows=False, donated=2 + len(extra))
+        keys = () if inner else self._extra_keys
+        return Program(fn, self._inputs(keys=keys), self._outputs(inner))
 
-    def _per_device(self, update, update_in, update_out, held: int, rows: bool):
-        """A step's per-device function: ``(params, opt_state, *held trees, *model inputs,
-        batch) -> (params, opt_state, *what the update gives besides, *metrics)``. The loss's
-        gradient, then ``update(grads, opt_state, params, *held)`` in the placement's update
-        frame (``update_in`` and ``update_out`` its specs). ``rows``: whether the held trees
-        and the update's other outputs carry the node's row, as params do (else as they are:
-        the outer state)."""
-        placement = self.placement
+    def _step_fn(self, update, held, given, *, rows: bool, donated: int):
+        """A step's program: ``(params, opt_state, *held trees, *model inputs, batch) ->
+        (params, opt_state, *given trees, *losses)``. The loss's gradient, then
+        ``update(grads, opt_state, params, *held)`` in the placement's update frame, which
+        gives the ``given`` trees besides. ``held`` and ``given``: each tree's specs in the
+        update frame and as the state keeps it; ``rows``: whether they carry the node's row,
+        as params do (else as they are: the outer state). Its first ``donated`` arguments
+        donated."""
+        placement, layout, n_held = self.placement, self._layout, len(held)
         row = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
         unrow = lambda tree: jax.tree.map(lambda x: x[None], tree)  # noqa: E731
+        update_in = (layout.params, layout.opt_state, layout.params, *(f for f, _ in held))
+        update_out = (layout.params, layout.opt_state, *(f for f, _ in given))
 
         def per_device(params, opt_state, *rest):
-            trees, inputs, batch = rest[:held], rest[held:-1], rest[-1]
+            trees, inputs, batch = rest[:n_held], rest[n_held:-1], rest[-1]
             params, opt_state = row((params, opt_state))
             trees = row(trees) if rows else trees
             grad_fn = placement.value_and_grad(self.model, self.loss_fn, self.has_aux)
             # Varying first: else jax.grad would sum the gradient over the node itself.
             varying = make_varying(params, placement.manual_axes)
             (loss, aux, _), grads = grad_fn(varying, batch, *inputs)
-            params, opt_state, *given = placement.in_update_frame(
+            params, opt_state, *out = placement.in_update_frame(
                 update, (grads, opt_state, params, *trees), update_in, update_out
             )
             metrics = (loss, aux) if self.has_aux else (loss,)
-            given = unrow(given) if rows else given
-            return (*unrow((params, opt_state)), *given, *unrow(metrics))
+            out = unrow(out) if rows else out
+            return (*unrow((params, opt_state)), *out, *unrow(metrics))
 
-        return per_device
-
-    def _metric_specs(self) -> tuple:
-        """The out_specs of a step's per-device losses (and aux)."""
-        metric = P(tuple(self.placement.manual_axes))
-        return (metric,) * (2 if self.has_aux else 1)
+        state = layout.stacked(self._axes)
+        metrics = (P(tuple(placement.manual_axes)),) * (2 if self.has_aux else 1)
+        model = (P(),) * self.model.num_inputs()
+        in_specs = (*state, *(s for _, s in held), *model, P(self._axes))
+        out_specs = (*state, *(s for _, s in given), *metrics)
+        return self._jit(per_device, in_specs, out_specs, donated)
 
     def _jit(self, per_device, in_specs, out_specs, donated: int):
         """``per_device`` mapped over the mesh and jitted, its first ``donated`` arguments
@@ -366,19 +358,20 @@ class _DiLoCo(Exchanges, TrainStep):
             self._dispatcher.close()
         super().close()
 
-    def _placed_batch(self, state, batch):
-        """``batch`` over the mesh, once ``state`` is found placed as the step keeps it: a
-        state placed otherwise (restored onto the bare mesh, say) is refused, naming
+    def _inputs(self, land=(), keys=()):
+        """``(state, batch) ->`` a step's arguments: the state, what each fragment of
+        ``land`` lands (in the background), ``state.extra``'s ``keys`` as one tree (none: no
+        tree), the model's inputs and the batch over the mesh. A state placed otherwise than
+        the step keeps it (restored onto the bare mesh, say) is refused, naming
         state_shapes, as the data-parallel step refuses it."""
-        rule.check_placed((state.params, state.opt_state), self._layout.stacked(self._axes),
-                            self.mesh, "diloco")  # fmt: skip
-        return global_batch(batch, self.mesh, self._axes)
 
-    def _inputs(self, inner: bool):
         def inputs(state, batch):
-            batch = self._placed_batch(state, batch)
-            extra = () if inner else ({k: state.extra[k] for k in self._extra_keys},)
-            return (state.params, state.opt_state, *extra, *self.model.inputs(state), batch)
+            rule.check_placed((state.params, state.opt_state), self._layout.stacked(self._axes),
+                                self.mesh, "diloco")  # fmt: skip
+            landing = tuple(state.extra[LANDING][f] for f in land)
+            extra = ({k: state.extra[k] for k in keys},) if keys else ()
+            return (state.params, state.opt_state, *landing, *extra, *self.model.inputs(state),
+                    global_batch(batch, self.mesh, self._axes))  # fmt: skip
 
         return inputs
 
