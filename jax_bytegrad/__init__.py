@@ -23,9 +23,9 @@ from jax_bytegrad._src.algorithms.decentralized.step import (
     low_precision_decentralized_step as low_precision_decentralized_step,
 )
 from jax_bytegrad._src.algorithms.diloco.step import diloco_step as diloco_step
+from jax_bytegrad._src.algorithms.qadam.schedule import refresh_steps as refresh_steps
 from jax_bytegrad._src.algorithms.qadam.transform import ScaleByQAdamState as ScaleByQAdamState
 from jax_bytegrad._src.algorithms.qadam.transform import qadam as qadam
-from jax_bytegrad._src.algorithms.qadam.transform import refresh_steps as refresh_steps
 from jax_bytegrad._src.algorithms.qadam.transform import scale_by_qadam as scale_by_qadam
 from jax_bytegrad._src.autotune import AutotuneResult as AutotuneResult
 from jax_bytegrad._src.autotune import autotune as autotune

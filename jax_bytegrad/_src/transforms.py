@@ -159,9 +159,7 @@ def sync_gradients(
     shape = config.mesh_shape(mesh, where)
 
     def init_fn(params):
-        residuals = Residuals()
-        if config.error_feedback:
-            residuals = collectives.mesh_residuals(params, config, shape, platform_of(mesh))
+        residuals = collectives.mesh_residuals(params, config, shape, platform_of(mesh))
         return ByteGradState(key=jax.random.key(seed), residuals=residuals)
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):

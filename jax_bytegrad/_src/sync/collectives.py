@@ -115,11 +115,13 @@ def mesh_residuals(
     tree, config: SyncConfig, mesh_shape: tuple[int, int], platform: str | None = None
 ) -> Residuals:
     """Zero residuals of every device, for an optimizer state that is placed on the mesh
-    (of ``platform``, as ``residual_sizes``).
+    (of ``platform``, as ``residual_sizes``); none (``Residuals()``) without error feedback.
 
     Each vector is the concatenation of every device's own residual in mesh order; the
     state's ``shard_map`` specs (``sharding.state_specs``) give each device its slice.
     """
+    if not config.error_feedback:
+        return Residuals()
     devices = mesh_shape[0] * mesh_shape[1]
     return Residuals(
         (jnp.zeros(devices * send, jnp.float32), jnp.zeros(devices * mean, jnp.float32))

@@ -7,7 +7,7 @@ References:
 
 from jax_bytegrad._src import checks, guard
 from jax_bytegrad._src.algorithms import data_parallel, registry
-from jax_bytegrad._src.algorithms.qadam import transform
+from jax_bytegrad._src.algorithms.qadam import schedule, transform
 from jax_bytegrad._src.algorithms.registry import Algorithm, Settings, pick
 from jax_bytegrad._src.steps.accumulation import Accumulation
 from jax_bytegrad._src.steps.base import TrainStep
@@ -28,7 +28,7 @@ def _build_qadam(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainStep
     if s.setting("skip_nonfinite"):
         # The update is the same on every replica, so every replica skips the same steps.
         phases = {phase: guard.skip_nonfinite(tx) for phase, tx in phases.items()}
-    phase_of = transform.phase_schedule(
+    phase_of = schedule.phase_schedule(
         s.setting("warmup_steps"),
         s.setting("nu_refresh_interval"),
         s.setting("nu_refresh_growth"),

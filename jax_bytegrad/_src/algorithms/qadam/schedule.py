@@ -123,7 +123,7 @@ def phase_schedule(
     it with this, so no collective sits inside a ``lax.cond`` and each program fuses whole.
 
     Examples:
-      >>> from jax_bytegrad._src.algorithms.qadam.transform import phase_schedule
+      >>> from jax_bytegrad._src.algorithms.qadam.schedule import phase_schedule
       >>> phase = phase_schedule(2, nu_refresh_interval=3, nu_refresh_growth=1.0)
       >>> [phase(i) for i in range(6)]
       ['warmup', 'warmup', 'compressed', 'compressed', 'warmup', 'compressed']

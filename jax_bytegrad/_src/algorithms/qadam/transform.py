@@ -70,8 +70,6 @@ from jax_bytegrad._src.algorithms.qadam.schedule import (
     check_warmup_steps,
     refresh_counter,
 )
-from jax_bytegrad._src.algorithms.qadam.schedule import phase_schedule as phase_schedule
-from jax_bytegrad._src.algorithms.qadam.schedule import refresh_steps as refresh_steps
 from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.sync import collectives, shards
 from jax_bytegrad._src.sync.config import (
@@ -92,12 +90,6 @@ SECOND_MOMENTS: tuple[str, ...] = ("gradient", "momentum", "momentum_max", "floo
 _FOLLOWING = ("momentum", "gradient", "momentum_max")
 
 
-def _check_hyperparameters(b1, b2, eps, where: str) -> None:
-    checks.real(b1, "b1", where, minimum=0.0, below=1.0)
-    checks.real(b2, "b2", where, minimum=0.0, below=1.0)
-    checks.real(eps, "eps", where, minimum=0.0)
-
-
 def _check_second_moment(second_moment, where: str) -> None:
     if second_moment is not None and second_moment not in SECOND_MOMENTS:
         raise ValueError(
@@ -106,17 +98,6 @@ def _check_second_moment(second_moment, where: str) -> None:
             "at 8 bits: Adam's v on the gradient the decoded momenta imply; 'momentum' at 4 "
             "bits); 'frozen' is Bagua's"
         )
-
-
-def _default_second_moment(codec) -> str:
-    """The rule ``second_moment=None`` picks for ``codec``'s codes.
-
-    At 8 bits, ``"gradient"``: its ``v`` is Adam's up to the codes' error over ``1 - b1``.
-    At 4 bits that error is 17x larger and swells ``v`` (smaller steps than Adam's), so
-    ``"momentum"``, as for every width the codecs call coarse (``Format.coarse``: 4 and 2
-    bits). Measured in benchmarks/RESULTS.md, "QAdam's second moment after warm-up".
-    """
-    return "momentum" if codec.format.coarse else "gradient"
 
 
 def _bias_correction(moment, decay: float, count: jax.Array):
@@ -164,10 +145,6 @@ def _follow_gradient(nu, mu_old, mu_new, b1: float, b2: float):
         return (f32(b2) * v.astype(f32) + f32(1 - b2) * g * g).astype(v.dtype)
 
     return jax.tree.map(one, nu, mu_old, mu_new)
-
-
-def _where(pred, on_true, on_false):
-    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def _check_per_device(updates, node_axis: str, local_axis: str, sharded, where: str) -> None:
@@ -350,7 +327,9 @@ def scale_by_qadam(
       Adam", ICLR 2023.
     """
     where = "scale_by_qadam"
-    _check_hyperparameters(b1, b2, eps, where)
+    checks.real(b1, "b1", where, minimum=0.0, below=1.0)
+    checks.real(b2, "b2", where, minimum=0.0, below=1.0)
+    checks.real(eps, "eps", where, minimum=0.0)
     check_warmup_steps(warmup_steps, where)
     _check_second_moment(second_moment, where)
     check_refresh(nu_refresh_interval, nu_refresh_growth, where)
@@ -358,9 +337,10 @@ def scale_by_qadam(
         checks.one_of(phase, ("warmup", "compressed"), "phase", where)
     config = sync_config(sync, where)
     if second_moment is None:
-        second_moment = _default_second_moment(config.codec)
+        # The gradient's v is Adam's up to the codes' error over 1 - b1, which for the widths
+        # the codecs call coarse (4 and 2 bits) swells v: the momentum's then (module docstring).
+        second_moment = "momentum" if config.codec.format.coarse else "gradient"
     shape = config.mesh_shape(mesh, where)
-    error_feedback = config.error_feedback
     node_axis, local_axis = config.axes
 
     def init_fn(params):
@@ -368,11 +348,7 @@ def scale_by_qadam(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params),
             nu=optax.tree.zeros_like(params),
-            residuals=(
-                collectives.mesh_residuals(params, config, shape, platform_of(mesh))
-                if error_feedback
-                else Residuals()
-            ),
+            residuals=collectives.mesh_residuals(params, config, shape, platform_of(mesh)),
         )
 
     follows = second_moment in _FOLLOWING
@@ -419,7 +395,9 @@ def scale_by_qadam(
         if second_moment == "floor" and phase != "warmup":
             # No compressed step moves a weight by more than the learning rate.
             floored = jax.tree.map(lambda v, m: jnp.maximum(v, m * m), nu_hat, mu_hat)
-            nu_hat = floored if phase == "compressed" else _where(full, nu_hat, floored)
+            if phase is None:  # warm-up steps keep Adam's v_hat
+                floored = jax.tree.map(lambda a, b: jnp.where(full, a, b), nu_hat, floored)
+            nu_hat = floored
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         nu = optax.tree.cast_like(nu, state.nu)
         return updates, ScaleByQAdamState(count=count_inc, mu=mu, nu=nu, residuals=residuals)
