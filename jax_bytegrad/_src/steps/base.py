@@ -199,6 +199,9 @@ class TrainStep:
     ``_expected_opt_state(params)``
         the optimizer state ``init`` would make for ``params``, to refuse another step's
         state (None: not checked);
+    ``_state_step``
+        or instead of those three, the step whose state this one carries (the pipelined
+        step's one-program step, async's first inner step);
     ``_params(state)``
         the model (``state.params`` unless overridden).
     """
@@ -206,6 +209,7 @@ class TrainStep:
     phases: tuple[str, ...] = ("step",)
     # The names ``state.extra`` holds besides the model's state and key.
     _extra_keys: tuple[str, ...] = ()
+    _state_step: "TrainStep | None" = None
 
     def __init__(self, algorithm: str, mesh: Mesh, loss_fn, *, axes: tuple[str, str],
                  has_aux: bool, flatten: bool, donate: bool = False,
@@ -237,13 +241,13 @@ class TrainStep:
         raise NotImplementedError
 
     def _init(self, params) -> StepState:
-        raise NotImplementedError
+        return self._state_step._init(params)
 
     def _state_shapes(self, params) -> StepState:
-        raise NotImplementedError
+        return self._state_step._state_shapes(params)
 
     def _expected_opt_state(self, params):
-        return None
+        return None if self._state_step is None else self._state_step._expected_opt_state(params)
 
     def _params(self, state: StepState):
         return state.params

@@ -287,16 +287,6 @@ class AsyncModelAverage(TrainStep):
 
         return jax.tree.map(move, tree)
 
-    def _init(self, params):
-        if self.warmup_steps > 0:
-            return self._global.init(params)
-        return self._local.init(params)
-
-    def _state_shapes(self, params):
-        if self.warmup_steps > 0:
-            return self._global.state_shapes(params)
-        return self._local.state_shapes(params)
-
     def pull(self, params):
         """Adds the finished averaging rounds' ``mean(s) - s`` to ``params``."""
         pending = self._averager.take()
@@ -314,8 +304,11 @@ class AsyncModelAverage(TrainStep):
     def _phase(self, steps_taken: int) -> tuple[str, Any]:
         return "step", "global" if steps_taken < self.warmup_steps else "local"
 
-    def _expected_opt_state(self, params):
-        return self._global._expected_opt_state(params)
+    @property
+    def _state_step(self) -> TrainStep:
+        """The first step's inner step (the warm-up's, or the local one's), whose state this
+        step starts from."""
+        return self._inner(self._phase(0)[1])
 
     def _local_state(self, state: StepState) -> StepState:
         """``state`` on this process's devices after the warm-up (unchanged before)."""

@@ -196,18 +196,10 @@ class PipelinedStep(TrainStep):
             self.algorithm, self.loss_fn, {"step": optax.chain(*chain)}, lambda _: "step", mesh,
             has_aux=has_aux, donate=donate, axes=sync.axes, flatten=False,
         )  # fmt: skip
+        self._state_step = self._one_program
         self._state_specs = StateSpecs(self._axes)
         self._schedule = None
         self._wire = Dispatcher(f"{self.algorithm}-wire")
-
-    def _expected_opt_state(self, params):
-        return self._one_program._expected_opt_state(params)
-
-    def _init(self, params) -> StepState:
-        return self._one_program._init(params)
-
-    def _state_shapes(self, params) -> StepState:
-        return self._one_program._state_shapes(params)
 
     def program(self, state: StepState) -> Program:
         # On one node nothing crosses between nodes, so there is no codec to run beside a
