@@ -75,7 +75,6 @@ from jax_bytegrad._src.sync.collectives import sends_nothing
 from jax_bytegrad._src.sync.config import (
     Residuals,
     SyncConfig,
-    SyncPlan,
     plan_sync,
     platform_of,
     sync_config,
@@ -121,16 +120,23 @@ class _Outputs(NamedTuple):
     params: Any
 
 
-def _abstract(values: dict, specs: dict, default: P) -> dict[Any, Value]:
-    """The schedule's inputs as ``Value``s: each one's spec (``specs``' tree of specs, or one
-    spec for every leaf, ``default`` where it names none) and abstract value."""
-    out = {}
+def _schedule(sync: SyncConfig, mesh: Mesh, leaves, values: dict, specs: dict, *,
+              average: bool, where: str, step=None, donate: bool = False) -> Schedule:  # fmt: skip
+    """The programs of ``step`` (None: of the sync alone) for the gradient ``leaves``, built
+    (traced, not compiled) from the inputs ``values``, each one's spec ``specs``' tree of
+    specs, or one spec for every leaf (the sync's axes where it names none). The sync's plan
+    is resolved as ``sync_mean`` resolves it inside the one-program step."""
+    shape = sync.mesh_shape(mesh, where)
+    weight = 1.0 / (shape[0] * shape[1]) if average else 1.0
+    plan = plan_sync(sync, leaves, shape, platform_of(mesh), weight=weight)
+    inputs = {}
     for name, value in values.items():
-        spec = specs.get(name, default)
+        spec = specs.get(name, P(sync.axes))
         if isinstance(spec, P):
             spec = jax.tree.map(lambda _, s=spec: s, value)
-        out[name] = Value(spec, jax.tree.map(aval, value))
-    return out
+        inputs[name] = Value(spec, jax.tree.map(aval, value))
+    programs = Stages(mesh, sync, plan, average=average, step=step).programs()
+    return Schedule(programs, inputs, mesh, sync.axes, donate_state=donate)
 
 
 class _Scheduled:
@@ -202,9 +208,7 @@ class PipelinedStep(TrainStep):
         self._wire = Dispatcher(f"{self.algorithm}-wire")
 
     def program(self, state: StepState) -> Program:
-        # On one node nothing crosses between nodes, so there is no codec to run beside a
-        # wire: the one-program step, whose sync is then gradient_allreduce's one all-reduce
-        # within the node (``collectives.sync_mean``), with no buckets.
+        # On one node no codec runs beside a wire: the one-program step (class docstring).
         if sends_nothing(self.sync, self.mesh.shape[self.sync.node_axis]):
             return self._one_program.program(state)
         return super().program(state)
@@ -224,18 +228,14 @@ class PipelinedStep(TrainStep):
 
     def _plan(self, state: StepState, inputs: _Inputs, batch) -> Schedule:
         """The step's programs, built (traced, not compiled) from the abstract inputs."""
-        values = _named(inputs, batch)
         specs = {
             Whole.PARAMS: P(), Whole.KEY: P(),
             Whole.INNER: _Chain(*self._state_specs(state.opt_state)).inner,
         }  # fmt: skip
         leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in jax.tree.leaves(state.params)]
-        plan = _sync_plan(self.sync, self.mesh, leaves, self._average, self.algorithm)
-        stages = Stages(self.mesh, self.sync, plan, average=self._average, step=self)
-        return Schedule(
-            stages.programs(), _abstract(values, specs, P(self._axes)), self.mesh, self._axes,
-            donate_state=self._donate,
-        )  # fmt: skip
+        return _schedule(self.sync, self.mesh, leaves, _named(inputs, batch), specs,
+                         average=self._average, where=self.algorithm, step=self,
+                         donate=self._donate)  # fmt: skip
 
     def _outputs(self, state: StepState, out: _Outputs) -> tuple[StepState, dict[str, Any]]:
         opt_state = _Chain(ByteGradState(key=out.key, residuals=out.residuals), out.inner)
@@ -249,14 +249,6 @@ class PipelinedStep(TrainStep):
         nothing."""
         self._closed = True
         self._wire.close()
-
-
-def _sync_plan(sync: SyncConfig, mesh: Mesh, leaves, average: bool, where: str) -> SyncPlan:
-    """The sync's plan for the gradient ``leaves`` on ``mesh``, as ``sync_mean`` resolves it
-    inside the one-program step."""
-    shape = sync.mesh_shape(mesh, where)
-    weight = 1.0 / (shape[0] * shape[1]) if average else 1.0
-    return plan_sync(sync, leaves, shape, platform_of(mesh), weight=weight)
 
 
 class PipelinedMean:
@@ -281,12 +273,8 @@ class PipelinedMean:
         values.update(residual_values(residuals))
         if self._schedule is None:
             leaves = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in jax.tree.leaves(grads)]
-            plan = _sync_plan(self.sync, self.mesh, leaves, self.average, "pipelined_step")
-            stages = Stages(self.mesh, self.sync, plan, average=self.average)
-            inputs = _abstract(values, {Whole.KEY: P()}, P(self.sync.axes))
-            self._schedule = Schedule(
-                stages.programs(), inputs, self.mesh, self.sync.axes, donate_state=False
-            )
+            self._schedule = _schedule(self.sync, self.mesh, leaves, values, {Whole.KEY: P()},
+                                       average=self.average, where="pipelined_step")  # fmt: skip
         schedule = self._schedule
         keep = [Whole.MEAN, *residual_names(schedule, residuals)]
         out = execute(schedule, values, self._wire, keep)
