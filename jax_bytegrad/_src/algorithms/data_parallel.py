@@ -3,7 +3,8 @@
 step runs inside its loop, and the checks of ``shard=``."""
 
 import dataclasses
-from collections.abc import Callable
+
+import optax
 
 from jax_bytegrad._src.algorithms import registry
 from jax_bytegrad._src.algorithms.registry import Settings
@@ -55,9 +56,11 @@ def build_step(s: Settings, loss_fn, optimizers, phase_of, has_aux, model,
     )
 
 
-def single(optimizer) -> tuple[dict, Callable[[int], str]]:
-    """One optimizer for every step, as ``build_step`` takes it."""
-    return {"step": optimizer}, lambda _: "step"
+def build_chained(s: Settings, loss_fn, sync, optimizer, has_aux, model, loop) -> TrainStep:
+    """The data-parallel step of ``s`` whose one optimizer is ``sync`` chained before
+    ``optimizer`` (``loop``: its ``loop_sync``)."""
+    optimizers = {"step": optax.chain(sync, optimizer)}
+    return build_step(s, loss_fn, optimizers, lambda _: "step", has_aux, model, {"step": loop})
 
 
 def check_sharded(s: Settings) -> None:

@@ -6,8 +6,6 @@ References:
   Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
 """
 
-import optax
-
 from jax_bytegrad._src import checks, transforms
 from jax_bytegrad._src.algorithms import data_parallel, registry
 from jax_bytegrad._src.algorithms.bytegrad import pipelined
@@ -23,9 +21,8 @@ ALLREDUCE = registry.defaults(transforms.gradient_allreduce)
 def _build_gradient_allreduce(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainStep:
     sync = transforms.gradient_allreduce(**pick(s.kwargs, ALLREDUCE))
     reduce_dtype = collectives.reduce_dtype_of(s.setting("reduce_dtype"), s.algorithm)
-    loop = {"step": data_parallel.loop_sync(s, compressed=False, reduce_dtype=reduce_dtype)}
-    optimizers = data_parallel.single(optax.chain(sync, optimizer))
-    return data_parallel.build_step(s, loss_fn, *optimizers, has_aux, model, loop)
+    loop = data_parallel.loop_sync(s, compressed=False, reduce_dtype=reduce_dtype)
+    return data_parallel.build_chained(s, loss_fn, sync, optimizer, has_aux, model, loop)
 
 
 def _build_bytegrad(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainStep:
@@ -48,9 +45,8 @@ def _build_bytegrad(s: Settings, loss_fn, optimizer, has_aux, **model) -> TrainS
             flatten=s.flatten,
         )
     sync = transforms.bytegrad(mesh=s.mesh, **pick(s.kwargs, SYNC))
-    loop = {"step": data_parallel.loop_sync(s, compressed=True)}
-    optimizers = data_parallel.single(optax.chain(sync, optimizer))
-    return data_parallel.build_step(s, loss_fn, *optimizers, has_aux, model, loop)
+    loop = data_parallel.loop_sync(s, compressed=True)
+    return data_parallel.build_chained(s, loss_fn, sync, optimizer, has_aux, model, loop)
 
 
 def _check_bytegrad(s: Settings) -> None:

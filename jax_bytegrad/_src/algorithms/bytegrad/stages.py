@@ -269,15 +269,13 @@ class Stages:
     def _name(self, c: _Chunk, name: str) -> Bucket | Piece:
         """The schedule's name of a value a plan names: the bucket's own, or piece c's."""
         b = c.bucket
+        source = Bucket(Of.SHARD if self.group.scatter else Of.BUCKET, b)
         of_bucket = {
-            "x": self._source(b), "key": Bucket(Of.KEY, b), "agreed": Bucket(Of.AGREED, b),
+            "x": source, "key": Bucket(Of.KEY, b), "agreed": Bucket(Of.AGREED, b),
             "factors": Bucket(Of.FACTORS, b), "send": Bucket(Of.SEND_RESIDUAL, b),
             "mean": Bucket(Of.MEAN_RESIDUAL, b),
         }  # fmt: skip
         return of_bucket.get(name, Piece(name, b, c.index))
-
-    def _source(self, b: int) -> Bucket:
-        return Bucket(Of.SHARD if self.group.scatter else Of.BUCKET, b)
 
     def _run(self, c: _Chunk, stage: wires.Stage, given: dict) -> dict:
         """One stage of piece c's plan on the schedule's values, as ``wire.run`` runs it in
@@ -295,15 +293,6 @@ class Stages:
         """The schedule's names of what a stage of piece c reads (no key for nearest
         rounding)."""
         return [self._name(c, n) for n in stage.reads if n != "key" or self.stochastic]
-
-    def _decode_sum(self, total, factors):
-        return self.ops.decode(self.sync.codec, total, factors, width=self.width)
-
-    def _decode_factors(self, agreed):
-        return self.ops.factors(
-            self.sync.codec, agreed, width=self.width, group_size=self.group.size,
-            weight=self.weight,
-        )  # fmt: skip
 
     def _join(self, parts) -> jax.Array:
         """A bucket (or shard) from its pieces' parts of the mean: flat for the integer wire,
@@ -399,7 +388,10 @@ class Stages:
                 # read them as data (wire.py's pmax of them is for one program).
                 out.update((Bucket(Of.AGREED, b), a) for b, a in enumerate(agreed))
                 for b, a in enumerate(agreed):
-                    out[Bucket(Of.FACTORS, b)] = self._decode_factors(a)
+                    out[Bucket(Of.FACTORS, b)] = self.ops.factors(
+                        self.sync.codec, a, width=self.width, group_size=self.group.size,
+                        weight=self.weight,
+                    )  # fmt: skip
             return out
 
         inputs = [Whole.DEVICE_LOSS] if self.step else []
@@ -468,9 +460,11 @@ class Stages:
         if self.integer:
             # The bucket's sum decoded at once, as sum_shard does: the same fusion.
             return [
-                self._decode_sum(
+                self.ops.decode(
+                    self.sync.codec,
                     self._join([given[Piece("psum", b, c.index)] for c in chunks]),
                     given[Bucket(Of.FACTORS, b)],
+                    width=self.width,
                 )
                 for b, chunks in enumerate(self.chunks)
             ]
