@@ -101,6 +101,18 @@ def device_mean(tree):
     return jax.tree.map(lambda x: jnp.mean(x, axis=0), tree)
 
 
+def process_mean(tree):
+    """``device_mean`` of this process's rows alone, on its first device: where processes
+    are nodes, a mean over every device would be a collective between them."""
+
+    def one(x):
+        shards = [s.data for s in x.addressable_shards]
+        first = next(iter(shards[0].devices()))
+        return jnp.mean(jnp.concatenate([jax.device_put(s, first) for s in shards]), axis=0)
+
+    return jax.tree.map(one, tree)
+
+
 class StepsInFlight:
     """Keeps at most one train step in flight on XLA:CPU with several devices.
 

@@ -18,8 +18,8 @@ device per process). The exchange returns, per node, ``global_f - x_f`` as it st
 lands), and the tau-th step after adds it to the node's pieces after its own update. Every
 collective between processes then runs on the dispatch thread: Gloo cannot tell two threads'
 collectives apart, so the steps report their loss over the process's devices
-(``mean_over_process``), and a caller must run no collective between processes of its own while
-an exchange is in flight, except on values the step returned (docs/diloco.md).
+(``steps.base.process_mean``), and a caller must run no collective between processes of its
+own while an exchange is in flight, except on values the step returned (docs/diloco.md).
 """
 
 import functools
@@ -40,23 +40,11 @@ from jax_bytegrad._src.sharding.diloco import (
     STARTED,
     merged,
 )
-from jax_bytegrad._src.steps.base import Program, StepState
+from jax_bytegrad._src.steps.base import Program
 from jax_bytegrad._src.steps.tracing import traced
 from jax_bytegrad._src.sync.collectives import sync_full_precision, sync_mean
 from jax_bytegrad._src.sync.config import SyncConfig
 from jax_bytegrad._src.sync.patterns import make_varying
-
-
-def mean_over_process(tree):
-    """The losses of this process's devices (stacked on a leading axis) as one number each,
-    on its first device: a mean over every device would cross between nodes (processes)."""
-
-    def one(x):
-        shards = [s.data for s in x.addressable_shards]
-        first = next(iter(shards[0].devices()))
-        return jnp.mean(jnp.concatenate([jax.device_put(s, first) for s in shards]), axis=0)
-
-    return jax.tree.map(one, tree)
 
 
 class Exchanges:
@@ -226,10 +214,10 @@ class Exchanges:
         given = [] if start is None else [self._pieces_specs(start)]
         update = functools.partial(self._background_update, events)
         step = self._step_fn(update, held, given, rows=True, donated=2)
-        if start is None:
-            return Program(step, self._inputs(land), self._outputs_of(start))
-        started = _Started(step, self._build_exchange(start), self._dispatcher, len(land))
-        return Program(started, self._inputs(land, self._exchanged_keys), self._outputs_of(start))
+        inputs = self._inputs(land, () if start is None else self._exchanged_keys)
+        if start is not None:
+            step = _Started(step, self._build_exchange(start), self._dispatcher, len(land))
+        return Program(step, inputs, self._outputs(start=start))
 
     def _build_exchange(self, f: int):
         """The jitted exchange of fragment ``f`` in the background: ``(extra, started) ->
@@ -252,24 +240,6 @@ class Exchanges:
     def _exchanged_keys(self) -> tuple[str, ...]:
         """The keys of ``state.extra`` that an exchange in the background reads and writes."""
         return (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
-
-    def _outputs_of(self, start):
-        def outputs(state, out):
-            exchanged = None
-            if start is not None:
-                exchanged, out = out
-            params, opt_state, *out = out
-            extra = dict(state.extra)
-            if exchanged is not None:
-                new, landing = exchanged
-                out = out[1:]  # the copy the exchange started from
-                extra.update(new)
-                extra[LANDING] = tuple(
-                    landing if f == start else x for f, x in enumerate(extra[LANDING])
-                )
-            return StepState(state.step, params, opt_state, extra), self._metrics(out)
-
-        return outputs
 
 
 class _Started:

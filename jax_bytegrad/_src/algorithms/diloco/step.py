@@ -55,7 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.algorithms.diloco.exchange import Exchanges, mean_over_process
+from jax_bytegrad._src.algorithms.diloco.exchange import Exchanges
 from jax_bytegrad._src.algorithms.diloco.schedule import INNER, Schedule
 from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
 from jax_bytegrad._src.codecs.widths import BITS
@@ -84,6 +84,7 @@ from jax_bytegrad._src.steps.base import (
     device_mean,
     global_batch,
     host_copy,
+    process_mean,
 )
 from jax_bytegrad._src.steps.model_state import ModelState
 from jax_bytegrad._src.steps.tracing import traced
@@ -290,7 +291,7 @@ class _DiLoCo(Exchanges, TrainStep):
         update = functools.partial(self._update, None if inner else key)
         fn = self._step_fn(update, extra, extra, rows=False, donated=2 + len(extra))
         keys = () if inner else self._extra_keys
-        return Program(fn, self._inputs(keys=keys), self._outputs(inner))
+        return Program(fn, self._inputs(keys=keys), self._outputs(given=not inner))
 
     def _step_fn(self, update, held, given, *, rows: bool, donated: int):
         """A step's program: ``(params, opt_state, *held trees, *model inputs, batch) ->
@@ -347,7 +348,7 @@ class _DiLoCo(Exchanges, TrainStep):
         process per node), since a mean between processes would be a collective on the
         caller's thread beside the exchange's on the dispatch thread, which Gloo cannot tell
         apart."""
-        mean = mean_over_process if self.background else device_mean
+        mean = process_mean if self.background else device_mean
         metrics = {"loss": mean(out[0])}
         if self.has_aux:
             metrics["aux"] = mean(out[1])
@@ -375,10 +376,21 @@ class _DiLoCo(Exchanges, TrainStep):
 
         return inputs
 
-    def _outputs(self, inner: bool):
+    def _outputs(self, given: bool = False, start: int | None = None):
+        """``(state, out) -> (state, metrics)`` from a step's ``(params, opt_state, *given,
+        *losses)``: ``given`` an outer step's new ``extra``; with ``start`` (the fragment whose
+        exchange the step started in the background), the copy it started from, and ``out``
+        is ``(the exchange's new extra and landing, that)``."""
+
         def outputs(state, out):
+            exchanged, out = out if start is not None else (None, out)
             params, opt_state, *out = out
-            extra = state.extra if inner else {**state.extra, **out.pop(0)}
+            extra = {**state.extra, **(out.pop(0) if given else {})}
+            if exchanged is not None:
+                out.pop(0)  # the copy the exchange started from
+                extra.update(exchanged[0])
+                lands = enumerate(extra[LANDING])
+                extra[LANDING] = tuple(exchanged[1] if f == start else x for f, x in lands)
             return StepState(state.step, params, opt_state, extra), self._metrics(out)
 
         return outputs
@@ -475,10 +487,7 @@ def diloco_step(
       error_feedback: keep what each device's compressions left unsent and add it to the
         next outer step's pseudo-gradient (recommended at 4 bits, and at 2).
       block_size, wire, bucket_bytes, message_bytes: the wire's settings, as ``bytegrad``'s.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      donate: donate the state's buffers to the step.
-      node_axis: the mesh axis between nodes.
-      local_axis: the mesh axis within a node.
+      has_aux, donate, node_axis, local_axis: as for ``data_parallel_step``.
       flatten: keep the params as one vector (then one fragment).
       shard: None (every device holds its node's whole state), ``"optimizer"`` (the inner
         optimizer state, the global params and the outer state split over the node's
