@@ -139,19 +139,31 @@ def consensus_params(stacked_params):
 class _PeerStep(TrainStep):
     """One copy of the model per device; a program per gossip round and one for local steps.
 
-    ``rounds`` is how many distinct gossip programs there are; a step communicates when its
-    count is a multiple of ``interval`` and runs round ``(count // interval) % rounds``.
+    A subclass sets ``_rounds``, how many distinct gossip programs there are; a step
+    communicates when its count is a multiple of ``interval`` and runs round
+    ``(count // interval) % rounds``. The settings both builders take are checked here, in
+    the builder's name (``where``).
     """
 
-    def __init__(self, algorithm, loss_fn, optimizer, mesh, *, axes, interval, rounds,
-                 has_aux, donate, flatten, model=None):  # fmt: skip
+    _rounds = 1
+
+    def __init__(self, where, algorithm, loss_fn, optimizer, mesh, *, axes, hierarchical,
+                 interval, message_bytes, has_aux, donate, flatten, model):  # fmt: skip
+        n, local = checks.mesh_axes(mesh, *axes, where)
+        checks.boolean(hierarchical, "hierarchical", where)
+        why = " (communicate every k steps)"
+        checks.integer(interval, "communication_interval", where, why=why)
+        checks.integer(message_bytes, "message_bytes", where, or_none=True)
         super().__init__(
             algorithm, mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten,
             donate=donate, model=model,
         )  # fmt: skip
         self.optimizer = optimizer
-        self._interval, self._rounds = interval, rounds
+        self._interval = interval
         self.phases = ("gossip", "local") if interval > 1 else ("gossip",)
+        self._hierarchical, self._message_bytes = hierarchical, message_bytes
+        # Who gossips: the nodes, each after its devices' float32 mean, or every device.
+        self._peers, self._peer_axis = (n, axes[0]) if hierarchical else (n * local, axes)
 
     def _phase(self, steps_taken):
         if steps_taken % self._interval:
@@ -256,22 +268,29 @@ class _PeerStep(TrainStep):
         return consensus_params(state.params)
 
 
-def _check_peer_step(mesh, axes, hierarchical, interval, message_bytes, where: str):
-    """Validates what both decentralized builders take; returns (nodes, devices per node)."""
-    n, local = checks.mesh_axes(mesh, *axes, where)
-    checks.boolean(hierarchical, "hierarchical", where)
-    checks.integer(interval, "communication_interval", where, why=" (communicate every k steps)")
-    checks.integer(message_bytes, "message_bytes", where, or_none=True)
-    return n, local
-
-
 # Decentralized SGD -----------------------------------------------------------------------
 
 
 class _Decentralized(_PeerStep):
-    def __init__(self, mixes, **kwargs):
-        super().__init__(rounds=len(mixes) - 1, **kwargs)
-        self._mixes = mixes
+    def __init__(self, peer_selection_mode, **kwargs):
+        super().__init__(**kwargs)
+        rounds = [None] if peer_selection_mode == "all" else shift_one_schedule(self._peers)
+        self._mixes = [self._mix([]), *map(self._mix, rounds)]  # the local steps' first
+        self._rounds = len(rounds)
+
+    def _mix(self, pairs):
+        """The mix of a round: the node's mean, then the mean over every peer (``pairs``
+        None) or with each one's partner in ``pairs`` (none: a local step)."""
+        local_axis, axis, peers = self._axes[1], self._peer_axis, self._peers
+
+        def mixed(x):
+            x = jax.lax.pmean(x, local_axis) if self._hierarchical else x
+            if pairs is None:
+                return make_varying(jax.lax.pmean(x, axis), self._axes)
+            mean = _pair_mean(x, pairs, axis, peers, self._message_bytes)
+            return make_varying(mean, self._axes)
+
+        return mixed
 
     def _per_device(self, choice):
         mix = self._mixes[choice]
@@ -317,14 +336,9 @@ def decentralized_step(
         the node average with ``hierarchical``).
       message_bytes: bytes per message of the exchanges with peers; None for one message
         per leaf. It changes the speed, never the result.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      donate: donate the state's buffers to the step.
-      node_axis: the mesh axis between nodes.
-      local_axis: the mesh axis within a node.
-      flatten: keep the params and optimizer state as one float32 vector.
-      model_state, rng_seed, state_sync: the model's state that is not trained and the
-        per-device keys, as for ``data_parallel_step``; the model state is replicated (one
-        copy for every device, synced after each step), not stacked like the params.
+      has_aux, donate, node_axis, local_axis, flatten, model_state, rng_seed, state_sync: as
+        for ``data_parallel_step``; the model state is replicated (one copy for every
+        device, synced after each step), not stacked like the params.
 
     Returns:
       A ``TrainStep``. ``state.params`` holds one copy per device (leading axis);
@@ -351,35 +365,18 @@ def decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "decentralized_step"
-    axes = (node_axis, local_axis)
-    n, local = _check_peer_step(
-        mesh, axes, hierarchical, communication_interval, message_bytes, where
-    )
     checks.one_of(peer_selection_mode, ("all", "shift_one"), "peer_selection_mode", where)
-    gossip_axis, peers = (node_axis, n) if hierarchical else (axes, n * local)
-
-    def mix(pairs):
-        """The mix of a round: the node's mean, then the mean over every peer (``pairs``
-        None) or with each one's partner in ``pairs`` (none: a local step)."""
-
-        def mixed(x):
-            x = jax.lax.pmean(x, local_axis) if hierarchical else x
-            if pairs is None:
-                return make_varying(jax.lax.pmean(x, gossip_axis), axes)
-            return make_varying(_pair_mean(x, pairs, gossip_axis, peers, message_bytes), axes)
-
-        return mixed
-
-    rounds = [None] if peer_selection_mode == "all" else shift_one_schedule(peers)
-    mixes = [mix([]), *map(mix, rounds)]
     return _Decentralized(
-        mixes,
+        peer_selection_mode,
+        where=where,
         algorithm="decentralized",
         loss_fn=loss_fn,
         optimizer=optimizer,
         mesh=mesh,
-        axes=axes,
+        axes=(node_axis, local_axis),
+        hierarchical=hierarchical,
         interval=communication_interval,
+        message_bytes=message_bytes,
         has_aux=has_aux,
         donate=donate,
         flatten=flatten,
@@ -396,14 +393,10 @@ class _LowPrecision(_PeerStep):
 
     _extra_keys = _RING_KEYS
 
-    def __init__(self, *, hierarchical, peers, block_size, implementation, message_bytes,
-                 **kwargs):  # fmt: skip
-        super().__init__(rounds=1, **kwargs)
-        self._hierarchical, self._peers = hierarchical, peers
-        self._ring_axis = self._axes[0] if hierarchical else self._axes
-        self._parts = self.mesh.shape[self._axes[1]] if hierarchical else 1
+    def __init__(self, *, block_size, implementation, **kwargs):
+        super().__init__(**kwargs)
+        self._parts = self.mesh.shape[self._axes[1]] if self._hierarchical else 1
         self._block_size, self._implementation = block_size, implementation
-        self._message_bytes = message_bytes
 
     def _extra_shapes(self, params):
         size = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -425,7 +418,7 @@ class _LowPrecision(_PeerStep):
     def _exchange(self, own, w, left, right):
         """One ring round: sends ``Q(z)`` to both neighbours and applies the codes it sent
         to ``w`` and those it received to the replicas; afterwards ``x == w``."""
-        peers, axis = self._peers, self._ring_axis
+        peers, axis = self._peers, self._peer_axis
         impl = resolve_implementation(self._implementation)
         from_left = [(i, (i + 1) % peers) for i in range(peers)]  # i sends to its right
         from_right = [(i, (i - 1) % peers) for i in range(peers)]
@@ -541,24 +534,20 @@ def low_precision_decentralized_step(
       Gan et al., "Bagua: Scaling up Distributed Learning with System Relaxations", VLDB 2022.
     """
     where = "low_precision_decentralized_step"
-    axes = (node_axis, local_axis)
-    n, local = _check_peer_step(
-        mesh, axes, hierarchical, communication_interval, message_bytes, where
-    )
     check_block_size(block_size, where)
     resolve_implementation(implementation, platform_of(mesh))
     return _LowPrecision(
-        hierarchical=hierarchical,
-        peers=n if hierarchical else n * local,
         block_size=block_size,
         implementation=implementation,
-        message_bytes=message_bytes,
+        where=where,
         algorithm="low_precision_decentralized",
         loss_fn=loss_fn,
         optimizer=optimizer,
         mesh=mesh,
-        axes=axes,
+        axes=(node_axis, local_axis),
+        hierarchical=hierarchical,
         interval=communication_interval,
+        message_bytes=message_bytes,
         has_aux=has_aux,
         donate=donate,
         flatten=flatten,
