@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
-from jax_bytegrad._src.inspection import memory, stats
+from jax_bytegrad._src.inspection import stats
 from jax_bytegrad._src.mesh import replicate
 from jax_bytegrad._src.steps.base import Program, StepState, TrainStep, host_copy
 from jax_bytegrad._src.steps.data_parallel import DataParallelStep
@@ -354,22 +354,21 @@ class AsyncModelAverage(TrainStep):
 
     __call__ = step
 
+    def _compiled_phases(self, state: StepState, batch) -> dict[str, Any]:
+        """``{"step": ...}``: the next train step's program, compiled (the background round
+        is no program of the step's: ``memory_stats`` has the step's alone)."""
+        key = self._phase(int(state.step))[1]
+        return {"step": self._compile(key, lambda: self.lower(state, batch), state, batch)}
+
     def communication_stats(self, state: StepState, batch) -> dict[str, Any]:
         """``{"step": ..., "averaging": ...}``: the next train step's bytes per device, and
         one background round's (see ``TrainStep.communication_stats``)."""
-        key = self._phase(int(state.step))[1]
-        compiled = self._compile(key, lambda: self.lower(state, batch), state, batch)
+        mesh = self._inner(self._phase(int(state.step))[1]).mesh
+        compiled = self._compiled_phases(state, batch)["step"]
         return {
-            "step": stats.communication_stats(compiled, mesh=self._inner(key).mesh),
+            "step": stats.communication_stats(compiled, mesh=mesh),
             "averaging": stats.communication_stats(self.lower_averaging(state)),
         }
-
-    def memory_stats(self, state: StepState, batch) -> dict[str, Any]:
-        """``{"step": ...}``: the next train step's memory per device
-        (``TrainStep.memory_stats``; one compile with ``communication_stats``)."""
-        key = self._phase(int(state.step))[1]
-        compiled = self._compile(key, lambda: self.lower(state, batch), state, batch)
-        return {"step": memory.of_compiled(compiled)}
 
     def phase_counts(self, state: StepState) -> dict[str, int]:
         """Steps taken, and background averaging rounds done."""
@@ -469,10 +468,8 @@ def async_model_average(
       peer_selection_mode: ``"all"``, the only mode (as in Bagua).
       sync_interval_ms: milliseconds between averaging rounds; 0 turns averaging off.
       warmup_steps: synchronous gradient all-reduce steps before going asynchronous.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      node_axis: the mesh axis between processes.
-      local_axis: the mesh axis within a process.
-      flatten: keep the params and optimizer state as one float32 vector.
+      has_aux, node_axis, local_axis, flatten: as for ``data_parallel_step`` (here each
+        process is a node).
 
     Returns:
       An ``AsyncModelAverage``, a ``TrainStep`` with ``abort``, ``resume`` and

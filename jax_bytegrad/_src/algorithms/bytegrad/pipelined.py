@@ -328,9 +328,7 @@ def pipelined_step(
         stochastic rounding included); None for the defaults.
       average: divide the sum by the device count (default), as ``bytegrad``'s.
       seed: seeds the PRNG key of stochastic rounding, as ``bytegrad``'s.
-      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
-      donate: donate the params and optimizer-state buffers to the update program.
-      flatten: keep the params, gradient and optimizer state as one float32 vector.
+      has_aux, donate, flatten: as for ``data_parallel_step`` (the update program donates).
 
     Returns:
       A ``PipelinedStep`` (a ``TrainStep``): ``init``, ``step``, ``params``, ``lower`` (a

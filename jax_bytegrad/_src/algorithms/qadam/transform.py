@@ -196,10 +196,10 @@ class ScaleByQAdamState(NamedTuple):
 
 
 def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where: str):
-    """QAdam's two steps, ``(full_precision, compressed)``, each ``(updates, mu, nu,
-    residuals, count, order, sharded) -> (mu, nu, residuals)``: Adam's moments of the
-    float32 mean gradient, or the momentum updated with each device's own gradient and
-    averaged compressed (``second_moment`` says what ``nu`` follows then)."""
+    """QAdam's two steps by phase, ``{"warmup": full_precision, "compressed": compressed}``,
+    each ``(updates, mu, nu, residuals, count, order, sharded) -> (mu, nu, residuals)``:
+    Adam's moments of the float32 mean gradient, or the momentum updated with each device's
+    own gradient and averaged compressed (``second_moment`` says what ``nu`` follows then)."""
     follows = second_moment in _FOLLOWING
 
     def full_precision(updates, mu, nu, residuals, count, order, sharded):
@@ -241,7 +241,7 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
             nu = _follow_momentum(second_moment, nu, _bias_correction(mu, b1, count), b2, count)
         return mu, nu, residuals
 
-    return full_precision, compressed
+    return {"warmup": full_precision, "compressed": compressed}
 
 
 def scale_by_qadam(
@@ -357,7 +357,7 @@ def scale_by_qadam(
         if nu_refresh_interval is None
         else refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
     )
-    full_precision, compressed = _phases(config, b1, b2, second_moment, where)
+    phases = _phases(config, b1, b2, second_moment, where)
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
@@ -378,18 +378,13 @@ def scale_by_qadam(
             is_refresh, refreshes = refresh(count_inc)
             full = full | is_refresh
             nu_updates = nu_updates if follows else nu_updates + refreshes
-        branches = {"warmup": full_precision, "compressed": compressed}
         args = (updates, state.mu, state.nu, state.residuals, count_inc)
+        context = dict(order=gradient_order, sharded=sharded)
+        run = {k: functools.partial(f, **context) for k, f in phases.items()}
         if phase is None:
-            context = dict(order=gradient_order, sharded=sharded)
-            mu, nu, residuals = jax.lax.cond(
-                full,
-                functools.partial(full_precision, **context),
-                functools.partial(compressed, **context),
-                *args,
-            )
+            mu, nu, residuals = jax.lax.cond(full, run["warmup"], run["compressed"], *args)
         else:
-            mu, nu, residuals = branches[phase](*args, order=gradient_order, sharded=sharded)
+            mu, nu, residuals = run[phase](*args)
         mu_hat = _bias_correction(mu, b1, count_inc)
         nu_hat = _bias_correction(nu, b2, nu_updates)
         if second_moment == "floor" and phase != "warmup":
