@@ -14,7 +14,6 @@ residuals are per device, so they live in the optimizer state sharded over both 
 (``sharding.state_specs``).
 """
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -23,7 +22,7 @@ from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks
 from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
-from jax_bytegrad._src.sync import collectives, shards
+from jax_bytegrad._src.sync import collectives
 from jax_bytegrad._src.sync.config import (
     DEFAULT_MESSAGE_BYTES,
     Bits,
@@ -167,17 +166,17 @@ def sync_gradients(
         # (the key the state keeps, this step's rounding key): the pipelined step splits it so
         # too (``algorithms/bytegrad/stages.py``), for the same bits.
         key, step_key = jax.random.split(state.key)
-        sync = functools.partial(
-            collectives.sync_mean,
-            config=config,
+        # Leaves the step averaged inside the backward loop (``exchange_in_loop``) pass on.
+        updates, residuals = collectives.sync_mean(
+            updates,
+            config,
             average=average,
             key=step_key if config.stochastic else None,
             residuals=state.residuals if config.error_feedback else None,
+            order=gradient_order,
+            sharded=sharded,
             where=where,
         )
-        # Leaves the step averaged inside the backward loop (``exchange_in_loop``) pass on.
-        updates, residuals = shards.skip_exchanged(sync, updates, sharded, gradient_order)
-        residuals = Residuals() if residuals is None else residuals
         return updates, ByteGradState(key=key, residuals=residuals)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -241,19 +240,15 @@ def gradient_allreduce(
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
         del params, extra
-
-        def sync(leaves, sharded, order):
-            means = collectives.sync_full_precision(
-                leaves,
-                config,
-                average=average,
-                reduce_dtype=reduce_dtype,
-                order=order,
-                sharded=sharded,
-            )
-            return means, None
-
-        updates, _ = shards.skip_exchanged(sync, updates, sharded, gradient_order)
+        # Leaves the step averaged inside the backward loop (``exchange_in_loop``) pass on.
+        updates = collectives.sync_full_precision(
+            updates,
+            config,
+            average=average,
+            reduce_dtype=reduce_dtype,
+            order=gradient_order,
+            sharded=sharded,
+        )
         return updates, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -252,10 +252,19 @@ def sync_mean(
     buckets, and ``residuals`` come back as they were (zero: what a compression leaves
     unsent). The arguments are checked as on the compressed path.
 
+    Leaves the step averaged inside the backward loop (``sharded.exchanged``) pass on as
+    they are, the rest is averaged (``shards.skip_exchanged``).
+
     Returns the pair (the mean, or sum, pytree; the new ``Residuals``, empty without
     ``residuals``).
     """
     within = shards.layout_of(sharded)
+    if any(within.exchanged):
+        rest = functools.partial(
+            sync_mean, config=config, average=average, key=key, residuals=residuals, where=where
+        )
+        means, kept = shards.skip_exchanged(rest, tree, sharded, order)
+        return means, Residuals(()) if kept is None else kept  # None: every leaf was
     n, _ = axis_sizes(config.node_axis, config.local_axis, where)
     if sends_nothing(config, n):
         _checked_plan(tree, key, residuals, config=config, average=average, within=within,
@@ -457,8 +466,16 @@ def sync_full_precision(
     ``qadam`` and DiLoCo call. ``reduce_dtype`` is a checked dtype (``reduce_dtype_of``) or
     None. ``order`` orders the hierarchical buckets as ``sync_mean``'s. With ``sharded``
     (``sync_mean``), ``tree`` holds the node's sums and only the all-reduce between nodes is
-    left, as with ``hierarchical=True``; split leaves stay blocks."""
+    left, as with ``hierarchical=True``; split leaves stay blocks. Leaves averaged inside the
+    backward loop pass on, as ``sync_mean``'s."""
     within = shards.layout_of(sharded)
+    if any(within.exchanged):
+
+        def rest(leaves, sharded, order):
+            return sync_full_precision(leaves, config, average=average, reduce_dtype=reduce_dtype,
+                                       order=order, sharded=sharded), None  # fmt: skip
+
+        return shards.skip_exchanged(rest, tree, sharded, order)[0]
     mean = functools.partial(
         _full_precision_mean, config=config, average=average, dtype=reduce_dtype,
         order=order, within=within,

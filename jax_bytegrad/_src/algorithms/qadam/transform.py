@@ -204,14 +204,8 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
 
     def full_precision(updates, mu, nu, residuals, count, order, sharded):
         del count
-
-        def sync(leaves, sharded, order):
-            return collectives.sync_full_precision(
-                leaves, config, order=order, sharded=sharded
-            ), None
-
         # Leaves the step averaged inside the backward loop (``exchange_in_loop``) pass on.
-        grads, _ = shards.skip_exchanged(sync, updates, sharded, order)
+        grads = collectives.sync_full_precision(updates, config, order=order, sharded=sharded)
         mu = optax.tree.update_moment(grads, mu, b1, 1)
         nu = optax.tree.update_moment_per_elem_norm(grads, nu, b2, 2)
         return mu, nu, residuals
@@ -227,14 +221,10 @@ def _phases(config: SyncConfig, b1: float, b2: float, second_moment: str, where:
         local_mu = layout.exchanged_from(updates, local_mu)
 
         # Without error feedback the state's residuals are empty, as sync_mean's are.
-        sync = functools.partial(
-            collectives.sync_mean,
-            config=config,
-            residuals=residuals if config.error_feedback else None,
-            where=where,
+        feedback = residuals if config.error_feedback else None
+        mu, residuals = collectives.sync_mean(
+            local_mu, config, residuals=feedback, order=order, sharded=sharded, where=where
         )
-        mu, residuals = shards.skip_exchanged(sync, local_mu, sharded, order)
-        residuals = Residuals() if residuals is None else residuals  # every layer in the loop
         if second_moment == "gradient":
             nu = _follow_gradient(nu, mu_old, mu, b1, b2)
         elif follows:
