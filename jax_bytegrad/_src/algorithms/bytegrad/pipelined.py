@@ -169,16 +169,10 @@ class _Scheduled:
 
 
 class PipelinedStep(TrainStep):
-    """The ``TrainStep`` of ``pipelined_step``: several programs per step, two threads.
-
-    ``step(state, batch)`` returns once every exchange of the step has finished, so that no
-    collective of this step is in flight when the caller's code runs; the last program (the
-    optimizer update) may still be computing. ``lower(state, batch)`` gives a
-    ``LoweredPrograms`` (each program's ``Lowered`` in ``.programs``, in dispatch order);
-    ``communication_stats`` sums their collectives as ``{"step": ...}``. On one node
-    (``hierarchical=True``) nothing crosses between nodes and nothing is compressed, so it
-    runs the one-program step (``data_parallel_step``), whose sync is ``gradient_allreduce``'s:
-    ``lower`` then gives that program's ``jax.stages.Lowered``.
+    """The ``TrainStep`` of ``pipelined_step`` (see there): several programs per step, two
+    threads. ``lower(state, batch)`` gives a ``LoweredPrograms`` (each program's ``Lowered``
+    in ``.programs``, in dispatch order), whose collectives ``communication_stats`` sums as
+    ``{"step": ...}``; on one node, the one-program step's ``jax.stages.Lowered``.
     """
 
     def __init__(self, algorithm, loss_fn, optimizer, mesh, *, sync, average, seed, has_aux,
@@ -208,7 +202,7 @@ class PipelinedStep(TrainStep):
         self._wire = Dispatcher(f"{self.algorithm}-wire")
 
     def program(self, state: StepState) -> Program:
-        # On one node no codec runs beside a wire: the one-program step (class docstring).
+        # On one node no codec runs beside a wire: the one-program step (pipelined_step).
         if sends_nothing(self.sync, self.mesh.shape[self.sync.node_axis]):
             return self._one_program.program(state)
         return super().program(state)
@@ -311,8 +305,8 @@ def pipelined_step(
     thread runs the codec of the pieces before and after. Each bucket crosses the wire in
     pieces of at most ``sync.bucket_bytes`` of float32 (a leaf larger than that is cut too),
     so a smaller bucket overlaps more and pays more exchanges. ``step(state, batch)``
-    returns once the step's last exchange has finished. Use it as a context manager, or
-    call ``close()``, to stop the thread.
+    returns once the step's last exchange has finished (the update may still be computing).
+    Use it as a context manager, or call ``close()``, to stop the thread.
 
     It overlaps where each process has one device (one process per host); see the module
     docstring. On one node (``hierarchical=True``), where nothing crosses between nodes, it

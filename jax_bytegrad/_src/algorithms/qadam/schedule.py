@@ -54,29 +54,26 @@ def check_refresh(interval, growth, where: str) -> None:
     )
 
 
-def _schedule(warmup_steps: int, interval: int, growth: float):
-    """Yields the refresh steps ``warmup_steps + round(k (1 + g + ... + g^j))``, forever."""
+def _schedule(warmup_steps: int, interval: int, growth: float, last: int):
+    """Yields the refresh steps ``warmup_steps + round(k (1 + g + ... + g^j))`` up to
+    ``last``."""
     offset, gap = 0.0, float(interval)
     while True:
         offset += gap
         # Round half up on the running sum: it grows by >= 1 per refresh, so the steps
         # strictly increase; integer k and g give the exact sums.
-        yield warmup_steps + math.floor(offset + 0.5)
+        step = warmup_steps + math.floor(offset + 0.5)
+        if step > last:
+            return
+        yield step
         gap *= growth
 
 
 def _refresh_table(warmup_steps: int, interval: int, growth: float, where: str) -> np.ndarray:
     """The refresh steps of a growing schedule up to int32's end (a few dozen steps for
     g = 2), computed where a transform or step builder reads its schedule."""
-    table = np.fromiter(
-        itertools.islice(
-            itertools.takewhile(
-                lambda step: step <= _INT32_MAX, _schedule(warmup_steps, interval, growth)
-            ),
-            _MAX_REFRESH_TABLE + 1,
-        ),
-        np.int32,
-    )
+    steps = _schedule(warmup_steps, interval, growth, _INT32_MAX)
+    table = np.fromiter(itertools.islice(steps, _MAX_REFRESH_TABLE + 1), np.int32)
     if table.size > _MAX_REFRESH_TABLE:
         raise ValueError(
             f"{where}: nu_refresh_growth={growth!r} with nu_refresh_interval={interval!r} "
@@ -180,9 +177,4 @@ def refresh_steps(
     where = "refresh_steps"
     check_warmup_steps(warmup_steps, where)
     check_refresh(nu_refresh_interval, nu_refresh_growth, where)
-    return list(
-        itertools.takewhile(
-            lambda step: step <= num_steps,
-            _schedule(warmup_steps, nu_refresh_interval, nu_refresh_growth),
-        )
-    )
+    return list(_schedule(warmup_steps, nu_refresh_interval, nu_refresh_growth, num_steps))
