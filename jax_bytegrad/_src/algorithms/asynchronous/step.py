@@ -58,10 +58,6 @@ def _stop_all_at_exit() -> None:
         averager.stop(timeout=averager.exit_timeout)
 
 
-def _first_local_device(mesh: Mesh, process: int):
-    return min((d for d in mesh.devices.flat if d.process_index == process), key=lambda d: d.id)
-
-
 def _process_count(mesh: Mesh) -> int:
     return len({d.process_index for d in mesh.devices.flat})
 
@@ -105,7 +101,8 @@ class _Averager:
         self._nproc = _process_count(mesh)
         # One device per process does the averaging: a float32 all-reduce of the whole model.
         # Its axis carries the node axis's name: each process is one node.
-        firsts = [_first_local_device(mesh, p) for p in range(self._nproc)]
+        devices = sorted(mesh.devices.flat, key=lambda d: d.id)
+        firsts = [next(d for d in devices if d.process_index == p) for p in range(self._nproc)]
         avg_mesh = Mesh(np.array(firsts, dtype=object), (node_axis,))
         self._my_device = firsts[jax.process_index()]
         self._row_sharding = NamedSharding(avg_mesh, P(node_axis))

@@ -407,10 +407,9 @@ class _LowPrecision(_PeerStep):
         flat = np.asarray(flatten_float32(params))
         shard = -(-flat.size // self._parts)
         flat = np.pad(flat, (0, shard * self._parts - flat.size))
-        local = self.mesh.shape[self._axes[1]]
 
         def rows(x, device):
-            part = device % local if self._parts > 1 else 0
+            part = device % self._parts  # its part of its node's vector (flat: the whole)
             return x[part * shard : (part + 1) * shard]
 
         return {key: self._per_device_rows(flat, rows) for key in _RING_KEYS}
@@ -435,19 +434,15 @@ class _LowPrecision(_PeerStep):
         return make_varying((x, x, left, right), self._axes)
 
     def _per_device(self, choice):
-        hierarchical = self._hierarchical
-        local_axis = self._axes[1]
-        local = self.mesh.shape[local_axis]
+        hierarchical, local_axis, local = self._hierarchical, self._axes[1], self._parts
 
         def update(params, updates, extra):
             w, left, right = (extra[key] for key in _RING_KEYS)
             params = optax.apply_updates(params, updates)
             flat = flatten_float32(params)
-            # With hierarchical=True each device of a node runs the ring on its 1/L of the mean.
-            if hierarchical:
+            own = flat
+            if hierarchical:  # each device of a node runs the ring on its 1/L of the mean
                 own = scatter_flat(flat, local_axis, local) / np.float32(local)
-            else:
-                own = flat
             if choice:
                 own, w, left, right = self._exchange(own, w, left, right)
             else:

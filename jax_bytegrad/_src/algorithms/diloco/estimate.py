@@ -34,7 +34,7 @@ from jax_bytegrad._src.sync.config import check_block_size
 # DiLoCo changes the optimization (docs/diloco.md: a few to 30% of loss in short runs), so a
 # small speed-up does not pay for it: it pays from this estimated speed-up on.
 PAYS_AT = 1.5
-FLOAT32 = 32
+FLOAT32 = 32  # the ``bits`` of a float32 exchange between nodes
 
 
 def wire_bytes_per_param(bits: int, block_size: int | None = None) -> float:

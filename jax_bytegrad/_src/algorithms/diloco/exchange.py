@@ -236,11 +236,6 @@ class Exchanges:
 
         return self._jit(per_device, (specs, stacked), (specs, stacked), 2)
 
-    @property
-    def _exchanged_keys(self) -> tuple[str, ...]:
-        """The keys of ``state.extra`` that an exchange in the background reads and writes."""
-        return (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
-
 
 class _Started:
     """A step that starts an exchange in the background: its inner step on the caller's

@@ -55,6 +55,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_bytegrad._src import checks
+from jax_bytegrad._src.algorithms.diloco.estimate import FLOAT32
 from jax_bytegrad._src.algorithms.diloco.exchange import Exchanges
 from jax_bytegrad._src.algorithms.diloco.schedule import INNER, Schedule
 from jax_bytegrad._src.axes import LOCAL_AXIS, NODE_AXIS
@@ -97,10 +98,6 @@ from jax_bytegrad._src.sync.config import (
     platform_of,
 )
 from jax_bytegrad._src.sync.patterns import make_varying
-
-# ``bits`` of a float32 exchange between nodes.
-FLOAT32 = 32
-
 
 # Private helpers -------------------------------------------------------------------------
 
@@ -168,8 +165,10 @@ class _DiLoCo(Exchanges, TrainStep):
         self._nodes = int(mesh.shape[axes[0]])
         self.background = background
         self.schedule = Schedule(inner_steps, fragments, delay, background)
-        self._extra_keys = (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
-        self._extra_keys += (STARTED, RECEIVED) if self._pending else ()
+        # What an exchange reads and writes (in the background, its own program), then the
+        # exchanges in flight and what lands.
+        self._exchanged_keys = (GLOBAL, OUTER) + ((RESIDUALS,) if self._feedback else ())
+        self._extra_keys = self._exchanged_keys + ((STARTED, RECEIVED) if self._pending else ())
         self._extra_keys += (LANDING,) if background else ()
         self._dispatcher = Dispatcher("diloco-exchange") if background else None
         self.phases = self.schedule.phases
