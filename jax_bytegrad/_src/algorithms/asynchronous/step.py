@@ -62,16 +62,6 @@ def _process_count(mesh: Mesh) -> int:
     return len({d.process_index for d in mesh.devices.flat})
 
 
-def _local_mesh(mesh: Mesh, axes: tuple[str, str]) -> Mesh:
-    """This process's row of ``mesh``, as a 1 x L mesh with the same axis names."""
-    row = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    return Mesh(
-        np.array(row, dtype=object).reshape(1, len(row)),
-        axes,
-        axis_types=(jax.sharding.AxisType.Auto,) * 2,
-    )
-
-
 class AsyncModelAverageState(NamedTuple):
     """What ``AsyncModelAverage.round_stats`` reports.
 
@@ -252,7 +242,10 @@ class AsyncModelAverage(TrainStep):
         super().__init__("async", mesh, loss_fn, axes=axes, has_aux=has_aux, flatten=flatten)
         self.sync_interval_ms = sync_interval_ms
         self.warmup_steps = warmup_steps
-        self.local_mesh = _local_mesh(mesh, axes)
+        # This process's row of the mesh, as a 1 x L mesh with the same axis names.
+        row = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        self.local_mesh = Mesh(np.array(row, dtype=object).reshape(1, -1), axes, axis_types=auto)
         tx = optax.chain(gradient_allreduce(node_axis=axes[0], local_axis=axes[1]), optimizer)
         # A state another step made is refused by these two, in this algorithm's name.
         self._global, self._local = (

@@ -255,15 +255,12 @@ class Stages:
     def _plan(self, c: _Chunk) -> tuple:
         """The wire's stages for piece c, as the one-program sync runs them."""
         if c.tag not in self.plans:
-            bucket = self.plan.buckets[c.bucket]
+            bucket, feedback = self.plan.buckets[c.bucket], self.feedback
             if self.integer:
-                self.plans[c.tag] = wires.integer_stages(
-                    bucket, start=c.start, stop=c.stop, feedback=self.feedback
-                )
+                plan = wires.integer_stages(bucket, start=c.start, stop=c.stop, feedback=feedback)
             else:
-                self.plans[c.tag] = wires.scatter_gather_stages(
-                    bucket, held=c.pieces, feedback=self.feedback
-                )
+                plan = wires.scatter_gather_stages(bucket, held=c.pieces, feedback=feedback)
+            self.plans[c.tag] = plan
         return self.plans[c.tag]
 
     def _name(self, c: _Chunk, name: str) -> Bucket | Piece:

@@ -35,10 +35,7 @@ class Schedule:
         self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
         self.background = background
         self._stride = inner_steps // fragments
-        if fragments == 1:
-            self.names = ("outer",)
-        else:
-            self.names = tuple(f"outer_{f}" for f in range(fragments))
+        self.names = ("outer",) if fragments == 1 else tuple(f"outer_{f}" for f in range(fragments))
         # One period, once every exchange can be in flight: every phase, inner first.
         names = [self.phase(s)[0] for s in range(delay + inner_steps)]
         self.phases = tuple(dict.fromkeys(sorted(names, key=lambda name: name != INNER)))

@@ -162,7 +162,6 @@ class _DiLoCo(Exchanges, TrainStep):
         self.optimizer, self.outer = optimizer, outer
         self.inner_steps, self.fragments, self.delay = inner_steps, fragments, delay
         self.sync = sync  # None: a float32 exchange
-        self._nodes = int(mesh.shape[axes[0]])
         self.background = background
         self.schedule = Schedule(inner_steps, fragments, delay, background)
         # What an exchange reads and writes (in the background, its own program), then the
@@ -221,7 +220,7 @@ class _DiLoCo(Exchanges, TrainStep):
 
     def _place(self):
         """The jitted ``global params -> (node params, inner state, extra)``."""
-        nodes, platform = self._nodes, platform_of(self.mesh)
+        nodes, platform = int(self.mesh.shape[self._axes[0]]), platform_of(self.mesh)
         shape = (nodes, int(self.mesh.shape[self._axes[1]]))
 
         def place(params):

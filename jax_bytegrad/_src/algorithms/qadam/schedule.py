@@ -83,13 +83,15 @@ def _refresh_table(warmup_steps: int, interval: int, growth: float, where: str) 
     return table
 
 
-def refresh_counter(warmup_steps: int, interval: int, growth: float, where: str):
+def refresh_counter(warmup_steps: int, interval: int | None, growth: float, where: str):
     """``t -> (is t a refresh step, refreshes up to and including t)``, traced on device.
 
     A fixed interval is a modulus; a growing one looks ``t`` up in the schedule, compiled in
-    as a constant, so no step's program depends on where the run stands. None when no
-    refresh fits in int32 steps.
+    as a constant, so no step's program depends on where the run stands. None without an
+    interval, or when no refresh fits in int32 steps.
     """
+    if interval is None:
+        return None
     if growth == 1.0:
 
         def count(t):

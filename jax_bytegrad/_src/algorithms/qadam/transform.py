@@ -64,8 +64,8 @@ import optax
 from jax.sharding import Mesh
 
 from jax_bytegrad._src import checks
-from jax_bytegrad._src.algorithms.qadam.schedule import Phase as Phase
 from jax_bytegrad._src.algorithms.qadam.schedule import (
+    Phase,
     check_refresh,
     check_warmup_steps,
     refresh_counter,
@@ -182,11 +182,8 @@ class ScaleByQAdamState(NamedTuple):
         (``"momentum"``, ``"momentum_max"``) or the gradient two consecutive decoded momenta
         imply (``"gradient"``), or (``"frozen"``, ``"floor"``) stays as at step
         ``warmup_steps`` but on refresh steps. How many updates it has had follows from ``count``.
-      residuals: error feedback's residuals of the momentum exchange, as in
-        ``ByteGradState``: one (send, mean) pair of float32 vectors per bucket, every
-        device's own in mesh order (sharded over ("node", "local"); see
-        ``sharding.state_specs``); empty without error feedback. Unlike the rest of the
-        state they differ between devices.
+      residuals: error feedback's residuals of the momentum exchange, laid out as
+        ``ByteGradState``'s; unlike the rest of the state they differ between devices.
     """
 
     count: jax.Array
@@ -342,11 +339,7 @@ def scale_by_qadam(
         )
 
     follows = second_moment in _FOLLOWING
-    refresh = (
-        None
-        if nu_refresh_interval is None
-        else refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
-    )
+    refresh = refresh_counter(warmup_steps, nu_refresh_interval, float(nu_refresh_growth), where)
     phases = _phases(config, b1, b2, second_moment, where)
 
     def update_fn(updates, state, params=None, *, gradient_order=None, sharded=None, **extra):
